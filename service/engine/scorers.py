@@ -1,0 +1,74 @@
+"""Scoring contracts: calibrations and the alpha combination of classifier and centroid scores.
+
+score_l = alpha * f(w_l . q + b_l) + (1 - alpha) * g(mu_l . q)
+
+One definition, used by training's exact evaluation, model_export's evaluation and the API.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+CalibrationKind = Literal["sigmoid", "exp", "identity"]
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """f(x) = act(a * x + b) with act in {sigmoid, exp, identity}.
+
+    The reference SiameseXML code uses sigmoid for centroids and exp(5 (x - 1)) for
+    classifiers, which is Calibration("exp", a=5.0, b=-5.0).
+    """
+
+    kind: CalibrationKind = "sigmoid"
+    a: float = 1.0
+    b: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("sigmoid", "exp", "identity"):
+            raise ValueError(f"unknown calibration kind {self.kind!r}")
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        z = self.a * np.asarray(x, dtype=np.float32) + self.b
+        if self.kind == "sigmoid":
+            # Clipped so very confident scores never overflow exp.
+            return 1.0 / (1.0 + np.exp(-np.clip(z, -60.0, 60.0)))
+        if self.kind == "exp":
+            return np.exp(np.minimum(z, 60.0))
+        return z
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Calibration:
+        return cls(kind=d["kind"], a=float(d.get("a", 1.0)), b=float(d.get("b", 0.0)))
+
+
+def combine_scores(
+    classifier_logits: np.ndarray,
+    centroid_sims: np.ndarray,
+    alpha: float,
+    f: Calibration,
+    g: Calibration,
+) -> np.ndarray:
+    """alpha * f(w.q + b) + (1 - alpha) * g(mu.q), elementwise over aligned arrays."""
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    if alpha == 1.0:
+        return f(classifier_logits)
+    if alpha == 0.0:
+        return g(centroid_sims)
+    return alpha * f(classifier_logits) + (1.0 - alpha) * g(centroid_sims)
+
+
+def top_k(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Row-wise top k of a dense [B, N] score matrix: (indices, scores), best first."""
+    k = min(k, scores.shape[1])
+    part = np.argpartition(-scores, k - 1, axis=1)[:, :k]
+    part_scores = np.take_along_axis(scores, part, axis=1)
+    order = np.argsort(-part_scores, axis=1, kind="stable")
+    return np.take_along_axis(part, order, axis=1), np.take_along_axis(part_scores, order, axis=1)

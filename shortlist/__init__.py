@@ -1,0 +1,1 @@
+"""The `shortlist` console command (see shortlist.cli)."""

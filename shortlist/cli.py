@@ -1,0 +1,99 @@
+"""`shortlist` console command.
+
+Each subcommand's implementation is imported only when it runs, so `shortlist serve`
+works where torch (a training-only dependency) is not installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train a SiameseXML model on an XC raw-text dataset")
+    p.add_argument("--data", required=True, help="folder with trn.json(.gz|l) and lbl.json(.gz|l)")
+    p.add_argument("--out", required=True, help="checkpoint folder to write")
+    p.add_argument("--text-field", default="title", choices=["title", "title+content"])
+    p.add_argument("--config", help="JSON file of hyper-parameters overriding the defaults")
+    p.add_argument("--seed", type=int, default=None, help="overrides the config's seed")
+    p.set_defaults(handler="training.train:run_cli")
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate-data", help="write a small seeded synthetic dataset in XC raw-text format")
+    p.add_argument("--out", required=True)
+    p.add_argument("--labels", type=int, default=2000)
+    p.add_argument("--train-docs", type=int, default=8000)
+    p.add_argument("--test-docs", type=int, default=2000)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(handler="training.synthetic:run_cli")
+
+
+def _add_export(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("export", help="turn a checkpoint into an immutable, versioned bundle")
+    p.add_argument("checkpoint", help="checkpoint folder written by `shortlist train`")
+    p.add_argument("--out", required=True, help="bundle root; the bundle is written to OUT/VERSION")
+    p.add_argument("--version", help="bundle version name (default: a UTC timestamp)")
+    p.add_argument("--ef-search", type=int, default=None)
+    p.add_argument("--parity-texts", type=int, default=1000, help="texts in the ONNX parity check")
+    p.set_defaults(handler="model_export.export:run_cli")
+
+
+def _add_eval(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("eval", help="evaluate a bundle through the serving engine")
+    p.add_argument("bundle", help="bundle folder")
+    p.add_argument("--data", required=True)
+    p.add_argument("--split", default="tst")
+    p.add_argument("--text-field", default=None, choices=["title", "title+content"],
+                   help="default: the field the bundle was trained on")
+    p.add_argument("--scorer", default="alpha", choices=["alpha", "tree"])
+    p.add_argument("--alpha", type=float, default=None)
+    p.add_argument("--limit", type=int, default=None, help="evaluate the first N documents only")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(handler="model_export.evaluate:run_cli")
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve a bundle over HTTP")
+    p.add_argument("--bundle-root", default=None)
+    p.add_argument("--version", default=None, help="default: the newest bundle under the root")
+    p.add_argument("--host", default=None)
+    p.add_argument("--port", type=int, default=None)
+    p.set_defaults(handler="service.api.server:run_cli")
+
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="build the demo bundle if missing, then serve it")
+    p.add_argument("--workdir", default=".demo")
+    p.add_argument("--dataset", default="auto", choices=["auto", "synthetic", "debian-tags"])
+    p.add_argument("--build-only", action="store_true")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.set_defaults(handler="model_export.demo:run_cli")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shortlist", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_train, _add_generate, _add_export, _add_eval, _add_serve, _add_demo):
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    module_name, func_name = args.handler.split(":")
+    handler = getattr(importlib.import_module(module_name), func_name)
+    try:
+        return int(handler(args) or 0)
+    except (ValueError, FileNotFoundError) as exc:
+        # Input problems (bad data, missing files) are reported plainly, not as tracebacks.
+        print(f"shortlist {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

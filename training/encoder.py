@@ -1,0 +1,35 @@
+"""The bag-of-words Siamese encoder E(x) in torch (DESIGN.md, "Encoder").
+
+Written over padded ids/weights [B, T] (Gather, Mul, ReduceSum) rather than
+nn.EmbeddingBag: it exports to ONNX without a Loop node and runs faster at batch 1.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+NORM_EPS = 1e-12
+
+
+class SiameseEncoder(nn.Module):
+    """tokens -> TF-IDF weighted sum of embeddings -> ReLU -> L2 -> v + ReLU(R v) -> L2."""
+
+    def __init__(self, vocab_size: int, dim: int = 256, seed: int | None = None) -> None:
+        super().__init__()
+        self.vocab_size = int(vocab_size)
+        self.dim = int(dim)
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        emb = torch.randn(self.vocab_size, self.dim, generator=gen) / self.dim**0.5
+        emb[0] = 0.0  # padding row
+        self.embedding = nn.Parameter(emb)
+        # R starts at zero so the residual block is the identity until training moves it.
+        self.residual = nn.Linear(self.dim, self.dim, bias=False)
+        nn.init.zeros_(self.residual.weight)
+
+    def forward(self, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        bag = (self.embedding[ids] * weights.unsqueeze(-1)).sum(dim=1)
+        v = F.normalize(F.relu(bag), dim=-1, eps=NORM_EPS)
+        v = v + F.relu(self.residual(v))
+        return F.normalize(v, dim=-1, eps=NORM_EPS)
