@@ -1,0 +1,48 @@
+"""The encoder at serving time: the bundle's ONNX graph run by onnxruntime."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+ENCODER_INPUTS = ("ids", "weights")
+ENCODER_OUTPUT = "embedding"
+
+
+def execution_providers() -> list[str]:
+    """CUDA when this onnxruntime build and machine have it, else CPU."""
+    available = ort.get_available_providers()
+    preferred = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
+    return preferred or ["CPUExecutionProvider"]
+
+
+class OnnxEncoder:
+    """Padded token ids int64 [B, T] + weights float32 [B, T] -> unit embeddings float32 [B, D].
+
+    `run` is safe to call from several threads at once (onnxruntime sessions are).
+    """
+
+    def __init__(self, path: str | Path, threads: int = 1, providers: list[str] | None = None) -> None:
+        opts = ort.SessionOptions()
+        # Explicit threads: the service runs several requests in parallel threads, so each
+        # session call must not also fan out over every core.
+        opts.intra_op_num_threads = max(1, int(threads))
+        opts.inter_op_num_threads = 1
+        opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        try:
+            self.session = ort.InferenceSession(str(path), sess_options=opts, providers=providers or execution_providers())
+        except Exception as exc:  # onnxruntime raises its own exception types for bad graphs
+            raise ValueError(f"{path}: cannot load ONNX encoder: {exc}") from exc
+        names = tuple(i.name for i in self.session.get_inputs())
+        if names != ENCODER_INPUTS:
+            raise ValueError(f"{path}: encoder inputs are {names}, expected {ENCODER_INPUTS}")
+        outputs = self.session.get_outputs()
+        if len(outputs) != 1 or outputs[0].name != ENCODER_OUTPUT:
+            raise ValueError(f"{path}: encoder must have one output named {ENCODER_OUTPUT!r}")
+        self.dim = outputs[0].shape[-1]
+
+    def run(self, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        return self.session.run(None, {"ids": ids, "weights": weights})[0]

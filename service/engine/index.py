@@ -1,0 +1,68 @@
+"""Approximate inner-product search over label vectors (hnswlib), the bundle's index format."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import hnswlib
+import numpy as np
+
+
+class VectorIndex:
+    """An hnswlib inner-product index over L rows; row i is label i.
+
+    Searches never modify the index, so concurrent `search` calls from several threads
+    are safe (hnswlib releases the GIL while it searches).
+    """
+
+    def __init__(self, index: hnswlib.Index, ef_search: int) -> None:
+        self._index = index
+        self.dim = index.dim
+        self.count = index.get_current_count()
+        self.ef_search = int(ef_search)
+        index.set_ef(self.ef_search)
+
+    @classmethod
+    def build(
+        cls,
+        vectors: np.ndarray,
+        M: int = 16,
+        ef_construction: int = 200,
+        ef_search: int = 100,
+        seed: int = 0,
+        threads: int = -1,
+    ) -> VectorIndex:
+        vectors = np.ascontiguousarray(vectors, dtype=np.float32)
+        index = hnswlib.Index(space="ip", dim=vectors.shape[1])
+        index.init_index(max_elements=len(vectors), M=M, ef_construction=ef_construction, random_seed=seed)
+        index.add_items(vectors, np.arange(len(vectors)), num_threads=threads)
+        return cls(index, ef_search)
+
+    @classmethod
+    def load(cls, path: str | Path, dim: int, count: int, ef_search: int) -> VectorIndex:
+        index = hnswlib.Index(space="ip", dim=dim)
+        try:
+            index.load_index(str(path), max_elements=count)
+        except (RuntimeError, ValueError, OSError) as exc:
+            raise ValueError(f"{path}: cannot load hnsw index of dim {dim}: {exc}") from exc
+        if index.get_current_count() != count:
+            raise ValueError(f"{path}: index holds {index.get_current_count()} vectors, expected {count}")
+        return cls(index, ef_search)
+
+    def save(self, path: str | Path) -> None:
+        self._index.save_index(str(path))
+
+    def set_ef(self, ef_search: int) -> None:
+        """Change the search breadth; not safe while other threads search this index."""
+        self.ef_search = int(ef_search)
+        self._index.set_ef(self.ef_search)
+
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k row ids [B, k] and inner products [B, k], best first."""
+        k = min(k, self.count)
+        if k > self.ef_search:
+            # hnswlib needs ef >= k; widen this search only, without touching shared state.
+            raise ValueError(f"k={k} exceeds ef_search={self.ef_search}")
+        labels, distances = self._index.knn_query(queries, k=k, num_threads=1)
+        # The "ip" space returns 1 - <x, q>.
+        return labels.astype(np.int64), (1.0 - distances).astype(np.float32)

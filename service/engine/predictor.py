@@ -1,0 +1,173 @@
+"""Prediction over a loaded bundle: tokenise, encode, shortlist, score, top k."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from service.engine.bundle import Bundle
+from service.engine.encoder import OnnxEncoder
+from service.engine.scorers import combine_scores, top_k
+
+
+class Prediction(NamedTuple):
+    id: int
+    uid: str
+    title: str
+    score: float
+
+
+class Predictor:
+    """Log-time top-k over a bundle (DESIGN.md, "Log-time prediction").
+
+    S = topK_w(HNSW over [w_l, b_l] with query [q, 1]) U topK_mu(HNSW over mu_l);
+    score_l = alpha f(w_l.q + b_l) + (1 - alpha) g(mu_l.q) for l in S.
+
+    All methods are safe to call from several threads at once. `ef_search` given here is
+    set on the bundle's shared indices (it is a property of the search, not of a call).
+    """
+
+    def __init__(
+        self,
+        bundle: Bundle,
+        *,
+        threads: int = 1,
+        ef_search: int | None = None,
+        shortlist_w: int | None = None,
+        shortlist_mu: int | None = None,
+    ) -> None:
+        self.bundle = bundle
+        scoring = bundle.manifest.scoring
+        self.alpha = scoring.alpha
+        self.f = scoring.calibration.classifier.to_calibration()
+        self.g = scoring.calibration.centroid.to_calibration()
+        self.shortlist_w = int(shortlist_w if shortlist_w is not None else scoring.shortlist.k_w)
+        self.shortlist_mu = int(shortlist_mu if shortlist_mu is not None else scoring.shortlist.k_mu)
+        if self.shortlist_w < 1 or self.shortlist_mu < 0:
+            raise ValueError("shortlist_w must be >= 1 and shortlist_mu >= 0")
+        need = max(self.shortlist_w, self.shortlist_mu)
+        if ef_search is not None or need > bundle.index_w.ef_search:
+            ef = max(ef_search or 0, need)
+            bundle.index_w.set_ef(ef)
+            bundle.index_mu.set_ef(ef)
+        self.encoder = OnnxEncoder(bundle.encoder_path, threads=threads)
+
+    @property
+    def version(self) -> str:
+        return self.bundle.version
+
+    @property
+    def num_labels(self) -> int:
+        return self.bundle.manifest.num_labels
+
+    def encode(self, texts: Sequence[str]) -> np.ndarray:
+        ids, weights = self.bundle.tokenizer.encode_batch(list(texts))
+        return self.encoder.run(ids, weights)
+
+    def _candidates(self, q: np.ndarray) -> np.ndarray:
+        """[B, k_w + k_mu] label ids from both indices; duplicates are handled by the caller."""
+        ones = np.ones((len(q), 1), dtype=np.float32)
+        ids_w, _ = self.bundle.index_w.search(np.hstack([q, ones]), self.shortlist_w)
+        if self.shortlist_mu == 0:
+            return ids_w
+        ids_mu, _ = self.bundle.index_mu.search(q, self.shortlist_mu)
+        return np.hstack([ids_w, ids_mu])
+
+    def shortlist(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """The union shortlist S of each text (sorted label ids)."""
+        cands = self._candidates(self.encode(texts))
+        return [np.unique(row) for row in cands]
+
+    def _check_alpha(self, alpha: float | None) -> float:
+        a = self.alpha if alpha is None else float(alpha)
+        if not 0.0 <= a <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+        return a
+
+    def score_candidates(self, q: np.ndarray, cands: np.ndarray, alpha: float) -> np.ndarray:
+        """Combined scores [B, C] of candidate ids [B, C]; repeated ids after the first get -inf."""
+        b = self.bundle
+        logits = np.einsum("bcd,bd->bc", b.classifiers[cands], q) + b.classifier_bias[cands]
+        sims = np.einsum("bcd,bd->bc", b.centroids[cands], q)
+        scores = combine_scores(logits, sims, alpha, self.f, self.g).astype(np.float32)
+        order = np.argsort(cands, axis=1, kind="stable")
+        sorted_ids = np.take_along_axis(cands, order, axis=1)
+        dup_sorted = np.zeros_like(sorted_ids, dtype=bool)
+        dup_sorted[:, 1:] = sorted_ids[:, 1:] == sorted_ids[:, :-1]
+        dup = np.zeros_like(dup_sorted)
+        np.put_along_axis(dup, order, dup_sorted, axis=1)
+        scores[dup] = -np.inf
+        return scores
+
+    def predict_ids(
+        self, texts: Sequence[str], k: int = 10, alpha: float | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k label ids int64 [B, k] (-1 where fewer were found) and scores float32 [B, k]."""
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        a = self._check_alpha(alpha)
+        q = self.encode(texts)
+        cands = self._candidates(q)
+        scores = self.score_candidates(q, cands, a)
+        idx, best = top_k(scores, k)
+        ids = np.take_along_axis(cands, idx, axis=1)
+        return _pad(ids, best, k)
+
+    def predict_exact_ids(
+        self, texts: Sequence[str], k: int = 10, alpha: float | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The same scores over all L labels (brute force): the baseline the shortlist approximates."""
+        a = self._check_alpha(alpha)
+        q = self.encode(texts)
+        b = self.bundle
+        logits = q @ b.classifiers.T + b.classifier_bias
+        sims = q @ b.centroids.T
+        scores = combine_scores(logits, sims, a, self.f, self.g).astype(np.float32)
+        ids, best = top_k(scores, k)
+        return _pad(ids, best, k)
+
+    def predict_tree_ids(
+        self, texts: Sequence[str], k: int = 10, beam: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        tree = self.bundle.tree
+        if tree is None:
+            raise LookupError(f"bundle {self.version} has no tree scorer")
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        if beam is not None and beam < 1:
+            raise ValueError(f"beam must be >= 1, got {beam}")
+        ids, scores = tree.search(self.encode(texts), k, beam)
+        return _pad(np.asarray(ids, dtype=np.int64), np.asarray(scores, dtype=np.float32), k)
+
+    def predict(self, texts: Sequence[str], k: int = 10, alpha: float | None = None) -> list[list[Prediction]]:
+        return self._named(*self.predict_ids(texts, k, alpha))
+
+    def predict_tree(self, texts: Sequence[str], k: int = 10, beam: int | None = None) -> list[list[Prediction]]:
+        return self._named(*self.predict_tree_ids(texts, k, beam))
+
+    def _named(self, ids: np.ndarray, scores: np.ndarray) -> list[list[Prediction]]:
+        labels = self.bundle.labels
+        return [
+            [
+                Prediction(int(i), labels.uids[i], labels.titles[i], float(s))
+                for i, s in zip(row_ids, row_scores, strict=True)
+                if i >= 0
+            ]
+            for row_ids, row_scores in zip(ids, scores, strict=True)
+        ]
+
+
+def _pad(ids: np.ndarray, scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Pad to width k with id -1; turn -inf (duplicates, empty slots) into -1 as well."""
+    ids = ids.astype(np.int64, copy=True)
+    scores = scores.astype(np.float32, copy=True)
+    invalid = ~np.isfinite(scores)
+    ids[invalid] = -1
+    scores[invalid] = 0.0
+    if ids.shape[1] < k:
+        pad = k - ids.shape[1]
+        ids = np.pad(ids, ((0, 0), (0, pad)), constant_values=-1)
+        scores = np.pad(scores, ((0, 0), (0, pad)), constant_values=0.0)
+    return ids, scores
