@@ -1,0 +1,179 @@
+"""Loading Extreme Classification Repository raw-text datasets (the "LF-*" format).
+
+A dataset folder holds `trn`, `tst` (optional) and `lbl`, each as `.json.gz`, `.json` or
+`.jsonl`: one JSON object a line. Documents carry uid, title, content, target_ind,
+target_rel; line i of lbl (uid, title, content) is label i.
+
+Every problem is a ValueError naming the file and line, so `shortlist train` can print
+it plainly instead of a traceback from deep inside.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+TextField = Literal["title", "title+content"]
+SPLIT_SUFFIXES = (".json.gz", ".json", ".jsonl", ".jsonl.gz")
+
+
+@dataclass
+class LabelSet:
+    uids: list[str]
+    titles: list[str]
+    texts: list[str]
+
+    def __len__(self) -> int:
+        return len(self.uids)
+
+
+@dataclass
+class Split:
+    uids: list[str]
+    texts: list[str]
+    targets: list[list[int]]
+
+    def __len__(self) -> int:
+        return len(self.uids)
+
+    def subset(self, rows: list[int]) -> Split:
+        return Split(
+            [self.uids[i] for i in rows], [self.texts[i] for i in rows], [self.targets[i] for i in rows]
+        )
+
+
+def find_split_file(data_dir: str | Path, split: str) -> Path | None:
+    """The file holding `split` (trn, tst, lbl) in any accepted encoding, or None."""
+    for suffix in SPLIT_SUFFIXES:
+        path = Path(data_dir) / f"{split}{suffix}"
+        if path.is_file():
+            return path
+    return None
+
+
+def _require_split_file(data_dir: str | Path, split: str) -> Path:
+    path = find_split_file(data_dir, split)
+    if path is None:
+        if not Path(data_dir).is_dir():
+            raise FileNotFoundError(f"{data_dir}: dataset folder does not exist")
+        names = ", ".join(f"{split}{s}" for s in SPLIT_SUFFIXES)
+        raise FileNotFoundError(f"{data_dir}: no {split} file (looked for {names})")
+    return path
+
+
+def _iter_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    opener = gzip.open if path.name.endswith(".gz") else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{path}:{lineno}: malformed line, not JSON ({exc.msg})") from None
+                if not isinstance(row, dict):
+                    raise ValueError(f"{path}:{lineno}: malformed line, expected a JSON object")
+                yield lineno, row
+    except (OSError, EOFError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read file: {exc}") from None
+
+
+def _text(row: dict[str, Any], text_field: TextField, path: Path, lineno: int) -> str:
+    for name in ("title", "content") if text_field == "title+content" else ("title",):
+        if name not in row:
+            raise ValueError(f"{path}:{lineno}: missing field {name!r}")
+        if not isinstance(row[name], str):
+            raise ValueError(f"{path}:{lineno}: field {name!r} must be a string")
+    if text_field == "title+content":
+        return f"{row['title']}\n{row['content']}".strip()
+    return row["title"].strip()
+
+
+def _check_text_field(text_field: str) -> None:
+    if text_field not in ("title", "title+content"):
+        raise ValueError(f"text_field must be 'title' or 'title+content', got {text_field!r}")
+
+
+def load_labels(data_dir: str | Path, text_field: TextField = "title") -> LabelSet:
+    """The label table: line i of lbl is label i; an empty label text is an error."""
+    _check_text_field(text_field)
+    path = _require_split_file(data_dir, "lbl")
+    uids: list[str] = []
+    titles: list[str] = []
+    texts: list[str] = []
+    for lineno, row in _iter_rows(path):
+        if "uid" not in row:
+            raise ValueError(f"{path}:{lineno}: missing field 'uid'")
+        text = _text(row, text_field, path, lineno)
+        if not text:
+            raise ValueError(f"{path}:{lineno}: empty label text (label {row['uid']!r})")
+        uids.append(str(row["uid"]))
+        titles.append(row["title"].strip())
+        texts.append(text)
+    if not uids:
+        raise ValueError(f"{path}: no labels")
+    return LabelSet(uids, titles, texts)
+
+
+def load_split(
+    data_dir: str | Path, split: str, text_field: TextField = "title", num_labels: int | None = None
+) -> Split:
+    """Documents of `split` (trn or tst) with target label rows checked against num_labels."""
+    _check_text_field(text_field)
+    path = _require_split_file(data_dir, split)
+    uids: list[str] = []
+    texts: list[str] = []
+    targets: list[list[int]] = []
+    for lineno, row in _iter_rows(path):
+        for name in ("uid", "target_ind"):
+            if name not in row:
+                raise ValueError(f"{path}:{lineno}: missing field {name!r}")
+        text = _text(row, text_field, path, lineno)
+        target = row["target_ind"]
+        if not isinstance(target, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in target
+        ):
+            raise ValueError(f"{path}:{lineno}: target_ind must be a list of integers")
+        for t in target:
+            if t < 0 or (num_labels is not None and t >= num_labels):
+                raise ValueError(
+                    f"{path}:{lineno}: target_ind {t} out of range (the label file has {num_labels} labels)"
+                )
+        rel = row.get("target_rel")
+        if rel is not None and (not isinstance(rel, list) or len(rel) != len(target)):
+            raise ValueError(f"{path}:{lineno}: target_rel must be a list as long as target_ind")
+        uids.append(str(row["uid"]))
+        texts.append(text)
+        # Duplicates in target_ind would count a hit twice in P@k.
+        targets.append(list(dict.fromkeys(target)))
+    return Split(uids, texts, targets)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fingerprint(data_dir: str | Path, counts: dict[str, int] | None = None) -> dict[str, Any]:
+    """sha256 of each dataset file plus row counts, so a checkpoint names the data it saw."""
+    files = {}
+    for split in ("trn", "tst", "lbl"):
+        path = find_split_file(data_dir, split)
+        if path is not None:
+            files[path.name] = _sha256(path)
+    combined = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+    return {
+        "dataset": str(Path(data_dir).resolve().name),
+        "sha256": combined,
+        "files": files,
+        "counts": dict(counts or {}),
+    }

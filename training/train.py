@@ -1,0 +1,781 @@
+"""`shortlist train`: SiameseXML Modules I-III on an XC raw-text dataset -> Checkpoint.
+
+Module I   Siamese contrastive training of E on documents vs. their labels' texts with the
+           SiameseXML likelihood p(+|v) = c exp(d (v - 1)), hard negatives from the batch and
+           from an hnswlib index over label embeddings refreshed every few epochs.
+Module II  label centroids mu_l and per-document shortlists from ANN over E(z_l) and mu_l.
+Module III per-label classifiers. "paper": w_l = normalise(E(z_l) + eta_l), positives +
+           shortlisted negatives, c=0.75, d=3.0, encoder frozen. "scaled_bias": w_l = E(z_l) +
+           eta_l left unnormalised (its length is the label's scale) plus a bias b_l, binary
+           cross-entropy against all labels (or the shortlist for large L); this lets a
+           classifier learn its label's prior, which the heavy head needs.
+
+Serving scores alpha f(w_l.q + b_l) + (1 - alpha) g(mu_l.q); training's exact evaluation
+uses the same service.engine.scorers.combine_scores, with alpha and f, g tuned on a
+validation split carved from trn (never on tst).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import hnswlib
+import numpy as np
+import scipy.sparse as sp
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from service.engine.labels import LabelTable
+from service.engine.metrics import label_frequencies, propensities, ranking_metrics, shortlist_recall
+from service.engine.scorers import Calibration, combine_scores, top_k
+from service.engine.tokenizer import Tokenizer
+from training import data as xc_data
+from training.checkpoint import Checkpoint
+from training.encoder import SiameseEncoder
+
+CLASSIFIER_FORMS = ("paper", "scaled_bias")
+
+
+@dataclass
+class TrainConfig:
+    """All hyper-parameters of `shortlist train`; a JSON file given by --config overrides them."""
+
+    seed: int = 0
+    dim: int = 256
+    threads: int = 0  # 0 = all cores
+    device: str = "auto"  # auto | cpu | cuda
+    progress: bool = True
+    # tokenizer
+    min_df: int = 1
+    max_vocab: int = 200_000
+    max_tokens: int = 64
+    # validation split carved from trn (tuning of alpha/calibration, the bundle's quality gate)
+    val_fraction: float = 0.05
+    val_max_docs: int = 2000
+    validation_rows: int = 200
+    # Module I
+    m1_epochs: int = 6
+    m1_batch_size: int = 256
+    m1_lr: float = 0.01
+    m1_c: float = 0.9
+    m1_d: float = 1.5
+    m1_inbatch_negatives: int = 10
+    m1_refresh_every: int = 2  # epochs between refreshes of the ANN hard negatives (0 = never)
+    m1_ann_negatives: int = 20  # nearest non-positive labels kept per document at a refresh
+    # ANN (hnswlib, inner product) used by Modules I and II
+    hnsw_m: int = 16
+    hnsw_ef_construction: int = 100
+    hnsw_ef: int = 100
+    # Module II shortlists for Module III's negatives
+    m2_k_w: int = 50
+    m2_k_mu: int = 50
+    # Module III
+    classifier_form: str = "scaled_bias"
+    m3_negatives: str = "all"  # all | shortlist (large L)
+    m3_epochs: int = 6
+    m3_batch_size: int = 256
+    m3_lr: float = 0.005
+    m3_c: float = 0.75
+    m3_d: float = 3.0
+    m3_train_encoder: bool = False
+    m3_encoder_lr: float = 0.001
+    m3_weight_decay: float = 0.0
+    # scoring defaults carried into the bundle; alpha/calibrations tuned on validation when tune=True
+    tune: bool = True
+    alpha: float = 0.8
+    serve_k_w: int = 50
+    serve_k_mu: int = 50
+    # the adversarial tree scorer (training/tree_train.py), when present
+    tree_enabled: bool = True
+    tree: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def tiny(cls) -> TrainConfig:
+        """Trains in a few seconds on small generated data (test fixtures)."""
+        return cls(
+            dim=32,
+            m1_epochs=4,
+            m1_batch_size=128,
+            m1_lr=0.02,
+            m1_refresh_every=2,
+            m3_epochs=4,
+            m3_batch_size=128,
+            m3_lr=0.02,
+            val_max_docs=300,
+            validation_rows=50,
+            hnsw_ef=50,
+            hnsw_ef_construction=50,
+            m2_k_w=20,
+            m2_k_mu=20,
+            serve_k_w=20,
+            serve_k_mu=20,
+            progress=False,
+        )
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], base: TrainConfig | None = None) -> TrainConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown training config keys: {', '.join(unknown)}")
+        cfg = asdict(base or cls())
+        cfg.update(d)
+        out = cls(**cfg)
+        out.validate()
+        return out
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> TrainConfig:
+        try:
+            d = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{path}: cannot read training config: {exc}") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"{path}: training config must be a JSON object")
+        preset = d.pop("preset", None)
+        base = cls.tiny() if preset == "tiny" else None
+        return cls.from_dict(d, base)
+
+    def validate(self) -> None:
+        if self.classifier_form not in CLASSIFIER_FORMS:
+            raise ValueError(
+                f"classifier_form must be one of {CLASSIFIER_FORMS}, got {self.classifier_form!r}"
+            )
+        if self.m3_negatives not in ("all", "shortlist"):
+            raise ValueError(f"m3_negatives must be 'all' or 'shortlist', got {self.m3_negatives!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
+        for name in ("dim", "m1_batch_size", "m3_batch_size", "hnsw_m", "serve_k_w", "serve_k_mu"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _device(cfg: TrainConfig) -> torch.device:
+    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def _seed_all(seed: int) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed % (2**32))
+
+
+def _target_matrix(targets: list[list[int]], num_labels: int) -> sp.csr_matrix:
+    indptr = np.zeros(len(targets) + 1, dtype=np.int64)
+    indptr[1:] = np.cumsum([len(t) for t in targets])
+    indices = np.fromiter((x for t in targets for x in t), dtype=np.int64, count=int(indptr[-1]))
+    return sp.csr_matrix(
+        (np.ones(len(indices), dtype=np.float32), indices, indptr), shape=(len(targets), num_labels)
+    )
+
+
+@dataclass
+class _Encoded:
+    ids: torch.Tensor  # [N, T] int64
+    weights: torch.Tensor  # [N, T] float32
+
+    def rows(self, idx: torch.Tensor | np.ndarray, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        idx_t = torch.as_tensor(idx, dtype=torch.long)
+        ids, w = self.ids[idx_t], self.weights[idx_t]
+        # Trim the padding columns no row of this batch uses.
+        width = max(1, int((w != 0).sum(dim=1).max().item())) if len(idx_t) else 1
+        return ids[:, :width].to(device), w[:, :width].to(device)
+
+
+def _encode_texts(tokenizer: Tokenizer, texts: list[str]) -> _Encoded:
+    ids, w = tokenizer.encode_batch(texts)
+    return _Encoded(torch.from_numpy(ids), torch.from_numpy(w))
+
+
+@torch.no_grad()
+def embed(encoder: SiameseEncoder, enc: _Encoded, device: torch.device, batch_size: int = 4096) -> np.ndarray:
+    """E(x) for every row, float32 [N, D]."""
+    was_training = encoder.training
+    encoder.eval()
+    out = np.zeros((len(enc.ids), encoder.dim), dtype=np.float32)
+    for start in range(0, len(enc.ids), batch_size):
+        idx = np.arange(start, min(start + batch_size, len(enc.ids)))
+        ids, w = enc.rows(idx, device)
+        out[idx] = encoder(ids, w).float().cpu().numpy()
+    encoder.train(was_training)
+    return out
+
+
+def build_hnsw(vectors: np.ndarray, cfg: TrainConfig, seed: int) -> hnswlib.Index:
+    index = hnswlib.Index(space="ip", dim=vectors.shape[1])
+    index.init_index(
+        max_elements=len(vectors), M=cfg.hnsw_m, ef_construction=cfg.hnsw_ef_construction, random_seed=seed
+    )
+    # One insertion thread: a multi-threaded build depends on scheduling, which breaks --seed.
+    index.add_items(vectors, np.arange(len(vectors)), num_threads=1)
+    index.set_ef(max(cfg.hnsw_ef, 1))
+    return index
+
+
+def ann_query(index: hnswlib.Index, queries: np.ndarray, k: int, threads: int) -> np.ndarray:
+    k = min(k, index.get_current_count())
+    index.set_ef(max(index.ef, k))
+    labels, _ = index.knn_query(queries, k=k, num_threads=threads)
+    return labels.astype(np.int64)
+
+
+def _negatives_excluding(
+    candidates: np.ndarray, y: sp.csr_matrix, rows: np.ndarray | None = None
+) -> np.ndarray:
+    """candidates [N, K] with each row's positives replaced by -1."""
+    out = candidates.copy()
+    for i in range(len(out)):
+        r = i if rows is None else rows[i]
+        pos = y.indices[y.indptr[r] : y.indptr[r + 1]]
+        if len(pos):
+            out[i, np.isin(out[i], pos)] = -1
+    return out
+
+
+def siamese_loss_terms(sims: torch.Tensor, c: float, d: float, positive: bool) -> torch.Tensor:
+    """-log p(y|v) with p(+|v) = c exp(d (v - 1)): the SiameseXML likelihood."""
+    if positive:
+        return -(math.log(c) + d * (sims - 1.0))
+    p = c * torch.exp(d * (sims - 1.0))
+    return -torch.log1p(-p.clamp(max=1.0 - 1e-6))
+
+
+def _progress(iterable: Any, cfg: TrainConfig, desc: str, total: int | None = None) -> Any:
+    return tqdm(iterable, desc=desc, total=total, disable=not cfg.progress, leave=False, mininterval=1.0)
+
+
+# --------------------------------------------------------------------------- Module I
+
+
+def module1(
+    encoder: SiameseEncoder,
+    docs: _Encoded,
+    labels: _Encoded,
+    y: sp.csr_matrix,
+    cfg: TrainConfig,
+    device: torch.device,
+    rng: np.random.Generator,
+) -> list[float]:
+    """Siamese training of documents against their labels' texts; returns the epoch losses."""
+    opt = torch.optim.Adam(encoder.parameters(), lr=cfg.m1_lr)
+    trainable = np.flatnonzero(np.diff(y.indptr) > 0)
+    ann_neg: np.ndarray | None = None
+    losses: list[float] = []
+    encoder.train()
+    for epoch in range(cfg.m1_epochs):
+        if (
+            cfg.m1_refresh_every
+            and epoch > 0
+            and epoch % cfg.m1_refresh_every == 0
+            and cfg.m1_ann_negatives > 0
+        ):
+            label_emb = embed(encoder, labels, device)
+            index = build_hnsw(label_emb, cfg, cfg.seed + epoch)
+            doc_emb = embed(encoder, docs, device)
+            cand = ann_query(index, doc_emb, cfg.m1_ann_negatives + 10, _threads(cfg))
+            ann_neg = _negatives_excluding(cand, y)
+        order = rng.permutation(trainable)
+        total, count = 0.0, 0
+        bar = _progress(
+            range(0, len(order), cfg.m1_batch_size), cfg, f"Module I epoch {epoch + 1}/{cfg.m1_epochs}"
+        )
+        for start in bar:
+            batch = order[start : start + cfg.m1_batch_size]
+            # One positive per document, drawn uniformly from its labels.
+            starts, ends = y.indptr[batch], y.indptr[batch + 1]
+            pos = y.indices[starts + (rng.random(len(batch)) * (ends - starts)).astype(np.int64)]
+            label_rows = [pos]
+            if ann_neg is not None:
+                cand = ann_neg[batch]
+                pick = cand[np.arange(len(batch)), rng.integers(0, cand.shape[1], size=len(batch))]
+                label_rows.append(pick[pick >= 0])
+            label_batch = np.concatenate(label_rows)
+            q = encoder(*docs.rows(batch, device))
+            z = encoder(*labels.rows(label_batch, device))
+            sims = q @ z.T  # [B, B + B']
+            is_pos = torch.from_numpy(y[batch][:, label_batch].toarray() > 0).to(device)
+            diag = torch.arange(len(batch), device=device)
+            pos_loss = siamese_loss_terms(sims[diag, diag], cfg.m1_c, cfg.m1_d, positive=True)
+            neg_sims = sims.masked_fill(is_pos, -2.0)
+            k = min(cfg.m1_inbatch_negatives, neg_sims.shape[1])
+            hard = neg_sims.topk(k, dim=1).values
+            neg_loss = siamese_loss_terms(hard, cfg.m1_c, cfg.m1_d, positive=False)
+            neg_loss = (neg_loss * (hard > -2.0)).sum(dim=1)
+            loss = (pos_loss + neg_loss).mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            total += float(loss.detach()) * len(batch)
+            count += len(batch)
+            if cfg.progress:
+                bar.set_postfix(loss=f"{total / count:.4f}")
+        losses.append(total / max(count, 1))
+    encoder.eval()
+    return losses
+
+
+# --------------------------------------------------------------------------- Module II
+
+
+def centroids(doc_emb: np.ndarray, y: sp.csr_matrix) -> np.ndarray:
+    """mu_l = normalised mean of E(x_i) over documents tagged l (zero row for a label with none)."""
+    sums = (y.T @ doc_emb).astype(np.float32)
+    norms = np.linalg.norm(sums, axis=1, keepdims=True)
+    return np.where(norms > 0, sums / np.maximum(norms, 1e-12), 0.0).astype(np.float32)
+
+
+def shortlists(doc_emb: np.ndarray, label_emb: np.ndarray, mu: np.ndarray, cfg: TrainConfig) -> np.ndarray:
+    """Per document: top k_w labels by E(z_l).q union top k_mu by mu_l.q (-1 padded), [N, k_w + k_mu]."""
+    parts = []
+    if cfg.m2_k_w > 0:
+        parts.append(
+            ann_query(build_hnsw(label_emb, cfg, cfg.seed + 101), doc_emb, cfg.m2_k_w, _threads(cfg))
+        )
+    if cfg.m2_k_mu > 0:
+        parts.append(ann_query(build_hnsw(mu, cfg, cfg.seed + 102), doc_emb, cfg.m2_k_mu, _threads(cfg)))
+    both = np.concatenate(parts, axis=1)
+    out = np.full_like(both, -1)
+    for i, row in enumerate(both):
+        uniq = np.unique(row)
+        out[i, : len(uniq)] = uniq
+    return out
+
+
+# --------------------------------------------------------------------------- Module III
+
+
+class Classifiers(torch.nn.Module):
+    """w_l = base_l + eta_l (paper: normalised) and b_l (scaled_bias only)."""
+
+    def __init__(self, base: np.ndarray, form: str, prior_logit: np.ndarray | None) -> None:
+        super().__init__()
+        self.form = form
+        self.register_buffer("base", torch.from_numpy(base.astype(np.float32)))
+        self.eta = torch.nn.Parameter(torch.zeros_like(self.base))
+        bias = (
+            np.zeros(len(base), dtype=np.float32) if prior_logit is None else prior_logit.astype(np.float32)
+        )
+        self.bias = torch.nn.Parameter(torch.from_numpy(bias), requires_grad=form == "scaled_bias")
+
+    def weight(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        w = self.base + self.eta if rows is None else self.base[rows] + self.eta[rows]
+        return F.normalize(w, dim=-1) if self.form == "paper" else w
+
+    def export(self) -> tuple[np.ndarray, np.ndarray]:
+        with torch.no_grad():
+            return self.weight().float().cpu().numpy(), self.bias.detach().float().cpu().numpy()
+
+
+def module3(
+    encoder: SiameseEncoder,
+    clf: Classifiers,
+    docs: _Encoded,
+    y: sp.csr_matrix,
+    shortlist: np.ndarray | None,
+    cfg: TrainConfig,
+    device: torch.device,
+    rng: np.random.Generator,
+) -> list[float]:
+    params = [
+        {
+            "params": [p for p in clf.parameters() if p.requires_grad],
+            "lr": cfg.m3_lr,
+            "weight_decay": cfg.m3_weight_decay,
+        }
+    ]
+    encoder.requires_grad_(cfg.m3_train_encoder)
+    if cfg.m3_train_encoder:
+        params.append({"params": list(encoder.parameters()), "lr": cfg.m3_encoder_lr})
+    opt = torch.optim.Adam(params)
+    use_all = cfg.m3_negatives == "all"
+    trainable = np.flatnonzero(np.diff(y.indptr) > 0)
+    losses: list[float] = []
+    encoder.train(cfg.m3_train_encoder)
+    for epoch in range(cfg.m3_epochs):
+        order = rng.permutation(trainable)
+        total, count = 0.0, 0
+        bar = _progress(
+            range(0, len(order), cfg.m3_batch_size), cfg, f"Module III epoch {epoch + 1}/{cfg.m3_epochs}"
+        )
+        for start in bar:
+            batch = order[start : start + cfg.m3_batch_size]
+            ids, w = docs.rows(batch, device)
+            if cfg.m3_train_encoder:
+                q = encoder(ids, w)
+            else:
+                with torch.no_grad():
+                    q = encoder(ids, w)
+            yb = y[batch]
+            if use_all:
+                target = torch.from_numpy(yb.toarray()).to(device)
+                logits = q @ clf.weight().T + clf.bias
+                valid = None
+            else:
+                # positives + shortlisted negatives, -1 padded
+                pos_lists = [yb.indices[yb.indptr[i] : yb.indptr[i + 1]] for i in range(len(batch))]
+                width = max(len(p) for p in pos_lists) + shortlist.shape[1]
+                cols = np.full((len(batch), width), -1, dtype=np.int64)
+                tgt = np.zeros((len(batch), width), dtype=np.float32)
+                for i, p in enumerate(pos_lists):
+                    neg = shortlist[batch[i]]
+                    neg = neg[(neg >= 0) & ~np.isin(neg, p)]
+                    cols[i, : len(p)] = p
+                    tgt[i, : len(p)] = 1.0
+                    cols[i, len(p) : len(p) + len(neg)] = neg
+                cols_t = torch.from_numpy(cols).to(device)
+                valid = cols_t >= 0
+                safe = cols_t.clamp(min=0)
+                target = torch.from_numpy(tgt).to(device)
+                logits = torch.einsum("bd,bkd->bk", q, clf.weight(safe)) + clf.bias[safe]
+            if clf.form == "paper":
+                # c/d likelihood over cosine similarities
+                pos_t = siamese_loss_terms(logits, cfg.m3_c, cfg.m3_d, positive=True)
+                neg_t = siamese_loss_terms(logits, cfg.m3_c, cfg.m3_d, positive=False)
+                per = target * pos_t + (1 - target) * neg_t
+            else:
+                per = F.binary_cross_entropy_with_logits(logits, target, reduction="none")
+            if valid is not None:
+                per = per * valid
+            loss = per.sum(dim=1).mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            total += float(loss.detach()) * len(batch)
+            count += len(batch)
+            if cfg.progress:
+                bar.set_postfix(loss=f"{total / count:.4f}")
+        losses.append(total / max(count, 1))
+    encoder.requires_grad_(True)
+    encoder.eval()
+    return losses
+
+
+# --------------------------------------------------------------------------- scoring
+
+
+@dataclass
+class Scoring:
+    alpha: float
+    f: Calibration
+    g: Calibration
+
+    def to_dict(self, form: str, k_w: int, k_mu: int) -> dict[str, Any]:
+        return {
+            "alpha": float(self.alpha),
+            "classifier_form": form,
+            "calibration": {"classifier": self.f.to_dict(), "centroid": self.g.to_dict()},
+            "shortlist": {"k_w": int(k_w), "k_mu": int(k_mu)},
+        }
+
+
+def default_scoring(form: str, alpha: float) -> Scoring:
+    if form == "paper":
+        # The reference code's exp(d (x - 1)) on the classifier, sigmoid on centroids.
+        return Scoring(alpha, Calibration("exp", 3.0, -3.0), Calibration("sigmoid", 1.0, 0.0))
+    return Scoring(alpha, Calibration("sigmoid", 1.0, 0.0), Calibration("sigmoid", 10.0, -10.0))
+
+
+def predict_exact(
+    q: np.ndarray,
+    w: np.ndarray,
+    b: np.ndarray,
+    mu: np.ndarray,
+    scoring: Scoring,
+    k: int,
+    device: torch.device,
+    chunk: int = 512,
+) -> np.ndarray:
+    """Top k over ALL labels with the serving formula (combine_scores), [N, k]."""
+    w_t = torch.from_numpy(w).to(device)
+    b_t = torch.from_numpy(b).to(device)
+    mu_t = torch.from_numpy(mu).to(device)
+    out = np.zeros((len(q), k), dtype=np.int64)
+    for start in range(0, len(q), chunk):
+        qc = torch.from_numpy(q[start : start + chunk]).to(device)
+        logits = (qc @ w_t.T + b_t).cpu().numpy()
+        sims = (qc @ mu_t.T).cpu().numpy()
+        scores = combine_scores(logits, sims, scoring.alpha, scoring.f, scoring.g)
+        out[start : start + chunk] = top_k(scores, k)[0]
+    return out
+
+
+def tune_scoring(
+    q: np.ndarray,
+    truths: list[list[int]],
+    w: np.ndarray,
+    b: np.ndarray,
+    mu: np.ndarray,
+    form: str,
+    inv_prop: np.ndarray,
+    device: torch.device,
+    candidates: int = 100,
+) -> tuple[Scoring, dict[str, float]]:
+    """Grid over alpha and the calibrations on validation documents, maximising P@1 + P@5 + PSP@5.
+
+    Scores only each document's candidates (top by classifier union top by centroid): the
+    top 5 of any mixture of the two lies in that union, so the grid is cheap and exact.
+    """
+    w_t, b_t, mu_t = (torch.from_numpy(a).to(device) for a in (w, b, mu))
+    qt = torch.from_numpy(q).to(device)
+    logits_all = qt @ w_t.T + b_t
+    sims_all = qt @ mu_t.T
+    kc = min(candidates, w.shape[0])
+    cand = torch.cat([logits_all.topk(kc, dim=1).indices, sims_all.topk(kc, dim=1).indices], dim=1)
+    logits = logits_all.gather(1, cand).cpu().numpy()
+    sims = sims_all.gather(1, cand).cpu().numpy()
+    cand_np = cand.cpu().numpy()
+    if form == "paper":
+        fs = [Calibration("exp", a, -a) for a in (1.0, 3.0, 5.0, 10.0)]
+    else:
+        fs = [Calibration("sigmoid", 1.0, 0.0)]
+    gs = [Calibration("sigmoid", a, -a) for a in (1.0, 3.0, 5.0, 10.0, 20.0)]
+    alphas = [0.0, 0.2, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0]
+    best: tuple[float, Scoring, dict[str, float]] | None = None
+    for fi, f in enumerate(fs):
+        for g in gs:
+            for alpha in alphas:
+                if alpha == 0.0 and fi > 0:
+                    continue  # f is irrelevant at alpha 0
+                scores = combine_scores(logits, sims, alpha, f, g)
+                # duplicates in cand (label in both lists) are harmless: same score, top_k keeps one first
+                order = np.argsort(-scores, axis=1, kind="stable")
+                preds = np.take_along_axis(cand_np, order, axis=1)
+                preds = np.array([list(dict.fromkeys(r.tolist()))[:5] for r in preds])
+                m = ranking_metrics(preds, truths, (1, 5), inv_prop)
+                objective = m["P@1"] + m["P@5"] + m["PSP@5"]
+                if best is None or objective > best[0]:
+                    best = (objective, Scoring(alpha, f, g), m)
+    assert best is not None
+    return best[1], {k: float(v) for k, v in best[2].items()}
+
+
+def evaluate(
+    q: np.ndarray,
+    truths: list[list[int]],
+    w: np.ndarray,
+    b: np.ndarray,
+    mu: np.ndarray,
+    scoring: Scoring,
+    inv_prop: np.ndarray,
+    device: torch.device,
+) -> dict[str, float]:
+    preds = predict_exact(q, w, b, mu, scoring, 5, device)
+    m = ranking_metrics(preds, truths, (1, 3, 5), inv_prop)
+    keep = ("P@1", "P@3", "P@5", "nDCG@5", "PSP@1", "PSP@3", "PSP@5")
+    return {k: round(float(m[k]), 3) for k in keep}
+
+
+# --------------------------------------------------------------------------- the pipeline
+
+
+def _threads(cfg: TrainConfig) -> int:
+    return cfg.threads if cfg.threads > 0 else (os.cpu_count() or 1)
+
+
+def _fit_tree(
+    doc_emb: np.ndarray, targets: list[list[int]], num_labels: int, cfg: TrainConfig, log: Any
+) -> dict[str, np.ndarray] | None:
+    try:
+        from training.tree_train import fit_tree_scorer  # written by the tree scorer's owner
+    except ImportError:
+        log("tree scorer: training.tree_train.fit_tree_scorer not available, stage skipped")
+        return None
+    return fit_tree_scorer(doc_emb, targets, num_labels, dict(cfg.tree), cfg.seed)
+
+
+def train(
+    data_dir: str | Path,
+    config: TrainConfig | None = None,
+    text_field: str = "title",
+    seed: int | None = None,
+    log: Any = print,
+) -> Checkpoint:
+    """Modules I-III on data_dir's trn (validation carved from it); metrics on tst when present."""
+    cfg = TrainConfig(**asdict(config)) if config is not None else TrainConfig()
+    if seed is not None:
+        cfg.seed = int(seed)
+    cfg.validate()
+    device = _device(cfg)
+    torch.set_num_threads(_threads(cfg))
+    _seed_all(cfg.seed)
+    rng = np.random.default_rng(cfg.seed)
+    times: dict[str, float] = {}
+    t0 = time.perf_counter()
+
+    label_set = xc_data.load_labels(data_dir, text_field)
+    num_labels = len(label_set)
+    full_trn = xc_data.load_split(data_dir, "trn", text_field, num_labels)
+    if len(full_trn) < 2:
+        raise ValueError(f"{data_dir}: need at least 2 training documents, found {len(full_trn)}")
+    tst = (
+        xc_data.load_split(data_dir, "tst", text_field, num_labels)
+        if xc_data.find_split_file(data_dir, "tst")
+        else None
+    )
+    fingerprint = xc_data.fingerprint(
+        data_dir, {"trn": len(full_trn), "tst": len(tst) if tst else 0, "lbl": num_labels}
+    )
+    perm = rng.permutation(len(full_trn))
+    n_val = min(cfg.val_max_docs, max(1, int(len(full_trn) * cfg.val_fraction)))
+    val = full_trn.subset(sorted(perm[:n_val].tolist()))
+    trn = full_trn.subset(sorted(perm[n_val:].tolist()))
+    log(
+        f"data: {len(trn)} train, {len(val)} validation, {len(tst) if tst else 0} test documents, "
+        f"{num_labels} labels ({text_field})"
+    )
+
+    tokenizer = Tokenizer.fit(
+        [*trn.texts, *label_set.texts], min_df=cfg.min_df, max_vocab=cfg.max_vocab, max_tokens=cfg.max_tokens
+    )
+    docs = _encode_texts(tokenizer, trn.texts)
+    labels = _encode_texts(tokenizer, label_set.texts)
+    val_enc = _encode_texts(tokenizer, val.texts)
+    tst_enc = _encode_texts(tokenizer, tst.texts) if tst else None
+    y = _target_matrix(trn.targets, num_labels)
+    freq = label_frequencies(trn.targets, num_labels)
+    inv_prop = 1.0 / propensities(freq, len(trn))
+    times["data_s"] = time.perf_counter() - t0
+    log(f"tokenizer: {tokenizer.vocab_size - 1} tokens; data ready in {times['data_s']:.1f}s")
+
+    encoder = SiameseEncoder(tokenizer.vocab_size, cfg.dim, seed=cfg.seed).to(device)
+    metrics: dict[str, Any] = {}
+
+    t = time.perf_counter()
+    m1_losses = module1(encoder, docs, labels, y, cfg, device, rng)
+    times["module1_s"] = time.perf_counter() - t
+    log(
+        f"Module I: {cfg.m1_epochs} epochs in {times['module1_s']:.1f}s, "
+        f"losses {[round(x, 4) for x in m1_losses]}"
+    )
+
+    t = time.perf_counter()
+    label_emb = embed(encoder, labels, device)
+    doc_emb = embed(encoder, docs, device)
+    mu = centroids(doc_emb, y)
+    short = shortlists(doc_emb, label_emb, mu, cfg)
+    metrics["shortlist_recall_trn"] = round(shortlist_recall(short, trn.targets), 3)
+    times["module2_s"] = time.perf_counter() - t
+    log(
+        f"Module II: centroids + shortlists in {times['module2_s']:.1f}s, "
+        f"train shortlist recall {metrics['shortlist_recall_trn']:.1f}%"
+    )
+
+    zeros = np.zeros(num_labels, dtype=np.float32)
+    m1_scoring = Scoring(1.0, Calibration("identity"), Calibration("identity"))
+    if tst is not None:
+        q_tst = embed(encoder, tst_enc, device)
+        metrics["module1"] = {
+            "label_embeddings": evaluate(
+                q_tst, tst.targets, label_emb, zeros, mu, m1_scoring, inv_prop, device
+            ),
+            "centroids": evaluate(
+                q_tst,
+                tst.targets,
+                label_emb,
+                zeros,
+                mu,
+                Scoring(0.0, Calibration("identity"), Calibration("identity")),
+                inv_prop,
+                device,
+            ),
+        }
+        log(f"after Module I (test): label embeddings {metrics['module1']['label_embeddings']}")
+        log(f"after Module I (test): centroids {metrics['module1']['centroids']}")
+
+    t = time.perf_counter()
+    prior = None
+    if cfg.classifier_form == "scaled_bias":
+        p = np.clip(freq / len(trn), 1e-6, 1 - 1e-6)
+        prior = np.log(p / (1 - p))
+    clf = Classifiers(label_emb, cfg.classifier_form, prior).to(device)
+    m3_losses = module3(encoder, clf, docs, y, short, cfg, device, rng)
+    w, b = clf.export()
+    if cfg.m3_train_encoder:
+        # The encoder moved: centroids must live in the served encoder's space.
+        doc_emb = embed(encoder, docs, device)
+        mu = centroids(doc_emb, y)
+    times["module3_s"] = time.perf_counter() - t
+    log(
+        f"Module III ({cfg.classifier_form}, negatives: {cfg.m3_negatives}): {cfg.m3_epochs} epochs in "
+        f"{times['module3_s']:.1f}s, losses {[round(x, 4) for x in m3_losses]}"
+    )
+
+    q_val = embed(encoder, val_enc, device)
+    if cfg.tune:
+        scoring, val_m = tune_scoring(q_val, val.targets, w, b, mu, cfg.classifier_form, inv_prop, device)
+        metrics["validation"] = {k: round(v, 3) for k, v in val_m.items()}
+        log(
+            f"tuned on validation: alpha={scoring.alpha} f={scoring.f} g={scoring.g} "
+            f"-> {metrics['validation']}"
+        )
+    else:
+        scoring = default_scoring(cfg.classifier_form, cfg.alpha)
+    if tst is not None:
+        q_tst = embed(encoder, tst_enc, device)
+        metrics["module3"] = {
+            "classifiers": evaluate(
+                q_tst, tst.targets, w, b, mu, Scoring(1.0, scoring.f, scoring.g), inv_prop, device
+            ),
+            "combined": evaluate(q_tst, tst.targets, w, b, mu, scoring, inv_prop, device),
+        }
+        log(f"after Module III (test): classifiers {metrics['module3']['classifiers']}")
+        log(f"after Module III (test): classifiers + centroids {metrics['module3']['combined']}")
+
+    extra: dict[str, dict[str, np.ndarray]] = {}
+    if cfg.tree_enabled:
+        t = time.perf_counter()
+        tree = _fit_tree(doc_emb, trn.targets, num_labels, cfg, log)
+        if tree is not None:
+            extra["tree"] = tree
+            times["tree_s"] = time.perf_counter() - t
+            log(f"tree scorer fitted in {times['tree_s']:.1f}s")
+
+    times["total_s"] = time.perf_counter() - t0
+    metrics["times"] = {k: round(v, 2) for k, v in times.items()}
+    metrics["losses"] = {
+        "module1": [round(x, 5) for x in m1_losses],
+        "module3": [round(x, 5) for x in m3_losses],
+    }
+    validation_rows = [
+        {"text": val.texts[i], "target_ind": val.targets[i]}
+        for i in range(min(cfg.validation_rows, len(val)))
+        if val.targets[i]
+    ]
+    config_out = asdict(cfg)
+    config_out["text_field"] = text_field
+    return Checkpoint(
+        tokenizer=tokenizer,
+        labels=LabelTable(label_set.uids, label_set.titles),
+        encoder=encoder.cpu(),
+        classifiers=w,
+        classifier_bias=b,
+        centroids=mu,
+        scoring=scoring.to_dict(cfg.classifier_form, cfg.serve_k_w, cfg.serve_k_mu),
+        config=config_out,
+        fingerprint=fingerprint,
+        metrics=metrics,
+        validation=validation_rows,
+        extra_arrays=extra,
+    )
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    cfg = TrainConfig.from_json(args.config) if args.config else TrainConfig()
+    ckpt = train(args.data, cfg, text_field=args.text_field, seed=args.seed)
+    out = ckpt.save(args.out)
+    print(json.dumps({"checkpoint": str(out), "metrics": ckpt.metrics, "scoring": ckpt.scoring}, indent=2))
+    return 0
