@@ -53,7 +53,7 @@ VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _HASH_CHUNK = 1 << 20
 
 
-class BundleError(Exception):
+class BundleError(ValueError):
     """A bundle that must not be served; the message names the file and what is wrong."""
 
 
@@ -190,8 +190,20 @@ def newest_version(root: str | Path) -> str:
     return bundles[-1].version
 
 
+def write_manifest(staging: Path, manifest_fields: dict[str, Any]) -> Manifest:
+    """Checksum every file in `staging` and write its manifest.json."""
+    files = {p.name: sha256_file(p) for p in sorted(staging.iterdir()) if p.is_file() and p.name != MANIFEST}
+    missing = [name for name in REQUIRED_FILES if name not in files]
+    if missing:
+        raise BundleError(f"{staging}: cannot write manifest, missing {', '.join(missing)}")
+    fields = {"format_version": BUNDLE_FORMAT_VERSION, "created_at": utc_now(), **manifest_fields, "files": files}
+    manifest = Manifest.model_validate(fields)
+    (staging / MANIFEST).write_text(manifest.model_dump_json(indent=2), encoding="utf-8")
+    return manifest
+
+
 def finalize_bundle(staging: Path, root: Path, manifest_fields: dict[str, Any]) -> Path:
-    """Checksum every file in `staging`, write its manifest, and rename it to ROOT/VERSION.
+    """Write the manifest of `staging` and rename it to ROOT/VERSION.
 
     The rename is the commit point: a crash before it leaves only a hidden staging
     directory, never a half-written bundle under its final name.
@@ -200,13 +212,7 @@ def finalize_bundle(staging: Path, root: Path, manifest_fields: dict[str, Any]) 
     final = Path(root) / version
     if final.exists():
         raise BundleError(f"bundle {final} already exists; bundles are immutable, pick another version")
-    files = {p.name: sha256_file(p) for p in sorted(staging.iterdir()) if p.is_file() and p.name != MANIFEST}
-    missing = [name for name in REQUIRED_FILES if name not in files]
-    if missing:
-        raise BundleError(f"{staging}: cannot finalise, missing {', '.join(missing)}")
-    fields = {"format_version": BUNDLE_FORMAT_VERSION, "created_at": utc_now(), **manifest_fields, "files": files}
-    manifest = Manifest.model_validate(fields)
-    (staging / MANIFEST).write_text(manifest.model_dump_json(indent=2), encoding="utf-8")
+    write_manifest(staging, manifest_fields)
     for p in staging.iterdir():
         _fsync(p)
     os.rename(staging, final)
@@ -261,16 +267,19 @@ class Bundle:
         return self.tree is not None
 
     @classmethod
-    def load(cls, path: str | Path, *, verify_checksums: bool = True, canary: bool = True) -> Bundle:
+    def load(
+        cls, path: str | Path, *, verify_checksums: bool = True, canary: bool = True, staged: bool = False
+    ) -> Bundle:
         """Validate and open a bundle: checksums, shapes, format version, canary queries.
 
         Raises BundleError naming the file and what is wrong; nothing half-loaded escapes.
+        `staged` is for export only: a bundle still in its staging directory, before rename.
         """
         path = Path(path)
         if not path.is_dir():
             raise BundleError(f"{path}: no such bundle directory")
         manifest = read_manifest(path)
-        if manifest.version != path.name:
+        if not staged and manifest.version != path.name:
             raise BundleError(f"{path / MANIFEST}: version {manifest.version!r} does not match directory name")
         bundle = cls(path, manifest)
         bundle._check_files(verify_checksums)

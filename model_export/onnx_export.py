@@ -1,0 +1,74 @@
+"""Export the torch encoder to ONNX and check it against torch."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from service.engine.encoder import ENCODER_INPUTS, ENCODER_OUTPUT, OnnxEncoder
+from service.engine.tokenizer import Tokenizer
+from training.encoder import SiameseEncoder
+
+ONNX_OPSET = 17
+PARITY_TOLERANCE = 1e-5
+
+
+def export_encoder(encoder: SiameseEncoder, path: Path) -> None:
+    """Write the encoder with dynamic batch and token axes."""
+    encoder = encoder.cpu().eval()
+    ids = torch.ones((2, 3), dtype=torch.int64)
+    weights = torch.full((2, 3), 0.5, dtype=torch.float32)
+    dynamic = {"ids": {0: "batch", 1: "tokens"}, "weights": {0: "batch", 1: "tokens"}, ENCODER_OUTPUT: {0: "batch"}}
+    with warnings.catch_warnings():
+        # The TorchScript exporter warns that it is deprecated; it still produces the smaller,
+        # faster graph for this model (no Loop node) and is what parity is checked on.
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            encoder,
+            (ids, weights),
+            str(path),
+            input_names=list(ENCODER_INPUTS),
+            output_names=[ENCODER_OUTPUT],
+            dynamic_axes=dynamic,
+            opset_version=ONNX_OPSET,
+            dynamo=False,
+        )
+
+
+def parity_texts(tokenizer: Tokenizer, sample: Sequence[str], n: int = 1000, seed: int = 0) -> list[str]:
+    """`n` texts for the parity check: edge cases first, then a seeded sample of real texts."""
+    rng = np.random.default_rng(seed)
+    vocab = tokenizer.vocab
+    long_text = " ".join(vocab[int(i)] for i in rng.integers(0, len(vocab), size=4 * tokenizer.max_tokens))
+    edge = ["", "   ", "zzqxj qqqvvk xxyyzz", "!!! ??? ...", long_text, long_text.upper()]
+    pool = list(sample) or vocab
+    picks = [pool[int(i)] for i in rng.integers(0, len(pool), size=max(0, n - len(edge)))]
+    return (edge + picks)[:n]
+
+
+def check_parity(
+    encoder: SiameseEncoder, onnx_path: Path, tokenizer: Tokenizer, texts: Sequence[str], batch_size: int = 128
+) -> float:
+    """Max |onnxruntime - torch| over every coordinate of every text; raises above the tolerance."""
+    session = OnnxEncoder(onnx_path, threads=1, providers=["CPUExecutionProvider"])
+    encoder = encoder.cpu().eval()
+    worst = 0.0
+    for start in range(0, len(texts), batch_size):
+        ids, weights = tokenizer.encode_batch(texts[start : start + batch_size])
+        ort_out = session.run(ids, weights)
+        with torch.no_grad():
+            ref = encoder(torch.from_numpy(ids), torch.from_numpy(weights)).numpy()
+        worst = max(worst, float(np.abs(ort_out - ref).max()))
+    # Batch 1 is the serving hot path: check it on its own too (different padding width).
+    for text in texts[:50]:
+        ids, weights = tokenizer.encode_batch([text])
+        with torch.no_grad():
+            ref = encoder(torch.from_numpy(ids), torch.from_numpy(weights)).numpy()
+        worst = max(worst, float(np.abs(session.run(ids, weights) - ref).max()))
+    if worst > PARITY_TOLERANCE:
+        raise ValueError(f"{onnx_path}: ONNX encoder differs from torch by {worst:.2e} > {PARITY_TOLERANCE:.0e}")
+    return worst
