@@ -33,7 +33,9 @@ class OnnxEncoder:
         opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         try:
-            self.session = ort.InferenceSession(str(path), sess_options=opts, providers=providers or execution_providers())
+            self.session = ort.InferenceSession(
+                str(path), sess_options=opts, providers=providers or execution_providers()
+            )
         except Exception as exc:  # onnxruntime raises its own exception types for bad graphs
             raise ValueError(f"{path}: cannot load ONNX encoder: {exc}") from exc
         names = tuple(i.name for i in self.session.get_inputs())
