@@ -1,0 +1,144 @@
+"""Metrics (prometheus-client), the JSON-lines access log, request ids, and the last-resort 500.
+
+The middleware is plain ASGI (not BaseHTTPMiddleware) so it costs little per request and
+sees every response, including those of unmatched routes and of crashes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import sys
+import time
+import traceback
+import uuid
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+access_log = logging.getLogger("shortlist.access")
+error_log = logging.getLogger("shortlist.error")
+
+_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 0.5,
+                    1.0, 2.5, 10.0)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+class ServiceMetrics:
+    """One registry per app, so several apps in one process (tests, admin port) never collide."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("shortlist_http_requests_total", "HTTP requests answered",
+                                ["route", "method", "status"], registry=r)
+        self.latency = Histogram("shortlist_http_request_duration_seconds", "HTTP request latency",
+                                 ["route", "status"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.in_flight = Gauge("shortlist_http_requests_in_flight", "HTTP requests being served",
+                               registry=r)
+        self.active_bundle = Gauge("shortlist_active_bundle", "1 for the bundle version now serving",
+                                   ["version"], registry=r)
+        self.batch_size = Histogram("shortlist_engine_batch_size", "texts per engine call",
+                                    ["scorer"], buckets=_BATCH_BUCKETS, registry=r)
+        self.swaps = Counter("shortlist_bundle_swaps_total", "successful bundle activations", registry=r)
+        self.failed_activations = Counter("shortlist_bundle_activation_failures_total",
+                                          "activations refused", ["reason"], registry=r)
+        self.activation_seconds = Histogram("shortlist_bundle_activation_seconds",
+                                            "load + validate + swap time",
+                                            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+                                            registry=r)
+
+    def set_active(self, version: str) -> None:
+        self.active_bundle.clear()
+        self.active_bundle.labels(version=version).set(1)
+
+
+def setup_logging(level: str = "info") -> None:
+    """JSON lines on stdout for access and error records; idempotent."""
+    for logger in (access_log, error_log):
+        if not logger.handlers:
+            handler = logging.StreamHandler(sys.stdout)
+            handler.setFormatter(logging.Formatter("%(message)s"))
+            logger.addHandler(handler)
+            logger.propagate = False
+        logger.setLevel(logging.INFO)
+    logging.getLogger("shortlist").setLevel(level.upper())
+
+
+def _route_label(scope: Scope) -> str:
+    route = scope.get("route")
+    path = getattr(route, "path", None)
+    # Unmatched paths share one label so scanners cannot blow up the metric cardinality.
+    return path if isinstance(path, str) else "unmatched"
+
+
+class ObservabilityMiddleware:
+    def __init__(self, app: ASGIApp, metrics: ServiceMetrics, access_log_enabled: bool = True) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.access_log_enabled = access_log_enabled
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        request_id = _request_id(scope)
+        state = scope.setdefault("state", {})
+        state["request_id"] = request_id
+        status = 500
+        started = False
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal status, started
+            if message["type"] == "http.response.start":
+                started = True
+                status = message["status"]
+                message.setdefault("headers", [])
+                message["headers"] = [*message["headers"], (b"x-request-id", request_id.encode())]
+            await send(message)
+
+        self.metrics.in_flight.inc()
+        try:
+            await self.app(scope, receive, send_wrapper)
+        except Exception as exc:
+            status = 500
+            error_log.error(json.dumps({
+                "event": "unhandled_error", "request_id": request_id, "path": scope.get("path"),
+                "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(),
+            }))
+            if not started:
+                body = json.dumps({"error": "internal", "message": "unexpected server error; quote the "
+                                   "request_id when reporting it", "details": [],
+                                   "request_id": request_id}).encode()
+                await send({"type": "http.response.start", "status": 500, "headers": [
+                    (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                    (b"x-request-id", request_id.encode())]})
+                await send({"type": "http.response.body", "body": body})
+        finally:
+            self.metrics.in_flight.dec()
+            elapsed = time.perf_counter() - start
+            route = _route_label(scope)
+            status_label = str(status)
+            self.metrics.requests.labels(route, scope.get("method", ""), status_label).inc()
+            self.metrics.latency.labels(route, status_label).observe(elapsed)
+            if self.access_log_enabled:
+                record: dict[str, Any] = {
+                    "ts": time.time(), "request_id": request_id, "method": scope.get("method"),
+                    "route": route, "path": scope.get("path"), "status": status,
+                    "latency_ms": round(elapsed * 1000.0, 3), "version": state.get("bundle_version"),
+                }
+                access_log.info(json.dumps(record))
+
+
+def _request_id(scope: Scope) -> str:
+    for name, value in scope.get("headers", ()):
+        if name == b"x-request-id":
+            candidate = value.decode("latin-1")
+            if _REQUEST_ID_RE.match(candidate):
+                return candidate
+            break
+    return uuid.uuid4().hex

@@ -1,0 +1,257 @@
+"""Which bundle is serving: loading, validation, atomic swap, drain and release.
+
+Every request takes a lease on the active `Engine` and keeps it until its answer is
+built, so a swap never changes the bundle under a request. The retired engine is closed
+once its last lease is returned (or after a drain timeout).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import gc
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from service.engine import Bundle, BundleError, Predictor
+from service.engine.bundle import list_bundles, newest_version, resolve_bundle_dir, validate_version_name
+from service.engine.metrics import ranking_metrics
+
+log = logging.getLogger("shortlist.registry")
+
+
+class ActivationInProgress(Exception):
+    """Another activation holds the lock (HTTP 409)."""
+
+
+class BundleNotFound(Exception):
+    """No bundle of that version under the root (HTTP 404)."""
+
+
+class ActivationFailed(Exception):
+    """The bundle failed validation or the quality gate (HTTP 422); the old one keeps serving."""
+
+
+class NoBundle(Exception):
+    """Nothing is serving yet (HTTP 503)."""
+
+
+@dataclass(eq=False)
+class Engine:
+    """One loaded bundle and its predictor, with a count of requests using it."""
+
+    bundle: Bundle
+    predictor: Predictor
+    _leases: int = 0
+    _retired: bool = False
+    _closed: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _drained: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def version(self) -> str:
+        return self.bundle.version
+
+    def _acquire(self) -> bool:
+        with self._lock:
+            if self._retired:
+                return False
+            self._leases += 1
+            return True
+
+    def _release(self) -> None:
+        with self._lock:
+            self._leases -= 1
+            if self._retired and self._leases == 0:
+                self._drained.set()
+
+    def _retire(self) -> None:
+        with self._lock:
+            self._retired = True
+            if self._leases == 0:
+                self._drained.set()
+
+    def _close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self.bundle.close()
+
+
+def _malloc_trim() -> Callable[[], None]:
+    # Freed index memory (hnswlib, onnxruntime arenas) stays in glibc's heap unless trimmed;
+    # without this, alternating activations look like a leak in RSS.
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        trim = libc.malloc_trim if libc is not None else None
+    except (OSError, AttributeError):
+        trim = None
+    return (lambda: trim(0)) if trim is not None else (lambda: None)
+
+
+class BundleRegistry:
+    def __init__(
+        self,
+        root: str | Path,
+        *,
+        engine_threads: int = 1,
+        quality_gate_min_p1: float | None = None,
+        drain_timeout_s: float = 30.0,
+        on_swap: Callable[[str | None, str], None] | None = None,
+    ) -> None:
+        self.root = Path(root)
+        self.engine_threads = engine_threads
+        self.quality_gate_min_p1 = quality_gate_min_p1
+        self.drain_timeout_s = drain_timeout_s
+        self.on_swap = on_swap
+        self._active: Engine | None = None
+        self._history: list[str] = []  # previously active versions, most recent last
+        self._activation_lock = threading.Lock()
+        self._trim = _malloc_trim()
+
+    # -- serving side -------------------------------------------------------------------
+
+    @property
+    def active(self) -> Engine | None:
+        return self._active
+
+    @property
+    def active_version(self) -> str | None:
+        engine = self._active
+        return engine.version if engine is not None else None
+
+    @contextmanager
+    def lease(self) -> Iterator[Engine]:
+        """The active engine, guaranteed not to be closed until the block exits."""
+        while True:
+            engine = self._active
+            if engine is None:
+                raise NoBundle("no bundle is loaded yet")
+            # A swap may retire `engine` between the read and the acquire; then take the new one.
+            if engine._acquire():
+                break
+        try:
+            yield engine
+        finally:
+            engine._release()
+
+    # -- admin side ---------------------------------------------------------------------
+
+    def list(self) -> list[tuple[object, bool]]:
+        active = self.active_version
+        return [(m, m.version == active) for m in list_bundles(self.root)]
+
+    def activate(self, version: str | None = None) -> dict[str, object]:
+        """Load, validate and swap in `version` (default: the newest under the root).
+
+        Raises ActivationInProgress, BundleNotFound or ActivationFailed; on any failure the
+        active bundle is untouched.
+        """
+        if not self._activation_lock.acquire(blocking=False):
+            raise ActivationInProgress("another activation is in progress")
+        try:
+            return self._activate_locked(version, record_history=True)
+        finally:
+            self._activation_lock.release()
+
+    def rollback(self) -> dict[str, object]:
+        if not self._activation_lock.acquire(blocking=False):
+            raise ActivationInProgress("another activation is in progress")
+        try:
+            if not self._history:
+                raise BundleNotFound("no previously active bundle to roll back to")
+            target = self._history[-1]
+            result = self._activate_locked(target, record_history=False)
+            self._history.pop()
+            return result
+        finally:
+            self._activation_lock.release()
+
+    def _activate_locked(self, version: str | None, *, record_history: bool) -> dict[str, object]:
+        t0 = time.perf_counter()
+        if version is None:
+            try:
+                version = newest_version(self.root)
+            except BundleError as exc:
+                raise BundleNotFound(str(exc)) from exc
+        try:
+            validate_version_name(version)
+        except BundleError as exc:
+            raise ActivationFailed(str(exc)) from exc
+        try:
+            path = resolve_bundle_dir(self.root, version)
+        except BundleError as exc:
+            if "no bundle" in str(exc):
+                raise BundleNotFound(str(exc)) from exc
+            raise ActivationFailed(str(exc)) from exc
+        try:
+            bundle = Bundle.load(path)
+            predictor = Predictor(bundle, threads=self.engine_threads)
+        except BundleError as exc:
+            raise ActivationFailed(str(exc)) from exc
+        except Exception as exc:  # anything else on the load path also disqualifies the bundle
+            log.exception("loading bundle %s failed", version)
+            raise ActivationFailed(f"{path}: {type(exc).__name__}: {exc}") from exc
+        quality = self._quality_gate(bundle, predictor)
+        new = Engine(bundle, predictor)
+        old = self._active
+        self._active = new  # the swap: one reference assignment
+        if old is not None:
+            if record_history:
+                self._history.append(old.version)
+                del self._history[:-16]
+            old._retire()
+            threading.Thread(target=self._drain_and_close, args=(old,), daemon=True).start()
+        seconds = time.perf_counter() - t0
+        if self.on_swap is not None:
+            self.on_swap(old.version if old else None, new.version)
+        log.info("activated bundle %s (previous %s) in %.3fs", new.version, old.version if old else None, seconds)
+        return {"active": new.version, "previous": old.version if old else None, "seconds": seconds,
+                "quality": quality}
+
+    def _quality_gate(self, bundle: Bundle, predictor: Predictor) -> dict[str, float]:
+        if self.quality_gate_min_p1 is None:
+            return {}
+        rows = bundle.validation_rows()
+        if not rows:
+            bundle.close()
+            raise ActivationFailed(
+                f"{bundle.path}: quality gate is on (min P@1 {self.quality_gate_min_p1}) "
+                "but the bundle stores no validation rows"
+            )
+        texts = [str(r["text"]) for r in rows]
+        truths = [np.asarray(r["target_ind"], dtype=np.int64) for r in rows]
+        ids, _ = predictor.predict_ids(texts, k=5)
+        scores = ranking_metrics(ids, truths, ks=(1, 5))
+        p1 = float(scores["P@1"])
+        if p1 < self.quality_gate_min_p1:
+            bundle.close()
+            raise ActivationFailed(
+                f"{bundle.path}: quality gate failed: P@1 {p1:.2f} on {len(rows)} validation rows, "
+                f"the floor is {self.quality_gate_min_p1:.2f}"
+            )
+        return {k: float(v) for k, v in scores.items()}
+
+    def _drain_and_close(self, engine: Engine) -> None:
+        if not engine._drained.wait(self.drain_timeout_s):
+            log.warning("bundle %s still had requests after %.0fs; closing it", engine.version,
+                        self.drain_timeout_s)
+        engine._close()
+        del engine
+        gc.collect()
+        self._trim()
+
+    def close(self) -> None:
+        engine, self._active = self._active, None
+        if engine is not None:
+            engine._retire()
+            self._drain_and_close(engine)

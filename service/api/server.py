@@ -1,0 +1,56 @@
+"""`shortlist serve`: uvicorn over `create_app`, plus the admin app on its own port if configured."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+import uvicorn
+
+from service.api.app import build_state, create_admin_app, create_app, initial_load, shutdown
+from service.api.settings import Settings
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """Environment (SHORTLIST_*) first, then any flag given on the command line wins."""
+    overrides = {
+        name: getattr(args, name)
+        for name in ("bundle_root", "version", "host", "port")
+        if getattr(args, name, None) is not None
+    }
+    return Settings(**overrides)
+
+
+def _config(app: object, host: str, port: int, settings: Settings) -> uvicorn.Config:
+    # access_log off: the app writes its own JSON access log with request ids and versions.
+    return uvicorn.Config(app, host=host, port=port, access_log=False, log_level=settings.log_level,
+                          timeout_graceful_shutdown=int(settings.drain_timeout_s) or None)
+
+
+async def _serve_two(settings: Settings) -> None:
+    state = build_state(settings)
+    main = uvicorn.Server(_config(create_app(settings, state=state, admin=False),
+                                  settings.host, settings.port, settings))
+    admin = uvicorn.Server(_config(create_admin_app(state), settings.admin_host or settings.host,
+                                   int(settings.admin_port or 0), settings))
+    load = asyncio.create_task(initial_load(state))
+    try:
+        await asyncio.gather(main.serve(), admin.serve())
+    finally:
+        load.cancel()
+        await shutdown(state)
+
+
+def run(settings: Settings) -> None:
+    if settings.admin_token is not None and settings.admin_port is not None:
+        asyncio.run(_serve_two(settings))
+        return
+    uvicorn.Server(_config(create_app(settings), settings.host, settings.port, settings)).run()
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)
+    if not settings.bundle_root.is_dir():
+        raise FileNotFoundError(f"bundle root {settings.bundle_root} is not a directory")
+    run(settings)
+    return 0

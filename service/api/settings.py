@@ -1,0 +1,55 @@
+"""Service settings: environment variables prefixed SHORTLIST_, overridden by `shortlist serve` flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SHORTLIST_", extra="forbid")
+
+    bundle_root: Path = Path("bundles")
+    # None serves the newest bundle under the root.
+    version: str | None = None
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+
+    # Engine work runs in this many pool threads (each a concurrent engine call); the engine
+    # itself runs each call with `engine_threads` intra-op threads. Both explicit so a 2-core
+    # box is not oversubscribed by onnxruntime's default of one thread per core per session.
+    workers: int = Field(2, ge=1, le=256)
+    engine_threads: int = Field(1, ge=1, le=256)
+
+    # Dynamic batching of concurrent single-text requests: requests queue while every worker
+    # is busy and leave together, up to batch_max_size; batch_max_wait_ms > 0 also holds a
+    # lone request that long hoping for company (costs latency at low load).
+    batching: bool = True
+    batch_max_size: int = Field(32, ge=1, le=4096)
+    batch_max_wait_ms: float = Field(0.0, ge=0.0, le=1000.0)
+
+    # Request limits.
+    max_text_chars: int = Field(2000, ge=1)
+    max_k: int = Field(100, ge=1)
+    max_batch: int = Field(128, ge=1)
+    max_body_bytes: int = Field(1_048_576, ge=64)
+    max_beam: int = Field(256, ge=1)
+
+    # Admin API: off unless a token is set; optionally on its own port.
+    admin_token: SecretStr | None = None
+    admin_host: str | None = None
+    admin_port: int | None = Field(None, ge=0, le=65535)
+    # Quality gate at activation, on the bundle's stored validation rows: P@1 (percent) must
+    # reach this floor. None disables the gate.
+    quality_gate_min_p1: float | None = Field(None, ge=0.0, le=100.0)
+    # How long a retired bundle may wait for in-flight requests before it is closed anyway.
+    drain_timeout_s: float = Field(30.0, ge=0.0)
+
+    # Diagnostics: a trivial echo route (the framework's floor in bench/http.py) and a route
+    # that raises (to exercise the 500 path in tests). Both off by default.
+    echo_route: bool = False
+    fault_route: bool = False
+    access_log: bool = True
+    log_level: str = "info"
