@@ -48,6 +48,7 @@ def export_checkpoint(
     """Write ROOT/VERSION from a checkpoint; returns the bundle path after loading it back."""
     t0 = time.perf_counter()
     ckpt = Checkpoint.load(ckpt_dir)
+    _check_shapes(ckpt, Path(ckpt_dir))
     version = fmt.validate_version_name(version or default_version())
     root = Path(root)
     if (root / version).exists():
@@ -115,6 +116,18 @@ def export_checkpoint(
     Bundle.load(final).close()  # what was written must pass the same validation the service runs
     log(f"bundle {final} written and validated in {time.perf_counter() - t0:.1f}s")
     return final
+
+
+def _check_shapes(ckpt: Checkpoint, ckpt_dir: Path) -> None:
+    L, D = len(ckpt.labels), ckpt.encoder.dim
+    expected = {"classifiers.npy": (L, D), "classifier_bias.npy": (L,), "centroids.npy": (L, D)}
+    found = {"classifiers.npy": ckpt.classifiers, "classifier_bias.npy": ckpt.classifier_bias,
+             "centroids.npy": ckpt.centroids}
+    for name, shape in expected.items():
+        if found[name].shape != shape:
+            raise ValueError(
+                f"{ckpt_dir / name}: shape {found[name].shape}, expected {shape} ({L} labels, dim {D})"
+            )
 
 
 def _tree_beam(ckpt: Checkpoint) -> int | None:

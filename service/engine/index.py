@@ -9,7 +9,12 @@ import numpy as np
 
 
 class VectorIndex:
-    """An hnswlib inner-product index over L rows; row i is label i.
+    """Maximum-inner-product search over L rows of dimension `dim`; row i is label i.
+
+    Rows of very different norms (classifiers with a bias coordinate) make a poor HNSW
+    graph under a raw inner product, so each row x is stored as the unit vector
+    [x, sqrt(M^2 - |x|^2)] / M (M = the largest row norm) and each query as [q, 0]:
+    the inner product then ranks rows exactly as <x, q> does, on a well-behaved graph.
 
     Searches never modify the index, so concurrent `search` calls from several threads
     are safe (hnswlib releases the GIL while it searches).
@@ -17,7 +22,7 @@ class VectorIndex:
 
     def __init__(self, index: hnswlib.Index, ef_search: int) -> None:
         self._index = index
-        self.dim = index.dim
+        self.dim = index.dim - 1
         self.count = index.get_current_count()
         self.ef_search = int(ef_search)
         index.set_ef(self.ef_search)
@@ -32,15 +37,18 @@ class VectorIndex:
         seed: int = 0,
         threads: int = -1,
     ) -> VectorIndex:
-        vectors = np.ascontiguousarray(vectors, dtype=np.float32)
-        index = hnswlib.Index(space="ip", dim=vectors.shape[1])
+        vectors = np.asarray(vectors, dtype=np.float64)
+        sq = np.einsum("ij,ij->i", vectors, vectors)
+        max_sq = max(float(sq.max()), 1e-12)
+        lifted = np.hstack([vectors, np.sqrt(np.maximum(max_sq - sq, 0.0))[:, None]]) / np.sqrt(max_sq)
+        index = hnswlib.Index(space="ip", dim=lifted.shape[1])
         index.init_index(max_elements=len(vectors), M=M, ef_construction=ef_construction, random_seed=seed)
-        index.add_items(vectors, np.arange(len(vectors)), num_threads=threads)
+        index.add_items(lifted.astype(np.float32), np.arange(len(vectors)), num_threads=threads)
         return cls(index, ef_search)
 
     @classmethod
     def load(cls, path: str | Path, dim: int, count: int, ef_search: int) -> VectorIndex:
-        index = hnswlib.Index(space="ip", dim=dim)
+        index = hnswlib.Index(space="ip", dim=dim + 1)
         try:
             index.load_index(str(path), max_elements=count)
         except (RuntimeError, ValueError, OSError) as exc:
@@ -57,12 +65,11 @@ class VectorIndex:
         self.ef_search = int(ef_search)
         self._index.set_ef(self.ef_search)
 
-    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """Top-k row ids [B, k] and inner products [B, k], best first."""
+    def search(self, queries: np.ndarray, k: int) -> np.ndarray:
+        """Ids [B, k] of the rows with the largest inner product with each query, best first."""
         k = min(k, self.count)
         if k > self.ef_search:
-            # hnswlib needs ef >= k; widen this search only, without touching shared state.
             raise ValueError(f"k={k} exceeds ef_search={self.ef_search}")
-        labels, distances = self._index.knn_query(queries, k=k, num_threads=1)
-        # The "ip" space returns 1 - <x, q>.
-        return labels.astype(np.int64), (1.0 - distances).astype(np.float32)
+        lifted = np.hstack([queries, np.zeros((len(queries), 1), dtype=np.float32)])
+        labels, _ = self._index.knn_query(lifted, k=k, num_threads=1)
+        return labels.astype(np.int64)

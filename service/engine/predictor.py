@@ -69,10 +69,10 @@ class Predictor:
     def _candidates(self, q: np.ndarray) -> np.ndarray:
         """[B, k_w + k_mu] label ids from both indices; duplicates are handled by the caller."""
         ones = np.ones((len(q), 1), dtype=np.float32)
-        ids_w, _ = self.bundle.index_w.search(np.hstack([q, ones]), self.shortlist_w)
+        ids_w = self.bundle.index_w.search(np.hstack([q, ones]), self.shortlist_w)
         if self.shortlist_mu == 0:
             return ids_w
-        ids_mu, _ = self.bundle.index_mu.search(q, self.shortlist_mu)
+        ids_mu = self.bundle.index_mu.search(q, self.shortlist_mu)
         return np.hstack([ids_w, ids_mu])
 
     def shortlist(self, texts: Sequence[str]) -> list[np.ndarray]:

@@ -1,0 +1,57 @@
+"""Shared fixtures: a generated dataset and a bundle root built by real training and export.
+
+Everything is made here from generated data, so the suite needs nothing outside the repo.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from model_export.export import export_checkpoint
+from training.synthetic import generate
+from training.train import TrainConfig, train
+
+SYNTHETIC = {"num_labels": 300, "train_docs": 1500, "test_docs": 300, "seed": 0}
+
+
+@pytest.fixture(scope="session")
+def synthetic_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("data")
+    generate(out, **SYNTHETIC)
+    return out
+
+
+@pytest.fixture(scope="session")
+def checkpoints(synthetic_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Two checkpoints of the same data with different seeds ("v1" and "v2")."""
+    out = {}
+    for version, seed in (("v1", 1), ("v2", 2)):
+        ckpt_dir = tmp_path_factory.mktemp(f"ckpt-{version}")
+        train(synthetic_data, TrainConfig.tiny(), seed=seed, log=lambda *_: None).save(ckpt_dir)
+        out[version] = ckpt_dir
+    return out
+
+
+@pytest.fixture(scope="session")
+def bundle_root_template(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("bundles")
+    for version, ckpt_dir in checkpoints.items():
+        export_checkpoint(ckpt_dir, root, version, log=lambda *_: None)
+    return root
+
+
+@pytest.fixture(scope="session")
+def bundle_root(bundle_root_template: Path) -> Path:
+    """A bundle root with valid bundles "v1" and "v2"; tests must not modify it (use bundle_root_copy)."""
+    return bundle_root_template
+
+
+@pytest.fixture
+def bundle_root_copy(bundle_root_template: Path, tmp_path: Path) -> Path:
+    """A private copy of the bundle root that a test may modify (corrupt, add versions)."""
+    dst = tmp_path / "bundles"
+    shutil.copytree(bundle_root_template, dst)
+    return dst

@@ -1,0 +1,148 @@
+"""Engine: bundle validation refuses every broken bundle with a message naming the file; Predictor behaviour."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from service.engine import Bundle, BundleError, Predictor
+from service.engine.bundle import MANIFEST, newest_version, resolve_bundle_dir, sha256_file
+
+
+def _rewrite_manifest(bundle_dir: Path, **changes) -> None:
+    path = bundle_dir / MANIFEST
+    manifest = json.loads(path.read_text())
+    manifest.update(changes)
+    path.write_text(json.dumps(manifest))
+
+
+def _refresh_checksum(bundle_dir: Path, name: str) -> None:
+    manifest = json.loads((bundle_dir / MANIFEST).read_text())
+    manifest["files"][name] = sha256_file(bundle_dir / name)
+    (bundle_dir / MANIFEST).write_text(json.dumps(manifest))
+
+
+def test_valid_bundle_loads_and_memory_maps_its_arrays(bundle_root):
+    bundle = Bundle.load(bundle_root / "v1")
+    assert bundle.version == "v1"
+    assert isinstance(bundle.classifiers, np.memmap) and isinstance(bundle.centroids, np.memmap)
+
+
+def test_flipped_byte_is_rejected_naming_the_file(bundle_root_copy):
+    target = bundle_root_copy / "v1" / "classifiers.npy"
+    data = bytearray(target.read_bytes())
+    data[-7] ^= 0xFF
+    target.write_bytes(bytes(data))
+    with pytest.raises(BundleError, match=r"classifiers\.npy: sha256 mismatch"):
+        Bundle.load(bundle_root_copy / "v1")
+
+
+def test_missing_file_is_rejected(bundle_root_copy):
+    os.remove(bundle_root_copy / "v1" / "hnsw_mu.bin")
+    with pytest.raises(BundleError, match=r"hnsw_mu\.bin: listed in the manifest but missing"):
+        Bundle.load(bundle_root_copy / "v1")
+
+
+def test_unknown_format_version_is_rejected(bundle_root_copy):
+    _rewrite_manifest(bundle_root_copy / "v1", format_version=99)
+    with pytest.raises(BundleError, match="bundle format 99"):
+        Bundle.load(bundle_root_copy / "v1")
+
+
+def test_array_shape_disagreeing_with_manifest_is_rejected(bundle_root_copy):
+    bundle_dir = bundle_root_copy / "v1"
+    mu = np.load(bundle_dir / "centroids.npy")
+    np.save(bundle_dir / "centroids.npy", mu[:, :-1])
+    _refresh_checksum(bundle_dir, "centroids.npy")
+    with pytest.raises(BundleError, match=r"centroids\.npy: expected float32"):
+        Bundle.load(bundle_dir)
+
+
+def test_canary_catches_arrays_that_disagree_with_export(bundle_root_copy):
+    """Consistent checksums but permuted classifier rows: only the canary query can notice."""
+    bundle_dir = bundle_root_copy / "v1"
+    for name in ("classifiers.npy", "centroids.npy"):
+        arr = np.load(bundle_dir / name)
+        np.save(bundle_dir / name, arr[::-1].copy())
+        _refresh_checksum(bundle_dir, name)
+    with pytest.raises(BundleError, match="canary"):
+        Bundle.load(bundle_dir)
+
+
+def test_manifest_version_must_match_directory(bundle_root_copy):
+    os.rename(bundle_root_copy / "v1", bundle_root_copy / "v9")
+    with pytest.raises(BundleError, match="does not match directory name"):
+        Bundle.load(bundle_root_copy / "v9")
+
+
+def test_bundle_dirs_cannot_escape_the_root(bundle_root_copy, tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    os.symlink(outside, bundle_root_copy / "escape")
+    with pytest.raises(BundleError, match="outside the bundle root"):
+        resolve_bundle_dir(bundle_root_copy, "escape")
+    for bad in ("../outside", "..", "v1/../v2", "/etc"):
+        with pytest.raises(BundleError):
+            resolve_bundle_dir(bundle_root_copy, bad)
+    with pytest.raises(BundleError, match="no bundle"):
+        resolve_bundle_dir(bundle_root_copy, "v7")
+    assert resolve_bundle_dir(bundle_root_copy, "v2") == (bundle_root_copy / "v2").resolve()
+
+
+def test_newest_version_is_the_last_created(bundle_root):
+    assert newest_version(bundle_root) == "v2"
+
+
+@pytest.fixture(scope="module")
+def predictor(bundle_root) -> Predictor:
+    return Predictor(Bundle.load(bundle_root / "v1"))
+
+
+def test_batch_results_equal_single_results(predictor):
+    texts = ["alpha beta", "", "completely unknown zzqx", predictor.bundle.labels.titles[3]]
+    batch_ids, batch_scores = predictor.predict_ids(texts, k=7)
+    for row, text in enumerate(texts):
+        ids, scores = predictor.predict_ids([text], k=7)
+        assert ids[0].tolist() == batch_ids[row].tolist()
+        assert np.allclose(scores[0], batch_scores[row], atol=1e-6)
+
+
+def test_results_are_sorted_unique_and_k_long(predictor):
+    ids, scores = predictor.predict_ids([predictor.bundle.labels.titles[0], ""], k=10)
+    for row_ids, row_scores in zip(ids, scores, strict=True):
+        valid = row_ids[row_ids >= 0]
+        assert len(valid) == len(set(valid.tolist()))
+        assert np.all(np.diff(row_scores[: len(valid)]) <= 1e-7)
+    assert ids.shape == (2, 10)
+
+
+def test_k_larger_than_the_shortlist_pads_with_minus_one(predictor):
+    k = predictor.num_labels + 5
+    ids, _ = predictor.predict_ids(["anything"], k=k)
+    assert ids.shape == (1, k)
+    assert (ids[0] == -1).sum() >= 5
+    named = predictor.predict(["anything"], k=k)[0]
+    assert all(p.id >= 0 for p in named)
+
+
+def test_alpha_changes_the_ranking_and_is_bounded(predictor):
+    text = predictor.bundle.labels.titles[5]
+    classifier_only = predictor.predict_ids([text], k=5, alpha=1.0)
+    centroid_only = predictor.predict_ids([text], k=5, alpha=0.0)
+    assert not np.allclose(classifier_only[1], centroid_only[1])
+    for bad in (-0.01, 1.01):
+        with pytest.raises(ValueError, match="alpha"):
+            predictor.predict_ids([text], k=5, alpha=bad)
+    with pytest.raises(ValueError, match="k must be"):
+        predictor.predict_ids([text], k=0)
+
+
+def test_named_predictions_carry_uid_and_title(predictor):
+    (preds,) = predictor.predict([predictor.bundle.labels.titles[2]], k=3)
+    labels = predictor.bundle.labels
+    for p in preds:
+        assert p.uid == labels.uids[p.id] and p.title == labels.titles[p.id]

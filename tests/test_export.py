@@ -1,0 +1,133 @@
+"""Export: ONNX parity, bundle layout and checksums, immutability, atomicity, evaluation through the engine."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from model_export.export import export_checkpoint
+from model_export.onnx_export import PARITY_TOLERANCE, parity_texts
+from service.engine import Bundle, BundleError, Predictor
+from service.engine.bundle import MANIFEST, REQUIRED_FILES, newest_version, sha256_file
+from training.checkpoint import Checkpoint
+
+
+def test_onnx_matches_torch_on_1000_texts_including_edge_cases(checkpoints, bundle_root):
+    ckpt = Checkpoint.load(checkpoints["v1"])
+    texts = parity_texts(ckpt.tokenizer, ckpt.labels.titles, n=1000)
+    assert len(texts) == 1000 and "" in texts
+    assert any(len(ckpt.tokenizer.encode(t)[0]) == ckpt.tokenizer.max_tokens for t in texts)  # very long
+    predictor = Predictor(Bundle.load(bundle_root / "v1"))
+    served = np.vstack([predictor.encode(texts[i : i + 100]) for i in range(0, 1000, 100)])
+    ids, weights = ckpt.tokenizer.encode_batch(texts)
+    with torch.no_grad():
+        ref = ckpt.encoder(torch.from_numpy(ids), torch.from_numpy(weights)).numpy()
+    assert np.abs(served - ref).max() <= PARITY_TOLERANCE
+    # the empty and all-unknown texts are valid inputs that map to the zero vector
+    assert np.all(served[0] == 0) and np.all(served[texts.index("zzqxj qqqvvk xxyyzz")] == 0)
+    norms = np.linalg.norm(served, axis=1)
+    assert np.allclose(norms[norms > 0], 1.0, atol=1e-5)
+
+
+def test_manifest_lists_every_file_with_its_sha256(bundle_root):
+    bundle_dir = bundle_root / "v1"
+    manifest = json.loads((bundle_dir / MANIFEST).read_text())
+    on_disk = {p.name for p in bundle_dir.iterdir()} - {MANIFEST}
+    assert set(manifest["files"]) == on_disk
+    assert set(REQUIRED_FILES) <= on_disk
+    for name, digest in manifest["files"].items():
+        assert sha256_file(bundle_dir / name) == digest
+    for field in ("format_version", "created_at", "dim", "num_labels", "vocab_size", "scoring", "hnsw",
+                  "data_fingerprint", "metrics", "canary"):
+        assert field in manifest
+    assert manifest["scoring"]["calibration"]["classifier"]["kind"] in ("sigmoid", "exp", "identity")
+    assert manifest["hnsw"]["ef_search"] >= manifest["scoring"]["shortlist"]["k_w"]
+    assert np.load(bundle_dir / "classifiers.npy", mmap_mode="r").shape == (manifest["num_labels"], manifest["dim"])
+
+
+def test_export_refuses_to_overwrite_an_existing_version(checkpoints, bundle_root_copy):
+    before = sha256_file(bundle_root_copy / "v1" / MANIFEST)
+    with pytest.raises(BundleError, match="already exists"):
+        export_checkpoint(checkpoints["v1"], bundle_root_copy, "v1", log=lambda *_: None)
+    assert sha256_file(bundle_root_copy / "v1" / MANIFEST) == before
+
+
+def test_inconsistent_checkpoint_is_refused_before_writing(checkpoints, tmp_path):
+    broken = tmp_path / "ckpt"
+    shutil.copytree(checkpoints["v1"], broken)
+    w = np.load(broken / "classifiers.npy")
+    np.save(broken / "classifiers.npy", w[:-1])  # one label short
+    root = tmp_path / "bundles"
+    with pytest.raises(ValueError, match=r"classifiers\.npy: shape \(299, \d+\), expected \(300,"):
+        export_checkpoint(broken, root, "broken", log=lambda *_: None)
+    assert not (root / "broken").exists()
+
+
+def test_killed_export_never_leaves_a_bundle_under_its_final_name(checkpoints, tmp_path):
+    root = tmp_path / "bundles"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shortlist.cli", "export", str(checkpoints["v1"]), "--out", str(root),
+         "--version", "vkill"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not any(root.glob(".staging-vkill-*")) and proc.poll() is None:
+        time.sleep(0.005)
+    assert proc.poll() is None, "export finished before it could be interrupted"
+    proc.kill()
+    proc.wait(timeout=30)
+    assert not (root / "vkill").exists()
+    with pytest.raises(BundleError, match="no bundle"):
+        newest_version(root)  # the leftover staging directory is never mistaken for a bundle
+    export_checkpoint(checkpoints["v1"], root, "vkill", log=lambda *_: None)
+    assert Bundle.load(root / "vkill").version == "vkill"
+
+
+def test_export_rejects_bad_version_names(checkpoints, tmp_path):
+    for bad in ("../escape", "a/b", ".hidden", "x" * 65, "v 1"):
+        with pytest.raises(BundleError, match="invalid bundle version"):
+            export_checkpoint(checkpoints["v1"], tmp_path, bad, log=lambda *_: None)
+
+
+def test_cli_eval_json_reports_metrics_far_above_chance(bundle_root, synthetic_data):
+    out = subprocess.run(
+        [sys.executable, "-m", "shortlist.cli", "eval", str(bundle_root / "v1"), "--data", str(synthetic_data),
+         "--json"],
+        capture_output=True, text=True, check=True, timeout=120,
+    )
+    result = json.loads(out.stdout)
+    for key in ("P@1", "P@3", "P@5", "nDCG@5", "PSP@1", "PSP@3", "PSP@5", "recall@shortlist", "queries_per_s"):
+        assert key in result
+    assert result["documents"] == 300
+    # 300 labels: chance P@1 is well under 1%; a trained model is far above it.
+    assert result["P@1"] > 30.0
+    assert 0 < result["recall@shortlist"] <= 100.0
+
+
+def test_eval_reports_a_clear_error_for_a_missing_split(bundle_root, tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "shortlist.cli", "eval", str(bundle_root / "v1"), "--data", str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr and "tst" in out.stderr
+
+
+def test_served_ranking_tracks_exact_scoring(bundle_root, synthetic_data):
+    """The ANN shortlist costs little: top-1 agrees with brute force on nearly every test text."""
+    from training.data import load_split
+
+    predictor = Predictor(Bundle.load(bundle_root / "v1"))
+    texts = load_split(synthetic_data, "tst").texts[:200]
+    ann_ids, ann_scores = predictor.predict_ids(texts, k=5)
+    exact_ids, exact_scores = predictor.predict_exact_ids(texts, k=5)
+    assert np.mean(ann_ids[:, 0] == exact_ids[:, 0]) >= 0.9
+    same = ann_ids[:, 0] == exact_ids[:, 0]
+    assert np.allclose(ann_scores[same, 0], exact_scores[same, 0], atol=1e-5)
