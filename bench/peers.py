@@ -433,11 +433,39 @@ def worker(spec_path: str) -> int:
         result["load_s"] = load_s
         result["rss_mb"] = peak_rss_mb()
         if system == "shortlist":
+            result["defaults"] = shortlist_defaults(model)
             result["grid"] = shortlist_grid(model, texts, spec, files)
+            result["exact"] = shortlist_exact(model, texts, spec, files)
     else:
         raise BenchError(f"unknown worker phase {phase!r}")
     Path(spec["result"]).write_text(json.dumps(result), encoding="utf-8")
     return 0
+
+
+def shortlist_defaults(served: ShortlistServed) -> dict[str, Any]:
+    p = served.predictor
+    return {"ef_search": served.bundle.index_w.ef_search, "shortlist_w": p.shortlist_w,
+            "shortlist_mu": p.shortlist_mu, "alpha": p.alpha}
+
+
+class _ExactScoring:
+    """Shortlist's scores over all L labels (no ANN): the ceiling its shortlist approximates."""
+
+    def __init__(self, served: ShortlistServed) -> None:
+        self.predictor = served.predictor
+
+    def predict_one(self, text: str) -> list[int]:
+        ids, _ = self.predictor.predict_exact_ids([text], k=K)
+        return [int(i) for i in ids[0] if i >= 0]
+
+    def predict_batch(self, texts: Sequence[str]) -> np.ndarray:
+        return self.predictor.predict_exact_ids(texts, k=K)[0]
+
+
+def shortlist_exact(served: ShortlistServed, texts: Sequence[str], spec: dict[str, Any], files: RunFiles) -> dict:
+    # Dense [B, L] scores: small batches keep the reference pass's memory modest.
+    sub = {**spec, "latency_queries": spec["grid_latency_queries"], "batch_size": 128}
+    return serve_and_measure(_ExactScoring(served), texts, sub, files.preds / "shortlist-exact.npy")
 
 
 def shortlist_grid(served: ShortlistServed, texts: Sequence[str], spec: dict[str, Any], files: RunFiles) -> list[dict]:
@@ -601,18 +629,28 @@ def render_markdown(rows: list[dict[str, Any]], grid: list[dict[str, Any]], cont
     ]
     if context.get("versions"):
         out += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in context["versions"].items()) + "."]
-    if context.get("shortlist_info"):
-        out += ["", "Shortlist build: " + ", ".join(f"{k} {fmt(v, 1)}" for k, v in context["shortlist_info"].items())
-                + "."]
-    if grid:
+    info = context.get("shortlist_info") or {}
+    if info:
+        build = [f"{key} {fmt(info[key], 1)} s" for key in ("train_s", "export_s") if key in info]
+        if "reused" in info:
+            build.append(f"reused {info['reused']}")
+        out += ["", "Shortlist build: " + ", ".join(build) + "."]
+    if info.get("defaults"):
+        d = info["defaults"]
+        out += ["", f"Shortlist's row uses the bundle defaults: ef_search {d['ef_search']}, shortlist_w "
+                f"{d['shortlist_w']}, shortlist_mu {d['shortlist_mu']}, alpha {fmt(d['alpha'])}."]
+    if grid or info.get("exact"):
         out += [
             "",
-            "Shortlist speed knobs (same bundle, Predictor(ef_search, shortlist_w, shortlist_mu), one thread):",
+            "Shortlist speed knobs (same bundle, Predictor(ef_search, shortlist_w, shortlist_mu), one thread; "
+            f"latency over {context['grid_latency_queries']} queries). \"exact\" scores all L labels without the "
+            "ANN shortlist: the ceiling the shortlist approximates.",
             "",
             "| ef_search | shortlist_w | shortlist_mu | P@1 | P@5 | PSP@5 | p50 (ms) | p99 (ms) | batch (q/s) |",
             "|---|---|---|---|---|---|---|---|---|",
         ]
-        for g in grid:
+        for g in [*grid, *([{"ef_search": "exact", "shortlist_w": "all", "shortlist_mu": "all", **info["exact"]}]
+                           if info.get("exact") else [])]:
             m = g["metrics"]
             out.append(
                 f"| {g['ef_search']} | {g['shortlist_w']} | {g['shortlist_mu']} | {fmt(m['P@1'])} | {fmt(m['P@5'])} "
@@ -625,23 +663,29 @@ def render_markdown(rows: list[dict[str, Any]], grid: list[dict[str, Any]], cont
     return "\n".join(out) + "\n"
 
 
-def plot(rows: list[dict[str, Any]], grid: list[dict[str, Any]], path: Path, title: str) -> None:
+def plot(rows: list[dict[str, Any]], grid: list[dict[str, Any]], exact: dict[str, Any] | None, path: Path,
+         title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.6))
     markers = {"pecos": "s", "omikuji": "^", "napkinxc": "D", "shortlist": "*"}
     for ax, metric in zip(axes, ("P@1", "PSP@5"), strict=True):
         if grid:
             pts = sorted(grid, key=lambda g: g["p50_ms"])
             ax.plot([g["p50_ms"] for g in pts], [g["metrics"][metric] for g in pts], "-o", color="tab:red",
-                    alpha=0.5, markersize=4, label="Shortlist knobs (ef, k_w, k_mu)")
+                    alpha=0.45, markersize=4, label="Shortlist knobs (ef_search, k_w, k_mu)")
             for g in pts:
                 ax.annotate(f"{g['ef_search']},{g['shortlist_w']},{g['shortlist_mu']}",
                             (g["p50_ms"], g["metrics"][metric]), fontsize=6, alpha=0.7,
                             xytext=(3, -8), textcoords="offset points")
+        if exact:
+            ax.axhline(exact["metrics"][metric], color="tab:red", linestyle="--", linewidth=0.8, alpha=0.6)
+            ax.scatter([exact["p50_ms"]], [exact["metrics"][metric]], marker="x", color="tab:red", s=40,
+                       label="Shortlist exact scoring (all labels, no ANN)")
         for r in rows:
             if "error" in r or "metrics" not in r:
                 continue
@@ -649,8 +693,12 @@ def plot(rows: list[dict[str, Any]], grid: list[dict[str, Any]], path: Path, tit
             ax.scatter([r["p50_ms"]], [r["metrics"][metric]], marker=markers.get(r["system"], "o"), s=90,
                        color=color, label=r["title"], zorder=3)
         ax.set_xscale("log")
-        ax.set_xlabel("single-query p50 latency (ms, one thread, log scale)")
+        ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(FormatStrFormatter("%g"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel("single-query p50 latency (ms, one thread, text in, log scale)")
         ax.set_ylabel(f"{metric} (%)")
+        ax.set_title(metric, fontsize=9)
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=7, loc="best")
     fig.suptitle(title, fontsize=10)
@@ -721,6 +769,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for point in serve.pop("grid", []):
                     point["metrics"] = evaluate(point["preds"], tst.targets, inv_prop)
                     grid.append(point)
+                exact = serve.pop("exact")
+                exact["metrics"] = evaluate(exact["preds"], tst.targets, inv_prop)
+                shortlist_info["exact"] = exact
+                shortlist_info["defaults"] = serve.pop("defaults")
             else:
                 trained = run_worker(files, system, "train", log, False, model_dir=str(model_dir),
                                      threads=args.train_threads, seed=args.seed)
@@ -742,7 +794,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     published = args.limit is None and args.out is None
     plot_path = run_dir / "peers.png"
     title = f"{dataset} ({args.text_field}{', limit ' + str(args.limit) if args.limit else ''})"
-    plot(rows, grid, plot_path, title)
+    plot(rows, grid, shortlist_info.get("exact"), plot_path, title)
     shutil.copyfile(plot_path, OUT_DIR / "peers.png")
     default_md = BENCH_DIR / "RESULTS.md" if published else run_dir / "RESULTS.md"
     results_md = Path(args.results) if args.results else default_md
@@ -764,6 +816,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "labels": files.num_labels,
         "features": files.num_features,
         "latency_queries": min(args.latency_queries, len(tst)),
+        "grid_latency_queries": min(args.grid_latency_queries, len(tst)),
         "warmup": args.warmup,
         "batch_size": args.batch_size,
         "train_threads": args.train_threads,
