@@ -1,0 +1,112 @@
+"""In-process latency of the engine against exact brute-force scoring over the same vectors.
+
+    python bench/latency.py --bundle bundles/v1 [--data ../shared/data/debian-deps] [--queries 2000]
+
+Prints single-query p50/p99 at one thread (ANN path and brute force, measured in the same
+run), the ratio, batch throughput, and the stage costs of one query (tokenise, encode,
+shortlist search, scoring).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
+
+from service.engine import Bundle, Predictor  # noqa: E402
+
+
+def _texts(bundle: Bundle, data: str | None, n: int) -> list[str]:
+    if data:
+        from training.data import load_split
+
+        texts = load_split(data, "tst", bundle.manifest.text_field).texts
+    else:
+        texts = bundle.labels.titles
+    rng = np.random.default_rng(0)
+    return [texts[int(i)] for i in rng.integers(0, len(texts), size=n)]
+
+
+def _latencies(fn, texts: list[str]) -> np.ndarray:
+    for t in texts[:50]:  # warm-up
+        fn([t])
+    out = np.empty(len(texts))
+    for i, t in enumerate(texts):
+        t0 = time.perf_counter()
+        fn([t])
+        out[i] = time.perf_counter() - t0
+    return out * 1e3
+
+
+def _throughput(fn, texts: list[str], batch: int) -> float:
+    t0 = time.perf_counter()
+    for start in range(0, len(texts), batch):
+        fn(texts[start : start + batch])
+    return len(texts) / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--bundle", required=True)
+    ap.add_argument("--data", default=None, help="dataset folder: queries from its tst split (default: label titles)")
+    ap.add_argument("--queries", type=int, default=2000)
+    ap.add_argument("--exact-queries", type=int, default=300)
+    ap.add_argument("--k", type=int, default=5)
+    ap.add_argument("--ef-search", type=int, default=None)
+    ap.add_argument("--shortlist-w", type=int, default=None)
+    ap.add_argument("--shortlist-mu", type=int, default=None)
+    args = ap.parse_args()
+
+    bundle = Bundle.load(args.bundle)
+    predictor = Predictor(bundle, threads=1, ef_search=args.ef_search, shortlist_w=args.shortlist_w,
+                          shortlist_mu=args.shortlist_mu)
+    texts = _texts(bundle, args.data, args.queries)
+    m = bundle.manifest
+    print(f"bundle {bundle.version}: L={m.num_labels} D={m.dim} k_w={predictor.shortlist_w} "
+          f"k_mu={predictor.shortlist_mu} ef={bundle.index_w.ef_search}")
+
+    def ann(batch):
+        return predictor.predict_ids(batch, args.k)
+
+    def exact(batch):
+        return predictor.predict_exact_ids(batch, args.k)
+
+    ann_ms = _latencies(ann, texts)
+    exact_ms = _latencies(exact, texts[: args.exact_queries])
+    a50, a99 = np.percentile(ann_ms, [50, 99])
+    e50, e99 = np.percentile(exact_ms, [50, 99])
+    print(f"single query, 1 thread   ANN   p50 {a50:.3f} ms  p99 {a99:.3f} ms  ({len(ann_ms)} queries)")
+    print(f"single query, 1 thread   exact p50 {e50:.3f} ms  p99 {e99:.3f} ms  ({len(exact_ms)} queries)")
+    print(f"ANN / exact p50 ratio    {a50 / e50:.3f}")
+
+    # Where one query's time goes.
+    tok = bundle.tokenizer
+    q_ids, q_w = tok.encode_batch(texts[:1])
+    q = predictor.encoder.run(q_ids, q_w)
+    ones = np.ones((1, 1), dtype=np.float32)
+    stages = {
+        "tokenise": lambda t: tok.encode_batch([t]),
+        "encode (onnxruntime)": lambda t: predictor.encoder.run(q_ids, q_w),
+        "hnsw_w search": lambda t: bundle.index_w.search(np.hstack([q, ones]), predictor.shortlist_w),
+        "hnsw_mu search": lambda t: bundle.index_mu.search(q, max(predictor.shortlist_mu, 1)),
+    }
+    cands = predictor._candidates(q)
+    stages["score shortlist"] = lambda t: predictor.score_candidates(q, cands, predictor.alpha)
+    for name, fn in stages.items():
+        ms = _latencies(lambda batch, fn=fn: fn(batch[0]), texts[:1000])
+        print(f"  stage {name:<22} p50 {np.percentile(ms, 50) * 1e3:8.1f} us")
+
+    for batch in (16, 64, 256):
+        qps = _throughput(ann, texts, batch)
+        qps_exact = _throughput(exact, texts[: args.exact_queries], batch)
+        print(f"batch {batch:>3}: ANN {qps:9.0f} q/s   exact {qps_exact:9.0f} q/s   ratio {qps / qps_exact:.2f}")
+
+
+if __name__ == "__main__":
+    main()
