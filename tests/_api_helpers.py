@@ -1,0 +1,53 @@
+"""Helpers shared by the HTTP tests: test texts, in-process reference answers, ranking comparison."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+from typing import Any
+
+from service.engine import Bundle, Predictor
+
+
+def sample_titles(data_dir: Path, n: int) -> list[str]:
+    titles = []
+    with gzip.open(data_dir / "tst.json.gz", "rt", encoding="utf-8") as f:
+        for line in f:
+            title = json.loads(line)["title"]
+            if title.strip():
+                titles.append(title)
+            if len(titles) == n:
+                break
+    return titles
+
+
+def reference(bundle_dir: Path, texts: list[str], k: int = 10, *, alpha: float | None = None,
+              tree: bool = False) -> list[list[dict[str, Any]]]:
+    """What the engine answers in-process for these texts, as API label dicts."""
+    bundle = Bundle.load(bundle_dir)
+    predictor = Predictor(bundle)
+    preds = predictor.predict_tree(texts, k=k) if tree else predictor.predict(texts, k=k, alpha=alpha)
+    out = [[{"id": p.id, "uid": p.uid, "title": p.title, "score": p.score} for p in row] for row in preds]
+    bundle.close()
+    return out
+
+
+def assert_same_ranking(got: list[dict[str, Any]], want: list[dict[str, Any]], tol: float = 1e-4) -> None:
+    """Same labels in the same order, scores equal up to float noise of batch composition.
+
+    Labels whose scores tie within `tol` may come in either order, so positions are compared
+    as groups of near-equal scores.
+    """
+    assert len(got) == len(want), (got, want)
+    for g, w in zip(got, want, strict=True):
+        assert abs(g["score"] - w["score"]) <= tol * max(1.0, abs(w["score"])), (g, w)
+    i = 0
+    while i < len(want):
+        j = i + 1
+        while j < len(want) and abs(want[j]["score"] - want[i]["score"]) <= tol * max(1.0, abs(want[i]["score"])):
+            j += 1
+        assert {x["id"] for x in got[i:j]} == {x["id"] for x in want[i:j]}, (got, want)
+        for x in got[i:j]:
+            assert set(x) == {"id", "uid", "title", "score"}
+        i = j

@@ -1,0 +1,95 @@
+"""A real `shortlist serve` (uvicorn) in a subprocess on a free loopback port, for tests and benches."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    url: str
+    proc: subprocess.Popen
+    log_path: Path
+    admin_url: str | None = None
+
+    def log(self) -> str:
+        return self.log_path.read_text(encoding="utf-8", errors="replace")
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            r = httpx.get(f"{self.url}/readyz", timeout=5)
+            if r.status_code == 200:
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"server not ready after {timeout}s; log:\n{self.log()[-4000:]}")
+
+
+@contextmanager
+def serve(
+    bundle_root: Path,
+    *,
+    version: str | None = None,
+    env: Mapping[str, str] | None = None,
+    log_dir: Path | None = None,
+    admin_port: bool = False,
+    ready: bool = True,
+    timeout: float = 60.0,
+) -> Iterator[Server]:
+    """Start `shortlist serve` and wait for /healthz (and /readyz unless ready=False)."""
+    port = free_port()
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("SHORTLIST_")}
+    full_env.update(env or {})
+    admin_url = None
+    if admin_port:
+        aport = free_port()
+        full_env["SHORTLIST_ADMIN_PORT"] = str(aport)
+        admin_url = f"http://127.0.0.1:{aport}"
+    cmd = [sys.executable, "-m", "shortlist.cli", "serve", "--bundle-root", str(bundle_root),
+           "--host", "127.0.0.1", "--port", str(port)]
+    if version is not None:
+        cmd += ["--version", version]
+    log_dir = log_dir or bundle_root.parent
+    log_path = log_dir / f"server-{port}.log"
+    with log_path.open("wb") as log_file:
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=full_env)
+    server = Server(f"http://127.0.0.1:{port}", proc, log_path, admin_url)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}; log:\n{server.log()[-4000:]}")
+            try:
+                if httpx.get(f"{server.url}/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no /healthz after {timeout}s; log:\n{server.log()[-4000:]}")
+            time.sleep(0.05)
+        if ready:
+            server.wait_ready(max(1.0, deadline - time.monotonic()))
+        yield server
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,276 @@
+"""The prediction service over a real uvicorn: contract, concurrency, every bad input, readiness."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from _api_helpers import assert_same_ranking, reference, sample_titles
+from _server import serve
+
+LIMITS = {
+    "SHORTLIST_MAX_TEXT_CHARS": "50",
+    "SHORTLIST_MAX_K": "20",
+    "SHORTLIST_MAX_BATCH": "8",
+    "SHORTLIST_MAX_BODY_BYTES": "2048",
+    "SHORTLIST_ECHO_ROUTE": "true",
+    "SHORTLIST_FAULT_ROUTE": "true",
+}
+
+
+@pytest.fixture(scope="module")
+def server(bundle_root, tmp_path_factory):
+    with serve(bundle_root, env=LIMITS, log_dir=tmp_path_factory.mktemp("api-logs")) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def texts(synthetic_data) -> list[str]:
+    return [t[:50] for t in sample_titles(synthetic_data, 40)]
+
+
+def test_serves_the_newest_bundle_and_names_it(client):
+    r = client.get("/readyz")
+    assert r.status_code == 200 and r.json() == {"status": "ready", "version": "v2"}
+    assert client.get("/healthz").json()["status"] == "ok"
+
+
+def test_single_text_matches_the_engine_in_process(client, bundle_root, texts):
+    want = reference(bundle_root / "v2", texts[:1], k=5)
+    r = client.post("/v1/predict", json={"text": texts[0], "k": 5})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert set(body) == {"version", "results"} and body["version"] == "v2"
+    assert len(body["results"]) == 1 and len(body["results"][0]) == 5
+    assert_same_ranking(body["results"][0], want[0])
+    assert r.headers["x-request-id"]
+
+
+def test_batch_of_texts_matches_the_engine_in_process_in_order(client, bundle_root, texts):
+    batch = texts[:8]
+    want = reference(bundle_root / "v2", batch, k=3)
+    r = client.post("/v1/predict", json={"texts": batch, "k": 3})
+    assert r.status_code == 200, r.text
+    results = r.json()["results"]
+    assert len(results) == len(batch)
+    for got, exp in zip(results, want, strict=True):
+        assert_same_ranking(got, exp)
+
+
+@pytest.mark.parametrize("alpha", [0, 0.3, 1])
+def test_alpha_override_is_applied(client, bundle_root, texts, alpha):
+    want = reference(bundle_root / "v2", texts[:3], k=4, alpha=float(alpha))
+    r = client.post("/v1/predict", json={"texts": texts[:3], "k": 4, "alpha": alpha})
+    assert r.status_code == 200, r.text
+    for got, exp in zip(r.json()["results"], want, strict=True):
+        assert_same_ranking(got, exp)
+
+
+def test_tree_endpoint_matches_the_engine_tree_scorer(client, bundle_root, texts):
+    want = reference(bundle_root / "v2", texts[:4], k=5, tree=True)
+    r = client.post("/v1/predict/tree", json={"texts": texts[:4], "k": 5})
+    assert r.status_code == 200, r.text
+    assert r.json()["version"] == "v2"
+    for got, exp in zip(r.json()["results"], want, strict=True):
+        assert_same_ranking(got, exp)
+    # A single text goes through the batcher and must come back the same.
+    one = client.post("/v1/predict/tree", json={"text": texts[0], "k": 5, "beam": 8})
+    assert one.status_code == 200 and len(one.json()["results"][0]) == 5
+
+
+def test_200_concurrent_requests_are_all_answered_correctly(server, bundle_root, synthetic_data):
+    texts = [t[:50] for t in sample_titles(synthetic_data, 200)]
+    want = reference(bundle_root / "v2", texts, k=5)
+
+    def call(i: int) -> tuple[int, httpx.Response]:
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            return i, c.post("/v1/predict", json={"text": texts[i], "k": 5})
+
+    with ThreadPoolExecutor(32) as pool:
+        responses = list(pool.map(call, range(len(texts))))
+    assert len(responses) == 200
+    for i, r in responses:
+        assert r.status_code == 200, r.text
+        assert r.json()["version"] == "v2"
+        assert_same_ranking(r.json()["results"][0], want[i])
+
+
+BAD_INPUTS = [
+    # (name, json body or raw bytes, headers, status, field or error code)
+    ("empty text", {"text": ""}, None, 422, "body.text"),
+    ("whitespace text", {"text": " \t\n "}, None, 422, "body.text"),
+    ("text one past the limit", {"text": "a" * 51}, None, 422, "body.text"),
+    ("k zero", {"text": "x", "k": 0}, None, 422, "body.k"),
+    ("k one past max_k", {"text": "x", "k": 21}, None, 422, "body.k"),
+    ("k as a string", {"text": "x", "k": "3"}, None, 422, "body.k"),
+    ("k as a float", {"text": "x", "k": 2.5}, None, 422, "body.k"),
+    ("alpha below 0", {"text": "x", "alpha": -0.01}, None, 422, "body.alpha"),
+    ("alpha above 1", {"text": "x", "alpha": 1.01}, None, 422, "body.alpha"),
+    ("alpha as a string", {"text": "x", "alpha": "0.5"}, None, 422, "body.alpha"),
+    ("text as a number", {"text": 5}, None, 422, "body.text"),
+    ("texts as a string", {"texts": "abc"}, None, 422, "body.texts"),
+    ("empty texts", {"texts": []}, None, 422, "body.texts"),
+    ("texts one past max_batch", {"texts": ["a"] * 9}, None, 422, "body.texts"),
+    ("blank item in texts", {"texts": ["ok", "  "]}, None, 422, "body.texts"),
+    ("unknown field", {"text": "x", "top_k": 3}, None, 422, "body.top_k"),
+    ("both text and texts", {"text": "x", "texts": ["y"]}, None, 422, "body"),
+    ("neither text nor texts", {"k": 3}, None, 422, "body"),
+    ("body is a list", ["x"], None, 422, "body"),
+    ("beam on the alpha route", {"text": "x", "beam": 4}, None, 422, "body.beam"),
+    ("malformed JSON", b'{"text": "x",', None, 400, "malformed_json"),
+    ("non-UTF-8 bytes", b'{"text": "caf\xe9"}', None, 400, "invalid_encoding"),
+    ("wrong content type", b'{"text": "x"}', {"content-type": "text/plain"}, 415, "unsupported_media_type"),
+    ("no content type", b'{"text": "x"}', {"content-type": ""}, 415, "unsupported_media_type"),
+    ("non-UTF-8 charset", b'{"text": "x"}', {"content-type": "application/json; charset=latin-1"}, 415,
+     "unsupported_media_type"),
+    ("body one past the size limit", b'{"text": "' + b"a" * 2037 + b'"}', None, 413, "body_too_large"),
+]
+
+
+@pytest.mark.parametrize(("name", "body", "headers", "status", "where"), BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input_gets_a_4xx_naming_what_is_wrong(client, name, body, headers, status, where):
+    if isinstance(body, bytes):
+        hdrs = {"content-type": "application/json", **(headers or {})}
+        r = client.post("/v1/predict", content=body, headers={k: v for k, v in hdrs.items() if v})
+    else:
+        r = client.post("/v1/predict", json=body)
+    assert r.status_code == status, (name, r.text)
+    err = r.json()
+    assert err["message"] and err["request_id"] == r.headers["x-request-id"]
+    if where == "body" or where.startswith("body."):
+        assert err["error"] == "invalid_request"
+        assert where in [d["field"] for d in err["details"]], err
+    else:
+        assert err["error"] == where
+    assert client.get("/healthz").status_code == 200
+    assert client.post("/v1/predict", json={"text": "still serving"}).status_code == 200
+
+
+def test_limits_are_inclusive_at_the_edge(client):
+    assert client.post("/v1/predict", json={"text": "a" * 50}).status_code == 200
+    assert client.post("/v1/predict", json={"text": "x", "k": 20}).status_code == 200
+    assert client.post("/v1/predict", json={"text": "x", "k": 1}).status_code == 200
+    assert client.post("/v1/predict", json={"texts": ["a"] * 8}).status_code == 200
+    for alpha in (0.0, 1.0):
+        assert client.post("/v1/predict", json={"text": "x", "alpha": alpha}).status_code == 200
+    at_limit = b'{"text": "' + b"a" * 36 + b'", "k": 1' + b" " * (2048 - 56) + b"}"
+    assert len(at_limit) == 2048
+    r = client.post("/v1/predict", content=at_limit, headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
+
+
+def test_chunked_body_past_the_limit_is_refused_with_413(client):
+    def chunks():
+        yield b'{"texts": ["'
+        for _ in range(100):
+            yield b"a" * 100
+
+    r = client.post("/v1/predict", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"] == "body_too_large"
+
+
+def test_tree_route_refuses_alpha_with_a_clear_message(client):
+    r = client.post("/v1/predict/tree", json={"text": "x", "alpha": 0.5})
+    assert r.status_code == 422 and "tree scorer" in r.json()["message"]
+
+
+def test_unexpected_error_is_a_500_with_a_logged_request_id_and_service_keeps_serving(client, server):
+    r = client.post("/v1/fault", json={})
+    assert r.status_code == 500
+    rid = r.json()["request_id"]
+    assert rid and r.headers["x-request-id"] == rid
+    assert "Traceback" not in r.text
+    assert client.post("/v1/predict", json={"text": "after the crash"}).status_code == 200
+    errors = [json.loads(line) for line in server.log().splitlines() if '"unhandled_error"' in line]
+    assert any(e["request_id"] == rid and "RuntimeError" in e["error"] for e in errors)
+
+
+def test_unknown_route_and_method_are_json_4xx(client):
+    r = client.get("/v2/nothing")
+    assert r.status_code == 404 and r.json()["error"] == "not_found"
+    r = client.get("/v1/predict")
+    assert r.status_code == 405 and r.json()["error"] == "method_not_allowed"
+
+
+def test_access_log_is_json_lines_with_request_id_route_status_latency_version(client, server):
+    r = client.post("/v1/predict", json={"text": "log me"}, headers={"x-request-id": "trace-42"})
+    assert r.headers["x-request-id"] == "trace-42"
+    # The record is written after the response is sent: give it a moment.
+    deadline = time.monotonic() + 10
+    while True:
+        records = [json.loads(line) for line in server.log().splitlines() if line.startswith('{"ts"')]
+        mine = [rec for rec in records if rec["request_id"] == "trace-42"]
+        if mine or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert len(mine) == 1
+    rec = mine[0]
+    assert rec["route"] == "/v1/predict" and rec["status"] == 200 and rec["version"] == "v2"
+    assert rec["latency_ms"] >= 0
+
+
+def test_metrics_expose_requests_latency_in_flight_version_and_batch_sizes(client):
+    client.post("/v1/predict", json={"text": "count me"})
+    client.post("/v1/predict", json={"text": ""})
+    text = client.get("/metrics").text
+    assert 'shortlist_http_requests_total{method="POST",route="/v1/predict",status="200"}' in text
+    assert 'shortlist_http_requests_total{method="POST",route="/v1/predict",status="422"}' in text
+    assert 'shortlist_http_request_duration_seconds_bucket{le="0.005",route="/v1/predict",status="200"}' in text
+    assert "shortlist_http_requests_in_flight" in text
+    assert 'shortlist_active_bundle{version="v2"} 1.0' in text
+    assert 'shortlist_engine_batch_size_count{scorer="alpha"}' in text
+
+
+def test_echo_route_is_off_by_default_and_on_when_configured(client, bundle_root, tmp_path):
+    r = client.post("/v1/echo", json={"text": "hi"})
+    assert r.status_code == 200 and r.json() == {"text": "hi"}
+    with serve(bundle_root, log_dir=tmp_path) as plain, httpx.Client(base_url=plain.url) as c:
+        assert c.post("/v1/echo", json={"text": "hi"}).status_code == 404
+        assert c.post("/v1/fault", json={}).status_code == 404
+
+
+def test_readiness_is_503_until_a_validated_bundle_is_loaded(bundle_root, tmp_path):
+    root = tmp_path / "root"
+    root.mkdir()
+    env = {"SHORTLIST_ADMIN_TOKEN": "t0ken"}
+    with serve(root, env=env, ready=False, log_dir=tmp_path) as s, httpx.Client(base_url=s.url) as c:
+        assert c.get("/healthz").status_code == 200
+        r = c.get("/readyz")
+        assert r.status_code == 503 and r.json()["status"] == "not ready"
+        r = c.post("/v1/predict", json={"text": "x"})
+        assert r.status_code == 503 and r.json()["error"] == "not_ready"
+        shutil.copytree(bundle_root / "v1", root / "v1")
+        r = c.post("/admin/bundles/activate", json={"version": "v1"}, headers={"authorization": "Bearer t0ken"})
+        assert r.status_code == 200, r.text
+        assert c.get("/readyz").json() == {"status": "ready", "version": "v1"}
+        assert c.post("/v1/predict", json={"text": "x"}).json()["version"] == "v1"
+
+
+def test_explicit_version_is_served(bundle_root, tmp_path):
+    with serve(bundle_root, version="v1", log_dir=tmp_path) as s, httpx.Client(base_url=s.url) as c:
+        assert c.post("/v1/predict", json={"text": "x"}).json()["version"] == "v1"
+
+
+def test_openapi_documents_the_request_schema(client):
+    spec = client.get("/openapi.json").json()
+    body = spec["paths"]["/v1/predict"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert {"text", "texts", "k", "alpha"} <= set(body["properties"])
+    assert body.get("additionalProperties") is False
+
+
+def test_serve_refuses_a_missing_bundle_root(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "shortlist.cli", "serve", "--bundle-root", str(tmp_path / "nope")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "bundle root" in r.stderr and "Traceback" not in r.stderr

@@ -1,0 +1,95 @@
+"""Dynamic batching: single texts queued while every engine worker is busy leave as one call."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from service.api.batching import EngineRunner
+
+
+def _recording_fn(calls: list[list[str]], gate: threading.Event | None = None):
+    def fn(texts: list[str]) -> list[str]:
+        if gate is not None:
+            gate.wait(10)
+        calls.append(list(texts))
+        return [t.upper() for t in texts]
+
+    return fn
+
+
+def test_requests_arriving_while_the_worker_is_busy_are_coalesced_in_order():
+    calls: list[list[str]] = []
+    gate = threading.Event()
+
+    async def scenario() -> list[str]:
+        runner = EngineRunner(1, batching=True, max_batch=32)
+        blocker = asyncio.create_task(runner.submit_one("k", "alpha", _recording_fn(calls, gate), "first"))
+        await asyncio.sleep(0.05)  # the only worker is now inside the blocked call
+        fn = _recording_fn(calls)
+        waiting = [asyncio.create_task(runner.submit_one("k", "alpha", fn, f"t{i}")) for i in range(5)]
+        await asyncio.sleep(0.05)
+        gate.set()
+        out = [await blocker] + [await w for w in waiting]
+        runner.shutdown()
+        return out
+
+    out = asyncio.run(scenario())
+    assert out == ["FIRST", "T0", "T1", "T2", "T3", "T4"]
+    assert calls == [["first"], ["t0", "t1", "t2", "t3", "t4"]]
+
+
+def test_batches_are_capped_at_max_batch_and_keys_never_mix():
+    calls: list[list[str]] = []
+    gate = threading.Event()
+
+    async def scenario() -> dict[str, str]:
+        runner = EngineRunner(1, batching=True, max_batch=2)
+        blocker = asyncio.create_task(runner.submit_one("x", "alpha", _recording_fn(calls, gate), "b"))
+        await asyncio.sleep(0.05)
+        fn = _recording_fn(calls)
+        tasks = {f"{key}{i}": asyncio.create_task(runner.submit_one(key, "alpha", fn, f"{key}{i}"))
+                 for key in ("p", "q") for i in range(3)}
+        await asyncio.sleep(0.05)
+        gate.set()
+        await blocker
+        out = {name: await t for name, t in tasks.items()}
+        runner.shutdown()
+        return out
+
+    out = asyncio.run(scenario())
+    assert out == {name: name.upper() for name in out}
+    batches = calls[1:]
+    assert all(len(b) <= 2 for b in batches)
+    assert all(len({t[0] for t in b}) == 1 for b in batches)  # one key per engine call
+    assert sorted(t for b in batches for t in b) == ["p0", "p1", "p2", "q0", "q1", "q2"]
+
+
+def test_an_engine_failure_reaches_every_request_of_the_batch():
+    def boom(texts: list[str]) -> list[str]:
+        raise RuntimeError("engine failed")
+
+    async def scenario() -> list[BaseException | str]:
+        runner = EngineRunner(1, batching=True, max_batch=8)
+        tasks = [asyncio.create_task(runner.submit_one("k", "alpha", boom, str(i))) for i in range(3)]
+        out = await asyncio.gather(*tasks, return_exceptions=True)
+        runner.shutdown()
+        return out
+
+    out = asyncio.run(scenario())
+    assert len(out) == 3 and all(isinstance(e, RuntimeError) for e in out)
+
+
+@pytest.mark.parametrize("batching", [True, False])
+def test_batch_sizes_are_reported(batching):
+    sizes: list[int] = []
+
+    async def scenario() -> None:
+        runner = EngineRunner(2, batching=batching, on_batch=lambda _scorer, n: sizes.append(n))
+        await asyncio.gather(*(runner.submit_one("k", "alpha", lambda ts: ts, str(i)) for i in range(4)))
+        runner.shutdown()
+
+    asyncio.run(scenario())
+    assert sum(sizes) == 4 and (batching or sizes == [1, 1, 1, 1])
