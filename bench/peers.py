@@ -434,12 +434,39 @@ def worker(spec_path: str) -> int:
         result["rss_mb"] = peak_rss_mb()
         if system == "shortlist":
             result["defaults"] = shortlist_defaults(model)
+            result["breakdown"] = shortlist_breakdown(model, texts[: spec["latency_queries"]])
             result["grid"] = shortlist_grid(model, texts, spec, files)
             result["exact"] = shortlist_exact(model, texts, spec, files)
     else:
         raise BenchError(f"unknown worker phase {phase!r}")
     Path(spec["result"]).write_text(json.dumps(result), encoding="utf-8")
     return 0
+
+
+def shortlist_breakdown(served: ShortlistServed, texts: Sequence[str]) -> dict[str, float]:
+    """Median time of each stage of one single-query prediction (ms): where the latency goes.
+
+    Calls the Predictor's stages one by one (its private _candidates included), so it follows
+    the engine as it is; the stages add up to a little less than predict_ids' own time.
+    """
+    from service.engine.scorers import top_k
+
+    p, b = served.predictor, served.bundle
+    clock = time.perf_counter
+    stages: dict[str, list[float]] = {k: [] for k in ("tokenize", "encode", "ann_shortlist", "score_topk")}
+    for text in texts:
+        t0 = clock()
+        ids, weights = b.tokenizer.encode_batch([text])
+        t1 = clock()
+        q = p.encoder.run(ids, weights)
+        t2 = clock()
+        cands = p._candidates(q)
+        t3 = clock()
+        top_k(p.score_candidates(q, cands, p.alpha), K)
+        t4 = clock()
+        for key, dt in zip(stages, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+            stages[key].append(dt)
+    return {key: float(np.median(v) * 1e3) for key, v in stages.items()}
 
 
 def shortlist_defaults(served: ShortlistServed) -> dict[str, Any]:
@@ -639,6 +666,9 @@ def render_markdown(rows: list[dict[str, Any]], grid: list[dict[str, Any]], cont
         d = info["defaults"]
         out += ["", f"Shortlist's row uses the bundle defaults: ef_search {d['ef_search']}, shortlist_w "
                 f"{d['shortlist_w']}, shortlist_mu {d['shortlist_mu']}, alpha {fmt(d['alpha'])}."]
+    if info.get("breakdown"):
+        parts = ", ".join(f"{k} {v:.3f}" for k, v in info["breakdown"].items())
+        out += ["", f"Where Shortlist's single-query time goes (median ms per stage, bundle defaults): {parts}."]
     if grid or info.get("exact"):
         out += [
             "",
@@ -773,6 +803,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 exact["metrics"] = evaluate(exact["preds"], tst.targets, inv_prop)
                 shortlist_info["exact"] = exact
                 shortlist_info["defaults"] = serve.pop("defaults")
+                shortlist_info["breakdown"] = serve.pop("breakdown")
             else:
                 trained = run_worker(files, system, "train", log, False, model_dir=str(model_dir),
                                      threads=args.train_threads, seed=args.seed)
