@@ -1,0 +1,76 @@
+"""bench/peers.py's own plumbing: shared features, top-k extraction, argument parsing, RESULTS.md sections.
+
+The peer libraries themselves are an optional extra, so these tests stop at what every system
+shares; the benchmark run is what exercises the libraries.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._common import latency_summary, replace_section  # noqa: E402
+from bench.peers import _csr_topk, _pad_ids, parse_grid, parse_systems, texts_to_csr  # noqa: E402
+from service.engine.tokenizer import Tokenizer  # noqa: E402
+
+# scipy comes with the bench extra (and training); the peers' features are scipy CSR.
+sp = pytest.importorskip("scipy.sparse")
+
+
+def test_features_match_the_tokenizer_with_sorted_zero_based_columns() -> None:
+    texts = ["zeta alpha beta", "beta beta gamma", "nothing known here", "alpha"]
+    tok = Tokenizer.fit(["alpha beta gamma zeta", "beta gamma", "gamma"])
+    x = texts_to_csr(tok, texts, tok.vocab_size - 1)
+    assert x.shape == (4, tok.vocab_size - 1)
+    assert x.has_sorted_indices
+    for row, text in enumerate(texts):
+        ids, weights = tok.encode(text)
+        expected = dict(zip((i - 1 for i in ids), weights, strict=True))
+        lo, hi = x.indptr[row], x.indptr[row + 1]
+        got = dict(zip(x.indices[lo:hi].tolist(), x.data[lo:hi].tolist(), strict=True))
+        assert got.keys() == expected.keys()
+        assert all(abs(got[j] - expected[j]) < 1e-6 for j in got)
+    assert x[2].nnz == 0  # a text with no known token is an empty row, not an error
+
+
+def test_csr_topk_orders_by_score_and_pads() -> None:
+    scores = sp.csr_matrix(np.array([[0.1, 0.0, 0.9, 0.5], [0.0, 0.0, 0.0, 0.0], [0.0, 0.3, 0.0, 0.0]]))
+    top = _csr_topk(scores, 3)
+    assert top.tolist() == [[2, 3, 0], [-1, -1, -1], [1, -1, -1]]
+    assert _pad_ids([[4, 5, 6, 7], []], 2).tolist() == [[4, 5], [-1, -1]]
+
+
+def test_grid_and_systems_reject_bad_input_by_name() -> None:
+    assert parse_grid("100:50:50, 16:16:0") == [(100, 50, 50), (16, 16, 0)]
+    assert parse_grid("") == []
+    with pytest.raises(argparse.ArgumentTypeError, match="'100:50'"):
+        parse_grid("100:50")
+    with pytest.raises(argparse.ArgumentTypeError, match="K_W"):
+        parse_grid("10:0:5")
+    assert parse_systems("napkinxc,shortlist") == ["napkinxc", "shortlist"]
+    with pytest.raises(argparse.ArgumentTypeError, match="parabel"):
+        parse_systems("pecos,parabel")
+
+
+def test_replace_section_keeps_the_other_sections(tmp_path: Path) -> None:
+    md = tmp_path / "RESULTS.md"
+    replace_section(md, "peers:a", "table A v1")
+    replace_section(md, "peers:b", "table B")
+    replace_section(md, "peers:a", "table A v2")
+    text = md.read_text()
+    assert "table A v2" in text and "table B" in text and "v1" not in text
+    assert text.index("table A v2") < text.index("table B")
+
+
+def test_latency_summary_percentiles_in_ms() -> None:
+    summary = latency_summary([0.001] * 98 + [0.010, 0.020])
+    assert summary["p50_ms"] == pytest.approx(1.0)
+    assert summary["p99_ms"] > 9.0
+    with pytest.raises(ValueError):
+        latency_summary([])
