@@ -1,0 +1,266 @@
+"""Admin hot swap over a real uvicorn: auth, listing, activation, rollback, refusal, swaps under load."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from _api_helpers import assert_same_ranking, reference, sample_titles
+from _server import serve
+
+from service.api.registry import ActivationInProgress, BundleRegistry
+
+TOKEN = "s3cret-admin-token"
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+
+
+def corrupt_copy(root: Path, source: str, version: str) -> None:
+    """ROOT/version: a copy of `source` renamed consistently, with one byte of classifiers.npy flipped."""
+    dst = root / version
+    shutil.copytree(root / source, dst)
+    manifest = json.loads((dst / "manifest.json").read_text())
+    manifest["version"] = version
+    (dst / "manifest.json").write_text(json.dumps(manifest))
+    target = dst / "classifiers.npy"
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    target.write_bytes(bytes(data))
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+@pytest.fixture
+def admin_server(bundle_root_copy, tmp_path):
+    with serve(bundle_root_copy, env={"SHORTLIST_ADMIN_TOKEN": TOKEN}, log_dir=tmp_path) as s:
+        yield s
+
+
+def test_admin_is_off_without_a_token(bundle_root, tmp_path):
+    with serve(bundle_root, log_dir=tmp_path) as s, httpx.Client(base_url=s.url) as c:
+        assert c.get("/admin/bundles", headers=AUTH).status_code == 404
+        assert c.post("/admin/bundles/activate", json={"version": "v1"}, headers=AUTH).status_code == 404
+
+
+def test_auth_missing_is_401_and_wrong_is_403(admin_server):
+    with httpx.Client(base_url=admin_server.url) as c:
+        for method, path, body in (("GET", "/admin/bundles", None),
+                                   ("POST", "/admin/bundles/activate", {"version": "v1"}),
+                                   ("POST", "/admin/bundles/rollback", None)):
+            r = c.request(method, path, json=body)
+            assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", r.text
+            r = c.request(method, path, json=body, headers={"authorization": "Basic abc"})
+            assert r.status_code == 401
+            r = c.request(method, path, json=body, headers={"authorization": "Bearer wrong"})
+            assert r.status_code == 403 and r.json()["error"] == "forbidden"
+            r = c.request(method, path, json=body, headers={"authorization": f"Bearer {TOKEN}x"})
+            assert r.status_code == 403
+        # Nothing changed hands.
+        assert c.get("/readyz").json()["version"] == "v2"
+
+
+def test_list_activate_and_rollback(admin_server):
+    with httpx.Client(base_url=admin_server.url, headers=AUTH, timeout=60) as c:
+        listing = c.get("/admin/bundles").json()
+        assert listing["active"] == "v2"
+        rows = {b["version"]: b for b in listing["bundles"]}
+        assert set(rows) == {"v1", "v2"}
+        assert rows["v2"]["active"] and not rows["v1"]["active"]
+        assert rows["v1"]["created_at"] and isinstance(rows["v1"]["metrics"], dict)
+
+        r = c.post("/admin/bundles/activate", json={"version": "v1"})
+        assert r.status_code == 200, r.text
+        assert r.json()["active"] == "v1" and r.json()["previous"] == "v2"
+        assert c.post("/v1/predict", json={"text": "x"}).json()["version"] == "v1"
+        assert c.get("/admin/bundles").json()["active"] == "v1"
+
+        r = c.post("/admin/bundles/rollback")
+        assert r.status_code == 200 and r.json()["active"] == "v2"
+        assert c.post("/v1/predict", json={"text": "x"}).json()["version"] == "v2"
+        r = c.post("/admin/bundles/rollback")  # history is used up
+        assert r.status_code == 404 and "roll back" in r.json()["message"]
+
+        metrics = c.get("/metrics").text
+        assert "shortlist_bundle_swaps_total 3.0" in metrics  # startup + activate + rollback
+        assert 'shortlist_active_bundle{version="v2"} 1.0' in metrics
+
+
+@pytest.mark.parametrize(("version", "status", "fragment"), [
+    ("nope", 404, "no bundle 'nope'"),
+    ("../v1", 422, "invalid bundle version"),
+    ("v1/../v2", 422, "invalid bundle version"),
+    (".hidden", 422, "invalid bundle version"),
+    ("a" * 65, 422, "invalid bundle version"),
+])
+def test_bad_version_names_are_refused(admin_server, version, status, fragment):
+    with httpx.Client(base_url=admin_server.url, headers=AUTH) as c:
+        r = c.post("/admin/bundles/activate", json={"version": version})
+        assert r.status_code == status and fragment in r.json()["message"], r.text
+        assert c.get("/readyz").json()["version"] == "v2"
+
+
+def test_activate_body_is_validated(admin_server):
+    with httpx.Client(base_url=admin_server.url, headers=AUTH) as c:
+        r = c.post("/admin/bundles/activate", json={"version": 3})
+        assert r.status_code == 422 and r.json()["details"][0]["field"] == "body.version"
+        r = c.post("/admin/bundles/activate", json={"version": "v1", "force": True})
+        assert r.status_code == 422 and r.json()["details"][0]["field"] == "body.force"
+
+
+def test_symlink_escaping_the_root_is_refused(admin_server, bundle_root_copy, tmp_path):
+    outside = tmp_path / "outside"
+    shutil.copytree(bundle_root_copy / "v1", outside / "v1")
+    os.symlink(outside / "v1", bundle_root_copy / "evil")
+    with httpx.Client(base_url=admin_server.url, headers=AUTH) as c:
+        r = c.post("/admin/bundles/activate", json={"version": "evil"})
+        assert r.status_code == 422 and "outside the bundle root" in r.json()["message"], r.text
+        assert c.get("/readyz").json()["version"] == "v2"
+
+
+def test_corrupted_bundle_is_refused_and_the_old_one_keeps_serving(admin_server, bundle_root_copy):
+    corrupt_copy(bundle_root_copy, "v1", "v3bad")
+    with httpx.Client(base_url=admin_server.url, headers=AUTH, timeout=60) as c:
+        r = c.post("/admin/bundles/activate", json={"version": "v3bad"})
+        assert r.status_code == 422, r.text
+        assert "classifiers.npy" in r.json()["message"] and "sha256" in r.json()["message"]
+        assert c.get("/readyz").json()["version"] == "v2"
+        assert c.post("/v1/predict", json={"text": "x"}).json()["version"] == "v2"
+        assert 'shortlist_bundle_activation_failures_total{reason="invalid"} 1.0' in c.get("/metrics").text
+
+
+def test_quality_gate_refuses_a_bundle_below_the_floor(bundle_root_copy, tmp_path):
+    env = {"SHORTLIST_ADMIN_TOKEN": TOKEN, "SHORTLIST_QUALITY_GATE_MIN_P1": "0"}
+    with serve(bundle_root_copy, env=env, log_dir=tmp_path) as s, httpx.Client(base_url=s.url, headers=AUTH) as c:
+        r = c.post("/admin/bundles/activate", json={"version": "v1"})
+        assert r.status_code == 200 and "P@1" in r.json()["quality"], r.text
+    env["SHORTLIST_QUALITY_GATE_MIN_P1"] = "100"
+    with serve(bundle_root_copy, env=env, ready=False, log_dir=tmp_path) as s, \
+            httpx.Client(base_url=s.url, headers=AUTH) as c:
+        r = c.post("/admin/bundles/activate", json={"version": "v1"})
+        assert r.status_code == 422 and "quality gate failed" in r.json()["message"], r.text
+
+
+def test_concurrent_activation_gets_409(bundle_root):
+    registry = BundleRegistry(bundle_root)
+    registry.activate("v1")
+    # Hold the activation lock as an in-progress activation would.
+    assert registry._activation_lock.acquire(blocking=False)
+    try:
+        with pytest.raises(ActivationInProgress):
+            registry.activate("v2")
+        with pytest.raises(ActivationInProgress):
+            registry.rollback()
+    finally:
+        registry._activation_lock.release()
+    assert registry.active_version == "v1"
+    registry.close()
+
+
+def test_simultaneous_activations_over_http_are_200_or_409(admin_server):
+    def activate(version: str) -> httpx.Response:
+        with httpx.Client(base_url=admin_server.url, headers=AUTH, timeout=60) as c:
+            return c.post("/admin/bundles/activate", json={"version": version})
+
+    with ThreadPoolExecutor(6) as pool:
+        responses = list(pool.map(activate, ["v1", "v2"] * 3))
+    statuses = sorted(r.status_code for r in responses)
+    assert set(statuses) <= {200, 409} and 200 in statuses, statuses
+    for r in responses:
+        if r.status_code == 409:
+            assert r.json()["error"] == "activation_in_progress"
+
+
+def test_separate_admin_port(bundle_root, tmp_path):
+    env = {"SHORTLIST_ADMIN_TOKEN": TOKEN}
+    with serve(bundle_root, env=env, admin_port=True, log_dir=tmp_path) as s:
+        assert s.admin_url is not None
+        with httpx.Client(base_url=s.url) as c:
+            assert c.get("/admin/bundles", headers=AUTH).status_code == 404
+        with httpx.Client(base_url=s.admin_url, headers=AUTH, timeout=60) as c:
+            assert c.get("/admin/bundles").json()["active"] == "v2"
+            assert c.post("/admin/bundles/activate", json={"version": "v1"}).status_code == 200
+        with httpx.Client(base_url=s.url) as c:
+            assert c.post("/v1/predict", json={"text": "x"}).json()["version"] == "v1"
+
+
+def test_swaps_under_load_fail_nothing_and_every_answer_matches_its_version(
+    bundle_root_copy, synthetic_data, tmp_path
+):
+    texts = [t[:200] for t in sample_titles(synthetic_data, 12)]
+    expected = {
+        (v, scorer): reference(bundle_root_copy / v, texts, k=5, tree=scorer == "tree")
+        for v in ("v1", "v2") for scorer in ("alpha", "tree")
+    }
+    corrupt_copy(bundle_root_copy, "v1", "v3bad")
+    env = {"SHORTLIST_ADMIN_TOKEN": TOKEN}
+    with serve(bundle_root_copy, env=env, log_dir=tmp_path) as s:
+        stop = threading.Event()
+        answers: list[tuple[str, int, httpx.Response]] = []
+        failures: list[str] = []
+
+        def load(worker: int) -> None:
+            route, scorer = ("/v1/predict/tree", "tree") if worker % 2 else ("/v1/predict", "alpha")
+            with httpx.Client(base_url=s.url, timeout=60) as c:
+                i = worker
+                while not stop.is_set():
+                    idx = i % len(texts)
+                    try:
+                        r = c.post(route, json={"text": texts[idx], "k": 5})
+                    except httpx.HTTPError as exc:
+                        failures.append(f"{route}: {exc!r}")
+                        continue
+                    answers.append((scorer, idx, r))
+                    i += 1
+
+        with httpx.Client(base_url=s.url, headers=AUTH, timeout=120) as admin:
+            # Warm up: both bundles have been loaded once before the baseline.
+            for v in ("v1", "v2"):
+                assert admin.post("/admin/bundles/activate", json={"version": v}).status_code == 200
+            time.sleep(0.3)
+            rss_before = rss_bytes(s.proc.pid)
+
+            threads = [threading.Thread(target=load, args=(w,)) for w in range(4)]
+            for t in threads:
+                t.start()
+            outcomes = []
+            plan = ["v1", "v2"] * 10
+            plan.insert(7, "v3bad")
+            plan.insert(13, "missing")
+            for v in plan:
+                r = admin.post("/admin/bundles/activate", json={"version": v})
+                outcomes.append((v, r.status_code, r.json()))
+                if v in ("v3bad", "missing"):
+                    # The bundle serving before the refused one is still answering.
+                    assert admin.get("/readyz").json()["version"] == outcomes[-2][0]
+                time.sleep(0.05)
+            stop.set()
+            for t in threads:
+                t.join()
+            time.sleep(1.0)  # let the last retired bundle drain and be released
+            rss_after = rss_bytes(s.proc.pid)
+
+        assert not failures, failures[:5]
+        by_version = {v: status for v, status, _ in outcomes}
+        assert [st for v, st, _ in outcomes if v in ("v1", "v2")] == [200] * 20
+        assert by_version["v3bad"] == 422 and by_version["missing"] == 404
+        assert len(answers) > 100
+        seen = set()
+        for scorer, idx, r in answers:
+            assert r.status_code == 200, r.text
+            body = r.json()
+            seen.add(body["version"])
+            assert_same_ranking(body["results"][0], expected[(body["version"], scorer)][idx])
+        assert seen == {"v1", "v2"}
+        print(f"RSS before {rss_before / 1e6:.1f} MB, after {rss_after / 1e6:.1f} MB, {len(answers)} answers")
+        assert rss_after <= 1.10 * rss_before, (rss_before, rss_after)
