@@ -53,6 +53,8 @@ class TrainConfig:
     threads: int = 0  # 0 = all cores
     device: str = "auto"  # auto | cpu | cuda
     progress: bool = True
+    # Deterministic torch kernels (the parallel embedding-gradient sum otherwise varies run to run).
+    deterministic: bool = True
     # tokenizer
     min_df: int = 1
     max_vocab: int = 200_000
@@ -609,6 +611,15 @@ def train(
     if seed is not None:
         cfg.seed = int(seed)
     cfg.validate()
+    was_deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(cfg.deterministic, warn_only=True)
+    try:
+        return _train(data_dir, cfg, text_field, log)
+    finally:
+        torch.use_deterministic_algorithms(was_deterministic)
+
+
+def _train(data_dir: str | Path, cfg: TrainConfig, text_field: str, log: Any) -> Checkpoint:
     device = _device(cfg)
     torch.set_num_threads(_threads(cfg))
     _seed_all(cfg.seed)

@@ -1,0 +1,124 @@
+"""XC raw-text loading: accepted encodings, and each bad case reported with file:line."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from training.data import fingerprint, load_labels, load_split
+from training.synthetic import generate
+
+LABELS = [{"uid": "a", "title": "alpha", "content": "first"}, {"uid": "b", "title": "beta", "content": "second"}]
+DOCS = [
+    {"uid": "d1", "title": "alpha doc", "content": "x", "target_ind": [0], "target_rel": [1.0]},
+    {"uid": "d2", "title": "beta doc", "content": "y", "target_ind": [1, 0], "target_rel": [1.0, 1.0]},
+]
+
+
+def _write(path: Path, rows: list, raw_lines: dict[int, str] | None = None) -> None:
+    lines = [json.dumps(r) for r in rows]
+    for i, text in (raw_lines or {}).items():
+        lines[i] = text
+    data = "\n".join(lines) + "\n"
+    if path.name.endswith(".gz"):
+        with gzip.open(path, "wt", encoding="utf-8") as f:
+            f.write(data)
+    else:
+        path.write_text(data, encoding="utf-8")
+
+
+def _dataset(tmp_path: Path, labels: list | None = None, docs: list | None = None, suffix: str = ".json.gz",
+             raw_doc_lines: dict[int, str] | None = None) -> Path:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    _write(tmp_path / f"lbl{suffix}", labels if labels is not None else LABELS)
+    _write(tmp_path / f"trn{suffix}", docs if docs is not None else DOCS, raw_doc_lines)
+    return tmp_path
+
+
+@pytest.mark.parametrize("suffix", [".json.gz", ".json", ".jsonl"])
+def test_loads_every_encoding(tmp_path: Path, suffix: str) -> None:
+    d = _dataset(tmp_path, suffix=suffix)
+    labels = load_labels(d)
+    assert labels.uids == ["a", "b"] and labels.texts == ["alpha", "beta"]
+    split = load_split(d, "trn", "title", len(labels))
+    assert split.texts == ["alpha doc", "beta doc"]
+    assert split.targets == [[0], [1, 0]]
+
+
+def test_title_plus_content(tmp_path: Path) -> None:
+    d = _dataset(tmp_path)
+    assert load_labels(d, "title+content").texts[0] == "alpha\nfirst"
+    assert load_split(d, "trn", "title+content", 2).texts[1] == "beta doc\ny"
+
+
+def test_missing_field_names_file_line_and_field(tmp_path: Path) -> None:
+    docs = [DOCS[0], {k: v for k, v in DOCS[1].items() if k != "target_ind"}]
+    d = _dataset(tmp_path, docs=docs)
+    with pytest.raises(ValueError, match=r"trn\.json\.gz:2: missing field 'target_ind'"):
+        load_split(d, "trn", "title", 2)
+
+
+def test_target_out_of_range(tmp_path: Path) -> None:
+    docs = [DOCS[0], {**DOCS[1], "target_ind": [5], "target_rel": [1.0]}]
+    d = _dataset(tmp_path, docs=docs)
+    with pytest.raises(ValueError, match=r"trn\.json\.gz:2: target_ind 5 out of range \(the label file has 2"):
+        load_split(d, "trn", "title", 2)
+
+
+def test_negative_or_non_integer_target(tmp_path: Path) -> None:
+    d = _dataset(tmp_path, docs=[{**DOCS[0], "target_ind": [-1]}])
+    with pytest.raises(ValueError, match=r":1: target_ind -1 out of range"):
+        load_split(d, "trn", "title", 2)
+    d = _dataset(tmp_path, docs=[{**DOCS[0], "target_ind": ["0"]}])
+    with pytest.raises(ValueError, match=r":1: target_ind must be a list of integers"):
+        load_split(d, "trn", "title", 2)
+
+
+def test_empty_label_text(tmp_path: Path) -> None:
+    d = _dataset(tmp_path, labels=[LABELS[0], {"uid": "b", "title": "  ", "content": ""}])
+    with pytest.raises(ValueError, match=r"lbl\.json\.gz:2: empty label text \(label 'b'\)"):
+        load_labels(d)
+
+
+def test_malformed_line(tmp_path: Path) -> None:
+    d = _dataset(tmp_path, raw_doc_lines={1: '{"uid": "d2", "title": '})
+    with pytest.raises(ValueError, match=r"trn\.json\.gz:2: malformed line, not JSON"):
+        load_split(d, "trn", "title", 2)
+    d = _dataset(tmp_path, raw_doc_lines={0: "[1, 2]"})
+    with pytest.raises(ValueError, match=r"trn\.json\.gz:1: malformed line, expected a JSON object"):
+        load_split(d, "trn", "title", 2)
+
+
+def test_missing_files(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_labels(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match="no lbl file"):
+        load_labels(tmp_path)
+
+
+def test_fingerprint_follows_content(tmp_path: Path) -> None:
+    a = _dataset(tmp_path / "a")
+    b = _dataset(tmp_path / "b", docs=DOCS[:1])
+    fa, fb = fingerprint(a, {"trn": 2}), fingerprint(b)
+    assert fa["sha256"] == fingerprint(_dataset(tmp_path / "c"))["sha256"]
+    assert fa["sha256"] != fb["sha256"]
+    assert fa["counts"] == {"trn": 2} and set(fa["files"]) == {"lbl.json.gz", "trn.json.gz"}
+
+
+def test_generated_data_is_seeded_and_loadable(tmp_path: Path) -> None:
+    generate(tmp_path / "x", num_labels=50, train_docs=200, test_docs=40, seed=3)
+    generate(tmp_path / "y", num_labels=50, train_docs=200, test_docs=40, seed=3)
+    generate(tmp_path / "z", num_labels=50, train_docs=200, test_docs=40, seed=4)
+    labels = load_labels(tmp_path / "x")
+    trn = load_split(tmp_path / "x", "trn", "title", len(labels))
+    tst = load_split(tmp_path / "x", "tst", "title", len(labels))
+    assert len(labels) == 50 and len(trn) == 200 and len(tst) == 40
+    assert all(1 <= len(t) <= 4 for t in trn.targets)
+    assert load_split(tmp_path / "y", "trn").texts == trn.texts
+    assert load_split(tmp_path / "z", "trn").texts != trn.texts
+    # power law: the most frequent label is far more common than the median one
+    counts = sorted((sum(lab in t for t in trn.targets) for lab in range(50)), reverse=True)
+    assert counts[0] >= 5 * max(counts[25], 1)

@@ -1,0 +1,114 @@
+"""End-to-end training on small generated data: quality, determinism, checkpoint, CLI errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from service.engine.metrics import label_frequencies, ranking_metrics
+from service.engine.scorers import Calibration
+from shortlist.cli import main as cli_main
+from training.checkpoint import Checkpoint
+from training.data import load_split
+from training.synthetic import generate
+from training.train import Scoring, TrainConfig, _encode_texts, embed, predict_exact, train
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return generate(tmp_path_factory.mktemp("syn"), num_labels=300, train_docs=2000, test_docs=400, seed=1)
+
+
+def _tiny(**overrides: object) -> TrainConfig:
+    # The tree scorer has its own tests; leaving it out keeps these fast.
+    return TrainConfig.from_dict({"tree_enabled": False, **overrides}, TrainConfig.tiny())
+
+
+@pytest.fixture(scope="module")
+def trained(dataset: Path) -> Checkpoint:
+    return train(dataset, _tiny(), seed=7, log=lambda *_: None)
+
+
+def test_quality_far_above_chance(trained: Checkpoint, dataset: Path) -> None:
+    tst = load_split(dataset, "tst", "title", len(trained.labels))
+    trn = load_split(dataset, "trn", "title", len(trained.labels))
+    most_frequent = np.argsort(-label_frequencies(trn.targets, len(trained.labels)))[:5]
+    baseline = ranking_metrics(np.tile(most_frequent, (len(tst), 1)), tst.targets, (1,))["P@1"]
+    combined = trained.metrics["module3"]["combined"]
+    assert combined["P@1"] > max(40.0, baseline + 20.0)
+    # the metrics recorded are those of the exported arrays under the recorded scoring
+    s = trained.scoring
+    scoring = Scoring(s["alpha"], Calibration.from_dict(s["calibration"]["classifier"]),
+                      Calibration.from_dict(s["calibration"]["centroid"]))
+    q = embed(trained.encoder, _encode_texts(trained.tokenizer, tst.texts), trained.encoder.embedding.device)
+    preds = predict_exact(q, trained.classifiers, trained.classifier_bias, trained.centroids, scoring, 5,
+                          trained.encoder.embedding.device)
+    assert ranking_metrics(preds, tst.targets, (1,))["P@1"] == pytest.approx(combined["P@1"], abs=1e-6)
+
+
+def test_checkpoint_contents(trained: Checkpoint) -> None:
+    L = len(trained.labels)
+    assert trained.classifiers.shape == (L, 32) and trained.classifier_bias.shape == (L,)
+    assert trained.centroids.shape == (L, 32)
+    assert set(trained.scoring) == {"alpha", "classifier_form", "calibration", "shortlist"}
+    assert trained.scoring["classifier_form"] == "scaled_bias"
+    assert set(trained.scoring["calibration"]) == {"classifier", "centroid"}
+    assert set(trained.scoring["shortlist"]) == {"k_w", "k_mu"}
+    assert 0 < len(trained.validation) <= 50
+    assert all(set(row) == {"text", "target_ind"} and row["target_ind"] for row in trained.validation)
+    for stage in ("module1", "module3", "times"):
+        assert stage in trained.metrics
+    assert trained.fingerprint["counts"]["lbl"] == L
+
+
+def test_deterministic_given_seed(dataset: Path, trained: Checkpoint) -> None:
+    again = train(dataset, _tiny(), seed=7, log=lambda *_: None)
+    np.testing.assert_array_equal(again.classifiers, trained.classifiers)
+    np.testing.assert_array_equal(again.centroids, trained.centroids)
+    other = train(dataset, _tiny(), seed=8, log=lambda *_: None)
+    assert not np.array_equal(other.classifiers, trained.classifiers)
+
+
+def test_paper_form_with_shortlisted_negatives(dataset: Path) -> None:
+    cfg = _tiny(classifier_form="paper", m3_negatives="shortlist")
+    ckpt = train(dataset, cfg, seed=1, log=lambda *_: None)
+    assert ckpt.scoring["classifier_form"] == "paper"
+    assert not ckpt.classifier_bias.any()
+    np.testing.assert_allclose(np.linalg.norm(ckpt.classifiers, axis=1), 1.0, rtol=1e-5)
+    assert ckpt.metrics["module3"]["combined"]["P@1"] > 30.0
+
+
+def test_checkpoint_round_trip(trained: Checkpoint, tmp_path: Path) -> None:
+    trained.save(tmp_path / "ck")
+    back = Checkpoint.load(tmp_path / "ck")
+    np.testing.assert_array_equal(back.classifiers, trained.classifiers)
+    assert back.scoring == trained.scoring and back.validation == trained.validation
+
+
+def test_config_errors_are_clear(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unknown training config keys: m9_epochs"):
+        TrainConfig.from_dict({"m9_epochs": 3})
+    with pytest.raises(ValueError, match="classifier_form"):
+        TrainConfig.from_dict({"classifier_form": "magic"})
+    bad = tmp_path / "cfg.json"
+    bad.write_text("[1]")
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        TrainConfig.from_json(bad)
+
+
+def test_cli_trains_and_reports_bad_data(dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps({"preset": "tiny", "m1_epochs": 1, "m3_epochs": 1, "tree_enabled": False}))
+    assert cli_main(["train", "--data", str(dataset), "--out", str(tmp_path / "ck"), "--config", str(cfg)]) == 0
+    assert (tmp_path / "ck" / "checkpoint.json").is_file()
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "lbl.jsonl").write_text('{"uid": "a", "title": "x", "content": ""}\n')
+    (bad / "trn.jsonl").write_text('{"uid": "d", "title": "x", "content": "", "target_ind": [3]}\n')
+    capsys.readouterr()
+    assert cli_main(["train", "--data", str(bad), "--out", str(tmp_path / "ck2"), "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "trn.jsonl:1: target_ind 3 out of range" in err and "Traceback" not in err
