@@ -1,0 +1,250 @@
+"""The tree-based bias-corrected scorer (Bamler & Mandt, ICLR 2020), inference only (numpy).
+
+The auxiliary model p_n(y|x) is a perfect binary tree in heap order over the labels:
+internal node i (0 = root) has children 2i+1 (left) and 2i+2 (right); leaf j sits at heap
+index (num_leaves - 1 + j) and carries label leaf_labels[j] (-1 = padding, p_n = 0).
+Each internal node splits on the PCA projection z = P (q - m) of the query embedding q:
+
+    p(left | node, x) = sigmoid(w_node . z + b_node)
+
+log p_n(y|x) is the sum of the log-sigmoids along y's root-to-leaf path. The classifier
+xi_y(x) = v_y . q + c_y was trained against negatives drawn from p_n, so it estimates
+log p(y|x) - log p_n(y|x) (up to a constant); the bias-corrected score is
+
+    score_y(x) = xi_y(x) + log p_n(y|x)
+
+and search() finds its top k by a beam search on the path log-probabilities followed by
+rescoring the beam's leaves with the full score: O(beam * (k_pca log L + D)) per query.
+
+Arrays (tree.npz in a bundle; produced by training.tree_train.fit_tree_scorer):
+  pca_mean [D] f32, pca_components [k, D] f32,
+  node_weights [num_leaves - 1, k] f32, node_bias [num_leaves - 1] f32,
+  leaf_labels [num_leaves] int64 (each real label exactly once, -1 padding),
+  classifier_weights [L, D] f32, classifier_bias [L] f32, default_beam [] int64.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+REQUIRED_ARRAYS = (
+    "pca_mean",
+    "pca_components",
+    "node_weights",
+    "node_bias",
+    "leaf_labels",
+    "classifier_weights",
+    "classifier_bias",
+)
+DEFAULT_BEAM = 64
+
+
+def log_sigmoid(x: np.ndarray) -> np.ndarray:
+    """log sigmoid(x), stable for large |x| and exact at +-inf (0 and -inf)."""
+    return -np.logaddexp(0.0, -x)
+
+
+def _subtree_has_label(leaf_labels: np.ndarray) -> np.ndarray:
+    """Bool per heap node (internal and leaf): does its subtree hold a real label?"""
+    num_leaves = len(leaf_labels)
+    has = np.zeros(2 * num_leaves - 1, dtype=bool)
+    has[num_leaves - 1 :] = leaf_labels >= 0
+    for i in range(num_leaves - 2, -1, -1):
+        has[i] = has[2 * i + 1] | has[2 * i + 2]
+    return has
+
+
+def forced_split_bias(leaf_labels: np.ndarray) -> np.ndarray:
+    """Per internal node: +inf where only the left subtree holds labels, -inf where only the
+    right does, 0 elsewhere. Added to the node's logit so padding gets p_n = 0 exactly."""
+    num_leaves = len(leaf_labels)
+    has = _subtree_has_label(leaf_labels)
+    internal = np.arange(num_leaves - 1)
+    left, right = has[2 * internal + 1], has[2 * internal + 2]
+    force = np.zeros(num_leaves - 1, dtype=np.float64)
+    force[left & ~right] = np.inf
+    force[~left & right] = -np.inf
+    return force
+
+
+class TreeScorer:
+    """Beam search over the probabilistic label tree with bias-corrected rescoring."""
+
+    def __init__(
+        self,
+        pca_mean: np.ndarray,
+        pca_components: np.ndarray,
+        node_weights: np.ndarray,
+        node_bias: np.ndarray,
+        leaf_labels: np.ndarray,
+        classifier_weights: np.ndarray,
+        classifier_bias: np.ndarray,
+        default_beam: int = DEFAULT_BEAM,
+    ) -> None:
+        self.pca_mean = np.asarray(pca_mean, dtype=np.float32)
+        self.pca_components = np.asarray(pca_components, dtype=np.float32)
+        self.node_weights = np.asarray(node_weights, dtype=np.float32)
+        self.node_bias = np.asarray(node_bias, dtype=np.float32)
+        self.leaf_labels = np.asarray(leaf_labels, dtype=np.int64)
+        self.classifier_weights = np.asarray(classifier_weights, dtype=np.float32)
+        self.classifier_bias = np.asarray(classifier_bias, dtype=np.float32)
+        self.default_beam = int(default_beam)
+        self._check_structure()
+        self.num_leaves = len(self.leaf_labels)
+        self.depth = int(self.num_leaves).bit_length() - 1
+        self.num_labels = int(self.classifier_weights.shape[0])
+        # Padding-only subtrees get a logit of -inf; folded into the bias once, here.
+        self._node_bias_eff = self.node_bias.astype(np.float64) + forced_split_bias(self.leaf_labels)
+        # Node scores are s = w . P (q - m) + b = (w P) . q + (b - w P m): fold the PCA
+        # projection in per node only where it pays, i.e. keep z = P (q - m) (k << D).
+        self._pca_offset = self.pca_components @ self.pca_mean
+
+    # --- construction and validation -------------------------------------------------
+    @classmethod
+    def from_arrays(cls, arrays: Mapping[str, np.ndarray]) -> TreeScorer:
+        missing = [name for name in REQUIRED_ARRAYS if name not in arrays]
+        if missing:
+            raise ValueError(f"tree arrays: missing {', '.join(missing)}")
+        beam = arrays.get("default_beam")
+        kwargs = {name: np.asarray(arrays[name]) for name in REQUIRED_ARRAYS}
+        return cls(**kwargs, default_beam=int(np.asarray(beam)) if beam is not None else DEFAULT_BEAM)
+
+    def to_arrays(self) -> dict[str, np.ndarray]:
+        return {
+            "pca_mean": self.pca_mean,
+            "pca_components": self.pca_components,
+            "node_weights": self.node_weights,
+            "node_bias": self.node_bias,
+            "leaf_labels": self.leaf_labels,
+            "classifier_weights": self.classifier_weights,
+            "classifier_bias": self.classifier_bias,
+            "default_beam": np.asarray(self.default_beam, dtype=np.int64),
+        }
+
+    def _check_structure(self) -> None:
+        """Shapes that must agree with each other (independent of the bundle's L and D)."""
+        if self.pca_mean.ndim != 1:
+            raise ValueError(f"tree array pca_mean: expected [D], got shape {self.pca_mean.shape}")
+        dim = self.pca_mean.shape[0]
+        if self.pca_components.ndim != 2 or self.pca_components.shape[1] != dim:
+            raise ValueError(
+                f"tree array pca_components: expected [k, {dim}], got shape {self.pca_components.shape}"
+            )
+        k = self.pca_components.shape[0]
+        n_leaves = self.leaf_labels.shape[0] if self.leaf_labels.ndim == 1 else -1
+        if n_leaves < 2 or n_leaves & (n_leaves - 1):
+            raise ValueError(
+                f"tree array leaf_labels: expected a power-of-two length >= 2, got shape {self.leaf_labels.shape}"
+            )
+        if self.node_weights.shape != (n_leaves - 1, k):
+            raise ValueError(
+                f"tree array node_weights: expected [{n_leaves - 1}, {k}], got shape {self.node_weights.shape}"
+            )
+        if self.node_bias.shape != (n_leaves - 1,):
+            raise ValueError(f"tree array node_bias: expected [{n_leaves - 1}], got shape {self.node_bias.shape}")
+        if self.classifier_weights.ndim != 2 or self.classifier_weights.shape[1] != dim:
+            raise ValueError(
+                f"tree array classifier_weights: expected [L, {dim}], got shape {self.classifier_weights.shape}"
+            )
+        num_labels = self.classifier_weights.shape[0]
+        if self.classifier_bias.shape != (num_labels,):
+            raise ValueError(
+                f"tree array classifier_bias: expected [{num_labels}], got shape {self.classifier_bias.shape}"
+            )
+        real = self.leaf_labels[self.leaf_labels >= 0]
+        if (self.leaf_labels < -1).any() or len(real) != num_labels or not np.array_equal(
+            np.sort(real), np.arange(num_labels)
+        ):
+            raise ValueError(f"tree array leaf_labels: must hold each label 0..{num_labels - 1} once, -1 for padding")
+        for name in ("pca_mean", "pca_components", "node_weights", "node_bias", "classifier_weights",
+                     "classifier_bias"):
+            if not np.isfinite(getattr(self, name)).all():
+                raise ValueError(f"tree array {name}: contains NaN or infinite values")
+        if self.default_beam < 1:
+            raise ValueError(f"tree array default_beam: must be >= 1, got {self.default_beam}")
+
+    def validate(self, num_labels: int, dim: int) -> None:
+        """Check the arrays against the bundle's label count and embedding dimension."""
+        if self.pca_mean.shape[0] != dim:
+            raise ValueError(f"tree array pca_mean: dimension {self.pca_mean.shape[0]}, bundle has D={dim}")
+        if self.classifier_weights.shape != (num_labels, dim):
+            raise ValueError(
+                f"tree array classifier_weights: shape {self.classifier_weights.shape}, "
+                f"bundle has L={num_labels}, D={dim}"
+            )
+
+    # --- scoring ---------------------------------------------------------------------
+    def _project(self, q: np.ndarray) -> np.ndarray:
+        q = np.asarray(q, dtype=np.float32)
+        if q.ndim != 2 or q.shape[1] != self.pca_mean.shape[0]:
+            raise ValueError(f"queries must be [B, {self.pca_mean.shape[0]}], got shape {q.shape}")
+        return q @ self.pca_components.T - self._pca_offset
+
+    def log_pn(self, q: np.ndarray) -> np.ndarray:
+        """log p_n(y|x) for every label: [B, L] (exact, all nodes; tests and measurement only)."""
+        z = self._project(q).astype(np.float64)
+        logits = z @ self.node_weights.T.astype(np.float64) + self._node_bias_eff  # [B, nodes]
+        logp = np.zeros((len(z), 1))
+        for level in range(self.depth):
+            first = (1 << level) - 1
+            s = logits[:, first : first + (1 << level)]
+            # Children of the level's nodes interleave left, right in heap order.
+            logp = np.stack([logp + log_sigmoid(s), logp + log_sigmoid(-s)], axis=2).reshape(len(z), -1)
+        out = np.full((len(z), self.num_labels), -np.inf)
+        real = self.leaf_labels >= 0
+        out[:, self.leaf_labels[real]] = logp[:, real]
+        return out
+
+    def classifier_scores(self, q: np.ndarray) -> np.ndarray:
+        """xi_y(x) for every label: [B, L] (measurement only)."""
+        q = np.asarray(q, dtype=np.float32)
+        return q @ self.classifier_weights.T + self.classifier_bias
+
+    def exact_scores(self, q: np.ndarray) -> np.ndarray:
+        """xi_y(x) + log p_n(y|x) for every label: [B, L] (tests and recall measurement only)."""
+        return self.classifier_scores(q) + self.log_pn(q)
+
+    def beam_leaves(self, q: np.ndarray, beam: int) -> tuple[np.ndarray, np.ndarray]:
+        """Beam search on path log-probs: (label ids [B, <=beam] (-1 = none), log p_n [B, <=beam])."""
+        z = self._project(q).astype(np.float64)
+        batch = len(z)
+        rows = np.arange(batch)[:, None]
+        nodes = np.zeros((batch, 1), dtype=np.int64)
+        logp = np.zeros((batch, 1))
+        for _ in range(self.depth):
+            s = np.einsum("bnk,bk->bn", self.node_weights[nodes], z) + self._node_bias_eff[nodes]
+            nodes = np.concatenate([2 * nodes + 1, 2 * nodes + 2], axis=1)
+            logp = np.concatenate([logp + log_sigmoid(s), logp + log_sigmoid(-s)], axis=1)
+            if nodes.shape[1] > beam:
+                keep = np.argpartition(-logp, beam - 1, axis=1)[:, :beam]
+                nodes, logp = nodes[rows, keep], logp[rows, keep]
+        labels = self.leaf_labels[nodes - (self.num_leaves - 1)]
+        # Padding leaves (p_n = 0) and leaves reached only through them are not candidates.
+        labels = np.where(np.isfinite(logp), labels, -1)
+        return labels, logp
+
+    def search(self, q: np.ndarray, k: int, beam: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Top k of xi_y(x) + log p_n(y|x) among the beam's leaves: (ids int64 [B, k] (-1 pad),
+        scores float32 [B, k]), best first."""
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        beam = self.default_beam if beam is None else int(beam)
+        if beam < 1:
+            raise ValueError(f"beam must be >= 1, got {beam}")
+        q = np.asarray(q, dtype=np.float32)
+        labels, logp = self.beam_leaves(q, max(beam, k))
+        safe = np.maximum(labels, 0)
+        xi = np.einsum("bcd,bd->bc", self.classifier_weights[safe], q) + self.classifier_bias[safe]
+        scores = np.where(labels >= 0, xi + logp, -np.inf)
+        kk = min(k, scores.shape[1])
+        order = np.argsort(-scores, axis=1, kind="stable")[:, :kk]
+        rows = np.arange(len(q))[:, None]
+        top_ids, top_scores = labels[rows, order], scores[rows, order]
+        ids = np.full((len(q), k), -1, dtype=np.int64)
+        out = np.full((len(q), k), -np.inf, dtype=np.float32)
+        valid = np.isfinite(top_scores)
+        ids[:, :kk] = np.where(valid, top_ids, -1)
+        out[:, :kk] = np.where(valid, top_scores, -np.inf)
+        return ids, out

@@ -1,0 +1,227 @@
+"""The bias-corrected classifier of adversarial negative sampling (Bamler & Mandt, ICLR 2020).
+
+xi_y(x) = v_y . E(x) + c_y is trained as a binary classifier between the data's positive
+pairs (x, y) and negatives y' drawn from the auxiliary tree p_n(.|x) (training/tree.py),
+with the Eq. 6 regulariser pulling the bias-corrected score towards 0:
+
+    loss(x, y) = -log sigma(xi_y(x)) - sum_{y' ~ p_n(.|x)} log sigma(-xi_y'(x))
+                 + lambda * [(xi_y(x) + log p_n(y|x))^2 + sum_{y'} (xi_y'(x) + log p_n(y'|x))^2]
+
+At the optimum xi_y(x) = log p(y|x) - log p_n(y|x) + const, so prediction ranks by
+xi_y(x) + log p_n(y|x) (service.engine.tree.TreeScorer).
+
+Multi-label data: every (x, y) positive pair is one sample. A negative y' drawn for x that is
+itself a positive of x (any of x's labels, not only y) is masked out of the loss: calling a
+true label negative would teach the opposite of the data, and the tree, which mimics the
+data, proposes x's other labels often. The masked draw is not replaced (replacing it would
+need rejection sampling with unbounded cost); the mask rate is reported in fit_stats_.
+
+The same trainer with sampler="uniform" (negatives uniform over labels, log p_n = -log L) is
+the baseline of bench/tree.py.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from training.tree import LabelTree, flatten_pairs
+
+DEFAULT_CONFIG: dict[str, Any] = {
+    # the tree p_n
+    "pca_dim": 16,
+    "lambda_n": 1.0,
+    "newton_steps": 1,
+    "max_rounds": 8,
+    # the classifier xi
+    "negatives": 4,  # per positive pair
+    "lambda": 1e-3,  # Eq. 6 regulariser strength
+    "epochs": 6,
+    "batch_size": 512,
+    "lr": 0.2,  # Adagrad (sparse rows)
+    # the scorer
+    "beam": 64,
+}
+
+# Called with (seconds of training so far, epoch, step); its own time is not counted.
+ProgressCallback = Callable[[float, int, int], None]
+
+
+def _pair_keys(pair_doc: np.ndarray, pair_label: np.ndarray, num_labels: int) -> np.ndarray:
+    return np.sort(pair_doc * num_labels + pair_label)
+
+
+def _is_positive(sorted_keys: np.ndarray, doc: np.ndarray, label: np.ndarray, num_labels: int) -> np.ndarray:
+    keys = doc * num_labels + label
+    pos = np.searchsorted(sorted_keys, keys)
+    pos = np.minimum(pos, len(sorted_keys) - 1)
+    return sorted_keys[pos] == keys
+
+
+class TreeClassifier:
+    """xi_y(x) = v_y . q + c_y trained by negative sampling from a LabelTree (or uniformly).
+
+    Hyper-parameters: negatives per positive, lam (Eq. 6), epochs, batch_size, lr (Adagrad),
+    sampler ("adversarial" | "uniform"), seed. After fit(): weights_ [L, D], bias_ [L], fit_stats_.
+    """
+
+    def __init__(
+        self,
+        negatives: int = 4,
+        lam: float = 1e-3,
+        epochs: int = 6,
+        batch_size: int = 512,
+        lr: float = 0.2,
+        sampler: str = "adversarial",
+        seed: int = 0,
+    ) -> None:
+        self.negatives = negatives
+        self.lam = lam
+        self.epochs = epochs
+        self.batch_size = batch_size
+        self.lr = lr
+        self.sampler = sampler
+        self.seed = seed
+
+    def fit(
+        self,
+        embeddings: np.ndarray,
+        targets: Sequence[Sequence[int]],
+        num_labels: int,
+        tree: LabelTree | None,
+        callback: ProgressCallback | None = None,
+        callback_every: int = 0,
+        time_budget: float | None = None,
+    ) -> TreeClassifier:
+        if self.sampler not in ("adversarial", "uniform"):
+            raise ValueError(f"sampler must be 'adversarial' or 'uniform', got {self.sampler!r}")
+        if self.sampler == "adversarial" and tree is None:
+            raise ValueError("sampler='adversarial' needs a fitted LabelTree")
+        if self.negatives < 1 or self.epochs < 0 or self.batch_size < 1 or self.lr <= 0 or self.lam < 0:
+            raise ValueError("negatives >= 1, epochs >= 0, batch_size >= 1, lr > 0 and lambda >= 0 required")
+        x = np.ascontiguousarray(embeddings, dtype=np.float32)
+        pair_doc, pair_label = flatten_pairs(targets, num_labels)
+        rng = np.random.default_rng(self.seed)
+        torch.manual_seed(self.seed)
+        keys = _pair_keys(pair_doc, pair_label, num_labels)
+        uniform_logp = -float(np.log(num_labels))
+        if self.sampler == "adversarial":
+            assert tree is not None
+            z = tree.project(x)
+            pos_logp = tree.log_prob(z[pair_doc], pair_label[:, None])[:, 0]
+        else:
+            z = None
+            pos_logp = np.full(len(pair_doc), uniform_logp)
+
+        dim = x.shape[1]
+        weight = torch.nn.Embedding(num_labels, dim, sparse=True)
+        bias = torch.nn.Embedding(num_labels, 1, sparse=True)
+        torch.nn.init.zeros_(weight.weight)
+        torch.nn.init.zeros_(bias.weight)
+        opt = torch.optim.Adagrad([weight.weight, bias.weight], lr=self.lr)
+        x_t = torch.from_numpy(x)
+
+        masked = drawn = 0
+        elapsed = 0.0
+        step = 0
+        losses: list[float] = []
+        stop = False
+        for epoch in range(self.epochs):
+            order = rng.permutation(len(pair_doc))
+            total, batches = 0.0, 0
+            for start in range(0, len(order), self.batch_size):
+                t0 = time.perf_counter()
+                idx = order[start : start + self.batch_size]
+                doc, pos = pair_doc[idx], pair_label[idx]
+                if z is not None:
+                    assert tree is not None
+                    neg, neg_logp = tree.sample(z[doc], self.negatives, rng)
+                else:
+                    neg = rng.integers(0, num_labels, size=(len(idx), self.negatives))
+                    neg_logp = np.full(neg.shape, uniform_logp)
+                keep = ~_is_positive(keys, np.repeat(doc, self.negatives), neg.ravel(), num_labels)
+                keep = keep.reshape(neg.shape)
+                masked += int((~keep).sum())
+                drawn += keep.size
+
+                q = x_t[torch.from_numpy(doc)]
+                labels = torch.from_numpy(np.concatenate([pos[:, None], neg], axis=1))
+                xi = (weight(labels) * q[:, None, :]).sum(-1) + bias(labels)[..., 0]  # [B, 1 + S]
+                logp = torch.from_numpy(np.concatenate([pos_logp[idx][:, None], neg_logp], axis=1)).float()
+                mask = torch.from_numpy(np.concatenate([np.ones((len(idx), 1), bool), keep], axis=1)).float()
+                nll = F.softplus(-xi[:, 0]) + (F.softplus(xi[:, 1:]) * mask[:, 1:]).sum(1)
+                reg = self.lam * (((xi + logp) ** 2) * mask).sum(1)
+                loss = (nll + reg).mean()
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                total += float(loss.detach())
+                batches += 1
+                step += 1
+                elapsed += time.perf_counter() - t0
+                if callback is not None and callback_every and step % callback_every == 0:
+                    callback(elapsed, epoch, step)
+                if time_budget is not None and elapsed >= time_budget:
+                    stop = True
+                    break
+            losses.append(total / max(batches, 1))
+            if stop:
+                break
+        if callback is not None:
+            callback(elapsed, epoch if self.epochs else 0, step)
+        self.weights_ = weight.weight.detach().numpy().astype(np.float32, copy=True)
+        self.bias_ = bias.weight.detach().numpy()[:, 0].astype(np.float32, copy=True)
+        self.fit_stats_ = {
+            "train_seconds": elapsed,
+            "steps": step,
+            "losses": losses,
+            "masked_negative_fraction": masked / max(drawn, 1),
+        }
+        return self
+
+
+def fit_tree_scorer(
+    doc_embeddings: np.ndarray,
+    targets: list[list[int]],
+    num_labels: int,
+    config: dict[str, Any],
+    seed: int,
+) -> dict[str, np.ndarray]:
+    """Fit p_n and xi on the training documents; return the arrays of service.engine.tree.TreeScorer.
+
+    config keys (defaults in DEFAULT_CONFIG): pca_dim, lambda_n, newton_steps, max_rounds,
+    negatives, lambda, epochs, batch_size, lr, beam.
+    """
+    unknown = sorted(set(config) - set(DEFAULT_CONFIG))
+    if unknown:
+        raise ValueError(f"unknown tree config keys: {', '.join(unknown)} (known: {', '.join(DEFAULT_CONFIG)})")
+    cfg = {**DEFAULT_CONFIG, **config}
+    if int(cfg["beam"]) < 1:
+        raise ValueError(f"tree config beam must be >= 1, got {cfg['beam']}")
+    tree = LabelTree(
+        pca_dim=int(cfg["pca_dim"]),
+        lambda_n=float(cfg["lambda_n"]),
+        newton_steps=int(cfg["newton_steps"]),
+        max_rounds=int(cfg["max_rounds"]),
+        seed=seed,
+    ).fit(doc_embeddings, targets, num_labels)
+    clf = TreeClassifier(
+        negatives=int(cfg["negatives"]),
+        lam=float(cfg["lambda"]),
+        epochs=int(cfg["epochs"]),
+        batch_size=int(cfg["batch_size"]),
+        lr=float(cfg["lr"]),
+        sampler="adversarial",
+        seed=seed,
+    ).fit(doc_embeddings, targets, num_labels, tree)
+    return {
+        **tree.arrays(),
+        "classifier_weights": clf.weights_,
+        "classifier_bias": clf.bias_,
+        "default_beam": np.asarray(int(cfg["beam"]), dtype=np.int64),
+    }
