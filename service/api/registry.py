@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import gc
 import logging
 import threading
 import time
@@ -247,7 +246,8 @@ class BundleRegistry:
                         self.drain_timeout_s)
         engine._close()
         del engine
-        gc.collect()
+        # No gc.collect() here: a full collection holds the GIL for tens of ms and stalls
+        # serving; the bundle's arrays and indices are freed by reference counting.
         self._trim()
 
     def close(self) -> None:

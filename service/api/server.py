@@ -7,7 +7,14 @@ import asyncio
 
 import uvicorn
 
-from service.api.app import build_state, create_admin_app, create_app, initial_load, shutdown
+from service.api.app import (
+    build_state,
+    create_admin_app,
+    create_app,
+    freeze_startup_objects,
+    initial_load,
+    shutdown,
+)
 from service.api.settings import Settings
 
 
@@ -33,6 +40,7 @@ async def _serve_two(settings: Settings) -> None:
                                   settings.host, settings.port, settings))
     admin = uvicorn.Server(_config(create_admin_app(state), settings.admin_host or settings.host,
                                    int(settings.admin_port or 0), settings))
+    freeze_startup_objects()
     load = asyncio.create_task(initial_load(state))
     try:
         await asyncio.gather(main.serve(), admin.serve())
