@@ -9,7 +9,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="SHORTLIST_", extra="forbid")
+    # Empty variables count as unset, so `SHORTLIST_ADMIN_TOKEN=` (as compose passes an unset
+    # variable) leaves the admin API off instead of enabling it with an empty token.
+    model_config = SettingsConfigDict(env_prefix="SHORTLIST_", extra="forbid", env_ignore_empty=True)
 
     bundle_root: Path = Path("bundles")
     # None serves the newest bundle under the root.
