@@ -1,0 +1,177 @@
+"""The adversarial tree scorer: p_n's tree, its sampling, the engine's beam search, the classifier."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from service.engine.metrics import ranking_metrics
+from service.engine.tree import TreeScorer
+from training.tree import LabelTree
+from training.tree_train import TreeClassifier, fit_tree_scorer
+
+
+def clustered_data(
+    num_labels: int, num_docs: int, dim: int, noise: float, seed: int
+) -> tuple[np.ndarray, list[list[int]], np.ndarray]:
+    """Documents near the sum of their labels' random prototypes; a skewed label prior."""
+    rng = np.random.default_rng(seed)
+    protos = rng.normal(size=(num_labels, dim))
+    prior = 1.0 / np.arange(1, num_labels + 1) ** 0.7
+    prior = rng.permutation(prior / prior.sum())
+    targets: list[list[int]] = []
+    x = np.empty((num_docs, dim), dtype=np.float32)
+    for i in range(num_docs):
+        labels = sorted(set(rng.choice(num_labels, size=int(rng.integers(1, 4)), p=prior).tolist()))
+        v = protos[labels].sum(0) + noise * rng.normal(size=dim)
+        x[i] = v / np.linalg.norm(v)
+        targets.append(labels)
+    return x, targets, protos
+
+
+def split(x: np.ndarray, targets: list[list[int]], n_train: int):
+    return x[:n_train], targets[:n_train], x[n_train:], targets[n_train:]
+
+
+@pytest.fixture(scope="module")
+def small_tree() -> tuple[LabelTree, np.ndarray]:
+    # 11 labels -> 16 leaves: 5 padding leaves, forced splits at the bottom.
+    x, targets, _ = clustered_data(11, 400, 8, 0.5, seed=1)
+    return LabelTree(pca_dim=4, seed=0).fit(x, targets, 11), x
+
+
+@pytest.fixture(scope="module")
+def scorer_and_data():
+    x, targets, _ = clustered_data(60, 2400, 16, 0.8, seed=2)
+    xtr, ttr, xte, tte = split(x, targets, 2000)
+    arrays = fit_tree_scorer(xtr, ttr, 60, {"pca_dim": 8, "epochs": 8, "beam": 16}, seed=0)
+    scorer = TreeScorer.from_arrays(arrays)
+    return scorer, arrays, xte, tte
+
+
+def test_tree_is_balanced_and_every_label_reachable(small_tree):
+    tree, x = small_tree
+    leaves = tree.leaf_labels_
+    assert len(leaves) == 16
+    assert sorted(leaves[leaves >= 0].tolist()) == list(range(11))
+    # Balanced: at every level the two children of a node hold label counts differing by <= 1.
+    real = (leaves >= 0).astype(int)
+    for size in (1, 2, 4, 8):
+        counts = real.reshape(-1, size).sum(1)
+        assert np.all(np.abs(counts[0::2] - counts[1::2]) <= 1)
+    logp = TreeScorer.from_arrays(
+        {**tree.arrays(), "classifier_weights": np.zeros((11, 8), np.float32),
+         "classifier_bias": np.zeros(11, np.float32)}
+    ).log_pn(x[:50])
+    assert np.isfinite(logp).all()  # every real label has p_n > 0
+
+
+def test_log_pn_sums_to_one_and_padding_has_zero_mass(small_tree):
+    tree, x = small_tree
+    scorer = TreeScorer.from_arrays(
+        {**tree.arrays(), "classifier_weights": np.zeros((11, 8), np.float32),
+         "classifier_bias": np.zeros(11, np.float32)}
+    )
+    logp = scorer.log_pn(x[:100])
+    np.testing.assert_allclose(np.exp(logp).sum(1), 1.0, atol=1e-6)
+    # The training-side path log-prob agrees with the engine's level-wise computation.
+    z = tree.project(x[:100])
+    labels = np.tile(np.arange(11), (100, 1))
+    np.testing.assert_allclose(tree.log_prob(z, labels), logp, atol=1e-5)
+
+
+def test_ancestral_samples_follow_pn(small_tree):
+    from scipy.stats import chisquare
+
+    tree, x = small_tree
+    rng = np.random.default_rng(0)
+    z = tree.project(x[:1])
+    n = 40_000
+    labels, logp = tree.sample(z, n, rng)
+    assert labels.min() >= 0  # never a padding leaf
+    expected = np.exp(tree.log_prob(z, np.arange(11)[None, :]))[0] * n
+    observed = np.bincount(labels[0], minlength=11)
+    assert chisquare(observed, expected).pvalue > 1e-3
+    # The returned log-probs are those of the sampled labels.
+    np.testing.assert_allclose(logp[0, :20], tree.log_prob(z, labels[:, :20])[0], atol=1e-6)
+    # The test has power: the same samples are rejected against the p_n of a different input.
+    all_p = np.exp(tree.log_prob(tree.project(x), np.tile(np.arange(11), (len(x), 1))))
+    far = int(np.abs(all_p - expected / n).sum(1).argmax())
+    assert np.abs(all_p[far] - expected / n).sum() > 0.2
+    assert chisquare(observed, all_p[far] * n).pvalue < 1e-6
+
+
+def test_beam_equal_to_num_labels_is_exact(scorer_and_data):
+    scorer, _, xte, _ = scorer_and_data
+    exact = scorer.exact_scores(xte)
+    ids, scores = scorer.search(xte, k=10, beam=60)
+    best = -np.sort(-exact, axis=1)[:, :10]
+    np.testing.assert_allclose(scores, best, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(np.take_along_axis(exact, ids, 1), scores, rtol=1e-5, atol=1e-4)
+
+
+def test_classifier_learns_and_bias_correction_ranks_well(scorer_and_data):
+    scorer, _, xte, tte = scorer_and_data
+    ids, _ = scorer.search(xte, k=5)
+    p1 = ranking_metrics(ids, tte, ks=(1,))["P@1"]
+    chance = 100.0 * np.mean([len(t) for t in tte]) / 60
+    assert p1 > 5 * chance and p1 > 50.0
+    # xi + log p_n beats log p_n alone: the classifier adds information.
+    logpn_top = np.argsort(-scorer.log_pn(xte), axis=1)[:, :5]
+    assert p1 >= ranking_metrics(logpn_top, tte, ks=(1,))["P@1"]
+
+
+def test_search_pads_and_never_returns_padding(scorer_and_data):
+    scorer, _, xte, _ = scorer_and_data
+    ids, scores = scorer.search(xte[:3], k=100, beam=4)
+    assert ids.shape == (3, 100) and scores.shape == (3, 100)
+    assert ids.dtype == np.int64 and scores.dtype == np.float32
+    # beam 4 but k 100: the beam widens to k, at most 60 real labels exist.
+    assert ((ids >= 0).sum(1) == 60).all()
+    assert (ids[:, 60:] == -1).all() and np.isneginf(scores[:, 60:]).all()
+    assert np.all(np.diff(scores[:, :60], axis=1) <= 0)
+
+
+def test_bad_arrays_and_inputs_are_named(scorer_and_data):
+    scorer, arrays, xte, _ = scorer_and_data
+    scorer.validate(60, 16)
+    with pytest.raises(ValueError, match="classifier_weights"):
+        scorer.validate(61, 16)
+    with pytest.raises(ValueError, match="pca_mean"):
+        scorer.validate(60, 32)
+    with pytest.raises(ValueError, match="missing node_bias"):
+        TreeScorer.from_arrays({k: v for k, v in arrays.items() if k != "node_bias"})
+    bad = dict(arrays, leaf_labels=np.where(arrays["leaf_labels"] == 3, 4, arrays["leaf_labels"]))
+    with pytest.raises(ValueError, match="leaf_labels"):
+        TreeScorer.from_arrays(bad)
+    with pytest.raises(ValueError, match="node_weights"):
+        TreeScorer.from_arrays(dict(arrays, node_weights=arrays["node_weights"][:, :3]))
+    nan = arrays["classifier_bias"].copy()
+    nan[0] = np.nan
+    with pytest.raises(ValueError, match="classifier_bias"):
+        TreeScorer.from_arrays(dict(arrays, classifier_bias=nan))
+    with pytest.raises(ValueError, match="queries"):
+        scorer.search(xte[:, :5], k=3)
+    with pytest.raises(ValueError, match="beam"):
+        scorer.search(xte[:2], k=3, beam=0)
+    with pytest.raises(ValueError, match="unknown tree config keys: pca"):
+        fit_tree_scorer(xte, [[0]] * len(xte), 60, {"pca": 3}, seed=0)
+
+
+def test_fit_is_deterministic_given_seed():
+    x, targets, _ = clustered_data(20, 300, 8, 0.8, seed=3)
+    a = fit_tree_scorer(x, targets, 20, {"pca_dim": 4, "epochs": 2}, seed=5)
+    b = fit_tree_scorer(x, targets, 20, {"pca_dim": 4, "epochs": 2}, seed=5)
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+def test_negatives_that_are_positives_are_masked():
+    # Two labels always together: the tree proposes the sibling positive often; it is masked.
+    x, targets, _ = clustered_data(8, 300, 8, 0.3, seed=4)
+    targets = [sorted(set(t) | {0, 1}) for t in targets]
+    tree = LabelTree(pca_dim=4).fit(x, targets, 8)
+    clf = TreeClassifier(epochs=1, negatives=4).fit(x, targets, 8, tree)
+    assert clf.fit_stats_["masked_negative_fraction"] > 0.05
+    with pytest.raises(ValueError, match="sampler"):
+        TreeClassifier(sampler="random").fit(x, targets, 8, tree)
