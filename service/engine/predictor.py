@@ -53,6 +53,10 @@ class Predictor:
             bundle.index_w.set_ef(ef)
             bundle.index_mu.set_ef(ef)
         self.encoder = OnnxEncoder(bundle.encoder_path, threads=threads)
+        # Plain ndarray views of the memory maps: same pages, without np.memmap's per-index overhead.
+        self._w = np.asarray(bundle.classifiers)
+        self._b = np.asarray(bundle.classifier_bias)
+        self._mu = np.asarray(bundle.centroids)
 
     @property
     def version(self) -> str:
@@ -88,9 +92,8 @@ class Predictor:
 
     def score_candidates(self, q: np.ndarray, cands: np.ndarray, alpha: float) -> np.ndarray:
         """Combined scores [B, C] of candidate ids [B, C]; repeated ids after the first get -inf."""
-        b = self.bundle
-        logits = np.einsum("bcd,bd->bc", b.classifiers[cands], q) + b.classifier_bias[cands]
-        sims = np.einsum("bcd,bd->bc", b.centroids[cands], q)
+        logits = np.einsum("bcd,bd->bc", self._w[cands], q) + self._b[cands]
+        sims = np.einsum("bcd,bd->bc", self._mu[cands], q)
         scores = combine_scores(logits, sims, alpha, self.f, self.g).astype(np.float32)
         order = np.argsort(cands, axis=1, kind="stable")
         sorted_ids = np.take_along_axis(cands, order, axis=1)
@@ -121,9 +124,8 @@ class Predictor:
         """The same scores over all L labels (brute force): the baseline the shortlist approximates."""
         a = self._check_alpha(alpha)
         q = self.encode(texts)
-        b = self.bundle
-        logits = q @ b.classifiers.T + b.classifier_bias
-        sims = q @ b.centroids.T
+        logits = q @ self._w.T + self._b
+        sims = q @ self._mu.T
         scores = combine_scores(logits, sims, a, self.f, self.g).astype(np.float32)
         ids, best = top_k(scores, k)
         return _pad(ids, best, k)
