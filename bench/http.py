@@ -3,13 +3,14 @@
     python bench/http.py --bundle-root ROOT [--version V] [--data ../shared/data/debian-deps]
                          [--seconds 5] [--connections 1 16]
 
-Starts a real server (uvicorn subprocess, echo route on) and, with closed-loop httpx client
-threads (one keep-alive connection each), measures req/s and p50/p99 at each connection
-count for POST /v1/predict and for POST /v1/echo (same app, same JSON parsing and
-middleware, no model work): the ratio predict/echo is the share of the framework's floor
-that the service keeps. Then texts/s with 64 texts per request, and predict at the highest
-connection count with dynamic batching off and with a 1 ms max wait, to say whether
-batching raises throughput. Figures go to stdout and bench/out/http.json.
+Starts real servers (uvicorn subprocesses, echo route on): the default configuration, one
+with dynamic batching off and one with a 1 ms max wait. Closed-loop httpx client threads
+(one keep-alive connection each) measure req/s and p50/p99 at each connection count for
+POST /v1/predict on each server and for POST /v1/echo (same app, same JSON parsing and
+middleware, no model work): predict/echo is the share of the framework's floor that the
+service keeps. Also texts/s with 64 texts per request. The machine is shared, so every
+point is measured in several short interleaved rounds and medians are reported. Figures go
+to stdout and bench/out/http.json.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
 import threading  # noqa: E402
@@ -117,7 +119,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--bundle-root", required=True, type=Path)
     ap.add_argument("--version", default=None)
     ap.add_argument("--data", default=None, help="dataset folder: queries from its tst titles (default: label titles)")
-    ap.add_argument("--seconds", type=float, default=5.0, help="measured seconds per point")
+    ap.add_argument("--seconds", type=float, default=2.0, help="measured seconds per point and round")
+    ap.add_argument("--rounds", type=int, default=4, help="interleaved rounds (the machine is shared: "
+                    "alternating short points keeps drift out of the ratios)")
     ap.add_argument("--connections", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--k", type=int, default=10)
     ap.add_argument("--batch", type=int, default=64, help="texts per request in the batch measurement")
@@ -136,38 +140,58 @@ def main(argv: Sequence[str] | None = None) -> int:
     log_dir = OUT_DIR / "http-logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     base_env = {"SHORTLIST_ECHO_ROUTE": "true", "SHORTLIST_MAX_BATCH": str(max(128, args.batch))}
-    results: dict[str, Any] = {"command": command_line(), "revision": git_revision(), "bundle": str(bundle_dir),
-                               "seconds_per_point": args.seconds, "points": []}
-
-    def point(name: str, url: str, path: str, bodies: Sequence[dict[str, Any]], conns: int,
-              texts_per_request: int = 1) -> dict[str, Any]:
-        r = closed_loop(url, path, bodies, conns, args.seconds)
-        r.update({"name": name, "path": path, "connections": conns, "texts_s": r["req_s"] * texts_per_request})
-        results["points"].append(r)
-        print(f"{name:<34} conns={conns:<3} {r['req_s']:8.1f} req/s  {r['texts_s']:8.1f} texts/s  "
-              f"p50 {r['p50_ms']:6.2f} ms  p99 {r['p99_ms']:6.2f} ms", flush=True)
-        return r
-
-    with serve(root, version=args.version, env=base_env, log_dir=log_dir, timeout=300) as s:
-        print(f"serving {bundle_dir} at {s.url}", flush=True)
-        for conns in args.connections:
-            echo = point("echo (framework floor)", s.url, "/v1/echo", echo_bodies, conns)
-            pred = point("predict (batching, wait 0)", s.url, "/v1/predict", predict_bodies, conns)
-            ratio = pred["req_s"] / echo["req_s"]
-            results[f"ratio_predict_over_echo_c{conns}"] = ratio
-            print(f"  ratio predict/echo at {conns} connections: {ratio:.2f}", flush=True)
-        results["batch_sizes_default"] = scrape_batch_sizes(s.url)
-        print(f"  engine calls so far: {results['batch_sizes_default']}", flush=True)
-        for conns in (1, 2):
-            point(f"predict, {args.batch} texts/request", s.url, "/v1/predict", batch_bodies, conns, args.batch)
-
+    modes = {"batching (default)": {}}
     if not args.skip_batching_modes:
-        conns = max(args.connections)
-        for label, env in (("predict (no batching)", {"SHORTLIST_BATCHING": "false"}),
-                           ("predict (batching, wait 1 ms)", {"SHORTLIST_BATCH_MAX_WAIT_MS": "1"})):
-            with serve(root, version=args.version, env={**base_env, **env}, log_dir=log_dir, timeout=300) as s:
-                point(label, s.url, "/v1/predict", predict_bodies, conns)
+        modes["no batching"] = {"SHORTLIST_BATCHING": "false"}
+        modes["batching, 1 ms wait"] = {"SHORTLIST_BATCH_MAX_WAIT_MS": "1"}
+    results: dict[str, Any] = {"command": command_line(), "revision": git_revision(), "bundle": str(bundle_dir),
+                               "seconds_per_point": args.seconds, "rounds": args.rounds, "points": {}}
 
+    with contextlib.ExitStack() as stack:
+        urls = {name: stack.enter_context(serve(root, version=args.version, env={**base_env, **env},
+                                                log_dir=log_dir, timeout=300)).url
+                for name, env in modes.items()}
+        print(f"serving {bundle_dir}; modes: {', '.join(modes)}", flush=True)
+        main_url = urls["batching (default)"]
+        plan: list[tuple[str, str, str, Sequence[dict[str, Any]], int, int]] = []
+        for conns in args.connections:
+            plan.append(("echo (framework floor)", main_url, "/v1/echo", echo_bodies, conns, 1))
+            for name, url in urls.items():
+                plan.append((f"predict, {name}", url, "/v1/predict", predict_bodies, conns, 1))
+        for conns in (1, 2):
+            plan.append((f"predict, {args.batch} texts/request", main_url, "/v1/predict", batch_bodies, conns,
+                         args.batch))
+        samples: dict[tuple[str, int], list[dict[str, Any]]] = {}
+        for rnd in range(args.rounds):
+            order = plan if rnd % 2 == 0 else plan[::-1]
+            for name, url, path, bodies, conns, per_request in order:
+                r = closed_loop(url, path, bodies, conns, args.seconds, warmup_s=0.3)
+                r["texts_per_request"] = per_request
+                samples.setdefault((name, conns), []).append(r)
+            print(f"round {rnd + 1}/{args.rounds} done", flush=True)
+        results["batch_sizes_default"] = scrape_batch_sizes(main_url)
+
+    print(f"\n{'point':<40} {'conns':>5} {'req/s':>9} {'texts/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
+    for (name, conns), rs in samples.items():
+        req_s = float(np.median([r["req_s"] for r in rs]))
+        point = {"name": name, "connections": conns, "req_s_median": req_s,
+                 "req_s_rounds": [round(r["req_s"], 1) for r in rs],
+                 "texts_s_median": req_s * rs[0]["texts_per_request"],
+                 "p50_ms_median": float(np.median([r["p50_ms"] for r in rs])),
+                 "p99_ms_median": float(np.median([r["p99_ms"] for r in rs]))}
+        results["points"][f"{name} @{conns}"] = point
+        print(f"{name:<40} {conns:>5} {req_s:9.1f} {point['texts_s_median']:9.1f} "
+              f"{point['p50_ms_median']:8.2f} {point['p99_ms_median']:8.2f}")
+    print()
+    for conns in args.connections:
+        echo = samples[("echo (framework floor)", conns)]
+        for name in modes:
+            pred = samples[(f"predict, {name}", conns)]
+            ratios = [p["req_s"] / e["req_s"] for p, e in zip(pred, echo, strict=True)]
+            results[f"ratio predict ({name}) / echo @{conns}"] = float(np.median(ratios))
+            print(f"ratio predict ({name}) / echo at {conns} connections: median {np.median(ratios):.2f} "
+                  f"(rounds: {', '.join(f'{x:.2f}' for x in ratios)})")
+    print(f"engine calls on the default server: {results['batch_sizes_default']}")
     out = OUT_DIR / "http.json"
     out.write_text(json.dumps(results, indent=2))
     print(f"wrote {out}")

@@ -43,7 +43,11 @@ async def _serve_two(settings: Settings) -> None:
     freeze_startup_objects()
     load = asyncio.create_task(initial_load(state))
     try:
-        await asyncio.gather(main.serve(), admin.serve())
+        # A signal reaches only one server's handler: when either stops, stop the other.
+        tasks = [asyncio.create_task(main.serve()), asyncio.create_task(admin.serve())]
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        main.should_exit = admin.should_exit = True
+        await asyncio.gather(*tasks)
     finally:
         load.cancel()
         await shutdown(state)
