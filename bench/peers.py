@@ -69,6 +69,16 @@ ONE_THREAD_ENV = {
 }
 
 
+RESULTS_PREAMBLE = """# Benchmark results
+
+Written by the scripts in bench/; each section names the command that produced it and is
+replaced when that command runs again. The peers install apart from Shortlist's own
+dependencies (libpecos pins numpy<2, see pyproject.toml):
+
+    pip install -e '.[bench]' && pip install --no-deps libpecos==1.2.8
+"""
+
+
 class BenchError(RuntimeError):
     """A system could not be trained or served; the message says which and why."""
 
@@ -859,8 +869,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     table = render_markdown(rows, grid, context)
     print(table)
     key = f"peers:{dataset}:{args.text_field}" + (f":limit{args.limit}" if args.limit else "")
-    replace_section(results_md, key, table, title="# Benchmark results\n\nWritten by the scripts in bench/; "
-                    "each section names the command that produced it.")
+    replace_section(results_md, key, table, title=RESULTS_PREAMBLE)
     (run_dir / "results.json").write_text(json.dumps({"rows": rows, "grid": grid, "context": context}, indent=1),
                                           encoding="utf-8")
     print(f"[peers] wrote {results_md} and {plot_link} ({time.perf_counter() - t0:.0f}s)", flush=True)
