@@ -57,7 +57,8 @@ def export_checkpoint(
     if ef_search is not None:
         hnsw_cfg["ef_search"] = ef_search
     hnsw = HnswConfig(**hnsw_cfg)
-    shortlist = ckpt.scoring["shortlist"]
+    scoring = _with_head(ckpt)
+    shortlist = scoring["shortlist"]
     ef_search = hnsw.resolved_ef(shortlist["k_w"], shortlist["k_mu"])
     staging = fmt.staging_dir(root, version)
     try:
@@ -95,7 +96,7 @@ def export_checkpoint(
             "num_labels": int(w.shape[0]),
             "vocab_size": ckpt.tokenizer.vocab_size,
             "text_field": ckpt.config.get("text_field", "title"),
-            "scoring": ckpt.scoring,
+            "scoring": scoring,
             "hnsw": {"M": hnsw.M, "ef_construction": hnsw.ef_construction, "ef_search": ef_search},
             "tree_default_beam": _tree_beam(ckpt),
             "data_fingerprint": ckpt.fingerprint,
@@ -116,6 +117,19 @@ def export_checkpoint(
     Bundle.load(final).close()  # what was written must pass the same validation the service runs
     log(f"bundle {final} written and validated in {time.perf_counter() - t0:.1f}s")
     return final
+
+
+DEFAULT_K_HEAD = 32
+
+
+def _with_head(ckpt: Checkpoint) -> dict:
+    """Scoring defaults with k_head set: the checkpoint's, else 32 when classifiers carry a prior (bias)."""
+    scoring = json.loads(json.dumps(ckpt.scoring))
+    shortlist = scoring["shortlist"]
+    if "k_head" not in shortlist:
+        has_prior = bool(np.any(ckpt.classifier_bias != 0))
+        shortlist["k_head"] = min(DEFAULT_K_HEAD, len(ckpt.labels)) if has_prior else 0
+    return scoring
 
 
 def _check_shapes(ckpt: Checkpoint, ckpt_dir: Path) -> None:

@@ -146,3 +146,22 @@ def test_named_predictions_carry_uid_and_title(predictor):
     labels = predictor.bundle.labels
     for p in preds:
         assert p.uid == labels.uids[p.id] and p.title == labels.titles[p.id]
+
+
+def test_head_shortlist_covering_every_label_equals_brute_force(bundle_root):
+    bundle = Bundle.load(bundle_root / "v1")
+    everything = Predictor(bundle, shortlist_head=bundle.manifest.num_labels)
+    texts = bundle.labels.titles[:40] + ["", "zzqx unknown"]
+    ann_ids, ann_scores = everything.predict_ids(texts, k=5)
+    exact_ids, exact_scores = everything.predict_exact_ids(texts, k=5)
+    assert np.allclose(ann_scores, exact_scores, atol=1e-6)
+    assert np.mean(ann_ids == exact_ids) > 0.97  # only exact ties may order differently
+
+
+def test_export_shortlists_the_prior_head_when_classifiers_have_a_bias(bundle_root):
+    bundle = Bundle.load(bundle_root / "v1")
+    has_bias = bool(np.any(np.asarray(bundle.classifier_bias) != 0))
+    assert bundle.manifest.scoring.shortlist.k_head == (32 if has_bias else 0)
+    predictor = Predictor(bundle)
+    head = set(np.argsort(-np.asarray(bundle.classifier_bias), kind="stable")[:predictor.shortlist_head].tolist())
+    assert head <= set(predictor.shortlist(["zzqx unknown"])[0].tolist())

@@ -78,6 +78,9 @@ class Calibrations(_Strict):
 class ShortlistSizes(_Strict):
     k_w: int = Field(ge=1)
     k_mu: int = Field(ge=0)
+    # The labels with the largest bias (the label prior's head) are shortlisted for every
+    # query: a heavy-head label can win on its prior while its direction ranks low in HNSW.
+    k_head: int = Field(0, ge=0)
 
 
 class ScoringDefaults(_Strict):

@@ -22,7 +22,8 @@ class Prediction(NamedTuple):
 class Predictor:
     """Log-time top-k over a bundle (DESIGN.md, "Log-time prediction").
 
-    S = topK_w(HNSW over [w_l, b_l] with query [q, 1]) U topK_mu(HNSW over mu_l);
+    S = topK_w(HNSW over [w_l, b_l] with query [q, 1]) U topK_mu(HNSW over mu_l) U H,
+    H = the k_head labels of largest bias b_l (query-independent: the label prior's head);
     score_l = alpha f(w_l.q + b_l) + (1 - alpha) g(mu_l.q) for l in S.
 
     All methods are safe to call from several threads at once. `ef_search` given here is
@@ -37,6 +38,7 @@ class Predictor:
         ef_search: int | None = None,
         shortlist_w: int | None = None,
         shortlist_mu: int | None = None,
+        shortlist_head: int | None = None,
     ) -> None:
         self.bundle = bundle
         scoring = bundle.manifest.scoring
@@ -45,8 +47,9 @@ class Predictor:
         self.g = scoring.calibration.centroid.to_calibration()
         self.shortlist_w = int(shortlist_w if shortlist_w is not None else scoring.shortlist.k_w)
         self.shortlist_mu = int(shortlist_mu if shortlist_mu is not None else scoring.shortlist.k_mu)
-        if self.shortlist_w < 1 or self.shortlist_mu < 0:
-            raise ValueError("shortlist_w must be >= 1 and shortlist_mu >= 0")
+        self.shortlist_head = int(shortlist_head if shortlist_head is not None else scoring.shortlist.k_head)
+        if self.shortlist_w < 1 or self.shortlist_mu < 0 or self.shortlist_head < 0:
+            raise ValueError("shortlist_w must be >= 1, shortlist_mu and shortlist_head >= 0")
         need = max(self.shortlist_w, self.shortlist_mu)
         if ef_search is not None or need > bundle.index_w.ef_search:
             ef = max(ef_search or 0, need)
@@ -57,6 +60,7 @@ class Predictor:
         self._w = np.asarray(bundle.classifiers)
         self._b = np.asarray(bundle.classifier_bias)
         self._mu = np.asarray(bundle.centroids)
+        self._head = np.argsort(-self._b, kind="stable")[: self.shortlist_head].astype(np.int64)
 
     @property
     def version(self) -> str:
@@ -71,13 +75,14 @@ class Predictor:
         return self.encoder.run(ids, weights)
 
     def _candidates(self, q: np.ndarray) -> np.ndarray:
-        """[B, k_w + k_mu] label ids from both indices; duplicates are handled by the caller."""
+        """[B, k_w + k_mu + k_head] label ids; duplicates are handled by the caller."""
         ones = np.ones((len(q), 1), dtype=np.float32)
-        ids_w = self.bundle.index_w.search(np.hstack([q, ones]), self.shortlist_w)
-        if self.shortlist_mu == 0:
-            return ids_w
-        ids_mu = self.bundle.index_mu.search(q, self.shortlist_mu)
-        return np.hstack([ids_w, ids_mu])
+        parts = [self.bundle.index_w.search(np.hstack([q, ones]), self.shortlist_w)]
+        if self.shortlist_mu:
+            parts.append(self.bundle.index_mu.search(q, self.shortlist_mu))
+        if len(self._head):
+            parts.append(np.broadcast_to(self._head, (len(q), len(self._head))))
+        return np.hstack(parts) if len(parts) > 1 else parts[0]
 
     def shortlist(self, texts: Sequence[str]) -> list[np.ndarray]:
         """The union shortlist S of each text (sorted label ids)."""
