@@ -258,8 +258,9 @@ def test_readiness_is_503_until_a_validated_bundle_is_loaded(bundle_root, tmp_pa
         assert c.post("/v1/predict", json={"text": "x"}).json()["version"] == "v1"
 
 
-def test_explicit_version_is_served(bundle_root, tmp_path):
-    with serve(bundle_root, version="v1", log_dir=tmp_path) as s, httpx.Client(base_url=s.url) as c:
+def test_version_flag_overrides_the_environment(bundle_root, tmp_path):
+    env = {"SHORTLIST_VERSION": "v2"}
+    with serve(bundle_root, version="v1", env=env, log_dir=tmp_path) as s, httpx.Client(base_url=s.url) as c:
         assert c.post("/v1/predict", json={"text": "x"}).json()["version"] == "v1"
 
 

@@ -45,6 +45,13 @@ class EngineRunner:
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="engine")
         self._slots: asyncio.Semaphore | None = None
         self._queues: dict[Hashable, _Queue] = {}
+        # The event loop holds tasks weakly; keep dispatchers alive until they finish.
+        self._tasks: set[asyncio.Task] = set()
+
+    def _spawn(self, key: Hashable, kind: str, queue: _Queue) -> None:
+        task = asyncio.get_running_loop().create_task(self._dispatch(key, kind, queue))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _sem(self) -> asyncio.Semaphore:
         if self._slots is None:
@@ -70,7 +77,7 @@ class EngineRunner:
         queue = self._queues.get(key)
         if queue is None:
             queue = self._queues[key] = _Queue(fn)
-            loop.create_task(self._dispatch(key, kind, queue))
+            self._spawn(key, kind, queue)
         queue.texts.append(text)
         queue.futures.append(fut)
         if len(queue.texts) >= self.max_batch:
@@ -97,7 +104,7 @@ class EngineRunner:
                 nxt.texts[:0], nxt.futures[:0] = rest.texts, rest.futures
             else:
                 self._queues[key] = rest
-                asyncio.get_running_loop().create_task(self._dispatch(key, kind, rest))
+                self._spawn(key, kind, rest)
         try:
             if self.on_batch is not None:
                 self.on_batch(kind, len(texts))

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from service.engine import Bundle, BundleError, Predictor
+from service.engine import Bundle, BundleError, Manifest, Predictor
 from service.engine.bundle import list_bundles, newest_version, resolve_bundle_dir, validate_version_name
 from service.engine.metrics import ranking_metrics
 
@@ -145,7 +145,8 @@ class BundleRegistry:
 
     # -- admin side ---------------------------------------------------------------------
 
-    def list(self) -> list[tuple[object, bool]]:
+    def list(self) -> list[tuple[Manifest, bool]]:
+        """(manifest, is active) for every readable bundle under the root, oldest first."""
         active = self.active_version
         return [(m, m.version == active) for m in list_bundles(self.root)]
 
