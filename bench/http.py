@@ -126,6 +126,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=10)
     ap.add_argument("--batch", type=int, default=64, help="texts per request in the batch measurement")
     ap.add_argument("--skip-batching-modes", action="store_true")
+    ap.add_argument("--results", type=Path, default=_HERE / "RESULTS.md",
+                    help="markdown file whose 'http' section is replaced with these figures")
     args = ap.parse_args(argv)
 
     root = args.bundle_root.resolve()
@@ -171,6 +173,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"round {rnd + 1}/{args.rounds} done", flush=True)
         results["batch_sizes_default"] = scrape_batch_sizes(main_url)
 
+    table = ["| point | connections | req/s | texts/s | p50 (ms) | p99 (ms) | req/s per round |",
+             "|---|---|---|---|---|---|---|"]
     print(f"\n{'point':<40} {'conns':>5} {'req/s':>9} {'texts/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
     for (name, conns), rs in samples.items():
         req_s = float(np.median([r["req_s"] for r in rs]))
@@ -182,19 +186,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         results["points"][f"{name} @{conns}"] = point
         print(f"{name:<40} {conns:>5} {req_s:9.1f} {point['texts_s_median']:9.1f} "
               f"{point['p50_ms_median']:8.2f} {point['p99_ms_median']:8.2f}")
+        table.append(f"| {name} | {conns} | {req_s:.0f} | {point['texts_s_median']:.0f} | "
+                     f"{point['p50_ms_median']:.2f} | {point['p99_ms_median']:.2f} | "
+                     f"{', '.join(f'{x:.0f}' for x in point['req_s_rounds'])} |")
     print()
+    ratio_lines = []
     for conns in args.connections:
         echo = samples[("echo (framework floor)", conns)]
         for name in modes:
             pred = samples[(f"predict, {name}", conns)]
             ratios = [p["req_s"] / e["req_s"] for p, e in zip(pred, echo, strict=True)]
             results[f"ratio predict ({name}) / echo @{conns}"] = float(np.median(ratios))
-            print(f"ratio predict ({name}) / echo at {conns} connections: median {np.median(ratios):.2f} "
-                  f"(rounds: {', '.join(f'{x:.2f}' for x in ratios)})")
+            line = (f"ratio predict ({name}) / echo at {conns} connections: median {np.median(ratios):.2f} "
+                    f"(rounds: {', '.join(f'{x:.2f}' for x in ratios)})")
+            print(line)
+            ratio_lines.append(f"- {line}")
     print(f"engine calls on the default server: {results['batch_sizes_default']}")
     out = OUT_DIR / "http.json"
     out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {out}")
+    calls = results["batch_sizes_default"]
+    section = "\n".join([
+        "## HTTP service: /v1/predict against the framework floor (echo route)", "",
+        f"Command: `{results['command']}`", "",
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, commit {results['revision']}, 2 CPU cores "
+        f"shared with other jobs; bundle `{bundle_dir}`; k={args.k}; {args.rounds} interleaved rounds of "
+        f"{args.seconds:g} s per point, medians; closed-loop httpx client threads on the same machine.", "",
+        *table, "", *ratio_lines, "",
+        f"Default server: {calls['engine_calls']:.0f} engine calls, {calls['mean_texts_per_call']:.1f} texts per "
+        "call on average (dynamic batching plus the 64-text requests).",
+    ])
+    _common.replace_section(args.results, "http", section)
+    print(f"wrote {out} and the 'http' section of {args.results}")
     return 0
 
 

@@ -111,6 +111,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--connections", type=int, default=4)
     ap.add_argument("--swap-pause", type=float, default=0.2, help="seconds between activations")
     ap.add_argument("--k", type=int, default=10)
+    ap.add_argument("--results", type=Path, default=_HERE / "RESULTS.md",
+                    help="markdown file whose 'swap' section gets this run (one line per swap pause)")
     args = ap.parse_args(argv)
     bundle = args.bundle.resolve()
     if not (bundle / "manifest.json").is_file():
@@ -179,10 +181,39 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"max {server_times.max():.3f} s")
         out = _common.OUT_DIR / "swap.json"
         out.write_text(json.dumps(result, indent=2))
-        print(f"wrote {out}")
+        _record(args.results, result)
+        print(f"wrote {out} and the 'swap' section of {args.results}")
         return 0 if not steady_err and not swap_err and len(ok) == len(activations) else 1
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _record(results_md: Path, result: dict[str, Any]) -> None:
+    """One table row per swap pause, keeping rows of other pauses from earlier runs."""
+    start, end = "<!-- swap -->", "<!-- /swap -->"
+    text = results_md.read_text(encoding="utf-8") if results_md.exists() else ""
+    rows: dict[str, str] = {}
+    if start in text and end in text:
+        for line in text.split(start, 1)[1].split(end, 1)[0].splitlines():
+            if line.startswith("| ") and not line.startswith("| swap pause") and "---" not in line:
+                rows[line.split("|")[1].strip()] = line
+    st, sw, act = result["steady"], result["during_swaps"], result["activation_s"]
+    key = f"{result['swap_pause_s']:g} s"
+    rows[key] = (f"| {key} | {result['swaps']} | {st['p50_ms']:.2f} / {st['p99_ms']:.2f} | "
+                 f"{sw['p50_ms']:.2f} / {sw['p99_ms']:.2f} | {result['p99_ratio']:.2f} | "
+                 f"{st['failed'] + sw['failed']} | {act['p50']:.3f} / {act['max']:.3f} | "
+                 f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime())} {result['revision']} |")
+    body = "\n".join([
+        "## Hot swap: /v1/predict latency during activation storms", "",
+        f"Command: `{result['command']}` (rows: one per `--swap-pause`); bundle `{result['bundle']}`, "
+        f"{result['connections']} closed-loop connections, {result['seconds']:g} s per phase, 2 CPU cores shared "
+        "with other jobs. Bar: p99 during swaps <= 2 x steady p99.", "",
+        "| swap pause | swaps | steady p50 / p99 (ms) | during swaps p50 / p99 (ms) | p99 ratio | failed requests "
+        "| activation p50 / max (s) | run |",
+        "|---|---|---|---|---|---|---|---|",
+        *sorted(rows.values(), key=lambda r: float(r.split("|")[1].split()[0])),
+    ])
+    _common.replace_section(results_md, "swap", body)
 
 
 if __name__ == "__main__":
