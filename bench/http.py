@@ -8,9 +8,10 @@ with dynamic batching off and one with a 1 ms max wait. Closed-loop httpx client
 (one keep-alive connection each) measure req/s and p50/p99 at each connection count for
 POST /v1/predict on each server and for POST /v1/echo (same app, same JSON parsing and
 middleware, no model work): predict/echo is the share of the framework's floor that the
-service keeps. Also texts/s with 64 texts per request. The machine is shared, so every
-point is measured in several short interleaved rounds and medians are reported. Figures go
-to stdout and bench/out/http.json.
+service keeps. Also texts/s with 64 texts per request, and a paired run on one connection
+alternating echo and predict requests (a drift-free estimate of the one-connection ratio).
+The machine is shared, so every point is measured in several short interleaved rounds and
+medians are reported. Figures go to stdout, bench/out/http.json and bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -103,6 +104,54 @@ def closed_loop(url: str, path: str, bodies: Sequence[dict[str, Any]], connectio
     return {"requests": len(samples), "req_s": len(samples) / elapsed, **latency_summary(samples)}
 
 
+def paired_loop(url: str, echo_bodies: Sequence[dict[str, Any]], predict_bodies: Sequence[dict[str, Any]],
+                connections: int, seconds: float, warmup_s: float = 0.5) -> dict[str, Any]:
+    """Each connection alternates echo and predict requests, so both routes see the same
+    machine at the same moments: mean latency echo / predict estimates the req/s ratio
+    free of the drift that separates sequential points on a shared machine."""
+    stop = threading.Event()
+    measuring = threading.Event()
+    lat: dict[str, list[float]] = {"echo": [], "predict": []}
+    lock = threading.Lock()
+    errors: list[str] = []
+
+    def worker(w: int) -> None:
+        clock = time.perf_counter
+        mine: dict[str, list[float]] = {"echo": [], "predict": []}
+        with httpx.Client(base_url=url, timeout=30) as c:
+            i = w
+            while not stop.is_set():
+                for name, path, body in (("echo", "/v1/echo", echo_bodies[i % len(echo_bodies)]),
+                                         ("predict", "/v1/predict", predict_bodies[i % len(predict_bodies)])):
+                    t0 = clock()
+                    r = c.post(path, json=body)
+                    dt = clock() - t0
+                    if r.status_code != 200:
+                        errors.append(f"{r.status_code} {r.text[:200]}")
+                    elif measuring.is_set():
+                        mine[name].append(dt)
+                i += connections
+        with lock:
+            for name, xs in mine.items():
+                lat[name].extend(xs)
+
+    threads = [threading.Thread(target=worker, args=(w,), daemon=True) for w in range(connections)]
+    for t in threads:
+        t.start()
+    time.sleep(warmup_s)
+    measuring.set()
+    time.sleep(seconds)
+    measuring.clear()
+    stop.set()
+    for t in threads:
+        t.join()
+    if errors:
+        raise RuntimeError(f"{len(errors)} failed requests, first: {errors[0]}")
+    out: dict[str, Any] = {name: latency_summary(xs) for name, xs in lat.items()}
+    out["ratio"] = out["echo"]["mean_ms"] / out["predict"]["mean_ms"]
+    return out
+
+
 def scrape_batch_sizes(url: str) -> dict[str, float]:
     text = httpx.get(f"{url}/metrics").text
     total = count = 0.0
@@ -172,6 +221,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 samples.setdefault((name, conns), []).append(r)
             print(f"round {rnd + 1}/{args.rounds} done", flush=True)
         results["batch_sizes_default"] = scrape_batch_sizes(main_url)
+        # One connection only: with many, predict waits for engine workers that echo never
+        # queues for, so mean latencies stop estimating a throughput ratio.
+        paired = {1: paired_loop(main_url, echo_bodies, predict_bodies, 1, args.seconds * args.rounds)}
+        results["paired"] = paired
 
     table = ["| point | connections | req/s | texts/s | p50 (ms) | p99 (ms) | req/s per round |",
              "|---|---|---|---|---|---|---|"]
@@ -201,6 +254,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"(rounds: {', '.join(f'{x:.2f}' for x in ratios)})")
             print(line)
             ratio_lines.append(f"- {line}")
+    paired_lines = []
+    for conns, pr in paired.items():
+        line = (f"paired at {conns} connection (requests alternate echo and predict): echo p50 "
+                f"{pr['echo']['p50_ms']:.2f} ms, mean {pr['echo']['mean_ms']:.2f} ms; predict p50 "
+                f"{pr['predict']['p50_ms']:.2f} ms, mean {pr['predict']['mean_ms']:.2f} ms; "
+                f"predict/echo throughput estimate {pr['ratio']:.2f}")
+        print(line)
+        paired_lines.append(f"- {line}")
     print(f"engine calls on the default server: {results['batch_sizes_default']}")
     out = OUT_DIR / "http.json"
     out.write_text(json.dumps(results, indent=2))
@@ -211,7 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, commit {results['revision']}, 2 CPU cores "
         f"shared with other jobs; bundle `{bundle_dir}`; k={args.k}; {args.rounds} interleaved rounds of "
         f"{args.seconds:g} s per point, medians; closed-loop httpx client threads on the same machine.", "",
-        *table, "", *ratio_lines, "",
+        *table, "", *ratio_lines, "", *paired_lines, "",
         f"Default server: {calls['engine_calls']:.0f} engine calls, {calls['mean_texts_per_call']:.1f} texts per "
         "call on average (dynamic batching plus the 64-text requests).",
     ])
