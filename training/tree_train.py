@@ -2,13 +2,22 @@
 
 xi_y(x) = v_y . E(x) + c_y is trained as a binary classifier between the data's positive
 pairs (x, y) and negatives y' drawn from the auxiliary tree p_n(.|x) (training/tree.py),
-with the Eq. 6 regulariser pulling the bias-corrected score towards 0:
+plus a quadratic regulariser R on every scored pair (the positive and its negatives):
 
     loss(x, y) = -log sigma(xi_y(x)) - sum_{y' ~ p_n(.|x)} log sigma(-xi_y'(x))
-                 + lambda * [(xi_y(x) + log p_n(y|x))^2 + sum_{y'} (xi_y'(x) + log p_n(y'|x))^2]
+                 + lambda * [R(x, y) + sum_{y'} R(x, y')]
+    R = (xi + log p_n)^2   regularise="corrected" (the issue's Eq. 6 form)
+    R = xi^2               regularise="xi" (the default: pulls xi towards 0, i.e. the corrected
+                           score towards log p_n, where the data says little)
 
 At the optimum xi_y(x) = log p(y|x) - log p_n(y|x) + const, so prediction ranks by
 xi_y(x) + log p_n(y|x) (service.engine.tree.TreeScorer).
+
+Why "xi" is the default: negatives from p_n rarely hit a label where p_n gives it little
+mass, so nothing stops its xi from growing there. The corrected form makes it worse: on a
+positive pair with log p_n(y|x) = -15 it pulls xi_y towards +15, and v_y, c_y carry that to
+every other document. Measured on a validation split carved from debian-deps trn (bench/tree.py
+documents the figures), "xi" beats "corrected" at the same lambda.
 
 Multi-label data: every (x, y) positive pair is one sample. A negative y' drawn for x that is
 itself a positive of x (any of x's labels, not only y) is masked out of the loss: calling a
@@ -39,8 +48,10 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "newton_steps": 1,
     "max_rounds": 8,
     # the classifier xi
-    "negatives": 4,  # per positive pair
-    "lambda": 1e-3,  # Eq. 6 regulariser strength
+    "negatives": 8,  # per positive pair
+    "lambda": 0.01,  # regulariser strength
+    "regularise": "xi",  # "xi" (xi^2) or "corrected" ((xi + log p_n)^2, the issue's Eq. 6)
+    "weight_decay": 0.0,  # L2 on the v_y rows of a step
     "epochs": 6,
     "batch_size": 512,
     "lr": 0.2,  # Adagrad (sparse rows)
@@ -48,8 +59,9 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "beam": 64,
 }
 
-# Called with (seconds of training so far, epoch, step); its own time is not counted.
-ProgressCallback = Callable[[float, int, int], None]
+# Called with (seconds of training so far, step, weights [L, D], bias [L]) (the weights a live
+# view, not a copy); the time it takes is not counted as training time.
+ProgressCallback = Callable[[float, int, np.ndarray, np.ndarray], None]
 
 
 def _pair_keys(pair_doc: np.ndarray, pair_label: np.ndarray, num_labels: int) -> np.ndarray:
@@ -66,18 +78,22 @@ def _is_positive(sorted_keys: np.ndarray, doc: np.ndarray, label: np.ndarray, nu
 class TreeClassifier:
     """xi_y(x) = v_y . q + c_y trained by negative sampling from a LabelTree (or uniformly).
 
-    Hyper-parameters: negatives per positive, lam (Eq. 6), epochs, batch_size, lr (Adagrad),
-    sampler ("adversarial" | "uniform"), seed. After fit(): weights_ [L, D], bias_ [L], fit_stats_.
+    Hyper-parameters: negatives per positive, lam and regularise (see the module docstring),
+    epochs, batch_size, lr, sampler ("adversarial" | "uniform"), optimizer ("adagrad" | "sgd"),
+    weight_decay, seed. After fit(): weights_ [L, D], bias_ [L], fit_stats_.
     """
 
     def __init__(
         self,
-        negatives: int = 4,
-        lam: float = 1e-3,
+        negatives: int = 8,
+        lam: float = 0.01,
         epochs: int = 6,
         batch_size: int = 512,
         lr: float = 0.2,
         sampler: str = "adversarial",
+        optimizer: str = "adagrad",
+        regularise: str = "xi",
+        weight_decay: float = 0.0,
         seed: int = 0,
     ) -> None:
         self.negatives = negatives
@@ -86,6 +102,9 @@ class TreeClassifier:
         self.batch_size = batch_size
         self.lr = lr
         self.sampler = sampler
+        self.optimizer = optimizer
+        self.regularise = regularise
+        self.weight_decay = weight_decay
         self.seed = seed
 
     def fit(
@@ -100,11 +119,20 @@ class TreeClassifier:
     ) -> TreeClassifier:
         if self.sampler not in ("adversarial", "uniform"):
             raise ValueError(f"sampler must be 'adversarial' or 'uniform', got {self.sampler!r}")
+        if self.regularise not in ("xi", "corrected"):
+            raise ValueError(f"regularise must be 'xi' or 'corrected', got {self.regularise!r}")
+        if self.optimizer not in ("sgd", "adagrad"):
+            raise ValueError(f"optimizer must be 'sgd' or 'adagrad', got {self.optimizer!r}")
         if self.sampler == "adversarial" and tree is None:
             raise ValueError("sampler='adversarial' needs a fitted LabelTree")
         if self.negatives < 1 or self.epochs < 0 or self.batch_size < 1 or self.lr <= 0 or self.lam < 0:
             raise ValueError("negatives >= 1, epochs >= 0, batch_size >= 1, lr > 0 and lambda >= 0 required")
         x = np.ascontiguousarray(embeddings, dtype=np.float32)
+        # Encoder outputs are non-negative (ReLU), so every raw embedding shares one direction;
+        # training on centred inputs keeps v_y about what distinguishes y's documents rather than
+        # that common direction. xi = v.(q - m) + c = v.q + (c - v.m): the bias absorbs it on export.
+        center = x.mean(axis=0)
+        x = x - center
         pair_doc, pair_label = flatten_pairs(targets, num_labels)
         rng = np.random.default_rng(self.seed)
         torch.manual_seed(self.seed)
@@ -123,15 +151,23 @@ class TreeClassifier:
         bias = torch.nn.Embedding(num_labels, 1, sparse=True)
         torch.nn.init.zeros_(weight.weight)
         torch.nn.init.zeros_(bias.weight)
-        opt = torch.optim.Adagrad([weight.weight, bias.weight], lr=self.lr)
+        params = [weight.weight, bias.weight]
+        if self.optimizer == "adagrad":
+            opt: torch.optim.Optimizer = torch.optim.Adagrad(params, lr=self.lr)
+        else:
+            opt = torch.optim.SGD(params, lr=self.lr)
         x_t = torch.from_numpy(x)
+
+        def export() -> tuple[np.ndarray, np.ndarray]:
+            w = weight.weight.detach().numpy()
+            return w, (bias.weight.detach().numpy()[:, 0] - w @ center).astype(np.float32)
 
         masked = drawn = 0
         elapsed = 0.0
         step = 0
         losses: list[float] = []
         stop = False
-        for epoch in range(self.epochs):
+        for _epoch in range(self.epochs):
             order = rng.permutation(len(pair_doc))
             total, batches = 0.0, 0
             for start in range(0, len(order), self.batch_size):
@@ -155,7 +191,8 @@ class TreeClassifier:
                 logp = torch.from_numpy(np.concatenate([pos_logp[idx][:, None], neg_logp], axis=1)).float()
                 mask = torch.from_numpy(np.concatenate([np.ones((len(idx), 1), bool), keep], axis=1)).float()
                 nll = F.softplus(-xi[:, 0]) + (F.softplus(xi[:, 1:]) * mask[:, 1:]).sum(1)
-                reg = self.lam * (((xi + logp) ** 2) * mask).sum(1)
+                target = xi + logp if self.regularise == "corrected" else xi
+                reg = self.lam * ((target**2) * mask).sum(1) + self.weight_decay * (weight(labels) ** 2).sum(-1).mean(1)
                 loss = (nll + reg).mean()
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
@@ -167,7 +204,7 @@ class TreeClassifier:
                 step += 1
                 elapsed += time.perf_counter() - t0
                 if callback is not None and callback_every and step % callback_every == 0:
-                    callback(elapsed, epoch, step)
+                    callback(elapsed, step, *export())
                 if time_budget is not None and elapsed >= time_budget:
                     stop = True
                     break
@@ -175,9 +212,9 @@ class TreeClassifier:
             if stop:
                 break
         if callback is not None:
-            callback(elapsed, epoch if self.epochs else 0, step)
-        self.weights_ = weight.weight.detach().numpy().astype(np.float32, copy=True)
-        self.bias_ = bias.weight.detach().numpy()[:, 0].astype(np.float32, copy=True)
+            callback(elapsed, step, *export())
+        w, b = export()
+        self.weights_, self.bias_ = w.astype(np.float32, copy=True), b
         self.fit_stats_ = {
             "train_seconds": elapsed,
             "steps": step,
@@ -185,6 +222,41 @@ class TreeClassifier:
             "masked_negative_fraction": masked / max(drawn, 1),
         }
         return self
+
+
+def resolve_config(config: dict[str, Any]) -> dict[str, Any]:
+    """DEFAULT_CONFIG overridden by `config`; unknown keys are an error naming them."""
+    unknown = sorted(set(config) - set(DEFAULT_CONFIG))
+    if unknown:
+        raise ValueError(f"unknown tree config keys: {', '.join(unknown)} (known: {', '.join(DEFAULT_CONFIG)})")
+    cfg = {**DEFAULT_CONFIG, **config}
+    if int(cfg["beam"]) < 1:
+        raise ValueError(f"tree config beam must be >= 1, got {cfg['beam']}")
+    return cfg
+
+
+def tree_from_config(cfg: dict[str, Any], seed: int) -> LabelTree:
+    return LabelTree(
+        pca_dim=int(cfg["pca_dim"]),
+        lambda_n=float(cfg["lambda_n"]),
+        newton_steps=int(cfg["newton_steps"]),
+        max_rounds=int(cfg["max_rounds"]),
+        seed=seed,
+    )
+
+
+def classifier_from_config(cfg: dict[str, Any], seed: int, sampler: str = "adversarial") -> TreeClassifier:
+    return TreeClassifier(
+        negatives=int(cfg["negatives"]),
+        lam=float(cfg["lambda"]),
+        regularise=str(cfg["regularise"]),
+        weight_decay=float(cfg["weight_decay"]),
+        epochs=int(cfg["epochs"]),
+        batch_size=int(cfg["batch_size"]),
+        lr=float(cfg["lr"]),
+        sampler=sampler,
+        seed=seed,
+    )
 
 
 def fit_tree_scorer(
@@ -197,30 +269,11 @@ def fit_tree_scorer(
     """Fit p_n and xi on the training documents; return the arrays of service.engine.tree.TreeScorer.
 
     config keys (defaults in DEFAULT_CONFIG): pca_dim, lambda_n, newton_steps, max_rounds,
-    negatives, lambda, epochs, batch_size, lr, beam.
+    negatives, lambda, regularise, weight_decay, epochs, batch_size, lr, beam.
     """
-    unknown = sorted(set(config) - set(DEFAULT_CONFIG))
-    if unknown:
-        raise ValueError(f"unknown tree config keys: {', '.join(unknown)} (known: {', '.join(DEFAULT_CONFIG)})")
-    cfg = {**DEFAULT_CONFIG, **config}
-    if int(cfg["beam"]) < 1:
-        raise ValueError(f"tree config beam must be >= 1, got {cfg['beam']}")
-    tree = LabelTree(
-        pca_dim=int(cfg["pca_dim"]),
-        lambda_n=float(cfg["lambda_n"]),
-        newton_steps=int(cfg["newton_steps"]),
-        max_rounds=int(cfg["max_rounds"]),
-        seed=seed,
-    ).fit(doc_embeddings, targets, num_labels)
-    clf = TreeClassifier(
-        negatives=int(cfg["negatives"]),
-        lam=float(cfg["lambda"]),
-        epochs=int(cfg["epochs"]),
-        batch_size=int(cfg["batch_size"]),
-        lr=float(cfg["lr"]),
-        sampler="adversarial",
-        seed=seed,
-    ).fit(doc_embeddings, targets, num_labels, tree)
+    cfg = resolve_config(config)
+    tree = tree_from_config(cfg, seed).fit(doc_embeddings, targets, num_labels)
+    clf = classifier_from_config(cfg, seed).fit(doc_embeddings, targets, num_labels, tree)
     return {
         **tree.arrays(),
         "classifier_weights": clf.weights_,
