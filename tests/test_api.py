@@ -258,6 +258,20 @@ def test_readiness_is_503_until_a_validated_bundle_is_loaded(bundle_root, tmp_pa
         assert c.post("/v1/predict", json={"text": "x"}).json()["version"] == "v1"
 
 
+def test_tree_route_on_a_bundle_without_tree_is_a_clear_409(bundle_root, tmp_path):
+    root = tmp_path / "root"
+    shutil.copytree(bundle_root / "v1", root / "v1")
+    manifest = json.loads((root / "v1" / "manifest.json").read_text())
+    del manifest["files"]["tree.npz"]
+    (root / "v1" / "manifest.json").write_text(json.dumps(manifest))
+    (root / "v1" / "tree.npz").unlink()
+    with serve(root, log_dir=tmp_path) as s, httpx.Client(base_url=s.url) as c:
+        r = c.post("/v1/predict/tree", json={"text": "x"})
+        assert r.status_code == 409 and r.json()["error"] == "no_tree_scorer", r.text
+        assert "no tree scorer" in r.json()["message"]
+        assert c.post("/v1/predict", json={"text": "x"}).status_code == 200
+
+
 def test_version_flag_overrides_the_environment(bundle_root, tmp_path):
     env = {"SHORTLIST_VERSION": "v2"}
     with serve(bundle_root, version="v1", env=env, log_dir=tmp_path) as s, httpx.Client(base_url=s.url) as c:

@@ -27,6 +27,7 @@ from service.api.registry import (
     ActivationInProgress,
     BundleNotFound,
     BundleRegistry,
+    Engine,
     NoBundle,
 )
 from service.api.schemas import (
@@ -115,6 +116,22 @@ def _predict_router(state: ServiceState) -> APIRouter:
     settings, registry, runner = state.settings, state.registry, state.runner
     ctx = {"limits": state.limits}
 
+    async def _answer(req: PredictRequest, scorer: str, engine: Engine) -> dict[str, Any]:
+        if scorer == "tree":
+            if not engine.bundle.has_tree:
+                raise ApiError(409, "no_tree_scorer",
+                               f"the active bundle {engine.version} has no tree scorer; use /v1/predict")
+            fn = partial(engine.predictor.predict_tree, k=req.k, beam=req.beam)
+            key = (engine, scorer, req.k, req.beam)
+        else:
+            fn = partial(engine.predictor.predict, k=req.k, alpha=req.alpha)
+            key = (engine, scorer, req.k, req.alpha)
+        if req.text is not None:
+            results = [await runner.submit_one(key, scorer, fn, req.text)]
+        else:
+            results = list(await runner.run_batch(scorer, fn, req.all_texts))
+        return {"version": engine.version, "results": [_labels(r) for r in results]}
+
     async def _serve(request: Request, scorer: str) -> Response:
         req = await parse_body(request, PredictRequest, settings.max_body_bytes, ctx)
         if scorer == "tree" and req.alpha is not None:
@@ -124,28 +141,11 @@ def _predict_router(state: ServiceState) -> APIRouter:
             raise ApiError(422, "invalid_request", "body.beam: only the tree scorer (/v1/predict/tree) "
                            "takes a beam", [{"field": "body.beam", "message": "only /v1/predict/tree takes a beam"}])
         try:
-            lease = registry.lease()
-            engine = lease.__enter__()
+            with registry.lease() as engine:  # the bundle this request is answered by, start to end
+                request.state.bundle_version = engine.version
+                body = await _answer(req, scorer, engine)
         except NoBundle:
             raise ApiError(503, "not_ready", "no validated bundle is loaded yet") from None
-        try:
-            request.state.bundle_version = engine.version
-            if scorer == "tree":
-                if not engine.bundle.has_tree:
-                    raise ApiError(409, "no_tree_scorer",
-                                   f"the active bundle {engine.version} has no tree scorer; use /v1/predict")
-                fn = partial(engine.predictor.predict_tree, k=req.k, beam=req.beam)
-                key = (engine, scorer, req.k, req.beam)
-            else:
-                fn = partial(engine.predictor.predict, k=req.k, alpha=req.alpha)
-                key = (engine, scorer, req.k, req.alpha)
-            if req.text is not None:
-                results = [await runner.submit_one(key, scorer, fn, req.text)]
-            else:
-                results = list(await runner.run_batch(scorer, fn, req.all_texts))
-            body = {"version": engine.version, "results": [_labels(r) for r in results]}
-        finally:
-            lease.__exit__(None, None, None)
         return Response(json.dumps(body, ensure_ascii=False).encode(), media_type="application/json")
 
     @router.post("/v1/predict", response_model=PredictResponse, responses=_ERRORS,
