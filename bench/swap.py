@@ -46,7 +46,7 @@ def _load(name: str, path: Path):  # noqa: ANN202
 
 
 _common = _load("_common", _HERE / "_common.py")
-_http = _load("bench_http", _HERE / "http.py")
+_http = _load("bench_http", _HERE / "http_bench.py")
 serve = _load("_server", _HERE.parent / "tests" / "_server.py").serve
 
 TOKEN = "bench-swap-token"
