@@ -1,7 +1,9 @@
 """`shortlist demo`: build the demo bundle if none exists, then serve it.
 
-The demo data is generated (seeded, in the XC raw-text format), so a fresh clone needs
-nothing else; a user with real data runs `shortlist train`, `export` and `serve` instead.
+The demo data is real where the machine has apt package lists (Debian, Ubuntu, a Debian-based
+image that kept /var/lib/apt/lists): package descriptions -> debtags (training/debian.py).
+Elsewhere it is generated (seeded, in the XC raw-text format), so a fresh clone needs nothing
+else. A user with their own data runs `shortlist train`, `export` and `serve` instead.
 """
 
 from __future__ import annotations
@@ -14,7 +16,50 @@ from pathlib import Path
 from service.engine.bundle import BundleError, newest_version
 
 DEMO_DATA = {"num_labels": 2000, "train_docs": 10000, "test_docs": 2000, "seed": 0}
+DEMO_DEBIAN = {"min_tag_count": 20, "seed": 0}
 DEMO_VERSION = "demo-v1"
+DATASETS = ("auto", "synthetic", "debian")
+DEBIAN_EXAMPLE = "fast network tool"
+# Which data the workdir's bundle was built from.
+DEMO_INFO = "demo.json"
+
+
+def resolve_dataset(dataset: str) -> str:
+    """'auto' -> 'debian' when the machine has apt package lists, else 'synthetic'."""
+    from training.debian import find_package_lists
+
+    if dataset not in DATASETS:
+        raise ValueError(f"--dataset must be one of {', '.join(DATASETS)}, got {dataset!r}")
+    if dataset == "auto":
+        return "debian" if find_package_lists() else "synthetic"
+    if dataset == "debian" and not find_package_lists():
+        raise ValueError("--dataset debian: this machine has no apt package lists in /var/lib/apt/lists "
+                         "(run `apt-get update`, or use --dataset synthetic)")
+    return dataset
+
+
+def example_query(dataset: str, data: Path) -> str:
+    """A query that makes sense for the demo's data, for the printed curl example."""
+    from training.data import load_labels
+
+    if dataset == "synthetic" and (data / "lbl.json.gz").is_file():
+        # Generated label texts are made-up words: an English query would match nothing.
+        return load_labels(data).titles[0]
+    return DEBIAN_EXAMPLE
+
+
+def _write_data(data: Path, dataset: str) -> None:
+    if not (data / "lbl.json.gz").is_file():
+        if dataset == "debian":
+            from training.debian import build_debian_tags
+
+            print(f"building the demo data from the machine's Debian package lists in {data}")
+            build_debian_tags(data, **DEMO_DEBIAN)
+        else:
+            from training.synthetic import generate
+
+            print(f"generating demo data in {data}")
+            generate(data, **DEMO_DATA)
 
 
 def demo_config() -> dict:
@@ -25,18 +70,22 @@ def demo_config() -> dict:
     return cfg
 
 
-def build_demo(workdir: Path) -> Path:
-    """Generate data, train, export and evaluate; returns the bundle root."""
+def build_demo(workdir: Path, dataset: str = "auto") -> Path:
+    """Build or generate data, train, export and evaluate; returns the bundle root."""
     from model_export.evaluate import evaluate_bundle
     from model_export.export import export_checkpoint
-    from training.synthetic import generate
     from training.train import TrainConfig, train
 
+    dataset = resolve_dataset(dataset)
+    info = _read_info(workdir)
+    if info and info.get("dataset") != dataset:
+        raise ValueError(f"{workdir} holds a demo built from {info.get('dataset')} data; delete it "
+                         f"or give another --workdir to build one from {dataset} data")
+    workdir.mkdir(parents=True, exist_ok=True)
     data = workdir / "data"
     root = workdir / "bundles"
-    if not (data / "lbl.json.gz").is_file():
-        print(f"generating demo data in {data}")
-        generate(data, **DEMO_DATA)
+    _write_data(data, dataset)
+    (workdir / DEMO_INFO).write_text(json.dumps({"dataset": dataset}) + "\n")
     ckpt_dir = workdir / "checkpoint"
     if not (ckpt_dir / "checkpoint.json").is_file():
         print("training the demo model (Modules I-III) ...")
@@ -48,18 +97,33 @@ def build_demo(workdir: Path) -> Path:
     return root
 
 
+def _read_info(workdir: Path) -> dict:
+    path = workdir / DEMO_INFO
+    if path.is_file():
+        return json.loads(path.read_text())
+    # A workdir from before the Debian demo holds generated data and no record of it.
+    return {"dataset": "synthetic"} if (workdir / "data" / "lbl.json.gz").is_file() else {}
+
+
 def run_cli(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir)
     root = workdir / "bundles"
+    dataset = getattr(args, "dataset", "auto")
     try:
         version = newest_version(root)
-        print(f"demo bundle {root / version} exists; serving it (delete {workdir} to rebuild)")
+        built_from = _read_info(workdir).get("dataset", "unknown")
+        if dataset not in ("auto", built_from):
+            raise ValueError(f"{root / version} was built from {built_from} data; delete {workdir} "
+                             f"or give another --workdir to build one from {dataset} data")
+        print(f"demo bundle {root / version} ({built_from} data) exists; serving it (delete {workdir} to rebuild)")
     except BundleError:
-        build_demo(workdir)
+        build_demo(workdir, dataset)
     if args.build_only:
         return 0
     from service.api.server import run_cli as serve
 
+    built_from = _read_info(workdir).get("dataset", "debian")
+    query = json.dumps({"text": example_query(built_from, workdir / "data"), "k": 5})
     print(f"serving on http://{args.host}:{args.port}  (try: curl -s -XPOST http://{args.host}:{args.port}"
-          "/v1/predict -H 'content-type: application/json' -d '{\"text\": \"fast network tool\", \"k\": 5}')")
+          f"/v1/predict -H 'content-type: application/json' -d '{query}')")
     return serve(argparse.Namespace(bundle_root=str(root), version=None, host=args.host, port=args.port))

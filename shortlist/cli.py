@@ -69,6 +69,8 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="build the demo bundle if missing, then serve it")
     p.add_argument("--workdir", default=".demo")
     p.add_argument("--build-only", action="store_true")
+    p.add_argument("--dataset", default="auto", choices=["auto", "synthetic", "debian"],
+                   help="auto: the machine's Debian package lists when present, else generated data")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.set_defaults(handler="model_export.demo:run_cli")
