@@ -52,7 +52,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "lambda": 0.01,  # regulariser strength
     "regularise": "xi",  # "xi" (xi^2) or "corrected" ((xi + log p_n)^2, the Eq. 6)
     "weight_decay": 0.0,  # L2 on the v_y rows of a step
-    "epochs": 6,
+    "epochs": 3,
     "batch_size": 512,
     "lr": 0.2,  # Adagrad (sparse rows)
     # the scorer
