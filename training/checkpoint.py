@@ -7,7 +7,8 @@ Layout of CKPT_DIR:
   encoder.pt             state_dict of training.encoder.SiameseEncoder
   classifiers.npy        [L, D] float32, w_l
   classifier_bias.npy    [L] float32, b_l (zeros for the paper's form)
-  centroids.npy          [L, D] float32, mu_l (unit rows; zero rows for labels with no document)
+  centroids.npy          [L, D] float32, mu_l (unit rows; a label with no document has a zero row,
+                         or its text embedding when training.train.TrainConfig.centroid_label_weight > 0)
   validation.jsonl       optional: held-out {"text", "target_ind"} rows for a bundle's quality gate
   tree.npz, tree_classifier.npz   optional: the adversarial tree scorer
 """
