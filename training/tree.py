@@ -117,7 +117,7 @@ class LabelTree:
         pca_dim: int = 16,
         lambda_n: float = 1.0,
         newton_steps: int = 1,
-        max_rounds: int = 8,
+        max_rounds: int = 3,
         seed: int = 0,
     ) -> None:
         self.pca_dim = pca_dim

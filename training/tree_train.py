@@ -46,7 +46,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "pca_dim": 16,
     "lambda_n": 1.0,
     "newton_steps": 1,
-    "max_rounds": 8,
+    "max_rounds": 3,
     # the classifier xi
     "negatives": 8,  # per positive pair
     "lambda": 0.01,  # regulariser strength
