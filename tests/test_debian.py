@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from model_export.demo import build_demo, example_query
+from model_export.demo import DEBIAN_EXAMPLE, build_demo, example_query
 from training.data import load_labels, load_split
 from training.debian import (
     build_debian_tags,
@@ -204,4 +204,4 @@ def test_demo_refuses_to_mix_datasets_and_gives_a_fitting_example(tmp_path: Path
     with pytest.raises(ValueError, match="--dataset must be one of"):
         build_demo(tmp_path / "other", "ubuntu")
     assert example_query("synthetic", synthetic_data) == load_labels(synthetic_data).titles[0]
-    assert example_query("debian", tmp_path) == "fast network tool"
+    assert example_query("debian", tmp_path) == DEBIAN_EXAMPLE
