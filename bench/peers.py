@@ -759,6 +759,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="run folder (default bench/out/<dataset>[-limitN])")
     p.add_argument("--results", default=None,
                    help="markdown file to update (default bench/RESULTS.md, or the run folder with --limit)")
+    p.add_argument("--publish", action=argparse.BooleanOptionalAction, default=None,
+                   help="update bench/RESULTS.md and bench/peers*.png (default: only for a full run in bench/out)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--train-threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--min-df", type=int, default=1, help="peers' tokenizer (Shortlist's default is 1 too)")
@@ -832,10 +834,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     run_dir = Path(files.run_dir)
     dataset = Path(args.data).resolve().name
-    published = args.limit is None and args.out is None
+    published = args.publish if args.publish is not None else (args.limit is None and args.out is None)
     plot_path = run_dir / "peers.png"
     title = f"{dataset} ({args.text_field}{', limit ' + str(args.limit) if args.limit else ''})"
     plot(rows, grid, shortlist_info.get("exact"), plot_path, title)
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(plot_path, OUT_DIR / "peers.png")
     default_md = BENCH_DIR / "RESULTS.md" if published else run_dir / "RESULTS.md"
     results_md = Path(args.results) if args.results else default_md
