@@ -198,6 +198,14 @@ def main() -> int:
         for k in (5, 10):
             _, s = scorer.search(x_tst, k, beam)
             r[f"recall@{k}"] = round(beam_recall(s, exact, k), 4)
+        for i in range(10):
+            scorer.search(x_tst[i : i + 1], 10, beam)
+        one_query = []
+        for i in range(200):
+            t0 = time.perf_counter()
+            scorer.search(x_tst[i : i + 1], 10, beam)
+            one_query.append(time.perf_counter() - t0)
+        r["search_p50_ms"] = round(latency_summary(one_query)["p50_ms"], 4)
         recall[beam] = r
         print(f"  beam {beam:4d}: {r}", flush=True)
 

@@ -56,7 +56,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "batch_size": 512,
     "lr": 0.2,  # Adagrad (sparse rows)
     # the scorer
-    "beam": 64,
+    "beam": 128,
 }
 
 # Called with (seconds of training so far, step, weights [L, D], bias [L]) (the weights a live

@@ -38,7 +38,7 @@ REQUIRED_ARRAYS = (
     "classifier_weights",
     "classifier_bias",
 )
-DEFAULT_BEAM = 64
+DEFAULT_BEAM = 128
 
 
 def log_sigmoid(x: np.ndarray) -> np.ndarray:
