@@ -73,7 +73,7 @@ def test_deterministic_given_seed(dataset: Path, trained: Checkpoint) -> None:
 
 
 def test_paper_form_with_shortlisted_negatives(dataset: Path) -> None:
-    cfg = _tiny(classifier_form="paper", m3_negatives="shortlist")
+    cfg = _tiny(classifier_form="paper", m3_negatives="shortlist", m3_train_encoder=False)
     ckpt = train(dataset, cfg, seed=1, log=lambda *_: None)
     assert ckpt.scoring["classifier_form"] == "paper"
     assert not ckpt.classifier_bias.any()
