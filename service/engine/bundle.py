@@ -9,8 +9,8 @@ A bundle is a directory BUNDLE_ROOT/VERSION, immutable once written:
   classifiers.npy        [L, D] float32 w_l         (memory-mapped)
   classifier_bias.npy    [L] float32 b_l            (memory-mapped)
   centroids.npy          [L, D] float32 mu_l        (memory-mapped)
-  hnsw_w.bin             service.engine.index.VectorIndex over [w_l, b_l] (MIPS, dim D + 1)
-  hnsw_mu.bin            service.engine.index.VectorIndex over mu_l (MIPS, dim D)
+  hnsw_w.bin             service.engine.index.VectorIndex over [w_l, b_l] (MIPS, rows centred, dim D + 1)
+  hnsw_mu.bin            service.engine.index.VectorIndex over mu_l (MIPS, rows centred, dim D)
   tree.npz               optional: the adversarial tree scorer's arrays
   validation.jsonl       optional: held-out {"text", "target_ind"} rows for a quality gate
 """
