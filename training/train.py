@@ -33,13 +33,13 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-import hnswlib
 import numpy as np
 import scipy.sparse as sp
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from service.engine.index import VectorIndex
 from service.engine.labels import LabelTable
 from service.engine.metrics import label_frequencies, propensities, ranking_metrics, shortlist_recall
 from service.engine.scorers import Calibration, combine_scores, top_k
@@ -227,22 +227,20 @@ def embed(encoder: SiameseEncoder, enc: _Encoded, device: torch.device, batch_si
     return out
 
 
-def build_hnsw(vectors: np.ndarray, cfg: TrainConfig, seed: int) -> hnswlib.Index:
-    index = hnswlib.Index(space="ip", dim=vectors.shape[1])
-    index.init_index(
-        max_elements=len(vectors), M=cfg.hnsw_m, ef_construction=cfg.hnsw_ef_construction, random_seed=seed
+def build_hnsw(vectors: np.ndarray, cfg: TrainConfig, seed: int) -> VectorIndex:
+    # The serving engine's index (rows centred, which HNSW needs for embeddings that share
+    # a direction); one insertion thread, since a multi-threaded build breaks --seed.
+    return VectorIndex.build(
+        vectors, M=cfg.hnsw_m, ef_construction=cfg.hnsw_ef_construction, ef_search=max(cfg.hnsw_ef, 1),
+        seed=seed, threads=1,
     )
-    # One insertion thread: a multi-threaded build depends on scheduling, which breaks --seed.
-    index.add_items(vectors, np.arange(len(vectors)), num_threads=1)
-    index.set_ef(max(cfg.hnsw_ef, 1))
-    return index
 
 
-def ann_query(index: hnswlib.Index, queries: np.ndarray, k: int, threads: int) -> np.ndarray:
-    k = min(k, index.get_current_count())
-    index.set_ef(max(index.ef, k))
-    labels, _ = index.knn_query(queries, k=k, num_threads=threads)
-    return labels.astype(np.int64)
+def ann_query(index: VectorIndex, queries: np.ndarray, k: int, threads: int) -> np.ndarray:
+    k = min(k, index.count)
+    if k > index.ef_search:
+        index.set_ef(k)
+    return index.search(np.ascontiguousarray(queries, dtype=np.float32), k, threads=threads)
 
 
 def _negatives_excluding(

@@ -65,10 +65,13 @@ class VectorIndex:
         self.ef_search = int(ef_search)
         self._index.set_ef(self.ef_search)
 
-    def search(self, queries: np.ndarray, k: int) -> np.ndarray:
-        """Ids [B, k] of the rows with the largest inner product with each query, best first."""
+    def search(self, queries: np.ndarray, k: int, threads: int = 1) -> np.ndarray:
+        """Ids [B, k] of the rows with the largest inner product with each query, best first.
+
+        `threads` > 1 splits a large batch of queries (offline use); serving calls use one.
+        """
         k = min(k, self.count)
         if k > self.ef_search:
             raise ValueError(f"k={k} exceeds ef_search={self.ef_search}")
-        labels, _ = self._index.knn_query(queries, k=k, num_threads=1)
+        labels, _ = self._index.knn_query(queries, k=k, num_threads=threads)
         return labels.astype(np.int64)
