@@ -75,19 +75,20 @@ class Predictor:
         return self.encoder.run(ids, weights)
 
     def _candidates(self, q: np.ndarray) -> np.ndarray:
-        """[B, k_w + k_mu + k_head] label ids; duplicates are handled by the caller."""
+        """[B, k_w + k_mu + k_head] label ids, sorted per row, with repeats replaced by -1."""
         ones = np.ones((len(q), 1), dtype=np.float32)
         parts = [self.bundle.index_w.search(np.hstack([q, ones]), self.shortlist_w)]
         if self.shortlist_mu:
             parts.append(self.bundle.index_mu.search(q, self.shortlist_mu))
         if len(self._head):
             parts.append(np.broadcast_to(self._head, (len(q), len(self._head))))
-        return np.hstack(parts) if len(parts) > 1 else parts[0]
+        cands = np.sort(np.hstack(parts), axis=1)
+        cands[:, 1:][cands[:, 1:] == cands[:, :-1]] = -1
+        return cands
 
     def shortlist(self, texts: Sequence[str]) -> list[np.ndarray]:
         """The union shortlist S of each text (sorted label ids)."""
-        cands = self._candidates(self.encode(texts))
-        return [np.unique(row) for row in cands]
+        return [row[row >= 0] for row in self._candidates(self.encode(texts))]
 
     def _check_alpha(self, alpha: float | None) -> float:
         a = self.alpha if alpha is None else float(alpha)
@@ -96,17 +97,13 @@ class Predictor:
         return a
 
     def score_candidates(self, q: np.ndarray, cands: np.ndarray, alpha: float) -> np.ndarray:
-        """Combined scores [B, C] of candidate ids [B, C]; repeated ids after the first get -inf."""
-        logits = np.einsum("bcd,bd->bc", self._w[cands], q) + self._b[cands]
-        sims = np.einsum("bcd,bd->bc", self._mu[cands], q)
-        scores = combine_scores(logits, sims, alpha, self.f, self.g).astype(np.float32)
-        order = np.argsort(cands, axis=1, kind="stable")
-        sorted_ids = np.take_along_axis(cands, order, axis=1)
-        dup_sorted = np.zeros_like(sorted_ids, dtype=bool)
-        dup_sorted[:, 1:] = sorted_ids[:, 1:] == sorted_ids[:, :-1]
-        dup = np.zeros_like(dup_sorted)
-        np.put_along_axis(dup, order, dup_sorted, axis=1)
-        scores[dup] = -np.inf
+        """Combined scores [B, C] of candidate ids [B, C]; -1 entries score -inf."""
+        valid = cands >= 0
+        safe = np.where(valid, cands, 0)
+        logits = np.einsum("bcd,bd->bc", self._w[safe], q) + self._b[safe]
+        sims = np.einsum("bcd,bd->bc", self._mu[safe], q)
+        scores = combine_scores(logits, sims, alpha, self.f, self.g).astype(np.float32, copy=False)
+        scores[~valid] = -np.inf
         return scores
 
     def predict_ids(
