@@ -35,19 +35,13 @@ from typing import Any  # noqa: E402
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 
-
-def _load(name: str, path: Path):  # noqa: ANN202
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-_common = _load("_common", _HERE / "_common.py")
-_http = _load("bench_http", _HERE / "http_bench.py")
-serve = _load("_server", _HERE.parent / "tests" / "_server.py").serve
+# http_bench loads the shared bench helpers and the test server by file location; reuse them.
+_spec = importlib.util.spec_from_file_location("bench_http", _HERE / "http_bench.py")
+assert _spec is not None and _spec.loader is not None
+_http = importlib.util.module_from_spec(_spec)
+sys.modules["bench_http"] = _http
+_spec.loader.exec_module(_http)
+_common, serve = _http._common, _http.serve
 
 TOKEN = "bench-swap-token"
 
