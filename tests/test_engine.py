@@ -165,3 +165,20 @@ def test_export_shortlists_the_prior_head_when_classifiers_have_a_bias(bundle_ro
     predictor = Predictor(bundle)
     head = set(np.argsort(-np.asarray(bundle.classifier_bias), kind="stable")[:predictor.shortlist_head].tolist())
     assert head <= set(predictor.shortlist(["zzqx unknown"])[0].tolist())
+
+
+def test_label_table_round_trips_and_names_the_bad_line(tmp_path: Path) -> None:
+    from service.engine.labels import LabelTable
+
+    uids = [f"u{i}" for i in range(4500)]  # spans several GIL hand-over chunks
+    titles = [f"title {i} \u00e9\r" for i in range(4500)]
+    path = tmp_path / "labels.jsonl"
+    LabelTable(uids, titles).save(path)
+    loaded = LabelTable.load(path)
+    assert loaded.uids == uids and loaded.titles == titles
+
+    lines = path.read_text(encoding="utf-8").splitlines()
+    lines[2999] = '{"uid": "u2999"}'
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"labels\.jsonl:3000: bad label row"):
+        LabelTable.load(path)

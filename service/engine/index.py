@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
+import struct
+import time
 from pathlib import Path
+from typing import Any
 
 import hnswlib
 import numpy as np
+
+# hnswlib's saved-index layout (HierarchicalNSW::saveIndex, unchanged since 0.6): offsetLevel0,
+# max_elements, cur_element_count, size_data_per_element, label_offset, offsetData (size_t),
+# maxlevel (int), enterpoint_node (uint32), maxM, maxM0, M (size_t), mult (double),
+# ef_construction (size_t); then every element's level-0 block; then per element a uint32
+# byte count and its upper-level links.
+_HEADER = struct.Struct("<QQQQQQiIQQQdQ")
+_U32 = struct.Struct("<I")
+_PICKLE_VERSION = 1  # the state layout hnswlib.Index.__setstate__ reads (hnswlib 0.8)
+_ELEMENTS_PER_YIELD = 4096
 
 
 class VectorIndex:
@@ -48,13 +61,18 @@ class VectorIndex:
 
     @classmethod
     def load(cls, path: str | Path, dim: int, count: int, ef_search: int) -> VectorIndex:
-        index = hnswlib.Index(space="ip", dim=dim)
+        path = Path(path)
         try:
-            index.load_index(str(path), max_elements=count)
-        except (RuntimeError, ValueError, OSError) as exc:
+            state = _read_saved_index(path, dim)
+        except (OSError, ValueError, struct.error) as exc:
             raise ValueError(f"{path}: cannot load hnsw index of dim {dim}: {exc}") from exc
-        if index.get_current_count() != count:
-            raise ValueError(f"{path}: index holds {index.get_current_count()} vectors, expected {count}")
+        if state["cur_element_count"] != count:
+            raise ValueError(f"{path}: index holds {state['cur_element_count']} vectors, expected {count}")
+        index = hnswlib.Index.__new__(hnswlib.Index)
+        try:
+            index.__setstate__((state,))
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise ValueError(f"{path}: cannot load hnsw index of dim {dim}: {exc}") from exc
         return cls(index, ef_search)
 
     def save(self, path: str | Path) -> None:
@@ -75,3 +93,66 @@ class VectorIndex:
             raise ValueError(f"k={k} exceeds ef_search={self.ef_search}")
         labels, _ = self._index.knn_query(queries, k=k, num_threads=threads)
         return labels.astype(np.int64)
+
+
+def _read_saved_index(path: Path, dim: int) -> dict[str, Any]:
+    """An index file as the state `hnswlib.Index.__setstate__` takes (its pickle format).
+
+    Why not `Index.load_index`: it holds the GIL for its whole run (~40 ms for 42K x 257
+    floats, longer while another core is busy), and bundles are loaded on a background
+    thread of a serving process, so every in-flight request stalled that long during a hot
+    swap. Here the file is read with the GIL released and parsed in Python (which hands the
+    GIL over as usual); only the final copy into hnswlib's memory holds it (~25 ms).
+    hnswlib re-checks the geometry (M, dims, offsets) against the header when it takes the
+    state, so a file from another layout is refused, not misread.
+    """
+    # np.empty, not bytearray: no zero-filling pass (with the GIL held) before the read.
+    raw = np.empty(path.stat().st_size, dtype=np.uint8)
+    with path.open("rb", buffering=0) as f:
+        if f.readinto(memoryview(raw)) != len(raw):
+            raise ValueError("file changed size while being read")
+    if len(raw) < _HEADER.size:
+        raise ValueError(f"{len(raw)} bytes, shorter than an hnswlib header")
+    (offset_level0, max_elements, count, size_per_element, label_offset, offset_data, max_level,
+     enterpoint, max_m, max_m0, m, mult, ef_construction) = _HEADER.unpack_from(raw, 0)
+    size_links = max_m * 4 + 4
+    level0_end = _HEADER.size + count * size_per_element
+    if size_per_element != offset_data + dim * 4 + 8 or level0_end > len(raw) or count > max_elements:
+        raise ValueError("not an hnswlib index of this dimension (header disagrees)")
+    levels = [0] * count
+    link_chunks: list[bytes] = []
+    view = memoryview(raw)
+    pos = level0_end
+    for i in range(count):
+        if i % _ELEMENTS_PER_YIELD == 0:
+            time.sleep(0)  # let serving threads run between chunks
+        if pos + 4 > len(raw):
+            raise ValueError(f"file truncated at element {i} of {count}")
+        (size,) = _U32.unpack_from(raw, pos)
+        pos += 4
+        if size:
+            if size % size_links or pos + size > len(raw):
+                raise ValueError(f"element {i}: corrupted link list (file truncated or damaged)")
+            levels[i] = size // size_links
+            link_chunks.append(bytes(view[pos : pos + size]))
+            pos += size
+    if pos != len(raw):
+        raise ValueError(f"{len(raw) - pos} trailing bytes: file truncated or corrupted")
+    level0 = raw[_HEADER.size : level0_end].view(np.int8)
+    labels = np.ndarray((count,), dtype="<u8", buffer=view, offset=_HEADER.size + label_offset,
+                        strides=(size_per_element,)).copy()
+    return {
+        "ser_version": _PICKLE_VERSION, "space": "ip", "dim": dim, "index_inited": True,
+        "ep_added": True, "normalize": False, "num_threads": 1, "seed": 100,
+        "offset_level0": offset_level0, "max_elements": max_elements, "cur_element_count": count,
+        "size_data_per_element": size_per_element, "label_offset": label_offset,
+        "offset_data": offset_data, "max_level": max_level, "enterpoint_node": enterpoint,
+        "max_M": max_m, "max_M0": max_m0, "M": m, "mult": mult, "ef_construction": ef_construction,
+        "ef": 10, "has_deletions": False, "size_links_per_element": size_links,
+        "allow_replace_deleted": False,
+        "label_lookup_external": labels,
+        "label_lookup_internal": np.arange(count, dtype=np.uint32),
+        "element_levels": np.asarray(levels, dtype=np.int32),
+        "data_level0": level0,
+        "link_lists": np.frombuffer(b"".join(link_chunks), dtype=np.int8),
+    }

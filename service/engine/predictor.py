@@ -8,7 +8,6 @@ from typing import NamedTuple
 import numpy as np
 
 from service.engine.bundle import Bundle
-from service.engine.encoder import OnnxEncoder
 from service.engine.scorers import combine_scores, top_k
 
 
@@ -55,7 +54,7 @@ class Predictor:
             ef = max(ef_search or 0, need)
             bundle.index_w.set_ef(ef)
             bundle.index_mu.set_ef(ef)
-        self.encoder = OnnxEncoder(bundle.encoder_path, threads=threads)
+        self.encoder = bundle.encoder(threads)
         # Plain ndarray views of the memory maps: same pages, without np.memmap's per-index overhead.
         self._w = np.asarray(bundle.classifiers)
         self._b = np.asarray(bundle.classifier_bias)
