@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -289,3 +290,17 @@ def test_serve_refuses_a_missing_bundle_root(tmp_path):
     r = subprocess.run([sys.executable, "-m", "shortlist.cli", "serve", "--bundle-root", str(tmp_path / "nope")],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "bundle root" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize(("variable", "value"), [
+    ("SHORTLIST_GIL_SWITCH_INTERVAL_MS", "0"),
+    ("SHORTLIST_WORKERS", "0"),
+    ("SHORTLIST_MAX_K", "many"),
+])
+def test_serve_refuses_an_invalid_setting_naming_it(bundle_root, variable, value):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHORTLIST_")}
+    env[variable] = value
+    r = subprocess.run([sys.executable, "-m", "shortlist.cli", "serve", "--bundle-root", str(bundle_root)],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode != 0
+    assert variable.removeprefix("SHORTLIST_").lower() in r.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 
 import uvicorn
 
@@ -54,6 +55,7 @@ async def _serve_two(settings: Settings) -> None:
 
 
 def run(settings: Settings) -> None:
+    sys.setswitchinterval(settings.gil_switch_interval_ms / 1000.0)
     if settings.admin_token is not None and settings.admin_port is not None:
         asyncio.run(_serve_two(settings))
         return
