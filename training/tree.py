@@ -249,9 +249,10 @@ class LabelTree:
                 if moved == 0:
                     break
             else:
-                for _ in range(self.newton_steps):
+                for step in range(self.newton_steps):
                     w, b = self._newton(w, b, scores, data, go_left[fit_label])
-                    scores = data.scores(w, b)
+                    if step + 1 < self.newton_steps:
+                        scores = data.scores(w, b)
             self.rounds_per_level_.append(rounds)
             w[~learn] = 0.0
             b[~learn] = 0.0
