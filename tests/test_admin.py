@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -264,3 +265,26 @@ def test_swaps_under_load_fail_nothing_and_every_answer_matches_its_version(
         assert seen == {"v1", "v2"}
         print(f"RSS before {rss_before / 1e6:.1f} MB, after {rss_after / 1e6:.1f} MB, {len(answers)} answers")
         assert rss_after <= 1.10 * rss_before, (rss_before, rss_after)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
+def test_bundles_load_on_lower_priority_threads_and_requests_do_not(bundle_root):
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    base = nice()
+    registry = BundleRegistry(bundle_root, loader_nice=7)
+    try:
+        assert registry.in_loader(registry.activate, "v1").result(timeout=120)["active"] == "v1"
+        assert registry.in_loader(nice).result(timeout=10) == min(base + 7, 19)
+        assert nice() == base  # the caller (the event loop, in the service) is untouched
+        with registry.lease() as engine:
+            assert engine.predictor.predict(["x"], k=3)
+    finally:
+        registry.close()
+    # onnxruntime pools started by a niced loader would serve at that priority: no nice then.
+    registry = BundleRegistry(bundle_root, loader_nice=7, engine_threads=2)
+    try:
+        assert registry.in_loader(nice).result(timeout=10) == base
+    finally:
+        registry.close()

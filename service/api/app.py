@@ -78,7 +78,7 @@ def build_state(settings: Settings) -> ServiceState:
     registry = BundleRegistry(
         settings.bundle_root, engine_threads=settings.engine_threads,
         quality_gate_min_p1=settings.quality_gate_min_p1, drain_timeout_s=settings.drain_timeout_s,
-        on_swap=on_swap,
+        on_swap=on_swap, loader_nice=settings.loader_nice,
     )
     runner = EngineRunner(
         settings.workers, batching=settings.batching, max_batch=settings.batch_max_size,
@@ -208,7 +208,7 @@ def _admin_router(state: ServiceState) -> APIRouter:
 
     async def _activate(fn: Any, *args: Any) -> Response:
         try:
-            result = await asyncio.to_thread(fn, *args)
+            result = await asyncio.wrap_future(registry.in_loader(fn, *args))
         except ActivationInProgress as exc:
             metrics.failed_activations.labels("busy").inc()
             raise ApiError(409, "activation_in_progress", str(exc)) from None
@@ -225,7 +225,7 @@ def _admin_router(state: ServiceState) -> APIRouter:
     @router.get("/bundles", response_model=BundleList, responses=_ERRORS)
     async def bundles(request: Request) -> BundleList:
         authorize(request)
-        rows = await asyncio.to_thread(registry.list)
+        rows = await asyncio.wrap_future(registry.in_loader(registry.list))
         return BundleList(active=registry.active_version, bundles=[
             BundleInfo(version=m.version, created_at=m.created_at, active=active,
                        has_tree="tree.npz" in m.files, metrics=m.metrics)
@@ -309,7 +309,7 @@ def freeze_startup_objects() -> None:
 
 async def initial_load(state: ServiceState) -> None:
     try:
-        await asyncio.to_thread(state.registry.activate, state.settings.version)
+        await asyncio.wrap_future(state.registry.in_loader(state.registry.activate, state.settings.version))
     except (ActivationFailed, BundleNotFound, ActivationInProgress) as exc:
         state.metrics.failed_activations.labels("startup").inc()
         error_log.error(json.dumps({"event": "startup_load_failed", "message": str(exc),

@@ -10,9 +10,11 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,6 +99,17 @@ def _malloc_trim() -> Callable[[], None]:
     return (lambda: trim(0)) if trim is not None else (lambda: None)
 
 
+def _lower_priority(nice: int) -> None:
+    # Linux keeps a nice value per thread, and setpriority() given a thread id renices only
+    # that thread; elsewhere this is a no-op and loads run at the serving threads' priority.
+    if nice <= 0 or not hasattr(os, "setpriority"):
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except OSError as exc:
+        log.warning("could not lower the bundle loader's priority: %s", exc)
+
+
 class BundleRegistry:
     def __init__(
         self,
@@ -106,6 +119,7 @@ class BundleRegistry:
         quality_gate_min_p1: float | None = None,
         drain_timeout_s: float = 30.0,
         on_swap: Callable[[str | None, str], None] | None = None,
+        loader_nice: int = 10,
     ) -> None:
         self.root = Path(root)
         self.engine_threads = engine_threads
@@ -116,6 +130,20 @@ class BundleRegistry:
         self._history: list[str] = []  # previously active versions, most recent last
         self._activation_lock = threading.Lock()
         self._trim = _malloc_trim()
+        if engine_threads > 1 and loader_nice > 0:
+            # onnxruntime's intra-op threads are started by the thread that makes the session
+            # (the loader) and would inherit its nice value while serving.
+            log.info("engine_threads > 1: bundle loads run at normal priority")
+            loader_nice = 0
+        # Loading a bundle costs ~0.5 s of CPU (checksums, onnxruntime session, index copy);
+        # on the loader's own low-priority threads that CPU goes to requests first. Several
+        # threads, so a concurrent activation reaches the lock and gets its 409 at once.
+        self._loader = ThreadPoolExecutor(max_workers=8, thread_name_prefix="bundle-loader",
+                                          initializer=_lower_priority, initargs=(loader_nice,))
+
+    def in_loader(self, fn: Callable[..., object], *args: object) -> Future:
+        """Run fn(*args) (activate, rollback, list, close) on a bundle-loader thread."""
+        return self._loader.submit(fn, *args)
 
     # -- serving side -------------------------------------------------------------------
 
@@ -256,3 +284,4 @@ class BundleRegistry:
         if engine is not None:
             engine._retire()
             self._drain_and_close(engine)
+        self._loader.shutdown(wait=False, cancel_futures=True)

@@ -51,6 +51,9 @@ class Settings(BaseSettings):
     # Quality gate at activation, on the bundle's stored validation rows: P@1 (percent) must
     # reach this floor. None disables the gate.
     quality_gate_min_p1: float | None = Field(None, ge=0.0, le=100.0)
+    # Bundle loads (startup, activation, rollback) run on threads this much nicer than the
+    # serving threads (0..19; 0 = same priority), so a hot swap takes CPU from idle time first.
+    loader_nice: int = Field(10, ge=0, le=19)
     # How long a retired bundle may wait for in-flight requests before it is closed anyway.
     drain_timeout_s: float = Field(30.0, ge=0.0)
 
