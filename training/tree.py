@@ -20,10 +20,12 @@ at the bottom level, and every real label is reachable.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
 import scipy.sparse as sp
+from threadpoolctl import threadpool_limits
 
 from service.engine.tree import forced_split_bias, log_sigmoid
 
@@ -33,16 +35,17 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
 
 
 def flatten_pairs(targets: Sequence[Sequence[int]], num_labels: int) -> tuple[np.ndarray, np.ndarray]:
-    """(doc index, label) for every positive pair (duplicates within a document dropped)."""
-    docs: list[int] = []
-    labels: list[int] = []
-    for i, t in enumerate(targets):
-        for y in sorted(set(int(v) for v in t)):
-            if not 0 <= y < num_labels:
-                raise ValueError(f"targets[{i}] holds label {y}, outside 0..{num_labels - 1}")
-            docs.append(i)
-            labels.append(y)
-    return np.asarray(docs, dtype=np.int64), np.asarray(labels, dtype=np.int64)
+    """(doc index, label) for every positive pair, by document then label (duplicates within a
+    document dropped)."""
+    lengths = np.fromiter((len(t) for t in targets), dtype=np.int64, count=len(targets))
+    labels = np.fromiter(itertools.chain.from_iterable(targets), dtype=np.int64, count=int(lengths.sum()))
+    docs = np.repeat(np.arange(len(targets), dtype=np.int64), lengths)
+    bad = np.flatnonzero((labels < 0) | (labels >= num_labels))
+    if len(bad):
+        i = bad[0]
+        raise ValueError(f"targets[{docs[i]}] holds label {labels[i]}, outside 0..{num_labels - 1}")
+    keys = np.unique(docs * num_labels + labels)
+    return keys // num_labels, keys % num_labels
 
 
 def fit_pca(x: np.ndarray, dim: int) -> tuple[np.ndarray, np.ndarray]:
@@ -104,9 +107,12 @@ class _LevelData:
         self.num_rows = len(keys)
         self.fitted = fitted
         self.indptr = np.searchsorted(self.node, np.r_[fitted, n_nodes])
+        # Each Newton step's Hessians [fitted nodes, (k+1)^2], allocated once per level.
+        self.hessian_buffer = np.empty((len(fitted), (k + 1) ** 2))
         self.x1 = np.empty((self.num_rows, k + 1), np.float32)
         self.x1[:, :k] = z[keys - self.node * num_docs]
         self.x1[:, k] = 1.0
+        self.z64 = self.x1[:, :k].astype(np.float64)  # scores in float64 without a cast per call
         # Upper triangle of every row's outer product, in np.triu_indices order, into a buffer
         # reused across levels (fresh pages cost more than the arithmetic). Built transposed in
         # blocks that stay in cache: products of contiguous feature rows, 2x faster than strided.
@@ -123,13 +129,13 @@ class _LevelData:
 
     def scores(self, w: np.ndarray, b: np.ndarray) -> np.ndarray:
         """Node logit of every row."""
-        return np.einsum("ij,ij->i", self.x1[:, :-1], w[self.node]) + b[self.node]
+        return np.einsum("ij,ij->i", self.z64, w[self.node]) + b[self.node]
 
     def fitted_sum(self, values: np.ndarray, weights: np.ndarray) -> np.ndarray:
-        """[fitted nodes, m]: per node, the sum over its rows of weights * values (values
-        [rows, m]; float32 accumulation, float64 out)."""
+        """[fitted nodes, m] float32: per node, the sum over its rows of weights * values
+        (values [rows, m] float32)."""
         seg = _segment_matrix(self.indptr, np.arange(self.num_rows), weights.astype(np.float32), self.num_rows)
-        return np.asarray(seg @ values, dtype=np.float64)
+        return np.asarray(seg @ values)
 
 
 def _symmetric_index(k: int) -> np.ndarray:
@@ -192,9 +198,13 @@ class LabelTree:
         if self.pca_dim < 1 or self.lambda_n <= 0:
             raise ValueError("pca_dim must be >= 1 and lambda_n > 0")
         pair_doc, pair_label = flatten_pairs(targets, num_labels)
-        self.pca_mean_, self.pca_components_ = fit_pca(x, self.pca_dim)
-        z = (x - self.pca_mean_) @ self.pca_components_.T
-        self._fit_nodes(z.astype(np.float32), pair_doc, pair_label, num_labels)
+        # One BLAS thread: the fit's BLAS work is small (PCA), and threaded OpenBLAS busy-waits
+        # when the cores are shared: the PCA took 0.05 s alone, 0.2 s next to one busy process
+        # and up to 1.8 s next to two on the 2-core machine, against 0.06-0.09 s single-threaded.
+        with threadpool_limits(limits=1, user_api="blas"):
+            self.pca_mean_, self.pca_components_ = fit_pca(x, self.pca_dim)
+            z = (x - self.pca_mean_) @ self.pca_components_.T
+            self._fit_nodes(z.astype(np.float32), pair_doc, pair_label, num_labels)
         return self
 
     def _fit_nodes(self, z: np.ndarray, pair_doc: np.ndarray, pair_label: np.ndarray, num_labels: int) -> None:
@@ -203,14 +213,11 @@ class LabelTree:
         num_leaves = 1 << depth
         weights = np.zeros((num_leaves - 1, k))
         bias = np.zeros(num_leaves - 1)
-        # Per-label summed features (what the initial split projects) and the upper triangle
-        # of their outer products (each node's second moment is a segment sum of those).
+        # Per-label summed features: what the initial split projects.
         indptr, pairs_by_label = _group_rows(pair_label, num_labels)
         label_sum = np.asarray(
             _segment_matrix(indptr, pair_doc[pairs_by_label], np.ones(len(pair_label)), len(z)) @ z.astype(np.float64)
         )
-        rows, cols = np.triu_indices(k)
-        label_outer = label_sum[:, rows] * label_sum[:, cols]
         products_buffer = np.empty((len(pair_doc), (k + 1) * (k + 2) // 2), np.float32)
         rng = np.random.default_rng(self.seed)
         # Random tie-break so labels without documents spread evenly instead of by id.
@@ -224,7 +231,7 @@ class LabelTree:
             counts = np.bincount(local, minlength=n_nodes)
             n_left = (counts + 1) // 2
             learn = counts >= 2  # one label: the split is forced (its sibling is padding)
-            w, b = self._initial_split(label_sum, label_outer, local, learn)
+            w, b = self._initial_split(label_sum, local, learn)
             projection = (label_sum * w[local]).sum(1)
             go_left = _rank_within(local, projection, tiebreak_order) < n_left[local]
             # Only nodes with two labels or more are fitted: a one-label node sends it left.
@@ -267,7 +274,7 @@ class LabelTree:
         self._finish()
 
     def _initial_split(
-        self, label_sum: np.ndarray, label_outer: np.ndarray, local: np.ndarray, learn: np.ndarray
+        self, label_sum: np.ndarray, local: np.ndarray, learn: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
         """Dominant eigenvector of each node's covariance of per-label summed features (zero
         where the node has one label: its split is forced)."""
@@ -279,23 +286,21 @@ class LabelTree:
         is_fitted = learn[local]
         indptr, members = _group_rows(np.searchsorted(fitted, local[is_fitted]), len(fitted))
         members = np.flatnonzero(is_fitted)[members]
-        seg = _segment_matrix(indptr, members, np.ones(len(members)), len(local))
         counts = np.diff(indptr)
-        mean = np.asarray(seg @ label_sum) / counts[:, None]
+        mean = np.asarray(_segment_matrix(indptr, members, np.ones(len(members)), len(local)) @ label_sum)
+        mean /= counts[:, None]
+        # The balanced split keeps the label counts of one level within 1 of each other, so the
+        # nodes' centred label sums A pad into one [nodes, size, k] array at little cost.
         size = int(counts.max())
+        node = np.repeat(np.arange(len(counts)), counts)
+        centred = np.zeros((len(counts), size, k))
+        centred[node, np.arange(len(members)) - indptr[node]] = label_sum[members] - mean[node]
         if size >= k:
-            upper = np.asarray(seg @ label_outer) / counts[:, None]
-            cov = np.take(upper, _symmetric_index(k), axis=1).reshape(-1, k, k)
-            cov -= mean[:, :, None] * mean[:, None, :]
-            u = np.linalg.eigh(cov)[1][:, :, -1]
+            u = np.linalg.eigh(centred.transpose(0, 2, 1) @ centred)[1][:, :, -1]  # covariance * n
         else:
-            # Deep levels: fewer labels than dimensions per node. The covariance is A^T A / n for
-            # the node's centred label sums A [size, k], whose dominant eigenvector is A^T v for
-            # the dominant eigenvector v of the small Gram matrix A A^T: eigh on [size, size]
-            # instead of [k, k] (2x2 at the last level), the same direction.
-            node = np.repeat(np.arange(len(counts)), counts)
-            centred = np.zeros((len(counts), size, k))
-            centred[node, np.arange(len(members)) - indptr[node]] = label_sum[members] - mean[node]
+            # Fewer labels than dimensions (deep levels): the dominant eigenvector of A^T A is
+            # A^T v for the dominant eigenvector v of the small Gram matrix A A^T: eigh on
+            # [size, size] instead of [k, k] (2x2 at the last level), the same direction.
             v = np.linalg.eigh(centred @ centred.transpose(0, 2, 1))[1][:, :, -1]
             u = np.einsum("nsk,ns->nk", centred, v)
             norm = np.linalg.norm(u, axis=1)
@@ -322,10 +327,10 @@ class LabelTree:
         theta = np.concatenate([w, b[:, None]], axis=1)
         fitted = level.fitted
         grad = level.fitted_sum(level.x1, resid) + self.lambda_n * theta[fitted]
-        upper = level.fitted_sum(level.products, curv)
-        hess = np.take(upper, _symmetric_index(k + 1), axis=1).reshape(-1, k + 1, k + 1)
-        hess += self.lambda_n * np.eye(k + 1)
-        theta[fitted] -= np.linalg.solve(hess, grad[:, :, None])[:, :, 0]
+        hess = level.hessian_buffer
+        hess[...] = np.take(level.fitted_sum(level.products, curv), _symmetric_index(k + 1), axis=1)
+        hess[:, :: k + 2] += self.lambda_n  # the diagonal
+        theta[fitted] -= np.linalg.solve(hess.reshape(-1, k + 1, k + 1), grad[:, :, None])[:, :, 0]
         return theta[:, :k], theta[:, k]
 
     def _finish(self) -> None:
