@@ -105,12 +105,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--connections", type=int, default=4)
     ap.add_argument("--swap-pause", type=float, default=0.2, help="seconds between activations")
     ap.add_argument("--k", type=int, default=10)
+    ap.add_argument("--server-env", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="extra SHORTLIST_* settings for the server, e.g. SHORTLIST_LOADER_NICE=0 (A/B runs)")
     ap.add_argument("--results", type=Path, default=_HERE / "RESULTS.md",
                     help="markdown file whose 'swap' section gets this run (one line per swap pause)")
     args = ap.parse_args(argv)
     bundle = args.bundle.resolve()
     if not (bundle / "manifest.json").is_file():
         ap.error(f"--bundle {bundle} is not a bundle directory (no manifest.json)")
+
+    server_env = {}
+    for item in args.server_env:
+        key, sep, value = item.partition("=")
+        if not sep or not key.startswith("SHORTLIST_"):
+            ap.error(f"--server-env {item!r}: expected SHORTLIST_NAME=value")
+        server_env[key] = value
 
     texts = _http.query_texts(bundle, args.data, 4000)
     bodies = [{"text": t, "k": args.k} for t in texts]
@@ -120,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         root = scratch / "bundles"
         make_versions(bundle, root, ("a", "b"))
-        env = {"SHORTLIST_ADMIN_TOKEN": TOKEN}
+        env = {**server_env, "SHORTLIST_ADMIN_TOKEN": TOKEN}
         with serve(root, version="a", env=env, log_dir=log_dir, timeout=600) as s:
             load_phase(s.url, bodies, args.connections, 2.0)  # warm-up
             steady, steady_err, _ = load_phase(s.url, bodies, args.connections, args.seconds)
@@ -155,6 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = {
             "command": _common.command_line(), "revision": _common.git_revision(), "bundle": str(bundle),
             "connections": args.connections, "seconds": args.seconds, "swap_pause_s": args.swap_pause,
+            "server_env": server_env,
             "steady": {**steady_s, "requests": len(steady), "failed": len(steady_err)},
             "during_swaps": {**swap_s, "requests": len(swapping), "failed": len(swap_err),
                              "versions_seen": sorted(seen)},
