@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import struct
-import time
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +15,7 @@ import numpy as np
 # ef_construction (size_t); then every element's level-0 block; then per element a uint32
 # byte count and its upper-level links.
 _HEADER = struct.Struct("<QQQQQQiIQQQdQ")
-_U32 = struct.Struct("<I")
 _PICKLE_VERSION = 1  # the state layout hnswlib.Index.__setstate__ reads (hnswlib 0.8)
-_ELEMENTS_PER_YIELD = 4096
 
 
 class VectorIndex:
@@ -119,27 +116,37 @@ def _read_saved_index(path: Path, dim: int) -> dict[str, Any]:
     level0_end = _HEADER.size + count * size_per_element
     if size_per_element != offset_data + dim * 4 + 8 or level0_end > len(raw) or count > max_elements:
         raise ValueError("not an hnswlib index of this dimension (header disagrees)")
-    levels = [0] * count
-    link_chunks: list[bytes] = []
-    view = memoryview(raw)
-    pos = level0_end
-    for i in range(count):
-        if i % _ELEMENTS_PER_YIELD == 0:
-            time.sleep(0)  # let serving threads run between chunks
-        if pos + 4 > len(raw):
-            raise ValueError(f"file truncated at element {i} of {count}")
-        (size,) = _U32.unpack_from(raw, pos)
-        pos += 4
-        if size:
-            if size % size_links or pos + size > len(raw):
-                raise ValueError(f"element {i}: corrupted link list (file truncated or damaged)")
-            levels[i] = size // size_links
-            link_chunks.append(bytes(view[pos : pos + size]))
-            pos += size
-    if pos != len(raw):
-        raise ValueError(f"{len(raw) - pos} trailing bytes: file truncated or corrupted")
+    # The tail is 4-byte words: a header per element (its link bytes, a multiple of 4) and
+    # the links. ~1/M of the elements have upper levels, so the walk jumps over each run of
+    # zero headers instead of visiting every element in Python.
+    if (len(raw) - level0_end) % 4:
+        raise ValueError("file truncated (link lists end mid-word)")
+    words = raw[level0_end:].view("<u4")
+    nonzero = np.flatnonzero(words)
+    levels = np.zeros(count, dtype=np.int32)
+    links: list[np.ndarray] = []
+    i = j = 0
+    while i < count:
+        at = np.searchsorted(nonzero, j)
+        k = int(nonzero[at]) if at < len(nonzero) else len(words)
+        if i + (k - j) >= count:  # the remaining elements have no upper levels
+            j += count - i
+            break
+        i, j = i + (k - j), k
+        size = int(words[j])
+        end = j + 1 + size // 4
+        if size % size_links or end > len(words):
+            raise ValueError(f"element {i}: corrupted link list (file truncated or damaged)")
+        levels[i] = size // size_links
+        links.append(words[j + 1 : end])
+        i, j = i + 1, end
+    if j > len(words):
+        raise ValueError(f"file truncated: {count} elements, link headers for fewer")
+    if j != len(words):
+        raise ValueError(f"{4 * (len(words) - j)} trailing bytes: file truncated or corrupted")
+    link_lists = np.concatenate(links).view(np.int8) if links else np.zeros(0, dtype=np.int8)
     level0 = raw[_HEADER.size : level0_end].view(np.int8)
-    labels = np.ndarray((count,), dtype="<u8", buffer=view, offset=_HEADER.size + label_offset,
+    labels = np.ndarray((count,), dtype="<u8", buffer=memoryview(raw), offset=_HEADER.size + label_offset,
                         strides=(size_per_element,)).copy()
     return {
         "ser_version": _PICKLE_VERSION, "space": "ip", "dim": dim, "index_inited": True,
@@ -152,7 +159,7 @@ def _read_saved_index(path: Path, dim: int) -> dict[str, Any]:
         "allow_replace_deleted": False,
         "label_lookup_external": labels,
         "label_lookup_internal": np.arange(count, dtype=np.uint32),
-        "element_levels": np.asarray(levels, dtype=np.int32),
+        "element_levels": levels,
         "data_level0": level0,
-        "link_lists": np.frombuffer(b"".join(link_chunks), dtype=np.int8),
+        "link_lists": link_lists,
     }
