@@ -36,6 +36,9 @@ def test_load_answers_exactly_as_hnswlibs_own_loader(saved_index) -> None:
 
 @pytest.mark.parametrize(("damage", "message"), [
     (lambda b: b[:-3], "truncated"),
+    (lambda b: b[:-4], "truncated|corrupted"),
+    (lambda b: b[:-4000], "truncated|corrupted"),
+    (lambda b: b[: len(b) - (len(b) - 96) // 3], "truncated|header disagrees"),
     (lambda b: b + b"\0\0\0\0", "trailing bytes"),
     (lambda b: b[:50], "shorter than an hnswlib header"),
 ])

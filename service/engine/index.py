@@ -98,8 +98,8 @@ def _read_saved_index(path: Path, dim: int) -> dict[str, Any]:
     Why not `Index.load_index`: it holds the GIL for its whole run (~40 ms for 42K x 257
     floats, longer while another core is busy), and bundles are loaded on a background
     thread of a serving process, so every in-flight request stalled that long during a hot
-    swap. Here the file is read with the GIL released and parsed in Python (which hands the
-    GIL over as usual); only the final copy into hnswlib's memory holds it (~25 ms).
+    swap. Here the file is read with the GIL released and parsed with numpy; only the final
+    copy into hnswlib's memory holds it (~28 ms).
     hnswlib re-checks the geometry (M, dims, offsets) against the header when it takes the
     state, so a file from another layout is refused, not misread.
     """
@@ -114,7 +114,8 @@ def _read_saved_index(path: Path, dim: int) -> dict[str, Any]:
      enterpoint, max_m, max_m0, m, mult, ef_construction) = _HEADER.unpack_from(raw, 0)
     size_links = max_m * 4 + 4
     level0_end = _HEADER.size + count * size_per_element
-    if size_per_element != offset_data + dim * 4 + 8 or level0_end > len(raw) or count > max_elements:
+    if (size_per_element != offset_data + dim * 4 + 8 or label_offset + 8 > size_per_element
+            or level0_end > len(raw) or count > max_elements):
         raise ValueError("not an hnswlib index of this dimension (header disagrees)")
     # The tail is 4-byte words: a header per element (its link bytes, a multiple of 4) and
     # the links. ~1/M of the elements have upper levels, so the walk jumps over each run of
@@ -132,6 +133,8 @@ def _read_saved_index(path: Path, dim: int) -> dict[str, Any]:
         if i + (k - j) >= count:  # the remaining elements have no upper levels
             j += count - i
             break
+        if k == len(words):
+            raise ValueError(f"file truncated: link headers for {i + (k - j)} of {count} elements")
         i, j = i + (k - j), k
         size = int(words[j])
         end = j + 1 + size // 4
@@ -140,8 +143,6 @@ def _read_saved_index(path: Path, dim: int) -> dict[str, Any]:
         levels[i] = size // size_links
         links.append(words[j + 1 : end])
         i, j = i + 1, end
-    if j > len(words):
-        raise ValueError(f"file truncated: {count} elements, link headers for fewer")
     if j != len(words):
         raise ValueError(f"{4 * (len(words) - j)} trailing bytes: file truncated or corrupted")
     link_lists = np.concatenate(links).view(np.int8) if links else np.zeros(0, dtype=np.int8)
