@@ -1,7 +1,7 @@
 """Benchmark of the tree-based bias-corrected scorer (issue 6) on an XC dataset's titles.
 
 Prints and writes (bench/out/tree/tree.json, bench/out/tree/tree_convergence.png, copied to
-bench/tree_convergence.png):
+bench/tree_convergence.png unless --out points elsewhere):
   - P@1, P@5, PSP@5 on the test split of: xi alone, log p_n alone, xi + log p_n (exact over
     all labels) and xi + log p_n by beam search at the default beam;
   - recall of the beam top-k against the exact top-k (ties counted as found) over a beam sweep;
@@ -266,7 +266,8 @@ def main() -> int:
     fig.tight_layout()
     png = out_dir / "tree_convergence.png"
     fig.savefig(png, dpi=110)
-    shutil.copyfile(png, BENCH_DIR / "tree_convergence.png")
+    if out_dir.resolve() == (OUT_DIR / "tree").resolve():  # side runs (--out) leave the published plot alone
+        shutil.copyfile(png, BENCH_DIR / "tree_convergence.png")
 
     result = {
         "command": command_line(),
