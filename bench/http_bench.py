@@ -41,7 +41,7 @@ import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
-from collections.abc import Sequence  # noqa: E402
+from collections.abc import Callable, Sequence  # noqa: E402
 from typing import Any  # noqa: E402
 
 import httpx  # noqa: E402
@@ -74,6 +74,27 @@ def query_texts(bundle_dir: Path, data: str | None, n: int, seed: int = 0) -> li
 
 
 
+def run_connections(worker: Callable[[int], None], connections: int, seconds: float, stop: threading.Event,
+                    measuring: threading.Event | None = None, warmup_s: float = 0.0) -> float:
+    """worker(w) on one thread per connection: `warmup_s` unmeasured, then `seconds` with
+    `measuring` set; then `stop` is set and the threads joined. Returns the measured seconds."""
+    threads = [threading.Thread(target=worker, args=(w,), daemon=True) for w in range(connections)]
+    for t in threads:
+        t.start()
+    time.sleep(warmup_s)
+    if measuring is not None:
+        measuring.set()
+    t0 = time.perf_counter()
+    time.sleep(seconds)
+    if measuring is not None:
+        measuring.clear()
+    elapsed = time.perf_counter() - t0
+    stop.set()
+    for t in threads:
+        t.join()
+    return elapsed
+
+
 def closed_loop(url: str, path: str, bodies: Sequence[dict[str, Any]], connections: int, seconds: float,
                 warmup_s: float = 1.0) -> dict[str, Any]:
     """`connections` httpx threads, each sending requests back to back on its own keep-alive connection."""
@@ -99,18 +120,7 @@ def closed_loop(url: str, path: str, bodies: Sequence[dict[str, Any]], connectio
                 if measuring.is_set():
                     lat[w].append(dt)
 
-    threads = [threading.Thread(target=worker, args=(w,), daemon=True) for w in range(connections)]
-    for t in threads:
-        t.start()
-    time.sleep(warmup_s)
-    measuring.set()
-    t0 = time.perf_counter()
-    time.sleep(seconds)
-    measuring.clear()
-    elapsed = time.perf_counter() - t0
-    stop.set()
-    for t in threads:
-        t.join()
+    elapsed = run_connections(worker, connections, seconds, stop, measuring, warmup_s)
     samples = [x for per in lat for x in per]
     out: dict[str, Any] = {"requests": len(samples), "req_s": len(samples) / elapsed, "non_2xx": len(errors),
                            "socket_errors": 0}
@@ -240,16 +250,7 @@ def paired_loop(url: str, echo_bodies: Sequence[dict[str, Any]], predict_bodies:
             for name, xs in mine.items():
                 lat[name].extend(xs)
 
-    threads = [threading.Thread(target=worker, args=(w,), daemon=True) for w in range(connections)]
-    for t in threads:
-        t.start()
-    time.sleep(warmup_s)
-    measuring.set()
-    time.sleep(seconds)
-    measuring.clear()
-    stop.set()
-    for t in threads:
-        t.join()
+    run_connections(worker, connections, seconds, stop, measuring, warmup_s)
     if errors:
         return {"failed": True, "non_2xx": len(errors), "first_error": errors[0]}
     out: dict[str, Any] = {name: latency_summary(xs) for name, xs in lat.items()}

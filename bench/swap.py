@@ -87,13 +87,7 @@ def load_phase(url: str, bodies: Sequence[dict[str, Any]], connections: int, sec
                 versions.add(r.json()["version"])
                 lat[w].append(dt)
 
-    threads = [threading.Thread(target=worker, args=(w,), daemon=True) for w in range(connections)]
-    for t in threads:
-        t.start()
-    time.sleep(seconds)
-    stop.set()
-    for t in threads:
-        t.join()
+    _http.run_connections(worker, connections, seconds, stop)
     return [x for per in lat for x in per], errors, versions
 
 

@@ -304,3 +304,19 @@ def test_serve_refuses_an_invalid_setting_naming_it(bundle_root, variable, value
                        capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode != 0
     assert variable.removeprefix("SHORTLIST_").lower() in r.stderr
+
+
+@pytest.mark.parametrize(("field", "inside", "outside"), [
+    ("gil_switch_interval_ms", [0.001, 100.0], [0.0, -1.0, 100.5]),
+    ("loader_nice", [0, 19], [-1, 20]),
+])
+def test_new_settings_are_bounded_at_and_past_the_edge(field, inside, outside):
+    from pydantic import ValidationError
+
+    from service.api.settings import Settings
+
+    for value in inside:
+        assert getattr(Settings(**{field: value}), field) == value
+    for value in outside:
+        with pytest.raises(ValidationError, match=field):
+            Settings(**{field: value})
