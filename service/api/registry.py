@@ -7,8 +7,6 @@ once its last lease is returned (or after a drain timeout).
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import os
 import threading
@@ -21,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from service.engine import Bundle, BundleError, Manifest, Predictor
+from service.engine import Bundle, BundleError, Manifest, Predictor, heap
 from service.engine.bundle import list_bundles, newest_version, resolve_bundle_dir, validate_version_name
 from service.engine.metrics import ranking_metrics
 
@@ -87,18 +85,6 @@ class Engine:
         self.bundle.close()
 
 
-def _malloc_trim() -> Callable[[], None]:
-    # Freed index memory (hnswlib, onnxruntime arenas) stays in glibc's heap unless trimmed;
-    # without this, alternating activations look like a leak in RSS.
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        trim = libc.malloc_trim if libc is not None else None
-    except (OSError, AttributeError):
-        trim = None
-    return (lambda: trim(0)) if trim is not None else (lambda: None)
-
-
 def _lower_priority(nice: int) -> None:
     # Linux keeps a nice value per thread, and setpriority() given a thread id renices only
     # that thread; elsewhere this is a no-op and loads run at the serving threads' priority.
@@ -129,7 +115,6 @@ class BundleRegistry:
         self._active: Engine | None = None
         self._history: list[str] = []  # previously active versions, most recent last
         self._activation_lock = threading.Lock()
-        self._trim = _malloc_trim()
         if engine_threads > 1 and loader_nice > 0:
             # onnxruntime's intra-op threads are started by the thread that makes the session
             # (the loader) and would inherit its nice value while serving.
@@ -239,6 +224,8 @@ class BundleRegistry:
                 del self._history[:-16]
             old._retire()
             threading.Thread(target=self._drain_and_close, args=(old,), daemon=True).start()
+        else:
+            heap.trim()  # the load's buffers; otherwise the release of `old` trims
         seconds = time.perf_counter() - t0
         if self.on_swap is not None:
             self.on_swap(old.version if old else None, new.version)
@@ -277,7 +264,9 @@ class BundleRegistry:
         del engine
         # No gc.collect() here: a full collection holds the GIL for tens of ms and stalls
         # serving; the bundle's arrays and indices are freed by reference counting.
-        self._trim()
+        # Freed index memory (hnswlib, onnxruntime arenas) stays in glibc's heap unless
+        # trimmed; without this, alternating activations look like a leak in RSS.
+        heap.trim()
 
     def close(self) -> None:
         engine, self._active = self._active, None

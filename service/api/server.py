@@ -17,6 +17,7 @@ from service.api.app import (
     shutdown,
 )
 from service.api.settings import Settings
+from service.engine import heap
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -56,6 +57,8 @@ async def _serve_two(settings: Settings) -> None:
 
 def run(settings: Settings) -> None:
     sys.setswitchinterval(settings.gil_switch_interval_ms / 1000.0)
+    if settings.heap_tuning:
+        heap.tune_for_loads()
     if settings.admin_token is not None and settings.admin_port is not None:
         asyncio.run(_serve_two(settings))
         return

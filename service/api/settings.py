@@ -54,6 +54,10 @@ class Settings(BaseSettings):
     # Bundle loads (startup, activation, rollback) run on threads this much nicer than the
     # serving threads (0..19; 0 = same priority), so a hot swap takes CPU from idle time first.
     loader_nice: int = Field(10, ge=0, le=19)
+    # Bundle loads pre-fault the memory hnswlib copies an index into, with the GIL released
+    # (service/engine/heap.py): glibc's heap is set to one arena, no per-block mmap and
+    # explicit trimming. Off: the copy page-faults with the GIL held, stalling requests.
+    heap_tuning: bool = True
     # How long a retired bundle may wait for in-flight requests before it is closed anyway.
     drain_timeout_s: float = Field(30.0, ge=0.0)
 

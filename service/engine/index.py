@@ -9,6 +9,8 @@ from typing import Any
 import hnswlib
 import numpy as np
 
+from service.engine import heap
+
 # hnswlib's saved-index layout (HierarchicalNSW::saveIndex, unchanged since 0.6): offsetLevel0,
 # max_elements, cur_element_count, size_data_per_element, label_offset, offsetData (size_t),
 # maxlevel (int), enterpoint_node (uint32), maxM, maxM0, M (size_t), mult (double),
@@ -65,6 +67,9 @@ class VectorIndex:
             raise ValueError(f"{path}: cannot load hnsw index of dim {dim}: {exc}") from exc
         if state["cur_element_count"] != count:
             raise ValueError(f"{path}: index holds {state['cur_element_count']} vectors, expected {count}")
+        # The level-0 block hnswlib is about to allocate, at exactly its size: glibc's best fit
+        # then picks the same free chunk for both calls, the one the prefault made resident.
+        heap.prefault(state["max_elements"] * state["size_data_per_element"])
         index = hnswlib.Index.__new__(hnswlib.Index)
         try:
             index.__setstate__((state,))

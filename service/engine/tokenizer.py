@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
+import orjson
 
 TOKENIZER_FORMAT = 1
 # Id 0 is padding: it has weight 0 in every padded batch, so its embedding row never counts.
@@ -127,7 +128,9 @@ class Tokenizer:
     def load(cls, path: str | Path) -> Tokenizer:
         path = Path(path)
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            # orjson: bundles load beside live traffic, and one json.loads of this file held
+            # the GIL for ~10 ms on debian-deps (37K tokens); orjson takes ~2.5 ms.
+            data = orjson.loads(path.read_bytes())
         except (OSError, ValueError) as exc:
             raise ValueError(f"{path}: cannot read tokenizer: {exc}") from exc
         if data.get("format") != TOKENIZER_FORMAT:
