@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+import orjson
 from fastapi import APIRouter, FastAPI
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -146,7 +147,7 @@ def _predict_router(state: ServiceState) -> APIRouter:
                 body = await _answer(req, scorer, engine)
         except NoBundle:
             raise ApiError(503, "not_ready", "no validated bundle is loaded yet") from None
-        return Response(json.dumps(body, ensure_ascii=False).encode(), media_type="application/json")
+        return Response(orjson.dumps(body), media_type="application/json")
 
     @router.post("/v1/predict", response_model=PredictResponse, responses=_ERRORS,
                  openapi_extra=_body_schema(PredictRequest),
@@ -179,7 +180,7 @@ def _predict_router(state: ServiceState) -> APIRouter:
         @router.post("/v1/echo", response_model=EchoResponse, openapi_extra=_body_schema(EchoRequest))
         async def echo(request: Request) -> Response:
             req = await parse_body(request, EchoRequest, settings.max_body_bytes)
-            return Response(json.dumps({"text": req.text}).encode(), media_type="application/json")
+            return Response(orjson.dumps({"text": req.text}), media_type="application/json")
 
     if settings.fault_route:
         @router.post("/v1/fault")

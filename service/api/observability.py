@@ -15,6 +15,7 @@ import traceback
 import uuid
 from typing import Any
 
+import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -131,7 +132,7 @@ class ObservabilityMiddleware:
                     "route": route, "path": scope.get("path"), "status": status,
                     "latency_ms": round(elapsed * 1000.0, 3), "version": state.get("bundle_version"),
                 }
-                access_log.info(json.dumps(record))
+                access_log.info(orjson.dumps(record).decode())
 
 
 def _request_id(scope: Scope) -> str:

@@ -60,7 +60,10 @@ def run(settings: Settings) -> None:
     if settings.heap_tuning:
         heap.tune_for_loads()
     if settings.admin_token is not None and settings.admin_port is not None:
-        asyncio.run(_serve_two(settings))
+        # The same event loop uvicorn.Server.run would pick (uvloop when installed).
+        loop_factory = _config(None, settings.host, settings.port, settings).get_loop_factory()
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            runner.run(_serve_two(settings))
         return
     uvicorn.Server(_config(create_app(settings), settings.host, settings.port, settings)).run()
 
