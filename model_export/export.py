@@ -63,7 +63,7 @@ def export_checkpoint(
     staging = fmt.staging_dir(root, version)
     try:
         export_encoder(ckpt.encoder, staging / fmt.ENCODER)
-        texts = parity_texts(ckpt.tokenizer, [r["text"] for r in ckpt.validation] + ckpt.labels.titles, n_parity)
+        texts = parity_texts(ckpt.tokenizer, [*(r["text"] for r in ckpt.validation), *ckpt.labels.titles], n_parity)
         worst = check_parity(ckpt.encoder, staging / fmt.ENCODER, ckpt.tokenizer, texts)
         log(f"onnx parity: max |onnxruntime - torch| = {worst:.2e} over {len(texts)} texts")
 
@@ -152,7 +152,7 @@ def _tree_beam(ckpt: Checkpoint) -> int | None:
 
 
 def _canary(predictor: Predictor, ckpt: Checkpoint) -> list[dict]:
-    texts = [r["text"] for r in ckpt.validation[:CANARY_QUERIES]] or ckpt.labels.titles[:CANARY_QUERIES]
+    texts = [r["text"] for r in ckpt.validation[:CANARY_QUERIES]] or list(ckpt.labels.titles[:CANARY_QUERIES])
     ids, scores = predictor.predict_ids(texts, k=5)
     return [
         {"text": t, "top_ids": [int(i) for i in row_ids if i >= 0], "top_scores": [float(s) for s in row_scores]}

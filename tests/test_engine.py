@@ -151,7 +151,7 @@ def test_named_predictions_carry_uid_and_title(predictor):
 def test_head_shortlist_covering_every_label_equals_brute_force(bundle_root):
     bundle = Bundle.load(bundle_root / "v1")
     everything = Predictor(bundle, shortlist_head=bundle.manifest.num_labels)
-    texts = bundle.labels.titles[:40] + ["", "zzqx unknown"]
+    texts = [*bundle.labels.titles[:40], "", "zzqx unknown"]
     ann_ids, ann_scores = everything.predict_ids(texts, k=5)
     exact_ids, exact_scores = everything.predict_exact_ids(texts, k=5)
     assert np.allclose(ann_scores, exact_scores, atol=1e-6)
@@ -175,7 +175,7 @@ def test_label_table_round_trips_and_names_the_bad_line(tmp_path: Path) -> None:
     path = tmp_path / "labels.jsonl"
     LabelTable(uids, titles).save(path)
     loaded = LabelTable.load(path)
-    assert loaded.uids == uids and loaded.titles == titles
+    assert list(loaded.uids) == uids and list(loaded.titles) == titles
 
     lines = path.read_text(encoding="utf-8").splitlines()
     lines[2999] = '{"uid": "u2999"}'

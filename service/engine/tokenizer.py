@@ -44,12 +44,13 @@ class Tokenizer:
             raise ValueError(f"vocab has {len(vocab)} tokens but idf has {len(idf)} values")
         if max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
-        self.vocab: list[str] = list(vocab)
+        # Tuples for the same reason as LabelTable's: untracked by the cyclic GC.
+        self.vocab: tuple[str, ...] = tuple(vocab)
         self.idf = np.asarray(idf, dtype=np.float32)
         self.max_tokens = int(max_tokens)
         # ids are 1-based: PAD_ID = 0 is reserved.
         self._index: dict[str, int] = {tok: i + 1 for i, tok in enumerate(self.vocab)}
-        self._idf_by_id: list[float] = [0.0, *self.idf.tolist()]
+        self._idf_by_id: tuple[float, ...] = (0.0, *self.idf.tolist())
 
     @property
     def vocab_size(self) -> int:
