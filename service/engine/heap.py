@@ -24,6 +24,9 @@ log = logging.getLogger("shortlist.heap")
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
 _M_ARENA_MAX = -8
+# mallopt takes an int: the largest trim threshold, hence the largest block `prefault` can
+# hand on (a larger freed block is returned to the OS at once, so touching it would be waste).
+_TRIM_THRESHOLD = 2**31 - 1
 
 
 def _libc() -> ctypes.CDLL | None:
@@ -60,7 +63,7 @@ def tune_for_loads() -> bool:
     if _LIBC is None:
         return False
     ok = all(_LIBC.mallopt(param, value) == 1 for param, value in (
-        (_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 1 << 30)))
+        (_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)))
     if not ok:
         log.warning("mallopt refused a setting; bundle loads will page-fault with the GIL held")
     _tuned = ok
@@ -69,7 +72,7 @@ def tune_for_loads() -> bool:
 
 def prefault(nbytes: int) -> None:
     """Touch and free `nbytes` of heap so the allocations that follow find them resident."""
-    if not _tuned or nbytes <= 0:
+    if not _tuned or not 0 < nbytes < _TRIM_THRESHOLD:
         return
     # ctypes releases the GIL around each foreign call: the page faults happen here, off it.
     block = _LIBC.malloc(nbytes)
