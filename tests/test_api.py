@@ -296,6 +296,7 @@ def test_serve_refuses_a_missing_bundle_root(tmp_path):
     ("SHORTLIST_GIL_SWITCH_INTERVAL_MS", "0"),
     ("SHORTLIST_WORKERS", "0"),
     ("SHORTLIST_MAX_K", "many"),
+    ("SHORTLIST_HEAP_TUNING", "maybe"),
 ])
 def test_serve_refuses_an_invalid_setting_naming_it(bundle_root, variable, value):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHORTLIST_")}
@@ -309,6 +310,7 @@ def test_serve_refuses_an_invalid_setting_naming_it(bundle_root, variable, value
 @pytest.mark.parametrize(("field", "inside", "outside"), [
     ("gil_switch_interval_ms", [0.001, 100.0], [0.0, -1.0, 100.5]),
     ("loader_nice", [0, 19], [-1, 20]),
+    ("heap_tuning", [True, False], ["maybe", 2]),
 ])
 def test_new_settings_are_bounded_at_and_past_the_edge(field, inside, outside):
     from pydantic import ValidationError
