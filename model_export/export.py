@@ -21,16 +21,19 @@ from service.engine.predictor import Predictor
 from training.checkpoint import Checkpoint
 
 CANARY_QUERIES = 3
+DEFAULT_EF_SEARCH = 50
 
 
 @dataclass(frozen=True)
 class HnswConfig:
     M: int = 24
     ef_construction: int = 200
-    ef_search: int | None = None  # default: the larger shortlist size
+    ef_search: int | None = None  # default: the larger HNSW shortlist size
 
     def resolved_ef(self, k_w: int, k_mu: int) -> int:
-        return max(self.ef_search or 0, k_w, k_mu, 1)
+        # With both HNSW sources off by default the indices still ship; searched later, they
+        # should start from a breadth that finds neighbours, not ef 1.
+        return max(self.ef_search or 0, k_w, k_mu) or DEFAULT_EF_SEARCH
 
 
 def default_version() -> str:
@@ -85,6 +88,9 @@ def export_checkpoint(
         log(f"hnsw indices built in {time.perf_counter() - t:.1f}s (M={hnsw.M}, efC={hnsw.ef_construction})")
         if "tree" in ckpt.extra_arrays:
             np.savez(staging / fmt.TREE, **ckpt.extra_arrays["tree"])
+        if "token_shortlist" in ckpt.extra_arrays:
+            table = ckpt.extra_arrays["token_shortlist"]["labels"]
+            np.save(staging / fmt.TOKEN_SHORTLIST, np.ascontiguousarray(table, dtype=np.int32))
         if ckpt.validation:
             with (staging / fmt.VALIDATION).open("w", encoding="utf-8") as f:
                 for row in ckpt.validation:

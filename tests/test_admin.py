@@ -148,7 +148,12 @@ def test_quality_gate_refuses_a_bundle_below_the_floor(bundle_root_copy, tmp_pat
     env["SHORTLIST_QUALITY_GATE_MIN_P1"] = "100"
     with serve(bundle_root_copy, env=env, ready=False, log_dir=tmp_path) as s, \
             httpx.Client(base_url=s.url, headers=AUTH) as c:
-        r = c.post("/admin/bundles/activate", json={"version": "v1"})
+        # Not ready means the startup activation (of v2, which fails the same gate) may still
+        # be running; a client retries a 409 until it is over.
+        deadline = time.monotonic() + 60
+        while (r := c.post("/admin/bundles/activate", json={"version": "v1"})).status_code == 409:
+            assert time.monotonic() < deadline, r.text
+            time.sleep(0.2)
         assert r.status_code == 422 and "quality gate failed" in r.json()["message"], r.text
 
 

@@ -56,7 +56,10 @@ def test_checkpoint_contents(trained: Checkpoint) -> None:
     assert set(trained.scoring) == {"alpha", "classifier_form", "calibration", "shortlist"}
     assert trained.scoring["classifier_form"] == "scaled_bias"
     assert set(trained.scoring["calibration"]) == {"classifier", "centroid"}
-    assert set(trained.scoring["shortlist"]) == {"k_w", "k_mu"}
+    assert set(trained.scoring["shortlist"]) == {"k_w", "k_mu", "k_tok"}
+    table = trained.extra_arrays["token_shortlist"]["labels"]
+    assert table.dtype == np.int32 and table.shape[0] == trained.tokenizer.vocab_size
+    assert (table[0] == -1).all() and table.min() >= -1 and table.max() < L
     assert 0 < len(trained.validation) <= 50
     assert all(set(row) == {"text", "target_ind"} and row["target_ind"] for row in trained.validation)
     for stage in ("module1", "module3", "times"):
@@ -81,6 +84,14 @@ def test_paper_form_with_shortlisted_negatives(dataset: Path) -> None:
     assert ckpt.metrics["module3"]["combined"]["P@1"] > 30.0
 
 
+def test_softmax_term_trains_a_different_model_of_the_same_quality(dataset: Path, trained: Checkpoint) -> None:
+    ckpt = train(dataset, _tiny(m3_softmax_weight=1.0), seed=7, log=lambda *_: None)
+    assert not np.allclose(ckpt.classifiers, trained.classifiers)
+    assert ckpt.metrics["module3"]["combined"]["P@1"] > trained.metrics["module3"]["combined"]["P@1"] - 10.0
+    with pytest.raises(ValueError, match="m3_softmax_weight"):
+        TrainConfig.from_dict({"m3_softmax_weight": -1.0})
+
+
 def test_checkpoint_round_trip(trained: Checkpoint, tmp_path: Path) -> None:
     trained.save(tmp_path / "ck")
     back = Checkpoint.load(tmp_path / "ck")
@@ -93,6 +104,14 @@ def test_config_errors_are_clear(tmp_path: Path) -> None:
         TrainConfig.from_dict({"m9_epochs": 3})
     with pytest.raises(ValueError, match="classifier_form"):
         TrainConfig.from_dict({"classifier_form": "magic"})
+    with pytest.raises(ValueError, match="serve_k_tok must be in"):
+        TrainConfig.from_dict({"serve_k_tok": 21, "token_shortlist_width": 20})
+    with pytest.raises(ValueError, match="all 0"):
+        TrainConfig.from_dict({"serve_k_w": 0, "serve_k_mu": 0, "serve_k_tok": 0})
+    with pytest.raises(ValueError, match="serve_k_w must be >= 0"):
+        TrainConfig.from_dict({"serve_k_w": -1})
+    # the edge: only the token shortlist, at the table's full width
+    TrainConfig.from_dict({"serve_k_w": 0, "serve_k_mu": 0, "serve_k_tok": 20, "token_shortlist_width": 20})
     bad = tmp_path / "cfg.json"
     bad.write_text("[1]")
     with pytest.raises(ValueError, match="must be a JSON object"):

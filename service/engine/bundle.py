@@ -11,6 +11,8 @@ A bundle is a directory BUNDLE_ROOT/VERSION, immutable once written:
   centroids.npy          [L, D] float32 mu_l        (memory-mapped)
   hnsw_w.bin             service.engine.index.VectorIndex over [w_l, b_l] (MIPS, rows centred, dim D + 1)
   hnsw_mu.bin            service.engine.index.VectorIndex over mu_l (MIPS, rows centred, dim D)
+  token_shortlist.npy    optional: [vocab_size, M] int32, per token id the labels it co-occurred
+                         with most in training, most first, -1 padded (row 0, padding, all -1)
   tree.npz               optional: the adversarial tree scorer's arrays
   validation.jsonl       optional: held-out {"text", "target_ind"} rows for a quality gate
 """
@@ -27,7 +29,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from service.engine.encoder import OnnxEncoder
 from service.engine.index import VectorIndex
@@ -46,9 +48,10 @@ CENTROIDS = "centroids.npy"
 HNSW_W = "hnsw_w.bin"
 HNSW_MU = "hnsw_mu.bin"
 TREE = "tree.npz"
+TOKEN_SHORTLIST = "token_shortlist.npy"
 VALIDATION = "validation.jsonl"
 REQUIRED_FILES = (ENCODER, TOKENIZER, LABELS, CLASSIFIERS, CLASSIFIER_BIAS, CENTROIDS, HNSW_W, HNSW_MU)
-OPTIONAL_FILES = (TREE, VALIDATION)
+OPTIONAL_FILES = (TREE, VALIDATION, TOKEN_SHORTLIST)
 
 VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _HASH_CHUNK = 1 << 20
@@ -77,11 +80,19 @@ class Calibrations(_Strict):
 
 
 class ShortlistSizes(_Strict):
-    k_w: int = Field(ge=1)
+    k_w: int = Field(ge=0)
     k_mu: int = Field(ge=0)
     # The labels with the largest bias (the label prior's head) are shortlisted for every
     # query: a heavy-head label can win on its prior while its direction ranks low in HNSW.
     k_head: int = Field(0, ge=0)
+    # The first k_tok labels of each query token's row of token_shortlist.npy.
+    k_tok: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _some_source(self) -> ShortlistSizes:
+        if self.k_w + self.k_mu + self.k_tok == 0:
+            raise ValueError("k_w, k_mu and k_tok are all 0: no query-dependent shortlist")
+        return self
 
 
 class ScoringDefaults(_Strict):
@@ -260,6 +271,7 @@ class Bundle:
         self.index_w: VectorIndex
         self.index_mu: VectorIndex
         self.tree = None
+        self.token_shortlist: np.ndarray | None = None
         self.encoder_path = path / ENCODER
         self._encoders: dict[int, OnnxEncoder] = {}
 
@@ -340,6 +352,7 @@ class Bundle:
             self.index_mu = VectorIndex.load(self.path / HNSW_MU, dim=D, count=L, ef_search=ef)
         except ValueError as exc:
             raise BundleError(str(exc)) from exc
+        self._open_token_shortlist()
         if (self.path / TREE).is_file() and TREE in m.files:
             from service.engine.tree import TreeScorer
 
@@ -351,6 +364,25 @@ class Bundle:
             except (OSError, ValueError, KeyError) as exc:
                 raise BundleError(f"{self.path / TREE}: {exc}") from exc
             self.tree = tree
+
+    def _open_token_shortlist(self) -> None:
+        m = self.manifest
+        p = self.path / TOKEN_SHORTLIST
+        if TOKEN_SHORTLIST not in m.files:
+            if m.scoring.shortlist.k_tok:
+                raise BundleError(f"{self.path / MANIFEST}: k_tok > 0 but {TOKEN_SHORTLIST} is not listed")
+            return
+        try:
+            arr = np.load(p, mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise BundleError(f"{p}: unreadable array: {exc}") from exc
+        if arr.dtype != np.int32 or arr.ndim != 2 or arr.shape[0] != m.vocab_size:
+            raise BundleError(f"{p}: expected int32 [{m.vocab_size}, M], found {arr.dtype} {arr.shape}")
+        if m.scoring.shortlist.k_tok > arr.shape[1]:
+            raise BundleError(f"{p}: k_tok={m.scoring.shortlist.k_tok} but rows hold {arr.shape[1]} labels")
+        if arr.size and (int(arr.min()) < -1 or int(arr.max()) >= m.num_labels):
+            raise BundleError(f"{p}: label ids outside [-1, {m.num_labels})")
+        self.token_shortlist = arr
 
     def _run_canary(self) -> None:
         from service.engine.predictor import Predictor
@@ -399,7 +431,7 @@ class Bundle:
 
     def close(self) -> None:
         """Drop references to memory maps, indices and the tree so their memory can be released."""
-        for name in ("classifiers", "classifier_bias", "centroids", "index_w", "index_mu", "tree"):
+        for name in ("classifiers", "classifier_bias", "centroids", "index_w", "index_mu", "tree", "token_shortlist"):
             if hasattr(self, name):
                 setattr(self, name, None)
         self._encoders.clear()

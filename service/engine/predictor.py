@@ -19,13 +19,16 @@ class Prediction(NamedTuple):
 
 
 _SCORE_ROWS = 64  # queries whose candidate rows are gathered at once
+_NO_LABEL = np.iinfo(np.int64).max  # sorts after every label id
 
 
 class Predictor:
     """Log-time top-k over a bundle (DESIGN.md, "Log-time prediction").
 
-    S = topK_w(HNSW over [w_l, b_l] with query [q, 1]) U topK_mu(HNSW over mu_l) U H,
-    H = the k_head labels of largest bias b_l (query-independent: the label prior's head);
+    S = topK_w(HNSW over [w_l, b_l] with query [q, 1]) U topK_mu(HNSW over mu_l) U H U T,
+    H = the k_head labels of largest bias b_l (query-independent: the label prior's head),
+    T = the first k_tok labels of each query token's row of the bundle's token shortlist
+    (the labels that token co-occurred with most in training: a lookup, no search);
     score_l = alpha f(w_l.q + b_l) + (1 - alpha) g(mu_l.q) for l in S.
 
     All methods are safe to call from several threads at once. `ef_search` given here is
@@ -41,6 +44,7 @@ class Predictor:
         shortlist_w: int | None = None,
         shortlist_mu: int | None = None,
         shortlist_head: int | None = None,
+        shortlist_tok: int | None = None,
     ) -> None:
         self.bundle = bundle
         scoring = bundle.manifest.scoring
@@ -50,8 +54,17 @@ class Predictor:
         self.shortlist_w = int(shortlist_w if shortlist_w is not None else scoring.shortlist.k_w)
         self.shortlist_mu = int(shortlist_mu if shortlist_mu is not None else scoring.shortlist.k_mu)
         self.shortlist_head = int(shortlist_head if shortlist_head is not None else scoring.shortlist.k_head)
-        if self.shortlist_w < 1 or self.shortlist_mu < 0 or self.shortlist_head < 0:
-            raise ValueError("shortlist_w must be >= 1, shortlist_mu and shortlist_head >= 0")
+        self.shortlist_tok = int(shortlist_tok if shortlist_tok is not None else scoring.shortlist.k_tok)
+        if min(self.shortlist_w, self.shortlist_mu, self.shortlist_head, self.shortlist_tok) < 0:
+            raise ValueError("shortlist sizes must be >= 0")
+        if self.shortlist_w + self.shortlist_mu + self.shortlist_tok == 0:
+            raise ValueError("shortlist_w, shortlist_mu and shortlist_tok are all 0: nothing to score")
+        tokens = bundle.token_shortlist
+        if self.shortlist_tok and (tokens is None or self.shortlist_tok > tokens.shape[1]):
+            have = 0 if tokens is None else tokens.shape[1]
+            raise ValueError(
+                f"shortlist_tok={self.shortlist_tok} but bundle {bundle.version} holds {have} labels per token"
+            )
         need = max(self.shortlist_w, self.shortlist_mu)
         if ef_search is not None or need > bundle.index_w.ef_search:
             ef = max(ef_search or 0, need)
@@ -63,6 +76,7 @@ class Predictor:
         self._b = np.asarray(bundle.classifier_bias)
         self._mu = np.asarray(bundle.centroids)
         self._head = np.argsort(-self._b, kind="stable")[: self.shortlist_head].astype(np.int64)
+        self._tokens = None if not self.shortlist_tok else np.asarray(tokens)[:, : self.shortlist_tok]
 
     @property
     def version(self) -> str:
@@ -73,24 +87,40 @@ class Predictor:
         return self.bundle.manifest.num_labels
 
     def encode(self, texts: Sequence[str]) -> np.ndarray:
-        ids, weights = self.bundle.tokenizer.encode_batch(list(texts))
-        return self.encoder.run(ids, weights)
+        return self._encode(texts)[1]
 
-    def _candidates(self, q: np.ndarray) -> np.ndarray:
-        """[B, k_w + k_mu + k_head] label ids, sorted per row, with repeats replaced by -1."""
-        ones = np.ones((len(q), 1), dtype=np.float32)
-        parts = [self.bundle.index_w.search(np.hstack([q, ones]), self.shortlist_w)]
+    def _encode(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Padded token ids [B, T] and unit embeddings [B, D]."""
+        ids, weights = self.bundle.tokenizer.encode_batch(list(texts))
+        return ids, self.encoder.run(ids, weights)
+
+    def _candidates(self, tokens: np.ndarray, q: np.ndarray) -> np.ndarray:
+        """[B, C] distinct label ids per row, sorted, -1 padded at the end; C = the longest row."""
+        parts = []
+        if self.shortlist_w:
+            ones = np.ones((len(q), 1), dtype=np.float32)
+            parts.append(self.bundle.index_w.search(np.hstack([q, ones]), self.shortlist_w))
         if self.shortlist_mu:
             parts.append(self.bundle.index_mu.search(q, self.shortlist_mu))
         if len(self._head):
             parts.append(np.broadcast_to(self._head, (len(q), len(self._head))))
+        if self._tokens is not None:
+            # Row 0 (padding) is all -1, so padded token slots add nothing.
+            parts.append(self._tokens[tokens].reshape(len(q), -1).astype(np.int64))
         cands = np.sort(np.hstack(parts), axis=1)
-        cands[:, 1:][cands[:, 1:] == cands[:, :-1]] = -1
+        # Repeats and empty slots move to the end and the columns no row needs are cut: the
+        # token rows are mostly padding, and every column left costs two row gathers to score.
+        drop = cands < 0
+        drop[:, 1:] |= cands[:, 1:] == cands[:, :-1]
+        cands[drop] = _NO_LABEL
+        cands.sort(axis=1)
+        cands = cands[:, : max(1, int(cands.shape[1] - drop.sum(axis=1).min()))]
+        cands[cands == _NO_LABEL] = -1
         return cands
 
     def shortlist(self, texts: Sequence[str]) -> list[np.ndarray]:
         """The union shortlist S of each text (sorted label ids)."""
-        return [row[row >= 0] for row in self._candidates(self.encode(texts))]
+        return [row[row >= 0] for row in self._candidates(*self._encode(texts))]
 
     def _check_alpha(self, alpha: float | None) -> float:
         a = self.alpha if alpha is None else float(alpha)
@@ -108,8 +138,9 @@ class Predictor:
         # needs ~2 x 9 MB at a time instead of 2 x 135 MB (the serving process's peak RSS).
         for start in range(0, len(q), _SCORE_ROWS):
             part = slice(start, start + _SCORE_ROWS)
-            logits[part] = np.einsum("bcd,bd->bc", self._w[safe[part]], q[part])
-            sims[part] = np.einsum("bcd,bd->bc", self._mu[safe[part]], q[part])
+            rows, col = safe[part], q[part][:, :, None]
+            logits[part] = np.matmul(self._w.take(rows, axis=0), col)[:, :, 0]
+            sims[part] = np.matmul(self._mu.take(rows, axis=0), col)[:, :, 0]
         logits += self._b[safe]
         scores = combine_scores(logits, sims, alpha, self.f, self.g).astype(np.float32, copy=False)
         scores[~valid] = -np.inf
@@ -122,11 +153,11 @@ class Predictor:
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         a = self._check_alpha(alpha)
-        q = self.encode(texts)
-        cands = self._candidates(q)
+        tokens, q = self._encode(texts)
+        cands = self._candidates(tokens, q)
         scores = self.score_candidates(q, cands, a)
         idx, best = top_k(scores, k)
-        ids = np.take_along_axis(cands, idx, axis=1)
+        ids = cands[np.arange(len(cands))[:, None], idx]
         return _pad(ids, best, k)
 
     def predict_exact_ids(
