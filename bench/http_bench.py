@@ -499,8 +499,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"Command: `{results['command']}`", "",
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, commit {results['revision']}, 2 CPU cores "
         f"shared with other jobs; bundle `{bundle_dir}` (L={manifest.get('num_labels', 0):,}, "
-        f"D={manifest.get('dim')}, shortlists {shortlist.get('k_w')}/{shortlist.get('k_mu')}/"
-        f"{shortlist.get('k_head')}); queries from {'the tst titles of ' + args.data if args.data else 'label titles'};"
+        f"D={manifest.get('dim')}, shortlists w/mu/head/tok {shortlist.get('k_w')}/{shortlist.get('k_mu')}/"
+        f"{shortlist.get('k_head')}/{shortlist.get('k_tok', 0)}); "
+        f"queries from {'the tst titles of ' + args.data if args.data else 'label titles'};"
         f" k={args.k}; {args.rounds} interleaved rounds of {seconds:g} s per point, medians.", "",
         f"Servers: `shortlist serve` with {env_text} and service defaults otherwise (2 engine workers); "
         f"per mode: {mode_text}.", "",

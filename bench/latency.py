@@ -61,15 +61,16 @@ def main() -> None:
     ap.add_argument("--ef-search", type=int, default=None)
     ap.add_argument("--shortlist-w", type=int, default=None)
     ap.add_argument("--shortlist-mu", type=int, default=None)
+    ap.add_argument("--shortlist-tok", type=int, default=None)
     args = ap.parse_args()
 
     bundle = Bundle.load(args.bundle)
     predictor = Predictor(bundle, threads=1, ef_search=args.ef_search, shortlist_w=args.shortlist_w,
-                          shortlist_mu=args.shortlist_mu)
+                          shortlist_mu=args.shortlist_mu, shortlist_tok=args.shortlist_tok)
     texts = _texts(bundle, args.data, args.queries)
     m = bundle.manifest
     print(f"bundle {bundle.version}: L={m.num_labels} D={m.dim} k_w={predictor.shortlist_w} "
-          f"k_mu={predictor.shortlist_mu} ef={bundle.index_w.ef_search}")
+          f"k_mu={predictor.shortlist_mu} k_tok={predictor.shortlist_tok} ef={bundle.index_w.ef_search}")
 
     def ann(batch):
         return predictor.predict_ids(batch, args.k)
@@ -93,10 +94,11 @@ def main() -> None:
     stages = {
         "tokenise": lambda t: tok.encode_batch([t]),
         "encode (onnxruntime)": lambda t: predictor.encoder.run(q_ids, q_w),
-        "hnsw_w search": lambda t: bundle.index_w.search(np.hstack([q, ones]), predictor.shortlist_w),
+        "hnsw_w search": lambda t: bundle.index_w.search(np.hstack([q, ones]), max(predictor.shortlist_w, 1)),
         "hnsw_mu search": lambda t: bundle.index_mu.search(q, max(predictor.shortlist_mu, 1)),
+        "all shortlists": lambda t: predictor._candidates(q_ids, q),
     }
-    cands = predictor._candidates(q)
+    cands = predictor._candidates(q_ids, q)
     stages["score shortlist"] = lambda t: predictor.score_candidates(q, cands, predictor.alpha)
     for name, fn in stages.items():
         ms = _latencies(lambda batch, fn=fn: fn(batch[0]), texts[:1000])

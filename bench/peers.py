@@ -368,12 +368,13 @@ class ShortlistServed:
     name = "shortlist"
 
     def __init__(self, bundle_dir: Path, ef_search: int | None = None, shortlist_w: int | None = None,
-                 shortlist_mu: int | None = None, bundle: Any = None) -> None:
+                 shortlist_mu: int | None = None, shortlist_tok: int | None = None, bundle: Any = None) -> None:
         from service.engine import Bundle, Predictor
 
         self.bundle = bundle if bundle is not None else Bundle.load(bundle_dir)
         self.predictor = Predictor(
-            self.bundle, threads=1, ef_search=ef_search, shortlist_w=shortlist_w, shortlist_mu=shortlist_mu
+            self.bundle, threads=1, ef_search=ef_search, shortlist_w=shortlist_w, shortlist_mu=shortlist_mu,
+            shortlist_tok=shortlist_tok,
         )
 
     def predict_one(self, text: str) -> list[int]:
@@ -463,14 +464,14 @@ def shortlist_breakdown(served: ShortlistServed, texts: Sequence[str]) -> dict[s
 
     p, b = served.predictor, served.bundle
     clock = time.perf_counter
-    stages: dict[str, list[float]] = {k: [] for k in ("tokenize", "encode", "ann_shortlist", "score_topk")}
+    stages: dict[str, list[float]] = {k: [] for k in ("tokenize", "encode", "shortlist", "score_topk")}
     for text in texts:
         t0 = clock()
         ids, weights = b.tokenizer.encode_batch([text])
         t1 = clock()
         q = p.encoder.run(ids, weights)
         t2 = clock()
-        cands = p._candidates(q)
+        cands = p._candidates(ids, q)
         t3 = clock()
         top_k(p.score_candidates(q, cands, p.alpha), K)
         t4 = clock()
@@ -482,7 +483,7 @@ def shortlist_breakdown(served: ShortlistServed, texts: Sequence[str]) -> dict[s
 def shortlist_defaults(served: ShortlistServed) -> dict[str, Any]:
     p = served.predictor
     return {"ef_search": served.bundle.index_w.ef_search, "shortlist_w": p.shortlist_w,
-            "shortlist_mu": p.shortlist_mu, "alpha": p.alpha}
+            "shortlist_mu": p.shortlist_mu, "shortlist_tok": p.shortlist_tok, "alpha": p.alpha}
 
 
 class _ExactScoring:
@@ -508,12 +509,12 @@ def shortlist_exact(served: ShortlistServed, texts: Sequence[str], spec: dict[st
 def shortlist_grid(served: ShortlistServed, texts: Sequence[str], spec: dict[str, Any], files: RunFiles) -> list[dict]:
     """Accuracy and latency of Shortlist's speed knobs, on the already loaded bundle."""
     points = []
-    for ef, k_w, k_mu in spec["grid"]:
-        knob = ShortlistServed(Path(spec["model_dir"]), ef, k_w, k_mu, bundle=served.bundle)
-        tag = f"shortlist-ef{ef}-w{k_w}-mu{k_mu}"
+    for ef, k_w, k_mu, k_tok in spec["grid"]:
+        knob = ShortlistServed(Path(spec["model_dir"]), ef, k_w, k_mu, k_tok, bundle=served.bundle)
+        tag = f"shortlist-ef{ef}-w{k_w}-mu{k_mu}-tok{k_tok}"
         sub = {**spec, "latency_queries": spec["grid_latency_queries"]}
         measured = serve_and_measure(knob, texts, sub, files.preds / f"{tag}.npy")
-        points.append({"ef_search": ef, "shortlist_w": k_w, "shortlist_mu": k_mu, **measured})
+        points.append({"ef_search": ef, "shortlist_w": k_w, "shortlist_mu": k_mu, "shortlist_tok": k_tok, **measured})
     return points
 
 
@@ -587,17 +588,17 @@ def evaluate(preds_path: str, truths: Sequence[Sequence[int]], inv_prop: np.ndar
     return ranking_metrics(preds, truths, ks=(1, 3, 5), inv_propensity=inv_prop)
 
 
-def parse_grid(text: str) -> list[tuple[int, int, int]]:
-    """'ef:k_w:k_mu,...' -> [(ef, k_w, k_mu), ...]."""
+def parse_grid(text: str) -> list[tuple[int, int, int, int]]:
+    """'ef:k_w:k_mu:k_tok,...' -> [(ef, k_w, k_mu, k_tok), ...]."""
     points = []
     for item in filter(None, (s.strip() for s in text.split(","))):
         parts = item.split(":")
-        if len(parts) != 3 or not all(p.isdigit() for p in parts):
-            raise argparse.ArgumentTypeError(f"grid point {item!r} is not EF:K_W:K_MU (three integers)")
-        ef, k_w, k_mu = (int(p) for p in parts)
-        if k_w < 1:
-            raise argparse.ArgumentTypeError(f"grid point {item!r}: K_W must be >= 1")
-        points.append((ef, k_w, k_mu))
+        if len(parts) != 4 or not all(p.isdigit() for p in parts):
+            raise argparse.ArgumentTypeError(f"grid point {item!r} is not EF:K_W:K_MU:K_TOK (four integers)")
+        ef, k_w, k_mu, k_tok = (int(p) for p in parts)
+        if ef < 1 or k_w + k_mu + k_tok == 0:
+            raise argparse.ArgumentTypeError(f"grid point {item!r}: EF must be >= 1 and K_W + K_MU + K_TOK > 0")
+        points.append((ef, k_w, k_mu, k_tok))
     return points
 
 
@@ -675,25 +676,29 @@ def render_markdown(rows: list[dict[str, Any]], grid: list[dict[str, Any]], cont
     if info.get("defaults"):
         d = info["defaults"]
         out += ["", f"Shortlist's row uses the bundle defaults: ef_search {d['ef_search']}, shortlist_w "
-                f"{d['shortlist_w']}, shortlist_mu {d['shortlist_mu']}, alpha {fmt(d['alpha'])}."]
+                f"{d['shortlist_w']}, shortlist_mu {d['shortlist_mu']}, shortlist_tok {d.get('shortlist_tok', 0)}, "
+                f"alpha {fmt(d['alpha'])}."]
     if info.get("breakdown"):
         parts = ", ".join(f"{k} {v:.3f}" for k, v in info["breakdown"].items())
         out += ["", f"Where Shortlist's single-query time goes (median ms per stage, bundle defaults): {parts}."]
     if grid or info.get("exact"):
         out += [
             "",
-            "Shortlist speed knobs (same bundle, Predictor(ef_search, shortlist_w, shortlist_mu), one thread; "
-            f"latency over {context['grid_latency_queries']} queries). \"exact\" scores all L labels without the "
-            "ANN shortlist: the ceiling the shortlist approximates.",
+            "Shortlist speed knobs (same bundle, Predictor(ef_search, shortlist_w, shortlist_mu, shortlist_tok), "
+            f"one thread; latency over {context['grid_latency_queries']} queries; shortlist_w/mu: HNSW searches, "
+            "shortlist_tok: labels per query token from the token shortlist, plus the head labels in every row). "
+            "\"exact\" scores all L labels without any shortlist: the ceiling the shortlist approximates.",
             "",
-            "| ef_search | shortlist_w | shortlist_mu | P@1 | P@5 | PSP@5 | p50 (ms) | p99 (ms) | batch (q/s) |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| ef_search | shortlist_w | shortlist_mu | shortlist_tok | P@1 | P@5 | PSP@5 | p50 (ms) | p99 (ms) "
+            "| batch (q/s) |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
-        for g in [*grid, *([{"ef_search": "exact", "shortlist_w": "all", "shortlist_mu": "all", **info["exact"]}]
-                           if info.get("exact") else [])]:
+        exact_row = {"ef_search": "exact", "shortlist_w": "all", "shortlist_mu": "all", "shortlist_tok": "-"}
+        for g in [*grid, *([{**exact_row, **info["exact"]}] if info.get("exact") else [])]:
             m = g["metrics"]
             out.append(
-                f"| {g['ef_search']} | {g['shortlist_w']} | {g['shortlist_mu']} | {fmt(m['P@1'])} | {fmt(m['P@5'])} "
+                f"| {g['ef_search']} | {g['shortlist_w']} | {g['shortlist_mu']} | {g.get('shortlist_tok', 0)} "
+                f"| {fmt(m['P@1'])} | {fmt(m['P@5'])} "
                 f"| {fmt(m['PSP@5'])} | {fmt(g['p50_ms'], 3)} | {fmt(g['p99_ms'], 3)} | {round(g['qps'])} |"
             )
     if context.get("plot"):
@@ -717,9 +722,9 @@ def plot(rows: list[dict[str, Any]], grid: list[dict[str, Any]], exact: dict[str
         if grid:
             pts = sorted(grid, key=lambda g: g["p50_ms"])
             ax.plot([g["p50_ms"] for g in pts], [g["metrics"][metric] for g in pts], "-o", color="tab:red",
-                    alpha=0.45, markersize=4, label="Shortlist knobs (ef_search, k_w, k_mu)")
+                    alpha=0.45, markersize=4, label="Shortlist knobs (ef_search, k_w, k_mu, k_tok)")
             for g in pts:
-                ax.annotate(f"{g['ef_search']},{g['shortlist_w']},{g['shortlist_mu']}",
+                ax.annotate(f"{g['ef_search']},{g['shortlist_w']},{g['shortlist_mu']},{g.get('shortlist_tok', 0)}",
                             (g["p50_ms"], g["metrics"][metric]), fontsize=6, alpha=0.7,
                             xytext=(3, -8), textcoords="offset points")
         if exact:
@@ -774,8 +779,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shortlist-checkpoint", default=None, help="export this checkpoint instead of training")
     p.add_argument("--shortlist-config", default=None, help="JSON config passed to `shortlist train --config`")
     p.add_argument("--grid", type=parse_grid,
-                   default=parse_grid("10:10:0,16:16:16,32:32:32,64:64:64,100:100:100,200:200:200"),
-                   help="Shortlist speed knobs EF:K_W:K_MU,... (empty string: none)")
+                   default=parse_grid("10:0:0:5,10:0:0:10,10:0:0:20,16:0:16:10,50:50:50:10,"
+                                      "16:16:16:0,50:50:50:0,100:100:100:0"),
+                   help="Shortlist speed knobs EF:K_W:K_MU:K_TOK,... (empty string: none)")
     return p
 
 

@@ -47,12 +47,14 @@ def test_csr_topk_orders_by_score_and_pads() -> None:
 
 
 def test_grid_and_systems_reject_bad_input_by_name() -> None:
-    assert parse_grid("100:50:50, 16:16:0") == [(100, 50, 50), (16, 16, 0)]
+    assert parse_grid("100:50:50:0, 10:0:0:10") == [(100, 50, 50, 0), (10, 0, 0, 10)]
     assert parse_grid("") == []
-    with pytest.raises(argparse.ArgumentTypeError, match="'100:50'"):
-        parse_grid("100:50")
-    with pytest.raises(argparse.ArgumentTypeError, match="K_W"):
-        parse_grid("10:0:5")
+    with pytest.raises(argparse.ArgumentTypeError, match="'100:50:50'"):
+        parse_grid("100:50:50")
+    with pytest.raises(argparse.ArgumentTypeError, match="K_TOK > 0"):
+        parse_grid("10:0:0:0")
+    with pytest.raises(argparse.ArgumentTypeError, match="EF must be"):
+        parse_grid("0:0:0:10")
     assert parse_systems("napkinxc,shortlist") == ["napkinxc", "shortlist"]
     with pytest.raises(argparse.ArgumentTypeError, match="parabel"):
         parse_systems("pecos,parabel")
