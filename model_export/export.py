@@ -89,8 +89,10 @@ def export_checkpoint(
         if "tree" in ckpt.extra_arrays:
             np.savez(staging / fmt.TREE, **ckpt.extra_arrays["tree"])
         if "token_shortlist" in ckpt.extra_arrays:
-            table = ckpt.extra_arrays["token_shortlist"]["labels"]
-            np.save(staging / fmt.TOKEN_SHORTLIST, np.ascontiguousarray(table, dtype=np.int32))
+            table = ckpt.extra_arrays["token_shortlist"]
+            np.save(staging / fmt.TOKEN_SHORTLIST, np.ascontiguousarray(table["labels"], dtype=np.int32))
+            if "shares" in table:
+                np.save(staging / fmt.TOKEN_SHORTLIST_SHARES, np.ascontiguousarray(table["shares"], dtype=np.float32))
         if ckpt.validation:
             with (staging / fmt.VALIDATION).open("w", encoding="utf-8") as f:
                 for row in ckpt.validation:

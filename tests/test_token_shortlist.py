@@ -10,7 +10,8 @@ import pytest
 import scipy.sparse as sp
 
 from service.engine import Bundle, BundleError, Predictor
-from service.engine.bundle import MANIFEST, TOKEN_SHORTLIST, sha256_file
+from service.engine.bundle import MANIFEST, TOKEN_SHORTLIST, TOKEN_SHORTLIST_SHARES, sha256_file
+from service.engine.lexical import TokenShortlist
 from training.token_shortlist import fit_token_shortlist
 
 
@@ -27,8 +28,9 @@ def test_rows_rank_labels_by_documents_shared_then_label_text_then_id():
     docs = np.array([[1, 2, 1], [1, 0, 0], [1, 2, 0], [2, 0, 0]])
     y = _targets([[0], [1], [1, 2], [2]], 4)
     label_text = np.array([[0, 0], [3, 0], [3, 1], [0, 0]])
-    table = fit_token_shortlist(docs, y, label_text, vocab_size=5, width=3)
+    table, shares = fit_token_shortlist(docs, y, label_text, vocab_size=5, width=3)
     assert table.dtype == np.int32 and table.shape == (5, 3)
+    assert shares.dtype == np.float32 and shares.shape == (5, 3)
     assert table[0].tolist() == [-1, -1, -1]
     # "a": label 1 in 2 docs (+0), label 2 in 1 doc + its own text, label 0 in 1 doc; a
     # token repeated in a document counts once.
@@ -38,7 +40,11 @@ def test_rows_rank_labels_by_documents_shared_then_label_text_then_id():
     # "c" is in no document, only in the texts of labels 1 and 2
     assert table[3].tolist() == [1, 2, -1]
     assert table[4].tolist() == [-1, -1, -1]
-    assert fit_token_shortlist(docs, y, label_text, 5, width=1)[:, 0].tolist() == [-1, 1, 2, 1, -1]
+    # shares: co-occurrences / texts holding the token ("a": 3 documents + 1 label text)
+    np.testing.assert_allclose(shares[1], [2 / 4, 2 / 4, 1 / 4])
+    np.testing.assert_allclose(shares[3], [1 / 2, 1 / 2, 0])
+    assert not shares[0].any() and not shares[4].any()
+    assert fit_token_shortlist(docs, y, label_text, 5, width=1)[0][:, 0].tolist() == [-1, 1, 2, 1, -1]
 
 
 def test_bad_inputs_are_refused():
@@ -52,10 +58,10 @@ def test_bad_inputs_are_refused():
         fit_token_shortlist(docs, y, np.zeros((3, 1), np.int64), 2, width=1)
 
 
-def _write_table(bundle_dir: Path, table: np.ndarray, k_tok: int | None = None) -> None:
-    np.save(bundle_dir / TOKEN_SHORTLIST, table)
+def _write_table(bundle_dir: Path, table: np.ndarray, k_tok: int | None = None, name: str = TOKEN_SHORTLIST) -> None:
+    np.save(bundle_dir / name, table)
     manifest = json.loads((bundle_dir / MANIFEST).read_text())
-    manifest["files"][TOKEN_SHORTLIST] = sha256_file(bundle_dir / TOKEN_SHORTLIST)
+    manifest["files"][name] = sha256_file(bundle_dir / name)
     if k_tok is not None:
         manifest["scoring"]["shortlist"]["k_tok"] = k_tok
     (bundle_dir / MANIFEST).write_text(json.dumps(manifest))
@@ -65,10 +71,11 @@ def test_exported_bundle_carries_the_table_and_serves_it(bundle_root):
     bundle = Bundle.load(bundle_root / "v1")
     k_tok = bundle.manifest.scoring.shortlist.k_tok
     assert k_tok >= 1 and bundle.token_shortlist is not None
-    assert bundle.token_shortlist.shape[0] == bundle.tokenizer.vocab_size
+    labels = bundle.token_shortlist.labels
+    assert labels.shape[0] == bundle.tokenizer.vocab_size and bundle.token_shortlist.shares is not None
     text = bundle.labels.titles[7]
     token_ids, _ = bundle.tokenizer.encode(text)
-    expected = {int(x) for t in token_ids for x in bundle.token_shortlist[t, :k_tok] if x >= 0}
+    expected = {int(x) for t in token_ids for x in labels[t, :k_tok] if x >= 0}
     assert expected, "the label's own title must reach the table"
     # With the HNSW searches and the head off, the shortlist is exactly the tokens' rows.
     only_tokens = Predictor(bundle, shortlist_w=0, shortlist_mu=0, shortlist_head=0)
@@ -84,7 +91,7 @@ def test_exported_bundle_carries_the_table_and_serves_it(bundle_root):
 
 def test_token_shortlist_sizes_are_checked(bundle_root):
     bundle = Bundle.load(bundle_root / "v1")
-    width = bundle.token_shortlist.shape[1]
+    width = bundle.token_shortlist.width
     Predictor(bundle, shortlist_tok=width)
     with pytest.raises(ValueError, match="labels per token"):
         Predictor(bundle, shortlist_tok=width + 1)
@@ -103,6 +110,10 @@ def test_bundle_with_k_tok_needs_a_valid_table(bundle_root_copy):
     del manifest["files"][TOKEN_SHORTLIST]
     (bundle_dir / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(BundleError, match="k_tok > 0 but token_shortlist.npy is not listed"):
+        Bundle.load(bundle_dir)
+    manifest["scoring"]["shortlist"]["k_tok"] = 0
+    (bundle_dir / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match="token_shortlist_shares.npy without token_shortlist.npy"):
         Bundle.load(bundle_dir)
 
     for bad, message in [
@@ -125,11 +136,14 @@ def test_bundle_without_a_table_still_serves(bundle_root_copy):
     """Bundles written before the token shortlist existed: no file, no k_tok."""
     bundle_dir = bundle_root_copy / "v1"
     manifest = json.loads((bundle_dir / MANIFEST).read_text())
-    del manifest["files"][TOKEN_SHORTLIST]
+    for name in (TOKEN_SHORTLIST, TOKEN_SHORTLIST_SHARES):
+        del manifest["files"][name]
+        (bundle_dir / name).unlink()
     del manifest["scoring"]["shortlist"]["k_tok"]
+    del manifest["scoring"]["lexical_weight"]
     (bundle_dir / MANIFEST).write_text(json.dumps(manifest))
-    (bundle_dir / TOKEN_SHORTLIST).unlink()
-    bundle = Bundle.load(bundle_dir)
+    # The canaries were recorded with the lexical score, which this bundle no longer has.
+    bundle = Bundle.load(bundle_dir, canary=False)
     assert bundle.token_shortlist is None
     predictor = Predictor(bundle)
     assert predictor.shortlist_tok == 0
@@ -145,4 +159,66 @@ def test_manifest_with_no_query_dependent_shortlist_is_refused(bundle_root_copy)
     manifest["scoring"]["shortlist"].update({"k_w": 0, "k_mu": 0, "k_tok": 0})
     (bundle_dir / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(BundleError, match="all 0"):
+        Bundle.load(bundle_dir)
+
+
+def test_lexical_scores_at_candidates_equal_the_dense_reference():
+    labels = np.array([[-1, -1], [0, 2], [2, -1], [1, 0]], dtype=np.int32)
+    shares = np.array([[0, 0], [0.5, 0.25], [1.0, 0], [0.75, 0.5]], dtype=np.float32)
+    table = TokenShortlist(labels, shares)
+    tokens = np.array([[1, 2, 0], [3, 0, 0], [0, 0, 0]])
+    weights = np.array([[0.6, 0.8, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]], dtype=np.float32)
+    dense = table.dense_scores(tokens, weights, num_labels=4, k=2)
+    # label 2: 0.6 * 0.25 (token 1) + 0.8 * 1.0 (token 2)
+    np.testing.assert_allclose(dense[0], [0.6 * 0.5, 0, 0.6 * 0.25 + 0.8, 0], rtol=1e-6)
+    np.testing.assert_allclose(dense[1], [0.5, 0.75, 0, 0], rtol=1e-6)
+    assert not dense[2].any()
+    cands = np.array([[2, 0, 3, -1], [1, 0, -1, -1], [0, 1, 2, 3]])
+    np.testing.assert_allclose(table.scores(tokens, weights, cands, k=2),
+                               np.where(cands >= 0, np.take_along_axis(dense, np.maximum(cands, 0), 1), 0))
+    # k = 1 reads only the first label of each row
+    np.testing.assert_allclose(table.dense_scores(tokens, weights, 4, k=1)[0], [0.3, 0, 0.8, 0], rtol=1e-6)
+    with pytest.raises(LookupError, match="no shares"):
+        TokenShortlist(labels).scores(tokens, weights, cands, 2)
+    with pytest.raises(ValueError, match="differs"):
+        TokenShortlist(labels, shares[:, :1])
+
+
+def test_served_lexical_scoring_equals_brute_force_when_the_shortlist_holds_every_label(bundle_root):
+    bundle = Bundle.load(bundle_root / "v1")
+    texts = [*bundle.labels.titles[:30], "", "zzqx unknown"]
+    everything = Predictor(bundle, shortlist_head=bundle.manifest.num_labels, lexical_weight=0.5)
+    served_ids, served_scores = everything.predict_ids(texts, k=5)
+    exact_ids, exact_scores = everything.predict_exact_ids(texts, k=5)
+    np.testing.assert_allclose(served_scores, exact_scores, atol=1e-6)
+    assert np.mean(served_ids == exact_ids) > 0.97  # only exact ties may order differently
+    # and the lexical term moves scores: the same texts without it score differently
+    _, plain = Predictor(bundle, shortlist_head=bundle.manifest.num_labels, lexical_weight=0.0).predict_ids(texts, 5)
+    assert not np.allclose(plain, served_scores)
+
+
+def test_lexical_weight_is_checked(bundle_root, bundle_root_copy):
+    bundle = Bundle.load(bundle_root / "v1")
+    Predictor(bundle, lexical_weight=0.0)
+    for bad in (-0.1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="lexical_weight must be finite"):
+            Predictor(bundle, lexical_weight=bad)
+    with pytest.raises(ValueError, match="needs a token shortlist"):
+        Predictor(bundle, lexical_weight=0.2, shortlist_tok=0)
+    bundle_dir = bundle_root_copy / "v1"
+    shares = np.load(bundle_dir / TOKEN_SHORTLIST_SHARES)
+    for bad in (shares * 0 + 1.5, np.where(shares > 0, np.nan, shares).astype(np.float32), shares[:, :1]):
+        _write_table(bundle_dir, bad, name=TOKEN_SHORTLIST_SHARES)
+        with pytest.raises(BundleError, match=TOKEN_SHORTLIST_SHARES):
+            Bundle.load(bundle_dir)
+    _write_table(bundle_dir, shares, name=TOKEN_SHORTLIST_SHARES)
+    manifest = json.loads((bundle_dir / MANIFEST).read_text())
+    manifest["scoring"]["lexical_weight"] = 0.3
+    del manifest["files"][TOKEN_SHORTLIST_SHARES]
+    (bundle_dir / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match="lexical_weight > 0 but token_shortlist_shares.npy is not listed"):
+        Bundle.load(bundle_dir)
+    manifest["scoring"]["lexical_weight"] = -0.1
+    (bundle_dir / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match="lexical_weight"):
         Bundle.load(bundle_dir)

@@ -53,13 +53,17 @@ def test_checkpoint_contents(trained: Checkpoint) -> None:
     L = len(trained.labels)
     assert trained.classifiers.shape == (L, 32) and trained.classifier_bias.shape == (L,)
     assert trained.centroids.shape == (L, 32)
-    assert set(trained.scoring) == {"alpha", "classifier_form", "calibration", "shortlist"}
+    assert set(trained.scoring) == {"alpha", "lexical_weight", "classifier_form", "calibration", "shortlist"}
+    assert trained.scoring["lexical_weight"] in (0.0, 0.05, 0.1, 0.2, 0.3, 0.5)
     assert trained.scoring["classifier_form"] == "scaled_bias"
     assert set(trained.scoring["calibration"]) == {"classifier", "centroid"}
     assert set(trained.scoring["shortlist"]) == {"k_w", "k_mu", "k_tok"}
     table = trained.extra_arrays["token_shortlist"]["labels"]
     assert table.dtype == np.int32 and table.shape[0] == trained.tokenizer.vocab_size
     assert (table[0] == -1).all() and table.min() >= -1 and table.max() < L
+    shares = trained.extra_arrays["token_shortlist"]["shares"]
+    assert shares.shape == table.shape and 0 <= shares.min() and shares.max() <= 1
+    assert ((shares > 0) == (table >= 0)).all()  # every listed label co-occurred at least once
     assert 0 < len(trained.validation) <= 50
     assert all(set(row) == {"text", "target_ind"} and row["target_ind"] for row in trained.validation)
     for stage in ("module1", "module3", "times"):

@@ -41,6 +41,7 @@ from tqdm import tqdm
 
 from service.engine.index import VectorIndex
 from service.engine.labels import LabelTable
+from service.engine.lexical import TokenShortlist
 from service.engine.metrics import label_frequencies, propensities, ranking_metrics, shortlist_recall
 from service.engine.scorers import Calibration, combine_scores, top_k
 from service.engine.tokenizer import Tokenizer
@@ -525,10 +526,12 @@ class Scoring:
     alpha: float
     f: Calibration
     g: Calibration
+    lexical_weight: float = 0.0
 
     def to_dict(self, form: str, k_w: int, k_mu: int, k_tok: int = 0) -> dict[str, Any]:
         return {
             "alpha": float(self.alpha),
+            "lexical_weight": float(self.lexical_weight),
             "classifier_form": form,
             "calibration": {"classifier": self.f.to_dict(), "centroid": self.g.to_dict()},
             "shortlist": {"k_w": int(k_w), "k_mu": int(k_mu), "k_tok": int(k_tok)},
@@ -612,6 +615,46 @@ def tune_scoring(
                 objective = m["P@1"] + m["P@5"] + m["PSP@5"]
                 if best is None or objective > best[0]:
                     best = (objective, Scoring(alpha, f, g), m)
+    assert best is not None
+    return best[1], {k: float(v) for k, v in best[2].items()}
+
+
+LEXICAL_WEIGHTS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5)
+
+
+def tune_lexical(
+    q: np.ndarray,
+    tokens: np.ndarray,
+    token_weights: np.ndarray,
+    truths: list[list[int]],
+    w: np.ndarray,
+    b: np.ndarray,
+    mu: np.ndarray,
+    scoring: Scoring,
+    table: TokenShortlist,
+    k_tok: int,
+    inv_prop: np.ndarray,
+    device: torch.device,
+    chunk: int = 256,
+) -> tuple[float, dict[str, float]]:
+    """The lexical score's weight on validation documents, over all labels, same objective as tune_scoring."""
+    w_t, b_t, mu_t = (torch.from_numpy(a).to(device) for a in (w, b, mu))
+    preds: dict[float, list[np.ndarray]] = {lam: [] for lam in LEXICAL_WEIGHTS}
+    for start in range(0, len(q), chunk):
+        part = slice(start, start + chunk)
+        qc = torch.from_numpy(q[part]).to(device)
+        logits = (qc @ w_t.T + b_t).cpu().numpy()
+        sims = (qc @ mu_t.T).cpu().numpy()
+        lexical = table.dense_scores(tokens[part], token_weights[part], w.shape[0], k_tok)
+        for lam in LEXICAL_WEIGHTS:
+            scores = combine_scores(logits, sims, scoring.alpha, scoring.f, scoring.g, lexical, lam)
+            preds[lam].append(top_k(scores, 5)[0])
+    best: tuple[float, float, dict[str, float]] | None = None
+    for lam in LEXICAL_WEIGHTS:
+        m = ranking_metrics(np.vstack(preds[lam]), truths, (1, 5), inv_prop)
+        objective = m["P@1"] + m["P@5"] + m["PSP@5"]
+        if best is None or objective > best[0]:
+            best = (objective, lam, m)
     assert best is not None
     return best[1], {k: float(v) for k, v in best[2].items()}
 
@@ -779,6 +822,13 @@ def _train(data_dir: str | Path, cfg: TrainConfig, text_field: str, log: Any) ->
         f"{times['module3_s']:.1f}s, losses {[round(x, 4) for x in m3_losses]}"
     )
 
+    table = None
+    if cfg.token_shortlist_width:
+        table = TokenShortlist(
+            *fit_token_shortlist(
+                docs.ids.numpy(), y, labels.ids.numpy(), tokenizer.vocab_size, cfg.token_shortlist_width
+            )
+        )
     q_val = embed(encoder, val_enc, device)
     if cfg.tune:
         scoring, val_m = tune_scoring(q_val, val.targets, w, b, mu, cfg.classifier_form, inv_prop, device)
@@ -787,6 +837,13 @@ def _train(data_dir: str | Path, cfg: TrainConfig, text_field: str, log: Any) ->
             f"tuned on validation: alpha={scoring.alpha} f={scoring.f} g={scoring.g} "
             f"-> {metrics['validation']}"
         )
+        if table is not None and cfg.serve_k_tok:
+            scoring.lexical_weight, lex_m = tune_lexical(
+                q_val, val_enc.ids.numpy(), val_enc.weights.numpy(), val.targets, w, b, mu, scoring, table,
+                cfg.serve_k_tok, inv_prop, device,
+            )
+            metrics["validation_lexical"] = {k: round(v, 3) for k, v in lex_m.items()}
+            log(f"tuned on validation: lexical_weight={scoring.lexical_weight} -> {metrics['validation_lexical']}")
     else:
         scoring = default_scoring(cfg.classifier_form, cfg.alpha)
     if tst is not None:
@@ -801,12 +858,8 @@ def _train(data_dir: str | Path, cfg: TrainConfig, text_field: str, log: Any) ->
         log(f"after Module III (test): classifiers + centroids {metrics['module3']['combined']}")
 
     extra: dict[str, dict[str, np.ndarray]] = {}
-    if cfg.token_shortlist_width:
-        extra["token_shortlist"] = {
-            "labels": fit_token_shortlist(
-                docs.ids.numpy(), y, labels.ids.numpy(), tokenizer.vocab_size, cfg.token_shortlist_width
-            )
-        }
+    if table is not None:
+        extra["token_shortlist"] = {"labels": table.labels, "shares": table.shares}
     if cfg.tree_enabled:
         t = time.perf_counter()
         tree = _fit_tree(doc_emb, trn.targets, num_labels, cfg, log)

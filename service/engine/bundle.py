@@ -13,6 +13,8 @@ A bundle is a directory BUNDLE_ROOT/VERSION, immutable once written:
   hnsw_mu.bin            service.engine.index.VectorIndex over mu_l (MIPS, rows centred, dim D)
   token_shortlist.npy    optional: [vocab_size, M] int32, per token id the labels it co-occurred
                          with most in training, most first, -1 padded (row 0, padding, all -1)
+  token_shortlist_shares.npy   optional: [vocab_size, M] float32 in [0, 1], P(label | token) of
+                         those labels (service.engine.lexical; needed when lexical_weight > 0)
   tree.npz               optional: the adversarial tree scorer's arrays
   validation.jsonl       optional: held-out {"text", "target_ind"} rows for a quality gate
 """
@@ -34,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from service.engine.encoder import OnnxEncoder
 from service.engine.index import VectorIndex
 from service.engine.labels import LabelTable
+from service.engine.lexical import TokenShortlist
 from service.engine.scorers import Calibration
 from service.engine.tokenizer import Tokenizer
 
@@ -49,9 +52,10 @@ HNSW_W = "hnsw_w.bin"
 HNSW_MU = "hnsw_mu.bin"
 TREE = "tree.npz"
 TOKEN_SHORTLIST = "token_shortlist.npy"
+TOKEN_SHORTLIST_SHARES = "token_shortlist_shares.npy"
 VALIDATION = "validation.jsonl"
 REQUIRED_FILES = (ENCODER, TOKENIZER, LABELS, CLASSIFIERS, CLASSIFIER_BIAS, CENTROIDS, HNSW_W, HNSW_MU)
-OPTIONAL_FILES = (TREE, VALIDATION, TOKEN_SHORTLIST)
+OPTIONAL_FILES = (TREE, VALIDATION, TOKEN_SHORTLIST, TOKEN_SHORTLIST_SHARES)
 
 VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _HASH_CHUNK = 1 << 20
@@ -97,6 +101,9 @@ class ShortlistSizes(_Strict):
 
 class ScoringDefaults(_Strict):
     alpha: float = Field(ge=0.0, le=1.0)
+    # Weight of the token shortlist's lexical score (service.engine.lexical) added to the
+    # alpha mixture; 0 for bundles without token_shortlist_shares.npy.
+    lexical_weight: float = Field(0.0, ge=0.0)
     classifier_form: str
     calibration: Calibrations
     shortlist: ShortlistSizes
@@ -271,7 +278,7 @@ class Bundle:
         self.index_w: VectorIndex
         self.index_mu: VectorIndex
         self.tree = None
-        self.token_shortlist: np.ndarray | None = None
+        self.token_shortlist: TokenShortlist | None = None
         self.encoder_path = path / ENCODER
         self._encoders: dict[int, OnnxEncoder] = {}
 
@@ -319,12 +326,16 @@ class Bundle:
             if verify_checksums and sha256_file(p) != digest:
                 raise BundleError(f"{p}: sha256 mismatch (file corrupted or modified)")
 
-    def _array(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    def _load_array(self, name: str) -> np.ndarray:
         p = self.path / name
         try:
-            arr = np.load(p, mmap_mode="r", allow_pickle=False)
+            return np.load(p, mmap_mode="r", allow_pickle=False)
         except (OSError, ValueError) as exc:
             raise BundleError(f"{p}: unreadable array: {exc}") from exc
+
+    def _array(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        p = self.path / name
+        arr = self._load_array(name)
         if arr.dtype != np.float32 or arr.shape != shape:
             raise BundleError(f"{p}: expected float32 {shape}, found {arr.dtype} {arr.shape}")
         return arr
@@ -367,22 +378,34 @@ class Bundle:
 
     def _open_token_shortlist(self) -> None:
         m = self.manifest
-        p = self.path / TOKEN_SHORTLIST
         if TOKEN_SHORTLIST not in m.files:
             if m.scoring.shortlist.k_tok:
                 raise BundleError(f"{self.path / MANIFEST}: k_tok > 0 but {TOKEN_SHORTLIST} is not listed")
+            if TOKEN_SHORTLIST_SHARES in m.files:
+                raise BundleError(f"{self.path / MANIFEST}: {TOKEN_SHORTLIST_SHARES} without {TOKEN_SHORTLIST}")
+            if m.scoring.lexical_weight:
+                raise BundleError(f"{self.path / MANIFEST}: lexical_weight > 0 but {TOKEN_SHORTLIST} is not listed")
             return
-        try:
-            arr = np.load(p, mmap_mode="r", allow_pickle=False)
-        except (OSError, ValueError) as exc:
-            raise BundleError(f"{p}: unreadable array: {exc}") from exc
-        if arr.dtype != np.int32 or arr.ndim != 2 or arr.shape[0] != m.vocab_size:
-            raise BundleError(f"{p}: expected int32 [{m.vocab_size}, M], found {arr.dtype} {arr.shape}")
-        if m.scoring.shortlist.k_tok > arr.shape[1]:
-            raise BundleError(f"{p}: k_tok={m.scoring.shortlist.k_tok} but rows hold {arr.shape[1]} labels")
-        if arr.size and (int(arr.min()) < -1 or int(arr.max()) >= m.num_labels):
+        p = self.path / TOKEN_SHORTLIST
+        labels = self._load_array(TOKEN_SHORTLIST)
+        if labels.dtype != np.int32 or labels.ndim != 2 or labels.shape[0] != m.vocab_size:
+            raise BundleError(f"{p}: expected int32 [{m.vocab_size}, M], found {labels.dtype} {labels.shape}")
+        k_tok = m.scoring.shortlist.k_tok
+        if k_tok > labels.shape[1]:
+            raise BundleError(f"{p}: k_tok={k_tok} but rows hold {labels.shape[1]} labels")
+        if labels.size and (int(labels.min()) < -1 or int(labels.max()) >= m.num_labels):
             raise BundleError(f"{p}: label ids outside [-1, {m.num_labels})")
-        self.token_shortlist = arr
+        shares = None
+        if TOKEN_SHORTLIST_SHARES in m.files:
+            shares = self._array(TOKEN_SHORTLIST_SHARES, labels.shape)
+            if not (np.all(np.isfinite(shares)) and float(shares.min(initial=0.0)) >= 0.0
+                    and float(shares.max(initial=0.0)) <= 1.0):
+                raise BundleError(f"{self.path / TOKEN_SHORTLIST_SHARES}: shares must be finite and in [0, 1]")
+        elif m.scoring.lexical_weight:
+            raise BundleError(
+                f"{self.path / MANIFEST}: lexical_weight > 0 but {TOKEN_SHORTLIST_SHARES} is not listed"
+            )
+        self.token_shortlist = TokenShortlist(labels, shares)
 
     def _run_canary(self) -> None:
         from service.engine.predictor import Predictor

@@ -29,7 +29,8 @@ class Predictor:
     H = the k_head labels of largest bias b_l (query-independent: the label prior's head),
     T = the first k_tok labels of each query token's row of the bundle's token shortlist
     (the labels that token co-occurred with most in training: a lookup, no search);
-    score_l = alpha f(w_l.q + b_l) + (1 - alpha) g(mu_l.q) for l in S.
+    score_l = alpha f(w_l.q + b_l) + (1 - alpha) g(mu_l.q) + lambda lex_l for l in S, lex the token
+    shortlist's lexical score (lambda = the bundle's lexical_weight, 0 without shares).
 
     All methods are safe to call from several threads at once. `ef_search` given here is
     set on the bundle's shared indices (it is a property of the search, not of a call).
@@ -45,6 +46,7 @@ class Predictor:
         shortlist_mu: int | None = None,
         shortlist_head: int | None = None,
         shortlist_tok: int | None = None,
+        lexical_weight: float | None = None,
     ) -> None:
         self.bundle = bundle
         scoring = bundle.manifest.scoring
@@ -59,12 +61,18 @@ class Predictor:
             raise ValueError("shortlist sizes must be >= 0")
         if self.shortlist_w + self.shortlist_mu + self.shortlist_tok == 0:
             raise ValueError("shortlist_w, shortlist_mu and shortlist_tok are all 0: nothing to score")
-        tokens = bundle.token_shortlist
-        if self.shortlist_tok and (tokens is None or self.shortlist_tok > tokens.shape[1]):
-            have = 0 if tokens is None else tokens.shape[1]
+        table = bundle.token_shortlist
+        if self.shortlist_tok and (table is None or self.shortlist_tok > table.width):
+            have = 0 if table is None else table.width
             raise ValueError(
                 f"shortlist_tok={self.shortlist_tok} but bundle {bundle.version} holds {have} labels per token"
             )
+        self.lexical_weight = float(lexical_weight if lexical_weight is not None else scoring.lexical_weight)
+        if not (self.lexical_weight >= 0.0 and np.isfinite(self.lexical_weight)):
+            raise ValueError(f"lexical_weight must be finite and >= 0, got {lexical_weight}")
+        if self.lexical_weight and (table is None or table.shares is None or not self.shortlist_tok):
+            raise ValueError("lexical_weight > 0 needs a token shortlist with shares and shortlist_tok >= 1")
+        self._table = table if self.shortlist_tok else None
         need = max(self.shortlist_w, self.shortlist_mu)
         if ef_search is not None or need > bundle.index_w.ef_search:
             ef = max(ef_search or 0, need)
@@ -76,7 +84,6 @@ class Predictor:
         self._b = np.asarray(bundle.classifier_bias)
         self._mu = np.asarray(bundle.centroids)
         self._head = np.argsort(-self._b, kind="stable")[: self.shortlist_head].astype(np.int64)
-        self._tokens = None if not self.shortlist_tok else np.asarray(tokens)[:, : self.shortlist_tok]
 
     @property
     def version(self) -> str:
@@ -87,12 +94,12 @@ class Predictor:
         return self.bundle.manifest.num_labels
 
     def encode(self, texts: Sequence[str]) -> np.ndarray:
-        return self._encode(texts)[1]
+        return self._encode(texts)[2]
 
-    def _encode(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-        """Padded token ids [B, T] and unit embeddings [B, D]."""
+    def _encode(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Padded token ids [B, T], their weights [B, T] and unit embeddings [B, D]."""
         ids, weights = self.bundle.tokenizer.encode_batch(list(texts))
-        return ids, self.encoder.run(ids, weights)
+        return ids, weights, self.encoder.run(ids, weights)
 
     def _candidates(self, tokens: np.ndarray, q: np.ndarray) -> np.ndarray:
         """[B, C] distinct label ids per row, sorted, -1 padded at the end; C = the longest row."""
@@ -104,9 +111,9 @@ class Predictor:
             parts.append(self.bundle.index_mu.search(q, self.shortlist_mu))
         if len(self._head):
             parts.append(np.broadcast_to(self._head, (len(q), len(self._head))))
-        if self._tokens is not None:
+        if self._table is not None:
             # Row 0 (padding) is all -1, so padded token slots add nothing.
-            parts.append(self._tokens[tokens].reshape(len(q), -1).astype(np.int64))
+            parts.append(self._table.candidates(tokens, self.shortlist_tok))
         cands = np.sort(np.hstack(parts), axis=1)
         # Repeats and empty slots move to the end and the columns no row needs are cut: the
         # token rows are mostly padding, and every column left costs two row gathers to score.
@@ -120,7 +127,8 @@ class Predictor:
 
     def shortlist(self, texts: Sequence[str]) -> list[np.ndarray]:
         """The union shortlist S of each text (sorted label ids)."""
-        return [row[row >= 0] for row in self._candidates(*self._encode(texts))]
+        tokens, _, q = self._encode(texts)
+        return [row[row >= 0] for row in self._candidates(tokens, q)]
 
     def _check_alpha(self, alpha: float | None) -> float:
         a = self.alpha if alpha is None else float(alpha)
@@ -128,7 +136,15 @@ class Predictor:
             raise ValueError(f"alpha must be in [0, 1], got {alpha}")
         return a
 
-    def score_candidates(self, q: np.ndarray, cands: np.ndarray, alpha: float) -> np.ndarray:
+    def lexical_scores(self, tokens: np.ndarray, token_weights: np.ndarray, cands: np.ndarray) -> np.ndarray | None:
+        """The lexical score of candidate ids [B, C], or None when lexical_weight is 0."""
+        if not self.lexical_weight:
+            return None
+        return self._table.scores(tokens, token_weights, cands, self.shortlist_tok)
+
+    def score_candidates(
+        self, q: np.ndarray, cands: np.ndarray, alpha: float, lexical: np.ndarray | None = None
+    ) -> np.ndarray:
         """Combined scores [B, C] of candidate ids [B, C]; -1 entries score -inf."""
         valid = cands >= 0
         safe = np.where(valid, cands, 0)
@@ -142,7 +158,8 @@ class Predictor:
             logits[part] = np.matmul(self._w.take(rows, axis=0), col)[:, :, 0]
             sims[part] = np.matmul(self._mu.take(rows, axis=0), col)[:, :, 0]
         logits += self._b[safe]
-        scores = combine_scores(logits, sims, alpha, self.f, self.g).astype(np.float32, copy=False)
+        scores = combine_scores(logits, sims, alpha, self.f, self.g, lexical, self.lexical_weight)
+        scores = scores.astype(np.float32, copy=False)
         scores[~valid] = -np.inf
         return scores
 
@@ -153,9 +170,9 @@ class Predictor:
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         a = self._check_alpha(alpha)
-        tokens, q = self._encode(texts)
+        tokens, weights, q = self._encode(texts)
         cands = self._candidates(tokens, q)
-        scores = self.score_candidates(q, cands, a)
+        scores = self.score_candidates(q, cands, a, self.lexical_scores(tokens, weights, cands))
         idx, best = top_k(scores, k)
         ids = cands[np.arange(len(cands))[:, None], idx]
         return _pad(ids, best, k)
@@ -165,10 +182,13 @@ class Predictor:
     ) -> tuple[np.ndarray, np.ndarray]:
         """The same scores over all L labels (brute force): the baseline the shortlist approximates."""
         a = self._check_alpha(alpha)
-        q = self.encode(texts)
+        tokens, weights, q = self._encode(texts)
         logits = q @ self._w.T + self._b
         sims = q @ self._mu.T
-        scores = combine_scores(logits, sims, a, self.f, self.g).astype(np.float32)
+        lexical = None
+        if self.lexical_weight:
+            lexical = self._table.dense_scores(tokens, weights, self.num_labels, self.shortlist_tok)
+        scores = combine_scores(logits, sims, a, self.f, self.g, lexical, self.lexical_weight).astype(np.float32)
         ids, best = top_k(scores, k)
         return _pad(ids, best, k)
 

@@ -1,6 +1,7 @@
 """Scoring contracts: calibrations and the alpha combination of classifier and centroid scores.
 
-score_l = alpha * f(w_l . q + b_l) + (1 - alpha) * g(mu_l . q)
+score_l = alpha * f(w_l . q + b_l) + (1 - alpha) * g(mu_l . q) + lambda * lex_l
+(lex: the token shortlist's lexical score, service/engine/lexical.py; lambda 0 without one)
 
 One definition, used by training's exact evaluation, model_export's evaluation and the API.
 """
@@ -54,15 +55,21 @@ def combine_scores(
     alpha: float,
     f: Calibration,
     g: Calibration,
+    lexical: np.ndarray | None = None,
+    lexical_weight: float = 0.0,
 ) -> np.ndarray:
-    """alpha * f(w.q + b) + (1 - alpha) * g(mu.q), elementwise over aligned arrays."""
+    """alpha * f(w.q + b) + (1 - alpha) * g(mu.q) + lexical_weight * lexical, elementwise."""
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
     if alpha == 1.0:
-        return f(classifier_logits)
-    if alpha == 0.0:
-        return g(centroid_sims)
-    return alpha * f(classifier_logits) + (1.0 - alpha) * g(centroid_sims)
+        scores = f(classifier_logits)
+    elif alpha == 0.0:
+        scores = g(centroid_sims)
+    else:
+        scores = alpha * f(classifier_logits) + (1.0 - alpha) * g(centroid_sims)
+    if lexical is not None and lexical_weight:
+        scores = scores + lexical_weight * lexical
+    return scores
 
 
 def top_k(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
