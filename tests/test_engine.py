@@ -182,3 +182,21 @@ def test_label_table_round_trips_and_names_the_bad_line(tmp_path: Path) -> None:
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     with pytest.raises(ValueError, match=r"labels\.jsonl:3000: bad label row"):
         LabelTable.load(path)
+
+
+def test_calibrations_stay_finite_and_silent_at_extreme_scores():
+    import warnings
+
+    from service.engine.scorers import Calibration
+
+    x = np.array([-1e30, -100.0, -1.0, 0.0, 1.0, 100.0, 1e30], dtype=np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an overflow in exp would raise here
+        sig = Calibration("sigmoid", 5.0, -5.0)(x)
+        plain = Calibration("sigmoid")(x)
+        capped = Calibration("exp", 1.0, 0.0)(x)
+    assert sig.dtype == np.float32 and np.all(np.isfinite(sig)) and np.all((sig >= 0) & (sig <= 1))
+    assert np.all(np.diff(plain) >= 0) and plain[3] == 0.5 and plain[0] < 1e-25 and plain[-1] == 1.0
+    np.testing.assert_allclose(sig[2:5], 1 / (1 + np.exp(-(5 * x[2:5] - 5))), rtol=1e-6)
+    assert np.all(np.isfinite(capped)) and capped[-1] == pytest.approx(np.exp(60.0), rel=1e-6)
+    np.testing.assert_array_equal(Calibration("identity", 2.0, 1.0)(x[2:5]), 2 * x[2:5] + 1)

@@ -405,7 +405,8 @@ class Bundle:
             raise BundleError(
                 f"{self.path / MANIFEST}: lexical_weight > 0 but {TOKEN_SHORTLIST_SHARES} is not listed"
             )
-        self.token_shortlist = TokenShortlist(labels, shares)
+        # Plain ndarray views of the maps (same pages): np.memmap indexing costs a Python call per lookup.
+        self.token_shortlist = TokenShortlist(np.asarray(labels), None if shares is None else np.asarray(shares))
 
     def _run_canary(self) -> None:
         from service.engine.predictor import Predictor

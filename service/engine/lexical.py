@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+_MATCH_ROWS = 16
+
 
 class TokenShortlist:
     """labels int32 [V, W] (-1 padded, row 0 = padding token, all -1); shares float32 [V, W] or None."""
@@ -35,21 +37,16 @@ class TokenShortlist:
         if self.shares is None:
             raise LookupError("this token shortlist has no shares: no lexical scores")
         b = len(tokens)
-        labels = self.labels[tokens, :k].reshape(b, -1).astype(np.int64)
-        values = (self.shares[tokens, :k] * token_weights[:, :, None]).reshape(b, -1)
-        # One key per (row, label) so every row is matched in a single sorted array.
-        span = np.int64(max(int(labels.max(initial=-1)), int(cands.max(initial=-1))) + 2)
-        row = np.arange(b, dtype=np.int64)[:, None]
-        keys = (row * span + labels + 1)[labels >= 0]
-        uniq, inverse = np.unique(keys, return_inverse=True)
-        sums = np.bincount(inverse, weights=values[labels >= 0], minlength=len(uniq))
-        out = np.zeros(cands.shape, dtype=np.float32)
-        if not len(uniq):
-            return out
-        want = row * span + cands + 1
-        at = np.minimum(np.searchsorted(uniq, want), len(uniq) - 1)
-        hit = (uniq[at] == want) & (cands >= 0)
-        out[hit] = sums[at[hit]]
+        labels = self.labels[tokens, :k].reshape(b, -1)
+        values = (self.shares[tokens, :k] * token_weights[:, :, None]).reshape(b, -1, 1)
+        out = np.empty(cands.shape, dtype=np.float32)
+        # Candidates against the query's (token, label) entries, a few rows at a time: the
+        # match matrix is [rows, C, T * k] (a few thousand cells for one short query).
+        for start in range(0, b, _MATCH_ROWS):
+            part = slice(start, start + _MATCH_ROWS)
+            match = cands[part, :, None] == labels[part, None, :]
+            out[part] = np.matmul(match.astype(np.float32), values[part])[:, :, 0]
+        out[cands < 0] = 0.0
         return out
 
     def dense_scores(self, tokens: np.ndarray, token_weights: np.ndarray, num_labels: int, k: int) -> np.ndarray:

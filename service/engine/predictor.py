@@ -110,7 +110,7 @@ class Predictor:
         if self.shortlist_mu:
             parts.append(self.bundle.index_mu.search(q, self.shortlist_mu))
         if len(self._head):
-            parts.append(np.broadcast_to(self._head, (len(q), len(self._head))))
+            parts.append(np.repeat(self._head[None, :], len(q), axis=0))
         if self._table is not None:
             # Row 0 (padding) is all -1, so padded token slots add nothing.
             parts.append(self._table.candidates(tokens, self.shortlist_tok))

@@ -33,10 +33,12 @@ class Calibration:
             raise ValueError(f"unknown calibration kind {self.kind!r}")
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        z = self.a * np.asarray(x, dtype=np.float32) + self.b
+        z = np.asarray(x, dtype=np.float32)
+        if self.a != 1.0 or self.b != 0.0:
+            z = self.a * z + self.b
         if self.kind == "sigmoid":
-            # Clipped so very confident scores never overflow exp.
-            return 1.0 / (1.0 + np.exp(-np.clip(z, -60.0, 60.0)))
+            # Floored so exp(-z) never overflows; above +60 the float32 result is 1.0 either way.
+            return 1.0 / (1.0 + np.exp(-np.maximum(z, -60.0)))
         if self.kind == "exp":
             return np.exp(np.minimum(z, 60.0))
         return z
