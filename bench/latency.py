@@ -99,7 +99,9 @@ def main() -> None:
         "all shortlists": lambda t: predictor._candidates(q_ids, q),
     }
     cands = predictor._candidates(q_ids, q)
-    stages["score shortlist"] = lambda t: predictor.score_candidates(q, cands, predictor.alpha)
+    stages["score shortlist"] = lambda t: predictor.score_candidates(
+        q, cands, predictor.alpha, predictor.lexical_scores(q_ids, q_w, cands)
+    )
     for name, fn in stages.items():
         ms = _latencies(lambda batch, fn=fn: fn(batch[0]), texts[:1000])
         print(f"  stage {name:<22} p50 {np.percentile(ms, 50) * 1e3:8.1f} us")

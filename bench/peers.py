@@ -473,7 +473,7 @@ def shortlist_breakdown(served: ShortlistServed, texts: Sequence[str]) -> dict[s
         t2 = clock()
         cands = p._candidates(ids, q)
         t3 = clock()
-        top_k(p.score_candidates(q, cands, p.alpha), K)
+        top_k(p.score_candidates(q, cands, p.alpha, p.lexical_scores(ids, weights, cands)), K)
         t4 = clock()
         for key, dt in zip(stages, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
             stages[key].append(dt)

@@ -205,6 +205,9 @@ def test_lexical_weight_is_checked(bundle_root, bundle_root_copy):
             Predictor(bundle, lexical_weight=bad)
     with pytest.raises(ValueError, match="needs a token shortlist"):
         Predictor(bundle, lexical_weight=0.2, shortlist_tok=0)
+    # without the token rows the bundle's own weight does not apply (nothing to read it from)
+    assert bundle.manifest.scoring.lexical_weight > 0
+    assert Predictor(bundle, shortlist_tok=0).lexical_weight == 0.0
     bundle_dir = bundle_root_copy / "v1"
     shares = np.load(bundle_dir / TOKEN_SHORTLIST_SHARES)
     for bad in (shares * 0 + 1.5, np.where(shares > 0, np.nan, shares).astype(np.float32), shares[:, :1]):

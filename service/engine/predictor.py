@@ -67,7 +67,10 @@ class Predictor:
             raise ValueError(
                 f"shortlist_tok={self.shortlist_tok} but bundle {bundle.version} holds {have} labels per token"
             )
-        self.lexical_weight = float(lexical_weight if lexical_weight is not None else scoring.lexical_weight)
+        if lexical_weight is None:
+            # The lexical score reads the first shortlist_tok labels of each row: none without them.
+            lexical_weight = scoring.lexical_weight if self.shortlist_tok else 0.0
+        self.lexical_weight = float(lexical_weight)
         if not (self.lexical_weight >= 0.0 and np.isfinite(self.lexical_weight)):
             raise ValueError(f"lexical_weight must be finite and >= 0, got {lexical_weight}")
         if self.lexical_weight and (table is None or table.shares is None or not self.shortlist_tok):
