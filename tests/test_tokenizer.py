@@ -72,3 +72,17 @@ def test_load_bad_file_names_it(tmp_path: Path) -> None:
     bad.write_text("{not json")
     with pytest.raises(ValueError, match="tok.json"):
         Tokenizer.load(bad)
+
+
+def test_one_text_batches_exactly_like_a_row_of_a_larger_batch() -> None:
+    tok = Tokenizer.fit(["the menu of the day", "menu", "day light"])
+    texts = ["the menu of the day", "menu", "", "zebra", "day day menu"]
+    ids, weights = tok.encode_batch(texts)
+    for row, text in enumerate(texts):
+        one_ids, one_w = tok.encode_batch([text])
+        assert one_ids.dtype == np.int64 and one_w.dtype == np.float32 and one_ids.shape == one_w.shape
+        width = max(1, len(tok.encode(text)[0]))
+        assert one_ids.shape == (1, width)
+        np.testing.assert_array_equal(one_ids[0], ids[row, :width])
+        np.testing.assert_array_equal(one_w[0], weights[row, :width])
+        assert not ids[row, width:].any()

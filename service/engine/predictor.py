@@ -149,8 +149,7 @@ class Predictor:
         self, q: np.ndarray, cands: np.ndarray, alpha: float, lexical: np.ndarray | None = None
     ) -> np.ndarray:
         """Combined scores [B, C] of candidate ids [B, C]; -1 entries score -inf."""
-        valid = cands >= 0
-        safe = np.where(valid, cands, 0)
+        safe = np.maximum(cands, 0)
         logits = np.empty(cands.shape, dtype=np.float32)
         sims = np.empty(cands.shape, dtype=np.float32)
         # The gathered rows are [rows, C, D] floats: in slices, so a batch of 1000 queries
@@ -163,7 +162,7 @@ class Predictor:
         logits += self._b[safe]
         scores = combine_scores(logits, sims, alpha, self.f, self.g, lexical, self.lexical_weight)
         scores = scores.astype(np.float32, copy=False)
-        scores[~valid] = -np.inf
+        scores[cands < 0] = -np.inf
         return scores
 
     def predict_ids(

@@ -103,6 +103,9 @@ class Tokenizer:
 
     def encode_batch(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         """Padded int64 ids and float32 weights, both [len(texts), T] with T >= 1."""
+        if len(texts) == 1:  # the single-query path: one array each, nothing to pad
+            tok_ids, tok_w = self.encode(texts[0])
+            return np.array([tok_ids or [PAD_ID]], dtype=np.int64), np.array([tok_w or [0.0]], dtype=np.float32)
         encoded = [self.encode(t) for t in texts]
         width = max(1, max((len(ids) for ids, _ in encoded), default=1))
         ids = np.zeros((len(texts), width), dtype=np.int64)
