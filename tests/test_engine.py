@@ -200,3 +200,22 @@ def test_calibrations_stay_finite_and_silent_at_extreme_scores():
     np.testing.assert_allclose(sig[2:5], 1 / (1 + np.exp(-(5 * x[2:5] - 5))), rtol=1e-6)
     assert np.all(np.isfinite(capped)) and capped[-1] == pytest.approx(np.exp(60.0), rel=1e-6)
     np.testing.assert_array_equal(Calibration("identity", 2.0, 1.0)(x[2:5]), 2 * x[2:5] + 1)
+
+
+@pytest.mark.parametrize("width", [7, 256, 257, 3000])
+def test_top_k_matches_a_full_sort_on_short_and_long_rows(width):
+    from service.engine.scorers import top_k
+
+    rng = np.random.default_rng(width)
+    scores = rng.standard_normal((5, width)).astype(np.float32)
+    scores[1, :] = 0.25  # all tied: the lowest indices, in order
+    scores[2, ::2] = -np.inf
+    for k in (1, 5, width, width + 3):
+        idx, best = top_k(scores, k)
+        kk = min(k, width)
+        assert idx.shape == best.shape == (5, kk)
+        np.testing.assert_array_equal(best, -np.sort(-scores, axis=1)[:, :kk])
+        np.testing.assert_array_equal(np.take_along_axis(scores, idx, 1), best)
+        assert all(len(set(row)) == kk for row in idx.tolist())
+        if width <= 256:  # sorted outright: ties keep index order (a partition makes no such promise)
+            assert idx[1].tolist() == list(range(kk))

@@ -230,8 +230,9 @@ def _pad(ids: np.ndarray, scores: np.ndarray, k: int) -> tuple[np.ndarray, np.nd
     ids = ids.astype(np.int64, copy=True)
     scores = scores.astype(np.float32, copy=True)
     invalid = ~np.isfinite(scores)
-    ids[invalid] = -1
-    scores[invalid] = 0.0
+    if invalid.any():
+        ids[invalid] = -1
+        scores[invalid] = 0.0
     if ids.shape[1] < k:
         pad = k - ids.shape[1]
         ids = np.pad(ids, ((0, 0), (0, pad)), constant_values=-1)
