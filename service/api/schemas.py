@@ -110,7 +110,8 @@ class Label(BaseModel):
     id: int = Field(description="label row in the bundle")
     uid: str
     title: str
-    score: float
+    score: float = Field(description="the ranking score (alpha mixture of calibrated scores plus the lexical term): "
+                         "comparable within one bundle, not a probability")
 
 
 class PredictResponse(BaseModel):
