@@ -225,3 +225,19 @@ def test_lexical_weight_is_checked(bundle_root, bundle_root_copy):
     (bundle_dir / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(BundleError, match="lexical_weight"):
         Bundle.load(bundle_dir)
+
+
+@pytest.mark.parametrize("head", [0, 4])
+def test_token_only_batches_equal_single_queries(bundle_root, head):
+    bundle = Bundle.load(bundle_root / "v1")
+    predictor = Predictor(bundle, shortlist_w=0, shortlist_mu=0, shortlist_head=head)
+    texts = [bundle.labels.titles[1], "zzqx unknown", "", bundle.labels.titles[9] + " " + bundle.labels.titles[4]]
+    batch_ids, batch_scores = predictor.predict_ids(texts, k=6)
+    shortlists = predictor.shortlist(texts)
+    for row, text in enumerate(texts):
+        ids, scores = predictor.predict_ids([text], k=6)
+        assert ids[0].tolist() == batch_ids[row].tolist()
+        np.testing.assert_allclose(scores[0], batch_scores[row], atol=1e-6)
+        (alone,) = predictor.shortlist([text])
+        assert alone.tolist() == shortlists[row].tolist() == sorted(set(alone.tolist()))
+    assert (batch_ids[1] >= 0).sum() == head  # an unknown text gets the head only

@@ -122,6 +122,8 @@ class Predictor:
         # token rows are mostly padding, and every column left costs two row gathers to score.
         drop = cands < 0
         drop[:, 1:] |= cands[:, 1:] == cands[:, :-1]
+        if len(cands) == 1:  # one row: keep what is left, already in order
+            return cands[:, ~drop[0]] if not drop[0].all() else np.full((1, 1), -1, dtype=np.int64)
         cands[drop] = _NO_LABEL
         cands.sort(axis=1)
         cands = cands[:, : max(1, int(cands.shape[1] - drop.sum(axis=1).min()))]
@@ -150,20 +152,27 @@ class Predictor:
     ) -> np.ndarray:
         """Combined scores [B, C] of candidate ids [B, C]; -1 entries score -inf."""
         safe = np.maximum(cands, 0)
-        logits = np.empty(cands.shape, dtype=np.float32)
-        sims = np.empty(cands.shape, dtype=np.float32)
-        # The gathered rows are [rows, C, D] floats: in slices, so a batch of 1000 queries
-        # needs ~2 x 9 MB at a time instead of 2 x 135 MB (the serving process's peak RSS).
-        for start in range(0, len(q), _SCORE_ROWS):
-            part = slice(start, start + _SCORE_ROWS)
-            rows, col = safe[part], q[part][:, :, None]
-            logits[part] = np.matmul(self._w.take(rows, axis=0), col)[:, :, 0]
-            sims[part] = np.matmul(self._mu.take(rows, axis=0), col)[:, :, 0]
+        if len(q) <= _SCORE_ROWS:
+            logits, sims = self._dots(safe, q)
+        else:
+            # The gathered rows are [rows, C, D] floats: in slices, so a batch of 1000 queries
+            # needs ~2 x 9 MB at a time instead of 2 x 135 MB (the serving process's peak RSS).
+            logits = np.empty(cands.shape, dtype=np.float32)
+            sims = np.empty(cands.shape, dtype=np.float32)
+            for start in range(0, len(q), _SCORE_ROWS):
+                part = slice(start, start + _SCORE_ROWS)
+                logits[part], sims[part] = self._dots(safe[part], q[part])
         logits += self._b[safe]
         scores = combine_scores(logits, sims, alpha, self.f, self.g, lexical, self.lexical_weight)
         scores = scores.astype(np.float32, copy=False)
         scores[cands < 0] = -np.inf
         return scores
+
+    def _dots(self, rows: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """w_l.q and mu_l.q [B, C] for label ids rows [B, C] (no -1) and queries q [B, D]."""
+        col = q[:, :, None]
+        return (np.matmul(self._w.take(rows, axis=0), col)[:, :, 0],
+                np.matmul(self._mu.take(rows, axis=0), col)[:, :, 0])
 
     def predict_ids(
         self, texts: Sequence[str], k: int = 10, alpha: float | None = None

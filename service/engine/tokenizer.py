@@ -25,6 +25,8 @@ _TOKEN_RE = re.compile(r"\w+")
 
 def normalize_text(text: str) -> str:
     """NFKC-normalise and lower-case, so full-width and composed forms share tokens."""
+    if text.isascii():  # NFKC leaves ASCII as it is
+        return text.lower()
     return unicodedata.normalize("NFKC", text).lower()
 
 
