@@ -182,6 +182,11 @@ def test_lexical_scores_at_candidates_equal_the_dense_reference():
         TokenShortlist(labels).scores(tokens, weights, cands, 2)
     with pytest.raises(ValueError, match="differs"):
         TokenShortlist(labels, shares[:, :1])
+    with pytest.raises(ValueError, match="empty"):
+        TokenShortlist(labels, np.where(labels < 0, 0.1, shares).astype(np.float32))
+    # a batch longer than one match slice scores the same as row by row
+    many = np.repeat(tokens, 7, axis=0), np.repeat(weights, 7, axis=0), np.repeat(cands, 7, axis=0)
+    np.testing.assert_allclose(table.scores(*many, k=2), np.repeat(table.scores(tokens, weights, cands, 2), 7, axis=0))
 
 
 def test_served_lexical_scoring_equals_brute_force_when_the_shortlist_holds_every_label(bundle_root):
@@ -210,7 +215,9 @@ def test_lexical_weight_is_checked(bundle_root, bundle_root_copy):
     assert Predictor(bundle, shortlist_tok=0).lexical_weight == 0.0
     bundle_dir = bundle_root_copy / "v1"
     shares = np.load(bundle_dir / TOKEN_SHORTLIST_SHARES)
-    for bad in (shares * 0 + 1.5, np.where(shares > 0, np.nan, shares).astype(np.float32), shares[:, :1]):
+    labels = np.load(bundle_dir / TOKEN_SHORTLIST)
+    for bad in (shares * 0 + 1.5, np.where(shares > 0, np.nan, shares).astype(np.float32), shares[:, :1],
+                np.where(labels < 0, 0.5, shares).astype(np.float32)):
         _write_table(bundle_dir, bad, name=TOKEN_SHORTLIST_SHARES)
         with pytest.raises(BundleError, match=TOKEN_SHORTLIST_SHARES):
             Bundle.load(bundle_dir)

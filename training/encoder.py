@@ -30,6 +30,13 @@ class SiameseEncoder(nn.Module):
 
     def forward(self, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         bag = (self.embedding[ids] * weights.unsqueeze(-1)).sum(dim=1)
-        v = F.normalize(F.relu(bag), dim=-1, eps=NORM_EPS)
+        v = _unit(F.relu(bag))
         v = v + F.relu(self.residual(v))
-        return F.normalize(v, dim=-1, eps=NORM_EPS)
+        return _unit(v)
+
+
+def _unit(v: torch.Tensor) -> torch.Tensor:
+    """v / max(||v||, eps): F.normalize's arithmetic, but broadcast instead of expand_as, so
+    the ONNX graph has no Shape + Expand per normalisation (4 of its 22 nodes; ~1 us each per
+    single-query run)."""
+    return v / v.norm(dim=-1, keepdim=True).clamp_min(NORM_EPS)

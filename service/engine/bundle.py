@@ -406,7 +406,10 @@ class Bundle:
                 f"{self.path / MANIFEST}: lexical_weight > 0 but {TOKEN_SHORTLIST_SHARES} is not listed"
             )
         # Plain ndarray views of the maps (same pages): np.memmap indexing costs a Python call per lookup.
-        self.token_shortlist = TokenShortlist(np.asarray(labels), None if shares is None else np.asarray(shares))
+        try:
+            self.token_shortlist = TokenShortlist(np.asarray(labels), None if shares is None else np.asarray(shares))
+        except ValueError as exc:
+            raise BundleError(f"{self.path / TOKEN_SHORTLIST_SHARES}: {exc}") from exc
 
     def _run_canary(self) -> None:
         from service.engine.predictor import Predictor

@@ -21,6 +21,8 @@ class TokenShortlist:
             raise ValueError(f"labels must be [vocab, width], got shape {labels.shape}")
         if shares is not None and shares.shape != labels.shape:
             raise ValueError(f"shares shape {shares.shape} differs from labels shape {labels.shape}")
+        if shares is not None and np.any(shares[labels < 0]):
+            raise ValueError("shares must be 0 in the empty (-1) slots")
         self.labels = labels
         self.shares = shares
 
@@ -37,16 +39,18 @@ class TokenShortlist:
         if self.shares is None:
             raise LookupError("this token shortlist has no shares: no lexical scores")
         b = len(tokens)
-        labels = self.labels[tokens, :k].reshape(b, -1)
+        labels = self.labels[tokens, :k].reshape(b, 1, -1)
         values = (self.shares[tokens, :k] * token_weights[:, :, None]).reshape(b, -1, 1)
-        out = np.empty(cands.shape, dtype=np.float32)
         # Candidates against the query's (token, label) entries, a few rows at a time: the
-        # match matrix is [rows, C, T * k] (a few thousand cells for one short query).
+        # match matrix is [rows, C, T * k] (a few thousand cells for one short query). A -1
+        # candidate matches only empty slots, whose shares are 0 (Bundle.load checks).
+        if b <= _MATCH_ROWS:
+            return np.matmul((cands[:, :, None] == labels).astype(np.float32), values)[:, :, 0]
+        out = np.empty(cands.shape, dtype=np.float32)
         for start in range(0, b, _MATCH_ROWS):
             part = slice(start, start + _MATCH_ROWS)
-            match = cands[part, :, None] == labels[part, None, :]
+            match = cands[part, :, None] == labels[part]
             out[part] = np.matmul(match.astype(np.float32), values[part])[:, :, 0]
-        out[cands < 0] = 0.0
         return out
 
     def dense_scores(self, tokens: np.ndarray, token_weights: np.ndarray, num_labels: int, k: int) -> np.ndarray:

@@ -214,7 +214,7 @@ class Predictor:
         if beam is not None and beam < 1:
             raise ValueError(f"beam must be >= 1, got {beam}")
         ids, scores = tree.search(self.encode(texts), k, beam)
-        return _pad(np.asarray(ids, dtype=np.int64), np.asarray(scores, dtype=np.float32), k)
+        return _pad(np.array(ids, dtype=np.int64), np.array(scores, dtype=np.float32), k)
 
     def predict(self, texts: Sequence[str], k: int = 10, alpha: float | None = None) -> list[list[Prediction]]:
         return self._named(*self.predict_ids(texts, k, alpha))
@@ -235,9 +235,12 @@ class Predictor:
 
 
 def _pad(ids: np.ndarray, scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Pad to width k with id -1; turn -inf (duplicates, empty slots) into -1 as well."""
-    ids = ids.astype(np.int64, copy=True)
-    scores = scores.astype(np.float32, copy=True)
+    """Pad to width k with id -1; turn -inf (duplicates, empty slots) into -1 as well.
+
+    Changes ids and scores in place: callers pass arrays they have just made.
+    """
+    ids = ids.astype(np.int64, copy=False)
+    scores = scores.astype(np.float32, copy=False)
     invalid = ~np.isfinite(scores)
     if invalid.any():
         ids[invalid] = -1
