@@ -8,13 +8,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from service.engine.metrics import label_frequencies, ranking_metrics
+from service.engine.metrics import label_frequencies, propensities, ranking_metrics
 from service.engine.scorers import Calibration
 from shortlist.cli import main as cli_main
 from training.checkpoint import Checkpoint
 from training.data import load_split
 from training.synthetic import generate
-from training.train import Scoring, TrainConfig, _encode_texts, embed, predict_exact, train
+from training.train import (
+    DEFAULT_OBJECTIVE,
+    Scoring,
+    TrainConfig,
+    _encode_texts,
+    embed,
+    objective_value,
+    predict_exact,
+    train,
+    tune_scoring,
+)
 
 
 @pytest.fixture(scope="module")
@@ -135,3 +145,39 @@ def test_cli_trains_and_reports_bad_data(dataset: Path, tmp_path: Path, capsys: 
     assert cli_main(["train", "--data", str(bad), "--out", str(tmp_path / "ck2"), "--config", str(cfg)]) == 2
     err = capsys.readouterr().err
     assert "trn.jsonl:1: target_ind 3 out of range" in err and "Traceback" not in err
+
+
+def test_tuning_maximises_the_configured_objective(trained: Checkpoint, dataset: Path) -> None:
+    # The tuner's own behaviour on a held-out split (a quality claim would use validation).
+    tst = load_split(dataset, "tst", "title", len(trained.labels))
+    device = trained.encoder.embedding.device
+    q = embed(trained.encoder, _encode_texts(trained.tokenizer, tst.texts), device)
+    inv_prop = 1.0 / propensities(label_frequencies(tst.targets, len(trained.labels)), len(tst))
+    args = (q, tst.targets, trained.classifiers, trained.classifier_bias, trained.centroids, "scaled_bias",
+            inv_prop, device)
+    head_scoring, head = tune_scoring(*args, objective={"P@1": 1.0})
+    tail_scoring, tail = tune_scoring(*args, objective={"PSP@5": 1.0})
+    assert head_scoring != tail_scoring
+    assert head["P@1"] >= tail["P@1"] and tail["PSP@5"] >= head["PSP@5"]
+    assert head["P@1"] > tail["P@1"] or tail["PSP@5"] > head["PSP@5"]
+    _, default = tune_scoring(*args)
+    assert objective_value(default, DEFAULT_OBJECTIVE) >= objective_value(head, DEFAULT_OBJECTIVE)
+    assert objective_value(default, DEFAULT_OBJECTIVE) >= objective_value(tail, DEFAULT_OBJECTIVE)
+
+
+@pytest.mark.parametrize(
+    ("objective", "message"),
+    [
+        ({}, "non-empty"),
+        ({"P@2": 1.0}, r"unknown metrics \['P@2'\]"),
+        ({"P@1": -1.0}, "finite number >= 0"),
+        ({"P@1": float("nan")}, "finite number >= 0"),
+        ({"P@1": "1"}, "finite number >= 0"),
+        ({"P@1": 0.0, "PSP@5": 0}, "all weights are 0"),
+    ],
+)
+def test_tune_objective_is_validated(objective: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        TrainConfig.from_dict({"tune_objective": objective})
+    weights = {"P@1": 2, "PSP@5": 0.5}
+    assert TrainConfig.from_dict({"tune_objective": weights}).tune_objective == weights
