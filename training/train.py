@@ -115,7 +115,7 @@ class TrainConfig:
     tune: bool = True
     # What the tuning maximises on validation: sum of weight * metric (TUNABLE_METRICS). The
     # default balances the head (P@1, P@5) with the tail (PSP@5); {"P@1": 1} buys P@1 with the
-    # tail (debian-deps test, exact scoring: P@1 62.9 -> 63.4, P@5 33.9 -> 33.7, PSP@5 27.5 -> 23.9).
+    # tail (debian-deps test, all labels scored, offline grid: P@1 62.9 -> 63.4, PSP@5 27.5 -> 23.9).
     tune_objective: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_OBJECTIVE))
     alpha: float = 0.8
     # Shortlist sources served by default: HNSW over [w, b] (k_w), HNSW over centroids (k_mu),
