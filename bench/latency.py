@@ -96,12 +96,10 @@ def main() -> None:
         "encode (onnxruntime)": lambda t: predictor.encoder.run(q_ids, q_w),
         "hnsw_w search": lambda t: bundle.index_w.search(np.hstack([q, ones]), max(predictor.shortlist_w, 1)),
         "hnsw_mu search": lambda t: bundle.index_mu.search(q, max(predictor.shortlist_mu, 1)),
-        "all shortlists": lambda t: predictor._candidates(q_ids, q),
+        "shortlists + lexical": lambda t: predictor._shortlist(q_ids, q_w, q),
     }
-    cands = predictor._candidates(q_ids, q)
-    stages["score shortlist"] = lambda t: predictor.score_candidates(
-        q, cands, predictor.alpha, predictor.lexical_scores(q_ids, q_w, cands)
-    )
+    cands, lexical = predictor._shortlist(q_ids, q_w, q)
+    stages["score shortlist"] = lambda t: predictor.score_candidates(q, cands, predictor.alpha, lexical)
     for name, fn in stages.items():
         ms = _latencies(lambda batch, fn=fn: fn(batch[0]), texts[:1000])
         print(f"  stage {name:<22} p50 {np.percentile(ms, 50) * 1e3:8.1f} us")

@@ -457,7 +457,7 @@ def worker(spec_path: str) -> int:
 def shortlist_breakdown(served: ShortlistServed, texts: Sequence[str]) -> dict[str, float]:
     """Median time of each stage of one single-query prediction (ms): where the latency goes.
 
-    Calls the Predictor's stages one by one (its private _candidates included), so it follows
+    Calls the Predictor's stages one by one (its private _shortlist included), so it follows
     the engine as it is; the stages add up to a little less than predict_ids' own time.
     """
     from service.engine.scorers import top_k
@@ -471,9 +471,9 @@ def shortlist_breakdown(served: ShortlistServed, texts: Sequence[str]) -> dict[s
         t1 = clock()
         q = p.encoder.run(ids, weights)
         t2 = clock()
-        cands = p._candidates(ids, q)
+        cands, lexical = p._shortlist(ids, weights, q)
         t3 = clock()
-        top_k(p.score_candidates(q, cands, p.alpha, p.lexical_scores(ids, weights, cands)), K)
+        top_k(p.score_candidates(q, cands, p.alpha, lexical), K)
         t4 = clock()
         for key, dt in zip(stages, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
             stages[key].append(dt)
@@ -483,7 +483,8 @@ def shortlist_breakdown(served: ShortlistServed, texts: Sequence[str]) -> dict[s
 def shortlist_defaults(served: ShortlistServed) -> dict[str, Any]:
     p = served.predictor
     return {"ef_search": served.bundle.index_w.ef_search, "shortlist_w": p.shortlist_w,
-            "shortlist_mu": p.shortlist_mu, "shortlist_tok": p.shortlist_tok, "alpha": p.alpha}
+            "shortlist_mu": p.shortlist_mu, "shortlist_tok": p.shortlist_tok, "shortlist_head": p.shortlist_head,
+            "head_mode": p.head_mode, "alpha": p.alpha}
 
 
 class _ExactScoring:
@@ -677,7 +678,7 @@ def render_markdown(rows: list[dict[str, Any]], grid: list[dict[str, Any]], cont
         d = info["defaults"]
         out += ["", f"Shortlist's row uses the bundle defaults: ef_search {d['ef_search']}, shortlist_w "
                 f"{d['shortlist_w']}, shortlist_mu {d['shortlist_mu']}, shortlist_tok {d.get('shortlist_tok', 0)}, "
-                f"alpha {fmt(d['alpha'])}."]
+                f"head {d.get('shortlist_head', '-')} ({d.get('head_mode', 'always')}), alpha {fmt(d['alpha'])}."]
     if info.get("breakdown"):
         parts = ", ".join(f"{k} {v:.3f}" for k, v in info["breakdown"].items())
         out += ["", f"Where Shortlist's single-query time goes (median ms per stage, bundle defaults): {parts}."]
@@ -686,7 +687,8 @@ def render_markdown(rows: list[dict[str, Any]], grid: list[dict[str, Any]], cont
             "",
             "Shortlist speed knobs (same bundle, Predictor(ef_search, shortlist_w, shortlist_mu, shortlist_tok), "
             f"one thread; latency over {context['grid_latency_queries']} queries; shortlist_w/mu: HNSW searches, "
-            "shortlist_tok: labels per query token from the token shortlist, plus the head labels in every row). "
+            "shortlist_tok: labels per query token from the token shortlist; the head labels join as the bundle's "
+            "head mode says, see the defaults above). "
             "\"exact\" scores all L labels without any shortlist: the ceiling the shortlist approximates.",
             "",
             "| ef_search | shortlist_w | shortlist_mu | shortlist_tok | P@1 | P@5 | PSP@5 | p50 (ms) | p99 (ms) "

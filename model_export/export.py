@@ -131,12 +131,16 @@ DEFAULT_K_HEAD = 32
 
 
 def _with_head(ckpt: Checkpoint) -> dict:
-    """Scoring defaults with k_head set: the checkpoint's, else 32 when classifiers carry a prior (bias)."""
+    """Scoring defaults with k_head set (the checkpoint's, else 32 when classifiers carry a prior,
+    a bias) and, with a served token shortlist, the head as its fallback."""
     scoring = json.loads(json.dumps(ckpt.scoring))
     shortlist = scoring["shortlist"]
     if "k_head" not in shortlist:
         has_prior = bool(np.any(ckpt.classifier_bias != 0))
         shortlist["k_head"] = min(DEFAULT_K_HEAD, len(ckpt.labels)) if has_prior else 0
+    if "head" not in shortlist and shortlist.get("k_tok", 0) and "token_shortlist" in ckpt.extra_arrays:
+        # The token rows already hold the head labels a query's words point to (bundle.py).
+        shortlist["head"] = "fallback"
     return scoring
 
 

@@ -150,7 +150,7 @@ def test_named_predictions_carry_uid_and_title(predictor):
 
 def test_head_shortlist_covering_every_label_equals_brute_force(bundle_root):
     bundle = Bundle.load(bundle_root / "v1")
-    everything = Predictor(bundle, shortlist_head=bundle.manifest.num_labels)
+    everything = Predictor(bundle, shortlist_head=bundle.manifest.num_labels, head_mode="always")
     texts = [*bundle.labels.titles[:40], "", "zzqx unknown"]
     ann_ids, ann_scores = everything.predict_ids(texts, k=5)
     exact_ids, exact_scores = everything.predict_exact_ids(texts, k=5)

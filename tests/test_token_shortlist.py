@@ -12,6 +12,7 @@ import scipy.sparse as sp
 from service.engine import Bundle, BundleError, Predictor
 from service.engine.bundle import MANIFEST, TOKEN_SHORTLIST, TOKEN_SHORTLIST_SHARES, sha256_file
 from service.engine.lexical import TokenShortlist
+from service.engine.predictor import merge_shortlists
 from training.token_shortlist import fit_token_shortlist
 
 
@@ -162,7 +163,7 @@ def test_manifest_with_no_query_dependent_shortlist_is_refused(bundle_root_copy)
         Bundle.load(bundle_dir)
 
 
-def test_lexical_scores_at_candidates_equal_the_dense_reference():
+def test_lexical_terms_summed_per_label_equal_the_dense_reference():
     labels = np.array([[-1, -1], [0, 2], [2, -1], [1, 0]], dtype=np.int32)
     shares = np.array([[0, 0], [0.5, 0.25], [1.0, 0], [0.75, 0.5]], dtype=np.float32)
     table = TokenShortlist(labels, shares)
@@ -173,32 +174,55 @@ def test_lexical_scores_at_candidates_equal_the_dense_reference():
     np.testing.assert_allclose(dense[0], [0.6 * 0.5, 0, 0.6 * 0.25 + 0.8, 0], rtol=1e-6)
     np.testing.assert_allclose(dense[1], [0.5, 0.75, 0, 0], rtol=1e-6)
     assert not dense[2].any()
-    cands = np.array([[2, 0, 3, -1], [1, 0, -1, -1], [0, 1, 2, 3]])
-    np.testing.assert_allclose(table.scores(tokens, weights, cands, k=2),
-                               np.where(cands >= 0, np.take_along_axis(dense, np.maximum(cands, 0), 1), 0))
+    ids, terms = table.entries(tokens, 2, weights)
+    assert ids.shape == terms.shape == (3, 6)
+    summed = np.zeros((3, 5), dtype=np.float32)  # column 4 collects the empty (-1) slots
+    np.add.at(summed, (np.repeat(np.arange(3), 6), ids.ravel()), terms.ravel())
+    np.testing.assert_allclose(summed[:, :4], dense, rtol=1e-6)
+    assert not summed[:, 4].any()  # empty slots carry no weight
+    assert table.entries(tokens, 2)[1] is None
     # k = 1 reads only the first label of each row
     np.testing.assert_allclose(table.dense_scores(tokens, weights, 4, k=1)[0], [0.3, 0, 0.8, 0], rtol=1e-6)
     with pytest.raises(LookupError, match="no shares"):
-        TokenShortlist(labels).scores(tokens, weights, cands, 2)
+        TokenShortlist(labels).entries(tokens, 2, weights)
     with pytest.raises(ValueError, match="differs"):
         TokenShortlist(labels, shares[:, :1])
     with pytest.raises(ValueError, match="empty"):
         TokenShortlist(labels, np.where(labels < 0, 0.1, shares).astype(np.float32))
-    # a batch longer than one match slice scores the same as row by row
-    many = np.repeat(tokens, 7, axis=0), np.repeat(weights, 7, axis=0), np.repeat(cands, 7, axis=0)
-    np.testing.assert_allclose(table.scores(*many, k=2), np.repeat(table.scores(tokens, weights, cands, 2), 7, axis=0))
+
+
+def test_merged_shortlist_sums_each_labels_terms_and_is_the_same_alone_and_in_a_batch():
+    # two sources per row: label ids with repeats and empty (-1) slots, and their terms
+    ids = np.array([[3, -1, 1, 3, 7], [-1, -1, -1, -1, -1], [0, 0, 2, -1, 5]], dtype=np.int64)
+    terms = np.array([[0.5, 0, 0.25, 0.5, 1.0], [0, 0, 0, 0, 0], [0.1, 0.2, 0, 0, 0.3]], dtype=np.float32)
+    cands, summed = merge_shortlists(ids, terms, num_labels=8)
+    np.testing.assert_array_equal(cands, [[1, 3, 7], [-1, -1, -1], [0, 2, 5]])
+    np.testing.assert_allclose(summed, [[0.25, 1.0, 1.0], [0, 0, 0], [0.3, 0, 0.3]], rtol=1e-6)
+    for row in range(3):
+        alone, alone_terms = merge_shortlists(ids[row : row + 1], terms[row : row + 1], num_labels=8)
+        width = max(1, int((cands[row] >= 0).sum()))
+        np.testing.assert_array_equal(alone[0], cands[row, :width])
+        np.testing.assert_array_equal(alone_terms[0], summed[row, :width])
+    only_ids, none = merge_shortlists(ids, None, num_labels=8)
+    assert none is None
+    np.testing.assert_array_equal(only_ids, cands)
+    # the largest label id and a row of nothing but empty slots
+    np.testing.assert_array_equal(merge_shortlists(np.array([[7, -1, 7]]), None, 8)[0], [[7]])
+    np.testing.assert_array_equal(merge_shortlists(np.array([[-1, -1]]), None, 8)[0], [[-1]])
 
 
 def test_served_lexical_scoring_equals_brute_force_when_the_shortlist_holds_every_label(bundle_root):
     bundle = Bundle.load(bundle_root / "v1")
     texts = [*bundle.labels.titles[:30], "", "zzqx unknown"]
-    everything = Predictor(bundle, shortlist_head=bundle.manifest.num_labels, lexical_weight=0.5)
+    everything = Predictor(bundle, shortlist_head=bundle.manifest.num_labels, head_mode="always", lexical_weight=0.5)
     served_ids, served_scores = everything.predict_ids(texts, k=5)
     exact_ids, exact_scores = everything.predict_exact_ids(texts, k=5)
     np.testing.assert_allclose(served_scores, exact_scores, atol=1e-6)
     assert np.mean(served_ids == exact_ids) > 0.97  # only exact ties may order differently
     # and the lexical term moves scores: the same texts without it score differently
-    _, plain = Predictor(bundle, shortlist_head=bundle.manifest.num_labels, lexical_weight=0.0).predict_ids(texts, 5)
+    _, plain = Predictor(
+        bundle, shortlist_head=bundle.manifest.num_labels, head_mode="always", lexical_weight=0.0
+    ).predict_ids(texts, 5)
     assert not np.allclose(plain, served_scores)
 
 
@@ -231,6 +255,41 @@ def test_lexical_weight_is_checked(bundle_root, bundle_root_copy):
     manifest["scoring"]["lexical_weight"] = -0.1
     (bundle_dir / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(BundleError, match="lexical_weight"):
+        Bundle.load(bundle_dir)
+
+
+def test_head_joins_only_texts_whose_tokens_point_nowhere_by_default(bundle_root, bundle_root_copy):
+    bundle = Bundle.load(bundle_root / "v1")
+    assert bundle.manifest.scoring.shortlist.head == "fallback"  # export's choice with a token table
+    head = set(np.argsort(-np.asarray(bundle.classifier_bias), kind="stable")[:32].tolist())
+    assert len(head) == bundle.manifest.scoring.shortlist.k_head == 32
+    labels = bundle.token_shortlist.labels
+    k_tok = bundle.manifest.scoring.shortlist.k_tok
+    fallback = Predictor(bundle, shortlist_w=0, shortlist_mu=0)
+    always = Predictor(bundle, shortlist_w=0, shortlist_mu=0, head_mode="always")
+    texts = [bundle.labels.titles[5], "zzqx unknown", bundle.labels.titles[11], ""]
+    rows = {int(x) for t in bundle.tokenizer.encode(texts[0])[0] for x in labels[t, :k_tok] if x >= 0}
+    assert rows and not head <= rows
+    served = fallback.shortlist(texts)
+    assert set(served[0].tolist()) == rows  # words with labels in their rows: no head
+    assert set(always.shortlist(texts)[0].tolist()) == rows | head
+    assert set(served[1].tolist()) == set(served[3].tolist()) == head  # no known word: the prior
+    # alone and in a batch, the same
+    for row, text in enumerate(texts):
+        assert fallback.shortlist([text])[0].tolist() == served[row].tolist()
+    ids, _ = fallback.predict_ids(["zzqx unknown"], k=40)
+    assert set(ids[0][ids[0] >= 0].tolist()) == head
+    with pytest.raises(ValueError, match="head_mode must be one of always, fallback"):
+        Predictor(bundle, head_mode="sometimes")
+    # a manifest without the field (bundles written before it) keeps the head in every shortlist
+    bundle_dir = bundle_root_copy / "v1"
+    manifest = json.loads((bundle_dir / MANIFEST).read_text())
+    del manifest["scoring"]["shortlist"]["head"]
+    (bundle_dir / MANIFEST).write_text(json.dumps(manifest))
+    assert Bundle.load(bundle_dir).manifest.scoring.shortlist.head == "always"
+    manifest["scoring"]["shortlist"]["head"] = "sometimes"
+    (bundle_dir / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match="head"):
         Bundle.load(bundle_dir)
 
 

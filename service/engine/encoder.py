@@ -45,6 +45,9 @@ class OnnxEncoder:
         if len(outputs) != 1 or outputs[0].name != ENCODER_OUTPUT:
             raise ValueError(f"{path}: encoder must have one output named {ENCODER_OUTPUT!r}")
         self.dim = outputs[0].shape[-1]
+        self._output_names = [ENCODER_OUTPUT]
 
     def run(self, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
-        return self.session.run(None, {"ids": ids, "weights": weights})[0]
+        # The output named, not None: None makes onnxruntime list the graph's outputs on every
+        # call (~3 us of a ~16 us single-query run).
+        return self.session.run(self._output_names, {"ids": ids, "weights": weights})[0]

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import numpy as np
 
-_MATCH_ROWS = 16
-
 
 class TokenShortlist:
     """labels int32 [V, W] (-1 padded, row 0 = padding token, all -1); shares float32 [V, W] or None."""
@@ -30,28 +28,22 @@ class TokenShortlist:
     def width(self) -> int:
         return int(self.labels.shape[1])
 
-    def candidates(self, tokens: np.ndarray, k: int) -> np.ndarray:
-        """[B, T * k] label ids of the query tokens' rows (padding slots and short rows give -1)."""
-        return self.labels[tokens, :k].reshape(len(tokens), -1).astype(np.int64)
+    def entries(
+        self, tokens: np.ndarray, k: int, token_weights: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """The query tokens' first k labels, int32 [B, T * k] (padding slots and short rows give
+        -1), and with token_weights their lexical terms x_t * P(l | t), float32 [B, T * k].
 
-    def scores(self, tokens: np.ndarray, token_weights: np.ndarray, cands: np.ndarray, k: int) -> np.ndarray:
-        """lex at candidate ids [B, C] (-1 entries and labels in no query token's row score 0)."""
+        Summed per label (Predictor merges them with the other shortlist sources) the terms are
+        lex_l; a -1 slot's term is 0 (Bundle.load checks).
+        """
+        labels = self.labels[tokens, :k].reshape(len(tokens), -1)
+        if token_weights is None:
+            return labels, None
         if self.shares is None:
             raise LookupError("this token shortlist has no shares: no lexical scores")
-        b = len(tokens)
-        labels = self.labels[tokens, :k].reshape(b, 1, -1)
-        values = (self.shares[tokens, :k] * token_weights[:, :, None]).reshape(b, -1, 1)
-        # Candidates against the query's (token, label) entries, a few rows at a time: the
-        # match matrix is [rows, C, T * k] (a few thousand cells for one short query). A -1
-        # candidate matches only empty slots, whose shares are 0 (Bundle.load checks).
-        if b <= _MATCH_ROWS:
-            return np.matmul((cands[:, :, None] == labels).astype(np.float32), values)[:, :, 0]
-        out = np.empty(cands.shape, dtype=np.float32)
-        for start in range(0, b, _MATCH_ROWS):
-            part = slice(start, start + _MATCH_ROWS)
-            match = cands[part, :, None] == labels[part]
-            out[part] = np.matmul(match.astype(np.float32), values[part])[:, :, 0]
-        return out
+        terms = self.shares[tokens, :k] * token_weights[:, :, None]
+        return labels, terms.reshape(len(tokens), -1)
 
     def dense_scores(self, tokens: np.ndarray, token_weights: np.ndarray, num_labels: int, k: int) -> np.ndarray:
         """lex over all labels, [B, num_labels] (reference scoring, training's tuning)."""

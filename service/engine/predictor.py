@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from service.engine.bundle import Bundle
+from service.engine.bundle import HEAD_MODES, Bundle
 from service.engine.scorers import combine_scores, top_k
 
 
@@ -19,7 +19,6 @@ class Prediction(NamedTuple):
 
 
 _SCORE_ROWS = 64  # queries whose candidate rows are gathered at once
-_NO_LABEL = np.iinfo(np.int64).max  # sorts after every label id
 
 
 class Predictor:
@@ -27,6 +26,8 @@ class Predictor:
 
     S = topK_w(HNSW over [w_l, b_l] with query [q, 1]) U topK_mu(HNSW over mu_l) U H U T,
     H = the k_head labels of largest bias b_l (query-independent: the label prior's head),
+    in every S (head_mode "always") or only where no query token has a label in the token
+    shortlist (head_mode "fallback": the prior answers a text whose words say nothing),
     T = the first k_tok labels of each query token's row of the bundle's token shortlist
     (the labels that token co-occurred with most in training: a lookup, no search);
     score_l = alpha f(w_l.q + b_l) + (1 - alpha) g(mu_l.q) + lambda lex_l for l in S, lex the token
@@ -46,6 +47,7 @@ class Predictor:
         shortlist_mu: int | None = None,
         shortlist_head: int | None = None,
         shortlist_tok: int | None = None,
+        head_mode: str | None = None,
         lexical_weight: float | None = None,
     ) -> None:
         self.bundle = bundle
@@ -57,6 +59,9 @@ class Predictor:
         self.shortlist_mu = int(shortlist_mu if shortlist_mu is not None else scoring.shortlist.k_mu)
         self.shortlist_head = int(shortlist_head if shortlist_head is not None else scoring.shortlist.k_head)
         self.shortlist_tok = int(shortlist_tok if shortlist_tok is not None else scoring.shortlist.k_tok)
+        self.head_mode = head_mode if head_mode is not None else scoring.shortlist.head
+        if self.head_mode not in HEAD_MODES:
+            raise ValueError(f"head_mode must be one of {', '.join(HEAD_MODES)}, got {head_mode!r}")
         if min(self.shortlist_w, self.shortlist_mu, self.shortlist_head, self.shortlist_tok) < 0:
             raise ValueError("shortlist sizes must be >= 0")
         if self.shortlist_w + self.shortlist_mu + self.shortlist_tok == 0:
@@ -104,36 +109,46 @@ class Predictor:
         ids, weights = self.bundle.tokenizer.encode_batch(list(texts))
         return ids, weights, self.encoder.run(ids, weights)
 
-    def _candidates(self, tokens: np.ndarray, q: np.ndarray) -> np.ndarray:
-        """[B, C] distinct label ids per row, sorted, -1 padded at the end; C = the longest row."""
+    def _shortlist(
+        self, tokens: np.ndarray, token_weights: np.ndarray, q: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """The union shortlist S of each row as label ids [B, C] (sorted, distinct, -1 padded at
+        the end; C = the longest row) and, when lexical_weight > 0, their lexical scores [B, C]."""
+        rows = len(q)
         parts = []
         if self.shortlist_w:
-            ones = np.ones((len(q), 1), dtype=np.float32)
+            ones = np.ones((rows, 1), dtype=np.float32)
             parts.append(self.bundle.index_w.search(np.hstack([q, ones]), self.shortlist_w))
         if self.shortlist_mu:
             parts.append(self.bundle.index_mu.search(q, self.shortlist_mu))
-        if len(self._head):
-            parts.append(np.repeat(self._head[None, :], len(q), axis=0))
+        head = self._head[None, :] if len(self._head) else None
+        labels = lexical = None
         if self._table is not None:
             # Row 0 (padding) is all -1, so padded token slots add nothing.
-            parts.append(self._table.candidates(tokens, self.shortlist_tok))
-        cands = np.sort(np.hstack(parts), axis=1)
-        # Repeats and empty slots move to the end and the columns no row needs are cut: the
-        # token rows are mostly padding, and every column left costs two row gathers to score.
-        drop = cands < 0
-        drop[:, 1:] |= cands[:, 1:] == cands[:, :-1]
-        if len(cands) == 1:  # one row: keep what is left, already in order
-            return cands[:, ~drop[0]] if not drop[0].all() else np.full((1, 1), -1, dtype=np.int64)
-        cands[drop] = _NO_LABEL
-        cands.sort(axis=1)
-        cands = cands[:, : max(1, int(cands.shape[1] - drop.sum(axis=1).min()))]
-        cands[cands == _NO_LABEL] = -1
-        return cands
+            labels, lexical = self._table.entries(
+                tokens, self.shortlist_tok, token_weights if self.lexical_weight else None
+            )
+            if head is not None and self.head_mode == "fallback":
+                unmatched = labels.max(axis=1) < 0  # no query token has a label in its row
+                if rows == 1:
+                    head = head if unmatched[0] else None
+                else:
+                    head = np.where(unmatched[:, None], head, -1) if unmatched.any() else None
+        if head is not None:
+            parts.append(head if len(head) == rows else np.repeat(head, rows, axis=0))
+        terms = None
+        if labels is not None:
+            if lexical is not None:
+                # The other sources' slots carry no lexical term.
+                width = sum(part.shape[1] for part in parts)
+                terms = np.concatenate((np.zeros((rows, width), np.float32), lexical), axis=1) if width else lexical
+            parts.append(labels)
+        return merge_shortlists(np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0], terms, self.num_labels)
 
     def shortlist(self, texts: Sequence[str]) -> list[np.ndarray]:
         """The union shortlist S of each text (sorted label ids)."""
-        tokens, _, q = self._encode(texts)
-        return [row[row >= 0] for row in self._candidates(tokens, q)]
+        tokens, weights, q = self._encode(texts)
+        return [row[row >= 0] for row in self._shortlist(tokens, weights, q)[0]]
 
     def _check_alpha(self, alpha: float | None) -> float:
         a = self.alpha if alpha is None else float(alpha)
@@ -141,17 +156,13 @@ class Predictor:
             raise ValueError(f"alpha must be in [0, 1], got {alpha}")
         return a
 
-    def lexical_scores(self, tokens: np.ndarray, token_weights: np.ndarray, cands: np.ndarray) -> np.ndarray | None:
-        """The lexical score of candidate ids [B, C], or None when lexical_weight is 0."""
-        if not self.lexical_weight:
-            return None
-        return self._table.scores(tokens, token_weights, cands, self.shortlist_tok)
-
     def score_candidates(
         self, q: np.ndarray, cands: np.ndarray, alpha: float, lexical: np.ndarray | None = None
     ) -> np.ndarray:
         """Combined scores [B, C] of candidate ids [B, C]; -1 entries score -inf."""
-        safe = np.maximum(cands, 0)
+        # A single row has -1 slots only when it is empty: skip the masking otherwise.
+        padded = len(cands) > 1 or cands[0, 0] < 0
+        safe = np.maximum(cands, 0) if padded else cands
         if len(q) <= _SCORE_ROWS:
             logits, sims = self._dots(safe, q)
         else:
@@ -165,7 +176,8 @@ class Predictor:
         logits += self._b[safe]
         scores = combine_scores(logits, sims, alpha, self.f, self.g, lexical, self.lexical_weight)
         scores = scores.astype(np.float32, copy=False)
-        scores[cands < 0] = -np.inf
+        if padded:
+            scores[cands < 0] = -np.inf
         return scores
 
     def _dots(self, rows: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -182,8 +194,8 @@ class Predictor:
             raise ValueError(f"k must be >= 1, got {k}")
         a = self._check_alpha(alpha)
         tokens, weights, q = self._encode(texts)
-        cands = self._candidates(tokens, q)
-        scores = self.score_candidates(q, cands, a, self.lexical_scores(tokens, weights, cands))
+        cands, lexical = self._shortlist(tokens, weights, q)
+        scores = self.score_candidates(q, cands, a, lexical)
         idx, best = top_k(scores, k)
         ids = cands[np.arange(len(cands))[:, None], idx]
         return _pad(ids, best, k)
@@ -232,6 +244,51 @@ class Predictor:
             ]
             for row_ids, row_scores in zip(ids, scores, strict=True)
         ]
+
+
+def merge_shortlists(
+    labels: np.ndarray, terms: np.ndarray | None, num_labels: int
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """Label ids [B, N] (-1 = empty slot, repeats allowed) and their terms [B, N] (or None) ->
+    each row's distinct ids [B, C], sorted, -1 padded at the end, and the sum of each id's terms.
+
+    One stable sort of all rows at once (key row * (L + 1) + id + 1), so a text's ids and sums
+    are the same alone and in a batch.
+    """
+    rows = len(labels)
+    span = num_labels + 1
+    key = np.add(labels, 1, dtype=np.int64)
+    if rows > 1:
+        key += np.arange(0, rows * span, span, dtype=np.int64)[:, None]
+    key = key.ravel()
+    if terms is None:
+        key = np.sort(key)
+    else:
+        order = np.argsort(key, kind="stable")
+        key = key[order]
+    first = np.empty(len(key), dtype=bool)
+    first[0] = True
+    np.not_equal(key[1:], key[:-1], out=first[1:])
+    starts = np.flatnonzero(first)
+    groups = key[starts]
+    sums = None if terms is None else np.add.reduceat(terms.ravel()[order], starts)
+    if rows == 1:
+        skip = int(groups[0] == 0)  # the empty slots' group sorts first
+        if skip == len(groups):
+            return np.full((1, 1), -1, dtype=np.int64), None if sums is None else np.zeros((1, 1), np.float32)
+        return (groups[skip:] - 1)[None, :], None if sums is None else sums[skip:][None, :]
+    row_of, ids = np.divmod(groups, span)
+    keep = ids > 0
+    row_of, ids = row_of[keep], ids[keep] - 1
+    counts = np.bincount(row_of, minlength=rows)
+    cols = np.arange(len(ids)) - np.repeat(np.cumsum(counts) - counts, counts)
+    cands = np.full((rows, max(1, int(counts.max()))), -1, dtype=np.int64)
+    cands[row_of, cols] = ids
+    if sums is None:
+        return cands, None
+    lexical = np.zeros(cands.shape, dtype=np.float32)
+    lexical[row_of, cols] = sums[keep]
+    return cands, lexical
 
 
 def _pad(ids: np.ndarray, scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
