@@ -60,6 +60,9 @@ TITLES = {
 }
 DISTRIBUTIONS = {"pecos": "libpecos", "omikuji": "omikuji", "napkinxc": "napkinxc", "shortlist": "shortlist"}
 K = 5
+# Batch predictions keep one more label than K, so the same predictions also give the metrics
+# with each document's own label left out (at most one label per document is its own).
+RANKED = K + 1
 # Serving runs single-threaded so latency is per core and comparable across libraries.
 ONE_THREAD_ENV = {
     "OMP_NUM_THREADS": "1",
@@ -289,8 +292,8 @@ class PecosPeer(Peer):
         return pred.indices[order].tolist()
 
     def predict_batch(self, texts: Sequence[str]) -> np.ndarray:
-        pred = self.model.predict(self._csr(texts), beam_size=self.beam, only_topk=K, threads=1)
-        return _csr_topk(pred.tocsr(), K)
+        pred = self.model.predict(self._csr(texts), beam_size=self.beam, only_topk=RANKED, threads=1)
+        return _csr_topk(pred.tocsr(), RANKED)
 
 
 class OmikujiPeer(Peer):
@@ -323,14 +326,14 @@ class OmikujiPeer(Peer):
         self.model = omikuji.Model.load(str(model_dir))
         self.model.init_prediction_thread_pool(1)
 
-    def predict_one(self, text: str) -> list[int]:
+    def predict_one(self, text: str, k: int = K) -> list[int]:
         ids, weights = self.tokenizer.encode(text)
         pairs = [(i - 1, w) for i, w in zip(ids, weights, strict=True)]
-        return [label for label, _ in self.model.predict(pairs, beam_size=self.beam, top_k=K)]
+        return [label for label, _ in self.model.predict(pairs, beam_size=self.beam, top_k=k)]
 
     def predict_batch(self, texts: Sequence[str]) -> np.ndarray:
         # The Python API answers one document per call; a batch is a loop over them.
-        return _pad_ids([self.predict_one(t) for t in texts], K)
+        return _pad_ids([self.predict_one(t, RANKED) for t in texts], RANKED)
 
 
 class NapkinxcPeer(Peer):
@@ -359,7 +362,7 @@ class NapkinxcPeer(Peer):
         return list(self.model.predict([row], top_k=K)[0])
 
     def predict_batch(self, texts: Sequence[str]) -> np.ndarray:
-        return _pad_ids(self.model.predict(self._csr(texts), top_k=K), K)
+        return _pad_ids(self.model.predict(self._csr(texts), top_k=RANKED), RANKED)
 
 
 class ShortlistServed:
@@ -382,7 +385,7 @@ class ShortlistServed:
         return [int(i) for i in ids[0] if i >= 0]
 
     def predict_batch(self, texts: Sequence[str]) -> np.ndarray:
-        return self.predictor.predict_ids(texts, k=K)[0]
+        return self.predictor.predict_ids(texts, k=RANKED)[0]
 
 
 PEERS: dict[str, type[Peer]] = {"pecos": PecosPeer, "omikuji": OmikujiPeer, "napkinxc": NapkinxcPeer}
@@ -400,7 +403,7 @@ def _batched_predict(model: Any, texts: Sequence[str], batch_size: int) -> tuple
 
 def _agreement(singles: Sequence[list[int]], batch: np.ndarray) -> float:
     """Fraction of single-query answers whose top-k ids equal the batch path's."""
-    same = sum(list(s) == [int(i) for i in row if i >= 0] for s, row in zip(singles, batch, strict=False))
+    same = sum(list(s) == [int(i) for i in row[:K] if i >= 0] for s, row in zip(singles, batch, strict=False))
     return same / max(len(singles), 1)
 
 
@@ -498,7 +501,7 @@ class _ExactScoring:
         return [int(i) for i in ids[0] if i >= 0]
 
     def predict_batch(self, texts: Sequence[str]) -> np.ndarray:
-        return self.predictor.predict_exact_ids(texts, k=K)[0]
+        return self.predictor.predict_exact_ids(texts, k=RANKED)[0]
 
 
 def shortlist_exact(served: ShortlistServed, texts: Sequence[str], spec: dict[str, Any], files: RunFiles) -> dict:
@@ -580,13 +583,29 @@ def prepare_shortlist(args: argparse.Namespace, files: RunFiles, log: Path) -> t
     return root / version, info
 
 
-def evaluate(preds_path: str, truths: Sequence[Sequence[int]], inv_prop: np.ndarray) -> dict[str, float]:
+def evaluate(
+    preds_path: str, truths: Sequence[Sequence[int]], inv_prop: np.ndarray, own: np.ndarray | None = None
+) -> dict[str, float]:
+    """Metrics of the top K of saved predictions [N, RANKED]; with `own` (each document's own
+    label id, -1 for none) that label is removed first and the next one moves up."""
     from service.engine.metrics import ranking_metrics
 
     preds = np.load(preds_path)
-    if preds.shape != (len(truths), K):
-        raise BenchError(f"{preds_path}: predictions of shape {preds.shape}, expected {(len(truths), K)}")
-    return ranking_metrics(preds, truths, ks=(1, 3, 5), inv_propensity=inv_prop)
+    if preds.shape != (len(truths), RANKED):
+        raise BenchError(f"{preds_path}: predictions of shape {preds.shape}, expected {(len(truths), RANKED)}")
+    if own is not None:
+        preds = without_own_label(preds, own)
+    return ranking_metrics(preds[:, :K], truths, ks=(1, 3, 5), inv_propensity=inv_prop)
+
+
+def without_own_label(preds: np.ndarray, own: np.ndarray) -> np.ndarray:
+    """Ranked ids [N, R] with each row's own label removed (the rest shift up, -1 fills the end)."""
+    out = np.full_like(preds, -1)
+    keep = (preds != own[:, None]) & (preds >= 0)
+    for row in range(len(preds)):
+        kept = preds[row][keep[row]]
+        out[row, : len(kept)] = kept
+    return out
 
 
 def parse_grid(text: str) -> list[tuple[int, int, int, int]]:
@@ -666,6 +685,23 @@ def render_markdown(rows: list[dict[str, Any]], grid: list[dict[str, Any]], cont
         "Peak RSS: ru_maxrss of a fresh serving process (imports + model load + all the above). "
         f"Training uses {context['train_threads']} threads.",
     ]
+    own_rows = [r for r in rows if "metrics_own_excluded" in r]
+    if own_rows:
+        out += [
+            "",
+            f"The same predictions with each document's own label left out ({context.get('own_label_docs', 0)} test "
+            "documents are labels themselves, a package among the packages others depend on, and their own label "
+            "is never their target): each system's sixth label moves up where its own label was in the top 5. The "
+            "Extreme Classification Repository scores its LF-* datasets this way (its filter_labels files); the "
+            "service does it per request with `exclude`.",
+            "",
+            "| system | P@1 | P@3 | P@5 | nDCG@5 | PSP@1 | PSP@3 | PSP@5 |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in own_rows:
+            m = r["metrics_own_excluded"]
+            keys = ("P@1", "P@3", "P@5", "nDCG@5", "PSP@1", "PSP@3", "PSP@5")
+            out.append("| " + " | ".join([r["title"], *(fmt(m.get(key)) for key in keys)]) + " |")
     if context.get("versions"):
         out += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in context["versions"].items()) + "."]
     info = context.get("shortlist_info") or {}
@@ -801,6 +837,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"[peers] {files.run_dir}: {len(trn)} train / {len(tst)} test docs, {files.num_labels} labels, "
           f"{files.num_features} features ({time.perf_counter() - t0:.1f}s)", flush=True)
     inv_prop = 1.0 / propensities(label_frequencies(trn.targets, files.num_labels), len(trn))
+    from training.data import load_labels, own_label_ids
+
+    own = own_label_ids(tst.uids, load_labels(files.data_dir).uids)
+    own = own if (own >= 0).any() else None
     log = Path(files.run_dir) / "peers.log"
     serve_spec = {"latency_queries": args.latency_queries, "warmup": args.warmup, "batch_size": args.batch_size}
     rows: list[dict[str, Any]] = []
@@ -831,11 +871,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 serve = run_worker(files, system, "serve", log, True, model_dir=str(model_dir), **serve_spec)
             row.update(serve)
             row["metrics"] = evaluate(serve["preds"], tst.targets, inv_prop)
+            if own is not None:
+                row["metrics_own_excluded"] = evaluate(serve["preds"], tst.targets, inv_prop, own)
             m = row["metrics"]
             print(f"[peers] {system}: P@1 {m['P@1']:.2f} P@5 {m['P@5']:.2f} PSP@5 {m['PSP@5']:.2f} "
                   f"train {fmt(row.get('train_s'), 1)}s p50 {row['p50_ms']:.3f}ms p99 {row['p99_ms']:.3f}ms "
                   f"{row['qps']:.0f} q/s RSS {row['rss_mb']:.0f} MiB single/batch agreement "
                   f"{row['agreement']:.3f}", flush=True)
+            if own is not None:
+                m = row["metrics_own_excluded"]
+                print(f"[peers] {system}, own label excluded: P@1 {m['P@1']:.2f} P@5 {m['P@5']:.2f} "
+                      f"PSP@5 {m['PSP@5']:.2f}", flush=True)
         except (BenchError, ImportError, OSError, ValueError) as exc:
             row["error"] = str(exc)
             print(f"[peers] {system}: {exc}", flush=True)
@@ -864,6 +910,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "commit": git_revision(),
         "cpus": os.cpu_count(),
         "trn_docs": len(trn),
+        "own_label_docs": int((own >= 0).sum()) if own is not None else 0,
         "tst_docs": len(tst),
         "labels": files.num_labels,
         "features": files.num_features,

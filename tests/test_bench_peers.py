@@ -16,8 +16,16 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import latency_summary, replace_section  # noqa: E402
-from bench.peers import _csr_topk, _pad_ids, parse_grid, parse_systems, texts_to_csr  # noqa: E402
+from bench.peers import (  # noqa: E402
+    _csr_topk,
+    _pad_ids,
+    parse_grid,
+    parse_systems,
+    texts_to_csr,
+    without_own_label,
+)
 from service.engine.tokenizer import Tokenizer  # noqa: E402
+from training.data import own_label_ids  # noqa: E402
 
 # scipy comes with the bench extra (and training); the peers' features are scipy CSR.
 sp = pytest.importorskip("scipy.sparse")
@@ -76,3 +84,10 @@ def test_latency_summary_percentiles_in_ms() -> None:
     assert summary["p99_ms"] > 9.0
     with pytest.raises(ValueError):
         latency_summary([])
+
+
+def test_own_label_is_found_by_uid_and_removed_with_the_rest_moving_up() -> None:
+    own = own_label_ids(["pkg-b", "doc-only", "pkg-a"], ["pkg-a", "pkg-b", "pkg-c"])
+    assert own.tolist() == [1, -1, 0]
+    preds = np.array([[3, 1, 4, 5], [1, 2, -1, -1], [2, 3, 5, 0]])
+    np.testing.assert_array_equal(without_own_label(preds, own), [[3, 4, 5, -1], [1, 2, -1, -1], [2, 3, 5, -1]])

@@ -141,6 +141,42 @@ def test_alpha_changes_the_ranking_and_is_bounded(predictor):
         predictor.predict_ids([text], k=0)
 
 
+@pytest.mark.parametrize("scorer", ["shortlist", "exact", "tree"])
+def test_excluded_labels_are_left_out_and_the_next_best_move_up(predictor, scorer):
+    predict = {"shortlist": predictor.predict_ids, "exact": predictor.predict_exact_ids,
+               "tree": predictor.predict_tree_ids}[scorer]
+    texts = [predictor.bundle.labels.titles[4], predictor.bundle.labels.titles[9], "alpha beta"]
+    plain_ids, plain_scores = predict(texts, 8)
+    assert (plain_ids[:, :3] >= 0).all()
+    # row 0 drops its best label, row 1 its second and third, row 2 nothing
+    exclude = [[int(plain_ids[0, 0])], [int(plain_ids[1, 2]), int(plain_ids[1, 1])], []]
+    ids, scores = predict(texts, 6, exclude=exclude)
+    assert ids[0].tolist() == plain_ids[0, 1:7].tolist()
+    assert ids[1].tolist() == [plain_ids[1, 0], *plain_ids[1, 3:8]]
+    assert ids[2].tolist() == plain_ids[2, :6].tolist()
+    np.testing.assert_allclose(scores[0], plain_scores[0, 1:7], atol=1e-6)
+    for row, text in enumerate(texts):  # alone as in the batch
+        alone, _ = predict([text], 6, exclude=[exclude[row]])
+        assert alone[0].tolist() == ids[row].tolist()
+    assert predict(texts[:1], 6, exclude=[np.array(exclude[0])])[0][0].tolist() == ids[0].tolist()
+
+
+def test_exclusions_are_checked(predictor):
+    text = predictor.bundle.labels.titles[4]
+    L = predictor.num_labels
+    cases = [("rows for 1 texts", [[1], [2]]), (rf"in \[0, {L}\)", [[L]]), (rf"in \[0, {L}\)", [[-1]]),
+             ("integer label ids", [[1.5]]), ("integer label ids", [["3"]])]
+    for message, bad in cases:
+        with pytest.raises(ValueError, match=message):
+            predictor.predict_ids([text], 5, exclude=bad)
+    # every label excluded: nothing left to return, no error
+    ids, _ = predictor.predict_ids([text], 3, exclude=[range(L)])
+    assert ids.tolist() == [[-1, -1, -1]]
+    assert predictor.predict([text], 3, exclude=[range(L)]) == [[]]
+    # the last id is allowed
+    predictor.predict_ids([text], 3, exclude=[[L - 1]])
+
+
 def test_named_predictions_carry_uid_and_title(predictor):
     (preds,) = predictor.predict([predictor.bundle.labels.titles[2]], k=3)
     labels = predictor.bundle.labels

@@ -165,6 +165,27 @@ def test_tuning_maximises_the_configured_objective(trained: Checkpoint, dataset:
     assert objective_value(default, DEFAULT_OBJECTIVE) >= objective_value(tail, DEFAULT_OBJECTIVE)
 
 
+def test_tuning_without_own_labels_scores_what_exclusion_serves(trained: Checkpoint, dataset: Path) -> None:
+    tst = load_split(dataset, "tst", "title", len(trained.labels))
+    device = trained.encoder.embedding.device
+    q = embed(trained.encoder, _encode_texts(trained.tokenizer, tst.texts), device)
+    inv_prop = 1.0 / propensities(label_frequencies(tst.targets, len(trained.labels)), len(tst))
+    w, b, mu = trained.classifiers, trained.classifier_bias, trained.centroids
+    args = (q, tst.targets, w, b, mu, "scaled_bias", inv_prop, device)
+    plain_scoring, plain = tune_scoring(*args)
+    # Pretend each document whose best label is wrong is that label (its own, never a target).
+    top = predict_exact(q, w, b, mu, plain_scoring, 1, device)[:, 0]
+    own = np.array([t if t not in truth else -1 for t, truth in zip(top, tst.targets, strict=True)])
+    assert (own >= 0).sum() > 20
+    scoring, tuned = tune_scoring(*args, own=own)
+    assert tuned["P@1"] > plain["P@1"]  # the wrong best labels are gone
+    ranked = predict_exact(q, w, b, mu, scoring, 6, device)
+    served = np.array([[x for x in row if x != o][:5] for row, o in zip(ranked, own, strict=True)])
+    expected = ranking_metrics(served, tst.targets, (1, 5), inv_prop)
+    for name in ("P@1", "P@5", "PSP@5"):
+        assert tuned[name] == pytest.approx(expected[name], abs=1e-9)
+
+
 @pytest.mark.parametrize(
     ("objective", "message"),
     [

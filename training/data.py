@@ -13,10 +13,12 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
+
+import numpy as np
 
 TextField = Literal["title", "title+content"]
 SPLIT_SUFFIXES = (".json.gz", ".json", ".jsonl", ".jsonl.gz")
@@ -45,6 +47,17 @@ class Split:
         return Split(
             [self.uids[i] for i in rows], [self.texts[i] for i in rows], [self.targets[i] for i in rows]
         )
+
+
+def own_label_ids(doc_uids: Sequence[str], label_uids: Sequence[str]) -> np.ndarray:
+    """Per document, the id of the label with the document's uid, -1 when none.
+
+    Where documents are labels too (a package among the packages others depend on), a
+    document's own label is never its target; the Extreme Classification Repository ships these
+    pairs as filter_labels files for its LF-* datasets and scores predictions without them.
+    """
+    index = {uid: i for i, uid in enumerate(label_uids)}
+    return np.array([index.get(uid, -1) for uid in doc_uids], dtype=np.int64)
 
 
 def find_split_file(data_dir: str | Path, split: str) -> Path | None:

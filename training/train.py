@@ -118,6 +118,11 @@ class TrainConfig:
     # test): P@1 62.99 -> 63.07, P@5 33.74 -> 32.85, PSP@5 25.20 -> 21.07: one metric on 2,000
     # validation documents (P@1's standard error ~1 point) picks noisily; the sum is steadier.
     tune_objective: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_OBJECTIVE))
+    # Tune as if each validation document's own label (the label with the document's uid) were
+    # excluded, as the service's `exclude` and the XC repository's filter_labels protocol do: a
+    # document that is also a label (a package others depend on) is never its own target, and
+    # a new document served later is not a label yet. No effect where documents are not labels.
+    exclude_own_labels: bool = True
     alpha: float = 0.8
     # Shortlist sources served by default: HNSW over [w, b] (k_w), HNSW over centroids (k_mu),
     # the token shortlist (k_tok labels per query token; training/token_shortlist.py keeps
@@ -606,12 +611,14 @@ def tune_scoring(
     device: torch.device,
     candidates: int = 100,
     objective: dict[str, float] | None = None,
+    own: np.ndarray | None = None,
 ) -> tuple[Scoring, dict[str, float]]:
     """Grid over alpha and the calibrations on validation documents, maximising `objective`
     (metric -> weight, default DEFAULT_OBJECTIVE: P@1 + P@5 + PSP@5).
 
     Scores only each document's candidates (top by classifier union top by centroid): the
     top 5 of any mixture of the two lies in that union, so the grid is cheap and exact.
+    own: per document, a label id never predicted (its own label; -1 for none).
     """
     w_t, b_t, mu_t = (torch.from_numpy(a).to(device) for a in (w, b, mu))
     qt = torch.from_numpy(q).to(device)
@@ -622,6 +629,8 @@ def tune_scoring(
     logits = logits_all.gather(1, cand).cpu().numpy()
     sims = sims_all.gather(1, cand).cpu().numpy()
     cand_np = cand.cpu().numpy()
+    if own is not None:
+        cand_np = np.where(cand_np == own[:, None], -1, cand_np)
     if form == "paper":
         fs = [Calibration("exp", a, -a) for a in (1.0, 3.0, 5.0, 10.0)]
     else:
@@ -638,13 +647,19 @@ def tune_scoring(
                 # duplicates in cand (label in both lists) are harmless: same score, top_k keeps one first
                 order = np.argsort(-scores, axis=1, kind="stable")
                 preds = np.take_along_axis(cand_np, order, axis=1)
-                preds = np.array([list(dict.fromkeys(r.tolist()))[:5] for r in preds])
+                preds = np.array([_first_distinct(r.tolist(), 5) for r in preds])
                 m = ranking_metrics(preds, truths, (1, 5), inv_prop)
                 value = objective_value(m, objective or DEFAULT_OBJECTIVE)
                 if best is None or value > best[0]:
                     best = (value, Scoring(alpha, f, g), m)
     assert best is not None
     return best[1], {k: float(v) for k, v in best[2].items()}
+
+
+def _first_distinct(ids: list[int], k: int) -> list[int]:
+    """The first k distinct ids >= 0 of a ranked list, -1 padded."""
+    out = [i for i in dict.fromkeys(ids) if i >= 0][:k]
+    return out + [-1] * (k - len(out))
 
 
 LEXICAL_WEIGHTS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5)
@@ -665,8 +680,10 @@ def tune_lexical(
     device: torch.device,
     chunk: int = 256,
     objective: dict[str, float] | None = None,
+    own: np.ndarray | None = None,
 ) -> tuple[float, dict[str, float]]:
-    """The lexical score's weight on validation documents, over all labels, same objective as tune_scoring."""
+    """The lexical score's weight on validation documents, over all labels, same objective (and
+    own labels) as tune_scoring."""
     w_t, b_t, mu_t = (torch.from_numpy(a).to(device) for a in (w, b, mu))
     preds: dict[float, list[np.ndarray]] = {lam: [] for lam in LEXICAL_WEIGHTS}
     for start in range(0, len(q), chunk):
@@ -675,8 +692,14 @@ def tune_lexical(
         logits = (qc @ w_t.T + b_t).cpu().numpy()
         sims = (qc @ mu_t.T).cpu().numpy()
         lexical = table.dense_scores(tokens[part], token_weights[part], w.shape[0], k_tok)
+        rows = cols = None
+        if own is not None:
+            rows = np.flatnonzero(own[part] >= 0)
+            cols = own[part][rows]
         for lam in LEXICAL_WEIGHTS:
             scores = combine_scores(logits, sims, scoring.alpha, scoring.f, scoring.g, lexical, lam)
+            if rows is not None:
+                scores[rows, cols] = -np.inf
             preds[lam].append(top_k(scores, 5)[0])
     best: tuple[float, float, dict[str, float]] | None = None
     for lam in LEXICAL_WEIGHTS:
@@ -860,8 +883,13 @@ def _train(data_dir: str | Path, cfg: TrainConfig, text_field: str, log: Any) ->
         )
     q_val = embed(encoder, val_enc, device)
     if cfg.tune:
+        own = None
+        if cfg.exclude_own_labels:
+            own = xc_data.own_label_ids(val.uids, label_set.uids)
+            log(f"tuning without own labels: {int((own >= 0).sum())} of {len(own)} validation documents are labels")
         scoring, val_m = tune_scoring(
-            q_val, val.targets, w, b, mu, cfg.classifier_form, inv_prop, device, objective=cfg.tune_objective
+            q_val, val.targets, w, b, mu, cfg.classifier_form, inv_prop, device, objective=cfg.tune_objective,
+            own=own,
         )
         metrics["validation"] = {k: round(v, 3) for k, v in val_m.items()}
         log(
@@ -871,7 +899,7 @@ def _train(data_dir: str | Path, cfg: TrainConfig, text_field: str, log: Any) ->
         if table is not None and cfg.serve_k_tok:
             scoring.lexical_weight, lex_m = tune_lexical(
                 q_val, val_enc.ids.numpy(), val_enc.weights.numpy(), val.targets, w, b, mu, scoring, table,
-                cfg.serve_k_tok, inv_prop, device, objective=cfg.tune_objective,
+                cfg.serve_k_tok, inv_prop, device, objective=cfg.tune_objective, own=own,
             )
             metrics["validation_lexical"] = {k: round(v, 3) for k, v in lex_m.items()}
             log(f"tuned on validation: lexical_weight={scoring.lexical_weight} -> {metrics['validation_lexical']}")

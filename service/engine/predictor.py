@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -17,6 +17,9 @@ class Prediction(NamedTuple):
     title: str
     score: float
 
+
+# Per text, label ids never to return (Predictor.predict_ids).
+Exclusions = Sequence[Collection[int]]
 
 _SCORE_ROWS = 64  # queries whose candidate rows are gathered at once
 
@@ -187,24 +190,32 @@ class Predictor:
                 np.matmul(self._mu.take(rows, axis=0), col)[:, :, 0])
 
     def predict_ids(
-        self, texts: Sequence[str], k: int = 10, alpha: float | None = None
+        self, texts: Sequence[str], k: int = 10, alpha: float | None = None, exclude: Exclusions | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Top-k label ids int64 [B, k] (-1 where fewer were found) and scores float32 [B, k]."""
+        """Top-k label ids int64 [B, k] (-1 where fewer were found) and scores float32 [B, k].
+
+        exclude: per text, label ids never to return (the text's own label when texts and labels
+        are the same kind of thing, items a user has already); the rest of S is ranked as usual.
+        """
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         a = self._check_alpha(alpha)
+        excluded = self._check_exclude(exclude, len(texts))
         tokens, weights, q = self._encode(texts)
         cands, lexical = self._shortlist(tokens, weights, q)
         scores = self.score_candidates(q, cands, a, lexical)
+        if excluded is not None:
+            scores[_excluded_mask(cands, excluded)] = -np.inf
         idx, best = top_k(scores, k)
         ids = cands[np.arange(len(cands))[:, None], idx]
         return _pad(ids, best, k)
 
     def predict_exact_ids(
-        self, texts: Sequence[str], k: int = 10, alpha: float | None = None
+        self, texts: Sequence[str], k: int = 10, alpha: float | None = None, exclude: Exclusions | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         """The same scores over all L labels (brute force): the baseline the shortlist approximates."""
         a = self._check_alpha(alpha)
+        excluded = self._check_exclude(exclude, len(texts))
         tokens, weights, q = self._encode(texts)
         logits = q @ self._w.T + self._b
         sims = q @ self._mu.T
@@ -212,11 +223,13 @@ class Predictor:
         if self.lexical_weight:
             lexical = self._table.dense_scores(tokens, weights, self.num_labels, self.shortlist_tok)
         scores = combine_scores(logits, sims, a, self.f, self.g, lexical, self.lexical_weight).astype(np.float32)
+        for row, ids in enumerate(excluded or ()):
+            scores[row, ids] = -np.inf
         ids, best = top_k(scores, k)
         return _pad(ids, best, k)
 
     def predict_tree_ids(
-        self, texts: Sequence[str], k: int = 10, beam: int | None = None
+        self, texts: Sequence[str], k: int = 10, beam: int | None = None, exclude: Exclusions | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         tree = self.bundle.tree
         if tree is None:
@@ -225,14 +238,45 @@ class Predictor:
             raise ValueError(f"k must be >= 1, got {k}")
         if beam is not None and beam < 1:
             raise ValueError(f"beam must be >= 1, got {beam}")
-        ids, scores = tree.search(self.encode(texts), k, beam)
-        return _pad(np.array(ids, dtype=np.int64), np.array(scores, dtype=np.float32), k)
+        excluded = self._check_exclude(exclude, len(texts))
+        if excluded is None:
+            ids, scores = tree.search(self.encode(texts), k, beam)
+            return _pad(np.array(ids, dtype=np.int64), np.array(scores, dtype=np.float32), k)
+        # The best k + |exclusions| leaves hold the best k that are not excluded.
+        ids, scores = tree.search(self.encode(texts), k + max(len(x) for x in excluded), beam)
+        scores = np.array(scores, dtype=np.float32)
+        scores[_excluded_mask(ids, excluded)] = -np.inf
+        idx, best = top_k(scores, k)
+        return _pad(np.array(ids, dtype=np.int64)[np.arange(len(ids))[:, None], idx], best, k)
 
-    def predict(self, texts: Sequence[str], k: int = 10, alpha: float | None = None) -> list[list[Prediction]]:
-        return self._named(*self.predict_ids(texts, k, alpha))
+    def _check_exclude(self, exclude: Exclusions | None, rows: int) -> list[np.ndarray] | None:
+        """exclude as one int64 id array per text; None when nothing is excluded."""
+        if exclude is None:
+            return None
+        if len(exclude) != rows:
+            raise ValueError(f"exclude has {len(exclude)} rows for {rows} texts")
+        out = []
+        for row, ids in enumerate(exclude):
+            arr = np.asarray(ids if isinstance(ids, np.ndarray) else list(ids))
+            if arr.size == 0:
+                out.append(np.zeros(0, dtype=np.int64))
+                continue
+            if arr.ndim != 1 or arr.dtype.kind not in "iu":
+                raise ValueError(f"exclude[{row}]: expected a list of integer label ids")
+            if arr.min() < 0 or arr.max() >= self.num_labels:
+                raise ValueError(f"exclude[{row}]: label ids must be in [0, {self.num_labels})")
+            out.append(arr.astype(np.int64, copy=False))
+        return out if any(len(ids) for ids in out) else None
 
-    def predict_tree(self, texts: Sequence[str], k: int = 10, beam: int | None = None) -> list[list[Prediction]]:
-        return self._named(*self.predict_tree_ids(texts, k, beam))
+    def predict(
+        self, texts: Sequence[str], k: int = 10, alpha: float | None = None, exclude: Exclusions | None = None
+    ) -> list[list[Prediction]]:
+        return self._named(*self.predict_ids(texts, k, alpha, exclude))
+
+    def predict_tree(
+        self, texts: Sequence[str], k: int = 10, beam: int | None = None, exclude: Exclusions | None = None
+    ) -> list[list[Prediction]]:
+        return self._named(*self.predict_tree_ids(texts, k, beam, exclude))
 
     def _named(self, ids: np.ndarray, scores: np.ndarray) -> list[list[Prediction]]:
         labels = self.bundle.labels
@@ -244,6 +288,15 @@ class Predictor:
             ]
             for row_ids, row_scores in zip(ids, scores, strict=True)
         ]
+
+
+def _excluded_mask(ids: np.ndarray, excluded: list[np.ndarray]) -> np.ndarray:
+    """True where a row of label ids [B, C] holds one of that row's excluded ids."""
+    mask = np.zeros(ids.shape, dtype=bool)
+    for row, drop in enumerate(excluded):
+        if len(drop):
+            mask[row] = np.isin(ids[row], drop)
+    return mask
 
 
 def merge_shortlists(
