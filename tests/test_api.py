@@ -20,6 +20,7 @@ LIMITS = {
     "SHORTLIST_MAX_K": "20",
     "SHORTLIST_MAX_BATCH": "8",
     "SHORTLIST_MAX_BODY_BYTES": "2048",
+    "SHORTLIST_MAX_EXCLUDE": "3",
     "SHORTLIST_ECHO_ROUTE": "true",
     "SHORTLIST_FAULT_ROUTE": "true",
 }
@@ -79,6 +80,27 @@ def test_alpha_override_is_applied(client, bundle_root, texts, alpha):
         assert_same_ranking(got, exp)
 
 
+@pytest.mark.parametrize("route", ["/v1/predict", "/v1/predict/tree"])
+def test_excluded_labels_are_left_out_and_the_next_ones_move_up(client, bundle_root, texts, route):
+    tree = route.endswith("tree")
+    plain = client.post(route, json={"texts": texts[:3], "k": 6}).json()["results"]
+    # the first text's best two labels and the second text's fourth, excluded from every text
+    drop = [plain[0][0], plain[0][1], plain[1][3]]
+    uids = [d["uid"] for d in drop]
+    want = reference(bundle_root / "v2", texts[:3], k=4, tree=tree, exclude=[d["id"] for d in drop])
+    r = client.post(route, json={"texts": texts[:3], "k": 4, "exclude": uids})  # at max_exclude
+    assert r.status_code == 200, r.text
+    got = r.json()["results"]
+    for row, exp in zip(got, want, strict=True):
+        assert_same_ranking(row, exp)
+        assert not {d["uid"] for d in row} & set(uids)
+    assert [d["uid"] for d in got[0]] == [d["uid"] for d in plain[0][2:6]]
+    # a single text goes through the batcher, apart from texts with other exclusions
+    one = client.post(route, json={"text": texts[0], "k": 4, "exclude": uids})
+    assert one.status_code == 200 and one.json()["results"][0] == got[0]
+    assert client.post(route, json={"text": texts[0], "k": 6, "exclude": []}).json()["results"][0] == plain[0]
+
+
 def test_tree_endpoint_matches_the_engine_tree_scorer(client, bundle_root, texts):
     want = reference(bundle_root / "v2", texts[:4], k=5, tree=True)
     r = client.post("/v1/predict/tree", json={"texts": texts[:4], "k": 5})
@@ -130,6 +152,10 @@ BAD_INPUTS = [
     ("neither text nor texts", {"k": 3}, None, 422, "body"),
     ("body is a list", ["x"], None, 422, "body"),
     ("beam on the alpha route", {"text": "x", "beam": 4}, None, 422, "body.beam"),
+    ("exclude one past max_exclude", {"text": "x", "exclude": ["a", "b", "c", "d"]}, None, 422, "body.exclude"),
+    ("exclude as a string", {"text": "x", "exclude": "L1"}, None, 422, "body.exclude"),
+    ("exclude with a number", {"text": "x", "exclude": [3]}, None, 422, "body.exclude[0]"),
+    ("exclude with an unknown uid", {"text": "x", "exclude": ["no-such-label"]}, None, 422, "body.exclude[0]"),
     ("malformed JSON", b'{"text": "x",', None, 400, "malformed_json"),
     ("non-UTF-8 bytes", b'{"text": "caf\xe9"}', None, 400, "invalid_encoding"),
     ("wrong content type", b'{"text": "x"}', {"content-type": "text/plain"}, 415, "unsupported_media_type"),
@@ -311,6 +337,7 @@ def test_serve_refuses_an_invalid_setting_naming_it(bundle_root, variable, value
     ("gil_switch_interval_ms", [0.001, 100.0], [0.0, -1.0, 100.5]),
     ("loader_nice", [0, 19], [-1, 20]),
     ("heap_tuning", [True, False], ["maybe", 2]),
+    ("max_exclude", [0, 5000], [-1, "many"]),
 ])
 def test_new_settings_are_bounded_at_and_past_the_edge(field, inside, outside):
     from pydantic import ValidationError

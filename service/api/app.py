@@ -87,7 +87,7 @@ def build_state(settings: Settings) -> ServiceState:
         on_batch=lambda scorer, n: metrics.batch_size.labels(scorer).observe(n),
     )
     limits = Limits(max_text_chars=settings.max_text_chars, max_k=settings.max_k,
-                    max_batch=settings.max_batch, max_beam=settings.max_beam)
+                    max_batch=settings.max_batch, max_beam=settings.max_beam, max_exclude=settings.max_exclude)
     return ServiceState(settings, registry, runner, metrics, limits)
 
 
@@ -112,21 +112,38 @@ def _labels(preds: Sequence[Any]) -> list[dict[str, Any]]:
     return [{"id": int(p.id), "uid": p.uid, "title": p.title, "score": float(p.score)} for p in preds]
 
 
+def _excluded_ids(uids: list[str] | None, engine: Engine) -> tuple[int, ...]:
+    """The request's exclude uids as label ids of the bundle answering it; 422 naming any unknown uid."""
+    if not uids:
+        return ()
+    ids = engine.bundle.labels.ids_of(uids)
+    unknown = [{"field": f"body.exclude[{i}]", "message": f"unknown label uid {uid!r} in bundle {engine.version}"}
+               for i, (uid, row) in enumerate(zip(uids, ids, strict=True)) if row is None]
+    if unknown:
+        raise ApiError(422, "invalid_request", f"{unknown[0]['field']}: {unknown[0]['message']}", unknown)
+    return tuple(sorted(set(ids)))
+
+
 def _predict_router(state: ServiceState) -> APIRouter:
     router = APIRouter()
     settings, registry, runner = state.settings, state.registry, state.runner
     ctx = {"limits": state.limits}
 
     async def _answer(req: PredictRequest, scorer: str, engine: Engine) -> dict[str, Any]:
+        excluded = _excluded_ids(req.exclude, engine)
         if scorer == "tree":
             if not engine.bundle.has_tree:
                 raise ApiError(409, "no_tree_scorer",
                                f"the active bundle {engine.version} has no tree scorer; use /v1/predict")
-            fn = partial(engine.predictor.predict_tree, k=req.k, beam=req.beam)
-            key = (engine, scorer, req.k, req.beam)
+            predict = partial(engine.predictor.predict_tree, k=req.k, beam=req.beam)
+            key = (engine, scorer, req.k, req.beam, excluded)
         else:
-            fn = partial(engine.predictor.predict, k=req.k, alpha=req.alpha)
-            key = (engine, scorer, req.k, req.alpha)
+            predict = partial(engine.predictor.predict, k=req.k, alpha=req.alpha)
+            key = (engine, scorer, req.k, req.alpha, excluded)
+        fn = predict
+        if excluded:
+            def fn(texts: list[str]) -> list[Any]:
+                return predict(texts, exclude=[excluded] * len(texts))
         if req.text is not None:
             results = [await runner.submit_one(key, scorer, fn, req.text)]
         else:

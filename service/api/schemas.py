@@ -1,6 +1,6 @@
 """The API schema: every request and response body, defined once.
 
-Limits that are configurable (text length, k, batch size, beam) are checked by validators
+Limits that are configurable (text length, k, batch size, beam, exclusions) are checked by validators
 reading `Limits` from the validation context, so they fail with the same field-named 422
 as every other schema error.
 """
@@ -19,6 +19,7 @@ class Limits:
     max_k: int = 100
     max_batch: int = 128
     max_beam: int = 256
+    max_exclude: int = 1000
 
 
 def _limits(info: ValidationInfo) -> Limits:
@@ -48,6 +49,12 @@ class PredictRequest(_Strict):
         None, ge=0.0, le=1.0, description="classifier weight in [0, 1]; default: the bundle's"
     )
     beam: int | None = Field(None, ge=1, description="tree endpoint only: beam width")
+    exclude: list[str] | None = Field(
+        None,
+        description="label uids never to return, for every text of the request (the text's own label "
+        "when texts are labels too, items already chosen); the next best labels take their places; "
+        "at most max_exclude",
+    )
 
     @field_validator("alpha", mode="before")
     @classmethod
@@ -93,6 +100,14 @@ class PredictRequest(_Strict):
         limit = _limits(info).max_beam
         if v is not None and v > limit:
             raise ValueError(f"beam is {v}, the limit is {limit}")
+        return v
+
+    @field_validator("exclude")
+    @classmethod
+    def _exclude(cls, v: list[str] | None, info: ValidationInfo) -> list[str] | None:
+        limit = _limits(info).max_exclude
+        if v is not None and len(v) > limit:
+            raise ValueError(f"exclude has {len(v)} uids, the limit is {limit}")
         return v
 
     @model_validator(mode="after")

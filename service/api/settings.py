@@ -43,6 +43,7 @@ class Settings(BaseSettings):
     max_batch: int = Field(128, ge=1)
     max_body_bytes: int = Field(1_048_576, ge=64)
     max_beam: int = Field(256, ge=1)
+    max_exclude: int = Field(1000, ge=0)
 
     # Admin API: off unless a token is set; optionally on its own port.
     admin_token: SecretStr | None = None

@@ -21,9 +21,24 @@ class LabelTable:
         # with the GIL held, about once a second under load).
         self.uids: tuple[str, ...] = tuple(uids)
         self.titles: tuple[str, ...] = tuple(titles)
+        self._ids: dict[str, int] | None = None
 
     def __len__(self) -> int:
         return len(self.uids)
+
+    def ids_of(self, uids: Sequence[str]) -> list[int | None]:
+        """The row of each uid, None for a uid not in the table (first occurrence if repeated).
+
+        The uid -> row index is built on first use (~5 ms and a few MB per 40K labels), not at
+        load: only requests that name labels by uid need it.
+        """
+        index = self._ids
+        if index is None:
+            index = {}
+            for row, uid in enumerate(self.uids):
+                index.setdefault(uid, row)
+            self._ids = index  # a concurrent first call builds the same dict; either may win
+        return [index.get(uid) for uid in uids]
 
     def save(self, path: str | Path) -> None:
         with Path(path).open("w", encoding="utf-8") as f:
