@@ -107,6 +107,8 @@ def test_bundle_with_k_tok_needs_a_valid_table(bundle_root_copy):
     good = np.load(bundle_dir / TOKEN_SHORTLIST)
     manifest = json.loads((bundle_dir / MANIFEST).read_text())
     num_labels = manifest["num_labels"]
+    k_tok = manifest["scoring"]["shortlist"]["k_tok"]
+    assert 0 < k_tok < good.shape[1]
 
     del manifest["files"][TOKEN_SHORTLIST]
     (bundle_dir / MANIFEST).write_text(json.dumps(manifest))
@@ -129,8 +131,11 @@ def test_bundle_with_k_tok_needs_a_valid_table(bundle_root_copy):
     _write_table(bundle_dir, good, k_tok=good.shape[1] + 1)
     with pytest.raises(BundleError, match="rows hold"):
         Bundle.load(bundle_dir)
-    _write_table(bundle_dir, good, k_tok=good.shape[1])
-    assert Bundle.load(bundle_dir).manifest.scoring.shortlist.k_tok == good.shape[1]
+    # at the edge, k_tok = the row width: rows cut to the served k_tok (the canary's answers stay)
+    shares = np.load(bundle_dir / TOKEN_SHORTLIST_SHARES)
+    _write_table(bundle_dir, np.ascontiguousarray(shares[:, :k_tok]), name=TOKEN_SHORTLIST_SHARES)
+    _write_table(bundle_dir, np.ascontiguousarray(good[:, :k_tok]), k_tok=k_tok)
+    assert Bundle.load(bundle_dir).token_shortlist.width == k_tok
 
 
 def test_bundle_without_a_table_still_serves(bundle_root_copy):
@@ -307,3 +312,26 @@ def test_token_only_batches_equal_single_queries(bundle_root, head):
         (alone,) = predictor.shortlist([text])
         assert alone.tolist() == shortlists[row].tolist() == sorted(set(alone.tolist()))
     assert (batch_ids[1] >= 0).sum() == head  # an unknown text gets the head only
+
+
+def test_training_tunes_on_the_shortlists_the_engine_serves(bundle_root):
+    import torch
+
+    from training.train import ServedShortlist
+
+    bundle = Bundle.load(bundle_root / "v1")
+    predictor = Predictor(bundle, shortlist_w=0, shortlist_mu=0)
+    b = np.asarray(bundle.classifier_bias)
+    served = ServedShortlist(0, 0, predictor.shortlist_tok, np.argsort(-b, kind="stable")[:32], predictor.head_mode)
+    assert served.head_mode == "fallback" and predictor.shortlist_head == 32
+    texts = [*bundle.labels.titles[:20], "zzqx unknown", bundle.labels.titles[3] + " " + bundle.labels.titles[8]]
+    tokens, weights = bundle.tokenizer.encode_batch(texts)
+    q = predictor.encoder.run(tokens, weights)
+    arrays = (np.asarray(bundle.classifiers), b, np.asarray(bundle.centroids))
+    cands, lexical = served.candidates(q, tokens, weights, *arrays, bundle.token_shortlist, torch.device("cpu"),
+                                       chunk=7)  # several chunks of different widths
+    engine_cands, engine_lexical = predictor._shortlist(tokens, weights, q)
+    width = engine_cands.shape[1]
+    assert (cands[:, width:] == -1).all()
+    np.testing.assert_array_equal(cands[:, :width], engine_cands)
+    np.testing.assert_allclose(lexical[:, :width], engine_lexical, atol=1e-6)

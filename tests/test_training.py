@@ -64,10 +64,11 @@ def test_checkpoint_contents(trained: Checkpoint) -> None:
     assert trained.classifiers.shape == (L, 32) and trained.classifier_bias.shape == (L,)
     assert trained.centroids.shape == (L, 32)
     assert set(trained.scoring) == {"alpha", "lexical_weight", "classifier_form", "calibration", "shortlist"}
-    assert trained.scoring["lexical_weight"] in (0.0, 0.05, 0.1, 0.2, 0.3, 0.5)
+    assert trained.scoring["lexical_weight"] in (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5)
     assert trained.scoring["classifier_form"] == "scaled_bias"
     assert set(trained.scoring["calibration"]) == {"classifier", "centroid"}
-    assert set(trained.scoring["shortlist"]) == {"k_w", "k_mu", "k_tok"}
+    # the tiny config serves HNSW 20 / 20 and 10 labels per token; the prior's head as fallback
+    assert trained.scoring["shortlist"] == {"k_w": 20, "k_mu": 20, "k_tok": 10, "k_head": 32, "head": "fallback"}
     table = trained.extra_arrays["token_shortlist"]["labels"]
     assert table.dtype == np.int32 and table.shape[0] == trained.tokenizer.vocab_size
     assert (table[0] == -1).all() and table.min() >= -1 and table.max() < L

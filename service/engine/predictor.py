@@ -117,36 +117,20 @@ class Predictor:
     ) -> tuple[np.ndarray, np.ndarray | None]:
         """The union shortlist S of each row as label ids [B, C] (sorted, distinct, -1 padded at
         the end; C = the longest row) and, when lexical_weight > 0, their lexical scores [B, C]."""
-        rows = len(q)
-        parts = []
+        searched = []
         if self.shortlist_w:
-            ones = np.ones((rows, 1), dtype=np.float32)
-            parts.append(self.bundle.index_w.search(np.hstack([q, ones]), self.shortlist_w))
+            ones = np.ones((len(q), 1), dtype=np.float32)
+            searched.append(self.bundle.index_w.search(np.hstack([q, ones]), self.shortlist_w))
         if self.shortlist_mu:
-            parts.append(self.bundle.index_mu.search(q, self.shortlist_mu))
-        head = self._head[None, :] if len(self._head) else None
+            searched.append(self.bundle.index_mu.search(q, self.shortlist_mu))
         labels = lexical = None
         if self._table is not None:
             # Row 0 (padding) is all -1, so padded token slots add nothing.
             labels, lexical = self._table.entries(
                 tokens, self.shortlist_tok, token_weights if self.lexical_weight else None
             )
-            if head is not None and self.head_mode == "fallback":
-                unmatched = labels.max(axis=1) < 0  # no query token has a label in its row
-                if rows == 1:
-                    head = head if unmatched[0] else None
-                else:
-                    head = np.where(unmatched[:, None], head, -1) if unmatched.any() else None
-        if head is not None:
-            parts.append(head if len(head) == rows else np.repeat(head, rows, axis=0))
-        terms = None
-        if labels is not None:
-            if lexical is not None:
-                # The other sources' slots carry no lexical term.
-                width = sum(part.shape[1] for part in parts)
-                terms = np.concatenate((np.zeros((rows, width), np.float32), lexical), axis=1) if width else lexical
-            parts.append(labels)
-        return merge_shortlists(np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0], terms, self.num_labels)
+        head = self._head if len(self._head) else None
+        return union_shortlist(len(q), searched, head, self.head_mode, labels, lexical, self.num_labels)
 
     def shortlist(self, texts: Sequence[str]) -> list[np.ndarray]:
         """The union shortlist S of each text (sorted label ids)."""
@@ -297,6 +281,39 @@ def _excluded_mask(ids: np.ndarray, excluded: list[np.ndarray]) -> np.ndarray:
         if len(drop):
             mask[row] = np.isin(ids[row], drop)
     return mask
+
+
+def union_shortlist(
+    rows: int,
+    searched: list[np.ndarray],
+    head: np.ndarray | None,
+    head_mode: str,
+    token_labels: np.ndarray | None,
+    token_terms: np.ndarray | None,
+    num_labels: int,
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """S of each of `rows` queries: the searched ids [rows, k] U the head ids [H] (in every row,
+    or with head_mode "fallback" only in rows whose token labels are all -1) U the token
+    shortlist's labels [rows, T * k], merged by merge_shortlists with the token terms summed."""
+    parts = list(searched)
+    if head is not None:
+        head = head[None, :]
+        if token_labels is not None and head_mode == "fallback":
+            unmatched = token_labels.max(axis=1) < 0  # no query token has a label in its row
+            if rows == 1:
+                head = head if unmatched[0] else None
+            else:
+                head = np.where(unmatched[:, None], head, -1) if unmatched.any() else None
+        if head is not None:
+            parts.append(head if len(head) == rows else np.repeat(head, rows, axis=0))
+    terms = None
+    if token_labels is not None:
+        if token_terms is not None:
+            # The other sources' slots carry no lexical term.
+            width = sum(part.shape[1] for part in parts)
+            terms = np.concatenate((np.zeros((rows, width), np.float32), token_terms), axis=1) if width else token_terms
+        parts.append(token_labels)
+    return merge_shortlists(np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0], terms, num_labels)
 
 
 def merge_shortlists(
