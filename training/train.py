@@ -740,7 +740,11 @@ def _top5_distinct(cands: np.ndarray, scores: np.ndarray) -> np.ndarray:
     """The 5 best distinct ids of each row (-1 where fewer have a finite score)."""
     order = np.argsort(-scores, axis=1, kind="stable")
     ranked = np.take_along_axis(np.where(np.isfinite(scores), cands, -1), order, axis=1)
-    return np.array([[*[i for i in dict.fromkeys(r.tolist()) if i >= 0][:5], -1, -1, -1, -1, -1][:5] for r in ranked])
+    out = np.full((len(ranked), 5), -1, dtype=np.int64)
+    for row, ids in enumerate(ranked):
+        best = [i for i in dict.fromkeys(ids.tolist()) if i >= 0][:5]
+        out[row, : len(best)] = best
+    return out
 
 
 def evaluate(
