@@ -212,6 +212,8 @@ def test_label_table_round_trips_and_names_the_bad_line(tmp_path: Path) -> None:
     LabelTable(uids, titles).save(path)
     loaded = LabelTable.load(path)
     assert list(loaded.uids) == uids and list(loaded.titles) == titles
+    assert loaded.ids_of(["u4499", "nope", "u0", ""]) == [4499, None, 0, None]
+    assert LabelTable(["a", "b", "a"], ["x", "y", "z"]).ids_of(["a", "b"]) == [0, 1]  # first occurrence
 
     lines = path.read_text(encoding="utf-8").splitlines()
     lines[2999] = '{"uid": "u2999"}'
