@@ -90,8 +90,8 @@ class Calibrations(_Strict):
 class ShortlistSizes(_Strict):
     k_w: int = Field(ge=0)
     k_mu: int = Field(ge=0)
-    # The labels with the largest bias (the label prior's head) are shortlisted for every
-    # query: a heavy-head label can win on its prior while its direction ranks low in HNSW.
+    # The labels with the largest bias (the label prior's head) are shortlisted (when: `head`):
+    # a heavy-head label can win on its prior while its direction ranks low in HNSW.
     k_head: int = Field(0, ge=0)
     # When the head joins: "always", or "fallback" = only for a query none of whose tokens has
     # a label in the token shortlist. With the token table the head's labels that a query's
