@@ -125,6 +125,9 @@ def test_config_errors_are_clear(tmp_path: Path) -> None:
         TrainConfig.from_dict({"serve_k_w": 0, "serve_k_mu": 0, "serve_k_tok": 0})
     with pytest.raises(ValueError, match="serve_k_w must be >= 0"):
         TrainConfig.from_dict({"serve_k_w": -1})
+    with pytest.raises(ValueError, match="serve_k_head must be >= 0"):
+        TrainConfig.from_dict({"serve_k_head": -1})
+    assert TrainConfig.from_dict({"serve_k_head": 0}).serve_k_head == 0  # no head at all
     # the edge: only the token shortlist, at the table's full width
     TrainConfig.from_dict({"serve_k_w": 0, "serve_k_mu": 0, "serve_k_tok": 20, "token_shortlist_width": 20})
     bad = tmp_path / "cfg.json"
