@@ -73,7 +73,7 @@ def demo_config(dataset: str = "synthetic") -> dict:
     from training.train import TrainConfig
 
     cfg = dataclasses.asdict(TrainConfig.tiny())
-    cfg.update({"dim": 128, "m1_epochs": 6, "m3_epochs": 6, "progress": True})
+    cfg.update({"dim": 128, "m1_epochs": 6, "m3_epochs": 6, "lexical_form": "auto", "progress": True})
     if dataset == "debian":
         # ~15K packages: larger steps keep the build near five minutes on two cores. Module III
         # needs its epochs and a larger step (held-out P@1 through the engine: 61.9 with 3+4

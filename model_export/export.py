@@ -91,8 +91,11 @@ def export_checkpoint(
         if "token_shortlist" in ckpt.extra_arrays:
             table = ckpt.extra_arrays["token_shortlist"]
             np.save(staging / fmt.TOKEN_SHORTLIST, np.ascontiguousarray(table["labels"], dtype=np.int32))
-            if "shares" in table:
-                np.save(staging / fmt.TOKEN_SHORTLIST_SHARES, np.ascontiguousarray(table["shares"], dtype=np.float32))
+            # The checkpoint's array names are the bundle's file names without the prefix.
+            for name in fmt.LEXICAL_FILES[scoring.get("lexical_form", "shares")]:
+                key = name.removeprefix("token_shortlist_").removesuffix(".npy")
+                if key in table:
+                    np.save(staging / name, np.ascontiguousarray(table[key], dtype=np.float32))
         if ckpt.validation:
             with (staging / fmt.VALIDATION).open("w", encoding="utf-8") as f:
                 for row in ckpt.validation:

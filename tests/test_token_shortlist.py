@@ -8,12 +8,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 import scipy.sparse as sp
+import torch
 
 from service.engine import Bundle, BundleError, Predictor
-from service.engine.bundle import MANIFEST, TOKEN_SHORTLIST, TOKEN_SHORTLIST_SHARES, sha256_file
+from service.engine.bundle import (
+    LEXICAL_FILES,
+    MANIFEST,
+    TOKEN_SHORTLIST,
+    TOKEN_SHORTLIST_BIAS,
+    TOKEN_SHORTLIST_SHARES,
+    TOKEN_SHORTLIST_WEIGHTS,
+    sha256_file,
+)
 from service.engine.lexical import TokenShortlist
 from service.engine.predictor import merge_shortlists
-from training.token_shortlist import fit_token_shortlist
+from training.token_shortlist import fit_token_logistic, fit_token_shortlist
 
 
 def _targets(rows: list[list[int]], num_labels: int) -> sp.csr_matrix:
@@ -73,7 +82,8 @@ def test_exported_bundle_carries_the_table_and_serves_it(bundle_root):
     k_tok = bundle.manifest.scoring.shortlist.k_tok
     assert k_tok >= 1 and bundle.token_shortlist is not None
     labels = bundle.token_shortlist.labels
-    assert labels.shape[0] == bundle.tokenizer.vocab_size and bundle.token_shortlist.shares is not None
+    assert labels.shape[0] == bundle.tokenizer.vocab_size and bundle.token_shortlist.weights is not None
+    assert bundle.manifest.scoring.lexical_form == bundle.token_shortlist.form == "logistic"  # training's default
     text = bundle.labels.titles[7]
     token_ids, _ = bundle.tokenizer.encode(text)
     expected = {int(x) for t in token_ids for x in labels[t, :k_tok] if x >= 0}
@@ -116,7 +126,7 @@ def test_bundle_with_k_tok_needs_a_valid_table(bundle_root_copy):
         Bundle.load(bundle_dir)
     manifest["scoring"]["shortlist"]["k_tok"] = 0
     (bundle_dir / MANIFEST).write_text(json.dumps(manifest))
-    with pytest.raises(BundleError, match="token_shortlist_shares.npy without token_shortlist.npy"):
+    with pytest.raises(BundleError, match="token_shortlist_weights.npy without token_shortlist.npy"):
         Bundle.load(bundle_dir)
 
     for bad, message in [
@@ -132,8 +142,8 @@ def test_bundle_with_k_tok_needs_a_valid_table(bundle_root_copy):
     with pytest.raises(BundleError, match="rows hold"):
         Bundle.load(bundle_dir)
     # at the edge, k_tok = the row width: rows cut to the served k_tok (the canary's answers stay)
-    shares = np.load(bundle_dir / TOKEN_SHORTLIST_SHARES)
-    _write_table(bundle_dir, np.ascontiguousarray(shares[:, :k_tok]), name=TOKEN_SHORTLIST_SHARES)
+    weights = np.load(bundle_dir / TOKEN_SHORTLIST_WEIGHTS)
+    _write_table(bundle_dir, np.ascontiguousarray(weights[:, :k_tok]), name=TOKEN_SHORTLIST_WEIGHTS)
     _write_table(bundle_dir, np.ascontiguousarray(good[:, :k_tok]), k_tok=k_tok)
     assert Bundle.load(bundle_dir).token_shortlist.width == k_tok
 
@@ -142,7 +152,7 @@ def test_bundle_without_a_table_still_serves(bundle_root_copy):
     """Bundles written before the token shortlist existed: no file, no k_tok."""
     bundle_dir = bundle_root_copy / "v1"
     manifest = json.loads((bundle_dir / MANIFEST).read_text())
-    for name in (TOKEN_SHORTLIST, TOKEN_SHORTLIST_SHARES):
+    for name in (TOKEN_SHORTLIST, *LEXICAL_FILES["logistic"]):
         del manifest["files"][name]
         (bundle_dir / name).unlink()
     del manifest["scoring"]["shortlist"]["k_tok"]
@@ -188,12 +198,69 @@ def test_lexical_terms_summed_per_label_equal_the_dense_reference():
     assert table.entries(tokens, 2)[1] is None
     # k = 1 reads only the first label of each row
     np.testing.assert_allclose(table.dense_scores(tokens, weights, 4, k=1)[0], [0.3, 0, 0.8, 0], rtol=1e-6)
-    with pytest.raises(LookupError, match="no shares"):
+    with pytest.raises(LookupError, match="no weights"):
         TokenShortlist(labels).entries(tokens, 2, weights)
     with pytest.raises(ValueError, match="differs"):
         TokenShortlist(labels, shares[:, :1])
     with pytest.raises(ValueError, match="empty"):
         TokenShortlist(labels, np.where(labels < 0, 0.1, shares).astype(np.float32))
+
+
+def test_logistic_scores_are_the_sigmoid_of_the_summed_terms_plus_the_label_bias():
+    labels = np.array([[-1, -1], [0, 2], [2, -1], [1, 0]], dtype=np.int32)
+    weights = np.array([[0, 0], [1.5, -2.0], [0.5, 0], [-1.0, 3.0]], dtype=np.float32)
+    bias = np.array([-1.0, 0.5, 0.0, -4.0], dtype=np.float32)
+    table = TokenShortlist(labels, weights, "logistic", bias)
+    tokens = np.array([[1, 2, 0], [3, 0, 0]])
+    x = np.array([[0.6, 0.8, 0.0], [1.0, 0.0, 0.0]], dtype=np.float32)
+    sigmoid = lambda z: 1 / (1 + np.exp(-np.asarray(z, dtype=np.float64)))  # noqa: E731
+    dense = table.dense_scores(tokens, x, num_labels=4, k=2)
+    # label 2: 0.6 * -2.0 (token 1) + 0.8 * 0.5 (token 2); a label in none of the query's rows: 0
+    np.testing.assert_allclose(dense[0], [*sigmoid([0.9 - 1.0]), 0, *sigmoid([-1.2 + 0.4]), 0], rtol=1e-6)
+    np.testing.assert_allclose(dense[1], [*sigmoid([3.0 - 1.0, -1.0 + 0.5]), 0, 0], rtol=1e-6)
+    ids, terms = table.entries(tokens, 2, x)
+    cands, sums = merge_shortlists(ids, terms, 4)
+    served = table.scores(cands, sums)
+    for row in range(2):
+        listed = cands[row] >= 0
+        np.testing.assert_allclose(served[row][listed], dense[row, cands[row][listed]], rtol=1e-6)
+    for bad, message in [
+        (dict(form="logistic"), "needs a bias"),
+        (dict(form="logistic", bias=bias[:2]), "bias covers 2 labels"),
+        (dict(form="shares", bias=bias), "logistic form"),
+        (dict(form="softmax", bias=bias), "lexical form must be one of"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            TokenShortlist(labels, weights, **bad)
+
+
+def test_fit_token_logistic_learns_which_token_points_at_which_label():
+    # vocab: 0 pad, 1 "a" (always label 0), 2 "b" (always label 1), 3 "c" (nothing)
+    docs = np.array([[1, 0], [1, 2], [2, 0], [2, 3], [3, 0], [1, 3]] * 20)
+    x = np.where(docs > 0, 1.0, 0.0).astype(np.float32)
+    y = _targets([[0], [0, 1], [1], [1], [], [0]] * 20, 3)
+    table = np.array([[-1, -1], [0, 1], [1, 0], [1, -1]], dtype=np.int32)
+    kwargs = dict(epochs=30, lr=0.1, l2=1e-4, batch_size=16, seed=3, device=torch.device("cpu"))
+    weights, bias, losses = fit_token_logistic(docs, x, y, table, 2, **kwargs)
+    assert weights.shape == table.shape and weights.dtype == np.float32 and bias.shape == (3,)
+    assert losses[-1] < losses[0]
+    assert not weights[table < 0].any()
+    assert weights[1, 0] > 1 and weights[1, 1] < -1  # "a": label 0 yes, label 1 no
+    assert weights[2, 0] > 1 and weights[2, 1] < -1  # "b": label 1 yes, label 0 no
+    assert weights[3, 0] < 0  # "c" alone is no label
+    # The learned scores put each document's labels first.
+    lexical = TokenShortlist(table, weights, "logistic", bias).dense_scores(docs[:6], x[:6], 3, 2)
+    assert lexical[0].argmax() == 0 and lexical[2].argmax() == 1 and lexical[5].argmax() == 0
+    assert (lexical[4] < 0.5).all()
+    # Deterministic given the seed; k = 1 trains the first column only.
+    again = fit_token_logistic(docs, x, y, table, 2, **kwargs)
+    np.testing.assert_array_equal(again[0], weights)
+    first, _, _ = fit_token_logistic(docs, x, y, table, 1, **kwargs)
+    assert first[:, 0].any() and not first[:, 1].any()
+    with pytest.raises(ValueError, match="k must be in"):
+        fit_token_logistic(docs, x, y, table, 3, **kwargs)
+    with pytest.raises(ValueError, match="documents"):
+        fit_token_logistic(docs[:-1], x[:-1], y, table, 2, **kwargs)
 
 
 def test_merged_shortlist_sums_each_labels_terms_and_is_the_same_alone_and_in_a_batch():
@@ -243,24 +310,74 @@ def test_lexical_weight_is_checked(bundle_root, bundle_root_copy):
     assert bundle.manifest.scoring.lexical_weight > 0
     assert Predictor(bundle, shortlist_tok=0).lexical_weight == 0.0
     bundle_dir = bundle_root_copy / "v1"
-    shares = np.load(bundle_dir / TOKEN_SHORTLIST_SHARES)
+    weights = np.load(bundle_dir / TOKEN_SHORTLIST_WEIGHTS)
+    bias = np.load(bundle_dir / TOKEN_SHORTLIST_BIAS)
     labels = np.load(bundle_dir / TOKEN_SHORTLIST)
-    for bad in (shares * 0 + 1.5, np.where(shares > 0, np.nan, shares).astype(np.float32), shares[:, :1],
-                np.where(labels < 0, 0.5, shares).astype(np.float32)):
-        _write_table(bundle_dir, bad, name=TOKEN_SHORTLIST_SHARES)
-        with pytest.raises(BundleError, match=TOKEN_SHORTLIST_SHARES):
+    assert (weights < 0).any() and (weights > 0).any()  # signed: not shares
+    for name, bad in [
+        (TOKEN_SHORTLIST_WEIGHTS, np.where(weights != 0, np.nan, weights).astype(np.float32)),
+        (TOKEN_SHORTLIST_WEIGHTS, weights[:, :1]),
+        (TOKEN_SHORTLIST_WEIGHTS, np.where(labels < 0, 0.5, weights).astype(np.float32)),
+        (TOKEN_SHORTLIST_WEIGHTS, weights.astype(np.float64)),
+        (TOKEN_SHORTLIST_BIAS, bias[:-1]),
+        (TOKEN_SHORTLIST_BIAS, np.where(bias == bias.max(), np.inf, bias).astype(np.float32)),
+    ]:
+        _write_table(bundle_dir, bad, name=name)
+        with pytest.raises(BundleError, match=name):
             Bundle.load(bundle_dir)
-    _write_table(bundle_dir, shares, name=TOKEN_SHORTLIST_SHARES)
+        _write_table(bundle_dir, weights if name == TOKEN_SHORTLIST_WEIGHTS else bias, name=name)
+    Bundle.load(bundle_dir)
     manifest = json.loads((bundle_dir / MANIFEST).read_text())
     manifest["scoring"]["lexical_weight"] = 0.3
-    del manifest["files"][TOKEN_SHORTLIST_SHARES]
+    del manifest["files"][TOKEN_SHORTLIST_BIAS]
     (bundle_dir / MANIFEST).write_text(json.dumps(manifest))
-    with pytest.raises(BundleError, match="lexical_weight > 0 but token_shortlist_shares.npy is not listed"):
+    with pytest.raises(BundleError, match="lexical_form 'logistic' needs token_shortlist_bias.npy"):
         Bundle.load(bundle_dir)
+    del manifest["files"][TOKEN_SHORTLIST_WEIGHTS]
+    (bundle_dir / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match="lexical_weight > 0 but token_shortlist_weights.npy is not listed"):
+        Bundle.load(bundle_dir)
+    # another form's file in a logistic bundle: refused, not silently ignored
+    _write_table(bundle_dir, np.zeros(labels.shape, np.float32), name=TOKEN_SHORTLIST_SHARES)
+    with pytest.raises(BundleError, match="token_shortlist_shares.npy is not a file of lexical_form 'logistic'"):
+        Bundle.load(bundle_dir)
+    manifest = json.loads((bundle_dir / MANIFEST).read_text())
     manifest["scoring"]["lexical_weight"] = -0.1
     (bundle_dir / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(BundleError, match="lexical_weight"):
         Bundle.load(bundle_dir)
+    manifest["scoring"].update(lexical_weight=0.1, lexical_form="softmax")
+    (bundle_dir / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match="lexical_form"):
+        Bundle.load(bundle_dir)
+
+
+def test_a_shares_bundle_still_loads_and_scores_its_shares(bundle_root_copy):
+    """Bundles written before the logistic form: P(label | token) in [0, 1], no lexical_form field."""
+    bundle_dir = bundle_root_copy / "v1"
+    labels = np.load(bundle_dir / TOKEN_SHORTLIST)
+    shares = np.where(labels >= 0, 0.5, 0.0).astype(np.float32)
+    manifest = json.loads((bundle_dir / MANIFEST).read_text())
+    for name in LEXICAL_FILES["logistic"]:
+        del manifest["files"][name]
+        (bundle_dir / name).unlink()
+    del manifest["scoring"]["lexical_form"]
+    (bundle_dir / MANIFEST).write_text(json.dumps(manifest))
+    for bad in (shares * 0 + 1.5, shares - 0.75):
+        _write_table(bundle_dir, bad.astype(np.float32), name=TOKEN_SHORTLIST_SHARES)
+        with pytest.raises(BundleError, match="shares must be in"):
+            Bundle.load(bundle_dir, canary=False)
+    _write_table(bundle_dir, shares, name=TOKEN_SHORTLIST_SHARES)
+    # The canaries were recorded with the logistic scores.
+    bundle = Bundle.load(bundle_dir, canary=False)
+    assert bundle.manifest.scoring.lexical_form == bundle.token_shortlist.form == "shares"
+    predictor = Predictor(bundle, shortlist_w=0, shortlist_mu=0, shortlist_head=0)
+    text = bundle.labels.titles[4]
+    tokens, weights, q = predictor._encode([text])
+    cands, lexical = predictor._shortlist(tokens, weights, q)
+    dense = bundle.token_shortlist.dense_scores(tokens, weights, bundle.manifest.num_labels, predictor.shortlist_tok)
+    np.testing.assert_allclose(lexical[0], dense[0, cands[0]], rtol=1e-6)
+    assert (lexical > 0).all()  # every label of the rows has a share, and only those are listed
 
 
 def test_head_joins_only_texts_whose_tokens_point_nowhere_by_default(bundle_root, bundle_root_copy):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ from training.data import load_split
 from training.synthetic import generate
 from training.train import (
     DEFAULT_OBJECTIVE,
+    LEXICAL_WEIGHTS,
     Scoring,
     TrainConfig,
     _encode_texts,
@@ -63,8 +65,11 @@ def test_checkpoint_contents(trained: Checkpoint) -> None:
     L = len(trained.labels)
     assert trained.classifiers.shape == (L, 32) and trained.classifier_bias.shape == (L,)
     assert trained.centroids.shape == (L, 32)
-    assert set(trained.scoring) == {"alpha", "lexical_weight", "classifier_form", "calibration", "shortlist"}
-    assert trained.scoring["lexical_weight"] in (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5)
+    assert set(trained.scoring) == {
+        "alpha", "lexical_weight", "lexical_form", "classifier_form", "calibration", "shortlist"
+    }
+    assert trained.scoring["lexical_form"] == "logistic"
+    assert trained.scoring["lexical_weight"] in LEXICAL_WEIGHTS
     assert trained.scoring["classifier_form"] == "scaled_bias"
     assert set(trained.scoring["calibration"]) == {"classifier", "centroid"}
     # the tiny config serves HNSW 20 / 20 and 10 labels per token; the prior's head as fallback
@@ -72,9 +77,13 @@ def test_checkpoint_contents(trained: Checkpoint) -> None:
     table = trained.extra_arrays["token_shortlist"]["labels"]
     assert table.dtype == np.int32 and table.shape[0] == trained.tokenizer.vocab_size
     assert (table[0] == -1).all() and table.min() >= -1 and table.max() < L
-    shares = trained.extra_arrays["token_shortlist"]["shares"]
-    assert shares.shape == table.shape and 0 <= shares.min() and shares.max() <= 1
-    assert ((shares > 0) == (table >= 0)).all()  # every listed label co-occurred at least once
+    lexical = trained.extra_arrays["token_shortlist"]
+    weights, bias = lexical["weights"], lexical["bias"]
+    assert set(lexical) == {"labels", "weights", "bias"} and bias.shape == (L,)
+    assert weights.shape == table.shape and np.isfinite(weights).all() and np.isfinite(bias).all()
+    # learned on the served slots only: the first k_tok columns, where a label is listed
+    assert not weights[:, 10:].any() and not weights[table < 0].any()
+    assert (weights[:, :10][table[:, :10] >= 0] != 0).mean() > 0.9
     assert 0 < len(trained.validation) <= 50
     assert all(set(row) == {"text", "target_ind"} and row["target_ind"] for row in trained.validation)
     for stage in ("module1", "module3", "times"):
@@ -128,6 +137,18 @@ def test_config_errors_are_clear(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="serve_k_head must be >= 0"):
         TrainConfig.from_dict({"serve_k_head": -1})
     assert TrainConfig.from_dict({"serve_k_head": 0}).serve_k_head == 0  # no head at all
+    with pytest.raises(ValueError, match="lexical_form must be one of"):
+        TrainConfig.from_dict({"lexical_form": "softmax"})
+    for name in ("lexical_epochs", "lexical_batch_size"):
+        with pytest.raises(ValueError, match=f"{name} must be >= 1"):
+            TrainConfig.from_dict({name: 0})
+        assert getattr(TrainConfig.from_dict({name: 1}), name) == 1
+    for name in ("lexical_lr", "lexical_l2"):
+        for bad_value in (-1e-9, float("nan"), "0.1"):
+            with pytest.raises(ValueError, match=f"{name} must be a finite number >= 0"):
+                TrainConfig.from_dict({name: bad_value})
+        assert getattr(TrainConfig.from_dict({name: 0.0}), name) == 0.0
+    assert TrainConfig.from_dict({"lexical_form": "shares"}).lexical_form == "shares"
     # the edge: only the token shortlist, at the table's full width
     TrainConfig.from_dict({"serve_k_w": 0, "serve_k_mu": 0, "serve_k_tok": 20, "token_shortlist_width": 20})
     bad = tmp_path / "cfg.json"
@@ -136,11 +157,32 @@ def test_config_errors_are_clear(tmp_path: Path) -> None:
         TrainConfig.from_json(bad)
 
 
+def test_shares_form_on_request(dataset: Path) -> None:
+    ckpt = train(dataset, _tiny(m1_epochs=1, m3_epochs=1, lexical_form="shares"), seed=7, log=lambda *_: None)
+    assert ckpt.scoring["lexical_form"] == "shares"
+    lexical = ckpt.extra_arrays["token_shortlist"]
+    assert set(lexical) == {"labels", "shares"} and 0 <= lexical["shares"].min() <= lexical["shares"].max() <= 1
+    assert ((lexical["shares"] > 0) == (lexical["labels"] >= 0)).all()  # every listed label co-occurred
+
+
 def test_cli_trains_and_reports_bad_data(dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     cfg = tmp_path / "cfg.json"
-    cfg.write_text(json.dumps({"preset": "tiny", "m1_epochs": 1, "m3_epochs": 1, "tree_enabled": False}))
+    cfg.write_text(json.dumps(
+        {"preset": "tiny", "m1_epochs": 1, "m3_epochs": 1, "tree_enabled": False, "lexical_form": "auto"}
+    ))
+    capsys.readouterr()
     assert cli_main(["train", "--data", str(dataset), "--out", str(tmp_path / "ck"), "--config", str(cfg)]) == 0
-    assert (tmp_path / "ck" / "checkpoint.json").is_file()
+    # "auto" tunes both lexical forms on validation and keeps the better one
+    values = {
+        m.group(1): float(m.group(2))
+        for m in re.finditer(r"lexical form (\w+): validation .* = ([0-9.]+)", capsys.readouterr().out)
+    }
+    assert set(values) == {"shares", "logistic"}
+    ckpt = Checkpoint.load(tmp_path / "ck")
+    chosen = ckpt.scoring["lexical_form"]
+    assert values[chosen] == max(values.values())
+    lexical = ckpt.extra_arrays["token_shortlist"]
+    assert set(lexical) == ({"labels", "shares"} if chosen == "shares" else {"labels", "weights", "bias"})
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "lbl.jsonl").write_text('{"uid": "a", "title": "x", "content": ""}\n')

@@ -14,6 +14,10 @@ from __future__ import annotations
 
 import numpy as np
 import scipy.sparse as sp
+import torch
+import torch.nn.functional as F
+
+from service.engine.lexical import TokenShortlist
 
 
 def fit_token_shortlist(
@@ -63,3 +67,99 @@ def _incidence(tokens: np.ndarray, vocab_size: int) -> sp.csr_matrix:
     x = sp.csr_matrix((np.ones(int(keep.sum()), dtype=np.float32), (rows[keep], cols[keep])), shape=(n, vocab_size))
     x.data[:] = 1.0  # duplicate (row, col) pairs were summed on construction
     return x
+
+
+def fit_token_logistic(
+    doc_tokens: np.ndarray,
+    doc_weights: np.ndarray,
+    y: sp.csr_matrix,
+    table: np.ndarray,
+    k: int,
+    *,
+    epochs: int,
+    lr: float,
+    l2: float,
+    batch_size: int,
+    seed: int,
+    device: torch.device,
+) -> tuple[np.ndarray, np.ndarray, list[float]]:
+    """The token table's logistic form (service.engine.lexical): weights float32 [V, M] on the
+    slots of the first k columns of `table` (the rest 0), a bias float32 [L] per label, and the
+    loss of each epoch.
+
+    P(l is a target of x) = sigmoid(sum_t x_t W[t, l] + c_l) is fitted where it is served: on
+    each training document's token candidates (the labels of its tokens' first k slots), with
+    binary cross-entropy summed over them, averaged over documents, plus l2 * ||W||^2. A
+    document's targets outside its candidates cannot be scored by it and are left out.
+    doc_tokens / doc_weights: padded token ids and their tf-idf weights [N, T], as served.
+    """
+    if not 1 <= k <= table.shape[1]:
+        raise ValueError(f"k must be in [1, {table.shape[1]}], got {k}")
+    if y.shape[0] != len(doc_tokens) or doc_tokens.shape != doc_weights.shape:
+        raise ValueError(
+            f"{len(doc_tokens)} documents of token ids {doc_tokens.shape}, weights {doc_weights.shape}, "
+            f"targets for {y.shape[0]}"
+        )
+    num_labels = y.shape[1]
+    slots = table[:, :k]
+    generator = torch.Generator().manual_seed(seed)
+    theta = torch.zeros(slots.shape, device=device, requires_grad=True)
+    bias = torch.zeros(num_labels, device=device, requires_grad=True)
+    opt = torch.optim.Adam([theta, bias], lr=lr)
+    y = y.tocsr()
+    losses: list[float] = []
+    for _ in range(epochs):
+        order = torch.randperm(len(doc_tokens), generator=generator).numpy()
+        total = 0.0
+        for start in range(0, len(order), batch_size):
+            batch = order[start : start + batch_size]
+            cand, slot_token, slot_col, slot_x, inverse, target = _candidate_batch(
+                doc_tokens[batch], doc_weights[batch], y[batch], slots
+            )
+            if not len(cand):
+                continue
+            terms = torch.from_numpy(slot_x).to(device) * theta[
+                torch.from_numpy(slot_token).to(device), torch.from_numpy(slot_col).to(device)
+            ]
+            z = torch.zeros(len(cand), device=device).index_add(0, torch.from_numpy(inverse).to(device), terms)
+            z = z + bias[torch.from_numpy(cand).to(device)]
+            fit = F.binary_cross_entropy_with_logits(z, torch.from_numpy(target).to(device), reduction="sum")
+            loss = fit / len(batch) + l2 * theta.pow(2).sum()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            total += float(fit.detach())
+        losses.append(total / max(len(order), 1))
+    mask = torch.from_numpy(slots >= 0).to(device)
+    weights = np.zeros(table.shape, dtype=np.float32)
+    weights[:, :k] = (theta.detach() * mask).cpu().numpy()
+    return weights, bias.detach().cpu().numpy().astype(np.float32), losses
+
+
+def _candidate_batch(
+    tokens: np.ndarray, token_weights: np.ndarray, y: sp.csr_matrix, slots: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Each document's distinct token candidates (flat label ids, document-major) and the slots
+    that point at them: token id, column, the token's weight, the candidate each slot sums into;
+    and the candidates' 0/1 targets."""
+    num_labels = y.shape[1]
+    labels = slots[tokens]  # [B, T, k]
+    valid = labels >= 0
+    rows = np.broadcast_to(np.arange(len(tokens))[:, None, None], labels.shape)[valid]
+    keys = rows.astype(np.int64) * num_labels + labels[valid]
+    uniq, inverse = np.unique(keys, return_inverse=True)
+    slot_token = np.broadcast_to(tokens[:, :, None], labels.shape)[valid]
+    slot_col = np.broadcast_to(np.arange(slots.shape[1]), labels.shape)[valid]
+    slot_x = np.broadcast_to(token_weights[:, :, None], labels.shape)[valid].astype(np.float32)
+    target_keys = np.repeat(np.arange(y.shape[0], dtype=np.int64), np.diff(y.indptr)) * num_labels + y.indices
+    target = np.isin(uniq, target_keys).astype(np.float32)
+    return uniq % num_labels, slot_token, slot_col, slot_x, inverse, target
+
+
+def lexical_arrays(table: TokenShortlist) -> dict[str, np.ndarray]:
+    """The table's lexical arrays by checkpoint name (model_export writes token_shortlist_<name>.npy)."""
+    if table.weights is None:
+        return {}
+    if table.form == "shares":
+        return {"shares": table.weights}
+    return {"weights": table.weights, "bias": table.bias}

@@ -14,7 +14,10 @@ A bundle is a directory BUNDLE_ROOT/VERSION, immutable once written:
   token_shortlist.npy    optional: [vocab_size, M] int32, per token id the labels it co-occurred
                          with most in training, most first, -1 padded (row 0, padding, all -1)
   token_shortlist_shares.npy   optional: [vocab_size, M] float32 in [0, 1], P(label | token) of
-                         those labels (service.engine.lexical; needed when lexical_weight > 0)
+                         those labels (lexical_form "shares"; service.engine.lexical)
+  token_shortlist_weights.npy  optional: [vocab_size, M] float32, signed weights of those
+                         (token, label) slots (lexical_form "logistic")
+  token_shortlist_bias.npy     optional: [L] float32, the logistic form's per-label bias
   tree.npz               optional: the adversarial tree scorer's arrays
   validation.jsonl       optional: held-out {"text", "target_ind"} rows for a quality gate
 """
@@ -36,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from service.engine.encoder import OnnxEncoder
 from service.engine.index import VectorIndex
 from service.engine.labels import LabelTable
-from service.engine.lexical import TokenShortlist
+from service.engine.lexical import LexicalForm, TokenShortlist
 from service.engine.scorers import Calibration
 from service.engine.tokenizer import Tokenizer
 
@@ -53,9 +56,18 @@ HNSW_MU = "hnsw_mu.bin"
 TREE = "tree.npz"
 TOKEN_SHORTLIST = "token_shortlist.npy"
 TOKEN_SHORTLIST_SHARES = "token_shortlist_shares.npy"
+TOKEN_SHORTLIST_WEIGHTS = "token_shortlist_weights.npy"
+TOKEN_SHORTLIST_BIAS = "token_shortlist_bias.npy"
 VALIDATION = "validation.jsonl"
 REQUIRED_FILES = (ENCODER, TOKENIZER, LABELS, CLASSIFIERS, CLASSIFIER_BIAS, CENTROIDS, HNSW_W, HNSW_MU)
-OPTIONAL_FILES = (TREE, VALIDATION, TOKEN_SHORTLIST, TOKEN_SHORTLIST_SHARES)
+OPTIONAL_FILES = (
+    TREE, VALIDATION, TOKEN_SHORTLIST, TOKEN_SHORTLIST_SHARES, TOKEN_SHORTLIST_WEIGHTS, TOKEN_SHORTLIST_BIAS
+)
+# The files holding each lexical form's weights (service.engine.lexical).
+LEXICAL_FILES: dict[str, tuple[str, ...]] = {
+    "shares": (TOKEN_SHORTLIST_SHARES,),
+    "logistic": (TOKEN_SHORTLIST_WEIGHTS, TOKEN_SHORTLIST_BIAS),
+}
 
 # When the prior's head labels join a query's shortlist (ShortlistSizes.head).
 HeadMode = Literal["always", "fallback"]
@@ -111,8 +123,10 @@ class ShortlistSizes(_Strict):
 class ScoringDefaults(_Strict):
     alpha: float = Field(ge=0.0, le=1.0)
     # Weight of the token shortlist's lexical score (service.engine.lexical) added to the
-    # alpha mixture; 0 for bundles without token_shortlist_shares.npy.
+    # alpha mixture; 0 for bundles without the lexical form's files (LEXICAL_FILES).
     lexical_weight: float = Field(0.0, ge=0.0)
+    # "shares" (P(label | token); bundles before the logistic form) or "logistic".
+    lexical_form: LexicalForm = "shares"
     classifier_form: str
     calibration: Calibrations
     shortlist: ShortlistSizes
@@ -387,14 +401,19 @@ class Bundle:
 
     def _open_token_shortlist(self) -> None:
         m = self.manifest
+        form = m.scoring.lexical_form
+        listed = [name for names in LEXICAL_FILES.values() for name in names if name in m.files]
         if TOKEN_SHORTLIST not in m.files:
             if m.scoring.shortlist.k_tok:
                 raise BundleError(f"{self.path / MANIFEST}: k_tok > 0 but {TOKEN_SHORTLIST} is not listed")
-            if TOKEN_SHORTLIST_SHARES in m.files:
-                raise BundleError(f"{self.path / MANIFEST}: {TOKEN_SHORTLIST_SHARES} without {TOKEN_SHORTLIST}")
+            if listed:
+                raise BundleError(f"{self.path / MANIFEST}: {listed[0]} without {TOKEN_SHORTLIST}")
             if m.scoring.lexical_weight:
                 raise BundleError(f"{self.path / MANIFEST}: lexical_weight > 0 but {TOKEN_SHORTLIST} is not listed")
             return
+        stray = [name for name in listed if name not in LEXICAL_FILES[form]]
+        if stray:
+            raise BundleError(f"{self.path / MANIFEST}: {stray[0]} is not a file of lexical_form {form!r}")
         p = self.path / TOKEN_SHORTLIST
         labels = self._load_array(TOKEN_SHORTLIST)
         if labels.dtype != np.int32 or labels.ndim != 2 or labels.shape[0] != m.vocab_size:
@@ -404,21 +423,36 @@ class Bundle:
             raise BundleError(f"{p}: k_tok={k_tok} but rows hold {labels.shape[1]} labels")
         if labels.size and (int(labels.min()) < -1 or int(labels.max()) >= m.num_labels):
             raise BundleError(f"{p}: label ids outside [-1, {m.num_labels})")
-        shares = None
-        if TOKEN_SHORTLIST_SHARES in m.files:
-            shares = self._array(TOKEN_SHORTLIST_SHARES, labels.shape)
-            if not (np.all(np.isfinite(shares)) and float(shares.min(initial=0.0)) >= 0.0
-                    and float(shares.max(initial=0.0)) <= 1.0):
-                raise BundleError(f"{self.path / TOKEN_SHORTLIST_SHARES}: shares must be finite and in [0, 1]")
+        weights = bias = None
+        if listed:
+            missing = [name for name in LEXICAL_FILES[form] if name not in m.files]
+            if missing:
+                raise BundleError(f"{self.path / MANIFEST}: lexical_form {form!r} needs {missing[0]}")
+            weights = self._array(LEXICAL_FILES[form][0], labels.shape)
+            if not np.all(np.isfinite(weights)):
+                raise BundleError(f"{self.path / LEXICAL_FILES[form][0]}: weights must be finite")
+            if form == "shares" and not (
+                float(weights.min(initial=0.0)) >= 0.0 and float(weights.max(initial=0.0)) <= 1.0
+            ):
+                raise BundleError(f"{self.path / TOKEN_SHORTLIST_SHARES}: shares must be in [0, 1]")
+            if form == "logistic":
+                bias = self._array(TOKEN_SHORTLIST_BIAS, (m.num_labels,))
+                if not np.all(np.isfinite(bias)):
+                    raise BundleError(f"{self.path / TOKEN_SHORTLIST_BIAS}: bias must be finite")
         elif m.scoring.lexical_weight:
             raise BundleError(
-                f"{self.path / MANIFEST}: lexical_weight > 0 but {TOKEN_SHORTLIST_SHARES} is not listed"
+                f"{self.path / MANIFEST}: lexical_weight > 0 but {LEXICAL_FILES[form][0]} is not listed"
             )
         # Plain ndarray views of the maps (same pages): np.memmap indexing costs a Python call per lookup.
         try:
-            self.token_shortlist = TokenShortlist(np.asarray(labels), None if shares is None else np.asarray(shares))
+            self.token_shortlist = TokenShortlist(
+                np.asarray(labels),
+                None if weights is None else np.asarray(weights),
+                form,
+                None if bias is None else np.asarray(bias),
+            )
         except ValueError as exc:
-            raise BundleError(f"{self.path / TOKEN_SHORTLIST_SHARES}: {exc}") from exc
+            raise BundleError(f"{self.path / LEXICAL_FILES[form][0]}: {exc}") from exc
 
     def _run_canary(self) -> None:
         from service.engine.predictor import Predictor

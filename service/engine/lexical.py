@@ -1,28 +1,55 @@
 """The token shortlist at serving time: per token, the labels it co-occurred with most in training.
 
 Two uses, both lookups (no search): the first k labels of each query token's row join the
-shortlist S, and their shares P(l | t) give a lexical score
-    lex_l(x) = sum over query tokens t with l among row t's first k labels of x_t * P(l | t)
-(x_t: the token's tf-idf weight in the query). Fitted by training/token_shortlist.py.
+shortlist S, and a weight per (token, label) slot gives a lexical score. Two forms:
+  "shares":   lex_l(x) = sum_t x_t P(l | t), the fraction of texts holding t that l was seen with;
+  "logistic": lex_l(x) = sigmoid(sum_t x_t W[t, l] + c_l), a one-vs-all logistic model on the
+              query's tf-idf tokens, learned on the table's slots (W signed, c_l a per-label bias);
+              0 for a label the query's slots do not hold (the model is fitted on those only);
+in both, t runs over the query tokens with l among row t's first k labels (x_t: the token's
+tf-idf weight in the query). Fitted by training/token_shortlist.py.
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 import numpy as np
+
+LexicalForm = Literal["shares", "logistic"]
+LEXICAL_FORMS: tuple[str, ...] = ("shares", "logistic")
 
 
 class TokenShortlist:
-    """labels int32 [V, W] (-1 padded, row 0 = padding token, all -1); shares float32 [V, W] or None."""
+    """labels int32 [V, W] (-1 padded, row 0 = padding token, all -1); weights float32 [V, W] or
+    None (no lexical score); bias float32 [L] for the logistic form."""
 
-    def __init__(self, labels: np.ndarray, shares: np.ndarray | None = None) -> None:
+    def __init__(
+        self,
+        labels: np.ndarray,
+        weights: np.ndarray | None = None,
+        form: LexicalForm = "shares",
+        bias: np.ndarray | None = None,
+    ) -> None:
         if labels.ndim != 2:
             raise ValueError(f"labels must be [vocab, width], got shape {labels.shape}")
-        if shares is not None and shares.shape != labels.shape:
-            raise ValueError(f"shares shape {shares.shape} differs from labels shape {labels.shape}")
-        if shares is not None and np.any(shares[labels < 0]):
-            raise ValueError("shares must be 0 in the empty (-1) slots")
+        if form not in LEXICAL_FORMS:
+            raise ValueError(f"lexical form must be one of {', '.join(LEXICAL_FORMS)}, got {form!r}")
+        if weights is not None and weights.shape != labels.shape:
+            raise ValueError(f"weights shape {weights.shape} differs from labels shape {labels.shape}")
+        if weights is not None and np.any(weights[labels < 0]):
+            raise ValueError("weights must be 0 in the empty (-1) slots")
+        if form == "logistic" and weights is not None:
+            if bias is None or bias.ndim != 1:
+                raise ValueError("the logistic form needs a bias vector [num_labels]")
+            if labels.size and int(labels.max()) >= len(bias):
+                raise ValueError(f"label ids reach {int(labels.max())} but the bias covers {len(bias)} labels")
+        elif bias is not None:
+            raise ValueError("a bias belongs to the logistic form with weights")
         self.labels = labels
-        self.shares = shares
+        self.weights = weights
+        self.form = form
+        self.bias = bias
 
     @property
     def width(self) -> int:
@@ -32,28 +59,40 @@ class TokenShortlist:
         self, tokens: np.ndarray, k: int, token_weights: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray | None]:
         """The query tokens' first k labels, int32 [B, T * k] (padding slots and short rows give
-        -1), and with token_weights their lexical terms x_t * P(l | t), float32 [B, T * k].
+        -1), and with token_weights their terms x_t * W[t, l], float32 [B, T * k].
 
-        Summed per label (Predictor merges them with the other shortlist sources) the terms are
-        lex_l; a -1 slot's term is 0 (Bundle.load checks).
+        Summed per label (Predictor merges them with the other shortlist sources) and passed
+        to `scores`, the terms give lex_l; a -1 slot's term is 0 (Bundle.load checks).
         """
         labels = self.labels[tokens, :k].reshape(len(tokens), -1)
         if token_weights is None:
             return labels, None
-        if self.shares is None:
-            raise LookupError("this token shortlist has no shares: no lexical scores")
-        terms = self.shares[tokens, :k] * token_weights[:, :, None]
+        if self.weights is None:
+            raise LookupError("this token shortlist has no weights: no lexical scores")
+        terms = self.weights[tokens, :k] * token_weights[:, :, None]
         return labels, terms.reshape(len(tokens), -1)
+
+    def scores(self, labels: np.ndarray, sums: np.ndarray) -> np.ndarray:
+        """lex of label ids [B, C] (-1 slots: any value) from their summed terms [B, C].
+
+        Logistic: a label whose terms sum to exactly 0 (none of the query's slots holds it: it
+        came from another shortlist source, or from slots the model never learned) scores 0,
+        not its bias alone: the model was fitted on the labels the query's tokens point at.
+        """
+        if self.form == "shares":
+            return sums
+        z = sums + self.bias[np.maximum(labels, 0)]
+        return np.where(sums != 0, 1.0 / (1.0 + np.exp(-np.clip(z, -60.0, 60.0))), 0.0).astype(np.float32)
 
     def dense_scores(self, tokens: np.ndarray, token_weights: np.ndarray, num_labels: int, k: int) -> np.ndarray:
         """lex over all labels, [B, num_labels] (reference scoring, training's tuning)."""
-        if self.shares is None:
-            raise LookupError("this token shortlist has no shares: no lexical scores")
+        if self.weights is None:
+            raise LookupError("this token shortlist has no weights: no lexical scores")
         b = len(tokens)
         labels = self.labels[tokens, :k].reshape(b, -1)
-        values = (self.shares[tokens, :k] * token_weights[:, :, None]).reshape(b, -1)
+        values = (self.weights[tokens, :k] * token_weights[:, :, None]).reshape(b, -1)
         out = np.zeros((b, num_labels), dtype=np.float32)
         rows = np.broadcast_to(np.arange(b)[:, None], labels.shape)
         keep = labels >= 0
         np.add.at(out, (rows[keep], labels[keep]), values[keep])
-        return out
+        return self.scores(np.broadcast_to(np.arange(num_labels), out.shape), out)

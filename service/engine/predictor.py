@@ -34,7 +34,7 @@ class Predictor:
     T = the first k_tok labels of each query token's row of the bundle's token shortlist
     (the labels that token co-occurred with most in training: a lookup, no search);
     score_l = alpha f(w_l.q + b_l) + (1 - alpha) g(mu_l.q) + lambda lex_l for l in S, lex the token
-    shortlist's lexical score (lambda = the bundle's lexical_weight, 0 without shares).
+    shortlist's lexical score (lambda = the bundle's lexical_weight, 0 without token weights).
 
     All methods are safe to call from several threads at once. `ef_search` given here is
     set on the bundle's shared indices (it is a property of the search, not of a call).
@@ -81,8 +81,8 @@ class Predictor:
         self.lexical_weight = float(lexical_weight)
         if not (self.lexical_weight >= 0.0 and np.isfinite(self.lexical_weight)):
             raise ValueError(f"lexical_weight must be finite and >= 0, got {lexical_weight}")
-        if self.lexical_weight and (table is None or table.shares is None or not self.shortlist_tok):
-            raise ValueError("lexical_weight > 0 needs a token shortlist with shares and shortlist_tok >= 1")
+        if self.lexical_weight and (table is None or table.weights is None or not self.shortlist_tok):
+            raise ValueError("lexical_weight > 0 needs a token shortlist with weights and shortlist_tok >= 1")
         self._table = table if self.shortlist_tok else None
         need = max(self.shortlist_w, self.shortlist_mu)
         if ef_search is not None or need > bundle.index_w.ef_search:
@@ -130,7 +130,8 @@ class Predictor:
                 tokens, self.shortlist_tok, token_weights if self.lexical_weight else None
             )
         head = self._head if len(self._head) else None
-        return union_shortlist(len(q), searched, head, self.head_mode, labels, lexical, self.num_labels)
+        cands, sums = union_shortlist(len(q), searched, head, self.head_mode, labels, lexical, self.num_labels)
+        return cands, None if sums is None else self._table.scores(cands, sums)
 
     def shortlist(self, texts: Sequence[str]) -> list[np.ndarray]:
         """The union shortlist S of each text (sorted label ids)."""
