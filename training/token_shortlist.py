@@ -8,6 +8,10 @@ HNSW shortlists' level (62.9 / 32.2 against 62.4 / 32.1) with 54 candidates inst
 but lost the tail (PSP@5 20.0 against 24.4); counting each label's own text as well brought
 it back (P@1 62.7, P@5 32.9, PSP@5 24.0) with no HNSW search at all. The shares as a lexical
 score beside the model's (weight 0.2, chosen on validation) lifted P@5 to 33.7 (P@1 63.0).
+
+fit_token_logistic learns the table's other lexical form: a signed weight per (token, label)
+slot and a bias per label, a one-vs-all logistic model on the tf-idf tokens restricted to the
+table's slots, so it costs what the shares cost to serve and scales with V x k, not V x L.
 """
 
 from __future__ import annotations
