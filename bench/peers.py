@@ -487,7 +487,8 @@ def shortlist_defaults(served: ShortlistServed) -> dict[str, Any]:
     p = served.predictor
     return {"ef_search": served.bundle.index_w.ef_search, "shortlist_w": p.shortlist_w,
             "shortlist_mu": p.shortlist_mu, "shortlist_tok": p.shortlist_tok, "shortlist_head": p.shortlist_head,
-            "head_mode": p.head_mode, "alpha": p.alpha}
+            "head_mode": p.head_mode, "alpha": p.alpha, "lexical_weight": p.lexical_weight,
+            "lexical_form": served.bundle.manifest.scoring.lexical_form}
 
 
 class _ExactScoring:
@@ -714,7 +715,9 @@ def render_markdown(rows: list[dict[str, Any]], grid: list[dict[str, Any]], cont
         d = info["defaults"]
         out += ["", f"Shortlist's row uses the bundle defaults: ef_search {d['ef_search']}, shortlist_w "
                 f"{d['shortlist_w']}, shortlist_mu {d['shortlist_mu']}, shortlist_tok {d.get('shortlist_tok', 0)}, "
-                f"head {d.get('shortlist_head', '-')} ({d.get('head_mode', 'always')}), alpha {fmt(d['alpha'])}."]
+                f"head {d.get('shortlist_head', '-')} ({d.get('head_mode', 'always')}), alpha {fmt(d['alpha'])}"
+                + (f", lexical {d['lexical_form']} at {fmt(d['lexical_weight'])}" if "lexical_form" in d else "")
+                + "."]
     if info.get("breakdown"):
         parts = ", ".join(f"{k} {v:.3f}" for k, v in info["breakdown"].items())
         out += ["", f"Where Shortlist's single-query time goes (median ms per stage, bundle defaults): {parts}."]
