@@ -1000,7 +1000,7 @@ def _train(data_dir: str | Path, cfg: TrainConfig, text_field: str, log: Any) ->
             "combined": evaluate(q_tst, tst.targets, w, b, mu, scoring, inv_prop, device),
         }
         log(f"after Module III (test): classifiers {metrics['module3']['classifiers']}")
-        log(f"after Module III (test): classifiers + centroids {metrics['module3']['combined']}")
+        log(f"after Module III (test): tuned mixture without the lexical score {metrics['module3']['combined']}")
 
     extra: dict[str, dict[str, np.ndarray]] = {}
     if table is not None:
