@@ -63,6 +63,8 @@ K = 5
 # Batch predictions keep one more label than K, so the same predictions also give the metrics
 # with each document's own label left out (at most one label per document is its own).
 RANKED = K + 1
+# The metrics the Shortlist-minus-peer intervals are given for: the issue's bars.
+PAIRED_METRICS = ("P@1", "P@5", "PSP@5")
 # Serving runs single-threaded so latency is per core and comparable across libraries.
 ONE_THREAD_ENV = {
     "OMP_NUM_THREADS": "1",
@@ -584,19 +586,53 @@ def prepare_shortlist(args: argparse.Namespace, files: RunFiles, log: Path) -> t
     return root / version, info
 
 
-def evaluate(
+def document_terms(
     preds_path: str, truths: Sequence[Sequence[int]], inv_prop: np.ndarray, own: np.ndarray | None = None
-) -> dict[str, float]:
-    """Metrics of the top K of saved predictions [N, RANKED]; with `own` (each document's own
-    label id, -1 for none) that label is removed first and the next one moves up."""
-    from service.engine.metrics import ranking_metrics
+) -> dict[str, np.ndarray]:
+    """Each test document's metric terms (service.engine.metrics.document_terms) of the top K of
+    saved predictions [N, RANKED]; with `own` (each document's own label id, -1 for none) that
+    label is removed first and the next one moves up."""
+    from service.engine.metrics import document_terms as terms_of
 
     preds = np.load(preds_path)
     if preds.shape != (len(truths), RANKED):
         raise BenchError(f"{preds_path}: predictions of shape {preds.shape}, expected {(len(truths), RANKED)}")
     if own is not None:
         preds = without_own_label(preds, own)
-    return ranking_metrics(preds[:, :K], truths, ks=(1, 3, 5), inv_propensity=inv_prop)
+    return terms_of(preds[:, :K], truths, ks=(1, 3, 5), inv_propensity=inv_prop)
+
+
+def evaluate(
+    preds_path: str, truths: Sequence[Sequence[int]], inv_prop: np.ndarray, own: np.ndarray | None = None
+) -> dict[str, float]:
+    """Metrics of saved predictions (see document_terms)."""
+    from service.engine.metrics import aggregate
+
+    return aggregate(document_terms(preds_path, truths, inv_prop, own))
+
+
+def paired_differences(
+    rows: list[dict[str, Any]], truths: Sequence[Sequence[int]], inv_prop: np.ndarray, own: np.ndarray | None,
+    resamples: int, seed: int,
+) -> list[dict[str, Any]]:
+    """Shortlist minus each peer on the same test documents, per protocol, with paired
+    bootstrap intervals (service.engine.metrics.paired_bootstrap)."""
+    from service.engine.metrics import paired_bootstrap
+
+    ours = next((r for r in rows if r["system"] == "shortlist" and "preds" in r), None)
+    if ours is None or resamples < 1:
+        return []
+    protocols = [("plain", None), *([("own label excluded", own)] if own is not None else [])]
+    out = []
+    for name, excluded in protocols:
+        terms = document_terms(ours["preds"], truths, inv_prop, excluded)
+        for peer in rows:
+            if peer is ours or "preds" not in peer:
+                continue
+            diff = paired_bootstrap(terms, document_terms(peer["preds"], truths, inv_prop, excluded),
+                                    PAIRED_METRICS, resamples=resamples, seed=seed)
+            out.append({"peer": peer["title"], "protocol": name, "diff": diff})
+    return out
 
 
 def without_own_label(preds: np.ndarray, own: np.ndarray) -> np.ndarray:
@@ -703,6 +739,19 @@ def render_markdown(rows: list[dict[str, Any]], grid: list[dict[str, Any]], cont
             m = r["metrics_own_excluded"]
             keys = ("P@1", "P@3", "P@5", "nDCG@5", "PSP@1", "PSP@3", "PSP@5")
             out.append("| " + " | ".join([r["title"], *(fmt(m.get(key)) for key in keys)]) + " |")
+    if context.get("paired"):
+        out += [
+            "",
+            f"Shortlist minus each peer on the same test documents, in points, with a 95% paired bootstrap "
+            f"interval ({context['resamples']} resamples of the test documents, both systems scored on each): "
+            "an interval that holds 0 is a tie at this test set's size.",
+            "",
+            "| peer | protocol | " + " | ".join(PAIRED_METRICS) + " |",
+            "|---|---|" + "---|" * len(PAIRED_METRICS),
+        ]
+        for d in context["paired"]:
+            cells = [f"{v:+.2f} [{lo:+.2f}, {hi:+.2f}]" for v, lo, hi in (d["diff"][m] for m in PAIRED_METRICS)]
+            out.append(f"| {d['peer']} | {d['protocol']} | " + " | ".join(cells) + " |")
     if context.get("versions"):
         out += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in context["versions"].items()) + "."]
     info = context.get("shortlist_info") or {}
@@ -816,6 +865,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grid-latency-queries", type=int, default=300)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=1000)
+    p.add_argument("--resamples", type=int, default=1000,
+                   help="bootstrap resamples for Shortlist-minus-peer intervals (0: none)")
     p.add_argument("--shortlist-bundle", default=None, help="serve this bundle version folder instead of training")
     p.add_argument("--shortlist-checkpoint", default=None, help="export this checkpoint instead of training")
     p.add_argument("--shortlist-config", default=None, help="JSON config passed to `shortlist train --config`")
@@ -926,6 +977,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "shortlist_info": shortlist_info,
         "plot": os.path.relpath(plot_link, results_md.resolve().parent),
         "notes": notes,
+        "resamples": args.resamples,
+        "paired": paired_differences(rows, tst.targets, inv_prop, own, args.resamples, args.seed),
     }
     table = render_markdown(rows, grid, context)
     print(table)

@@ -19,8 +19,10 @@ from bench._common import latency_summary, replace_section  # noqa: E402
 from bench.peers import (  # noqa: E402
     _csr_topk,
     _pad_ids,
+    paired_differences,
     parse_grid,
     parse_systems,
+    render_markdown,
     texts_to_csr,
     without_own_label,
 )
@@ -91,3 +93,31 @@ def test_own_label_is_found_by_uid_and_removed_with_the_rest_moving_up() -> None
     assert own.tolist() == [1, -1, 0]
     preds = np.array([[3, 1, 4, 5], [1, 2, -1, -1], [2, 3, 5, 0]])
     np.testing.assert_array_equal(without_own_label(preds, own), [[3, 4, 5, -1], [1, 2, -1, -1], [2, 3, 5, -1]])
+
+
+def test_shortlist_minus_each_peer_per_protocol_with_intervals(tmp_path: Path) -> None:
+    truths = [[1], [2], [3], [4]] * 25
+    own = np.array([2, -1, -1, -1] * 25)  # document 0 of each four is label 2, never its own target
+    ours = np.array([[1, 9, 9, 9, 9, 9], [2, 9, 9, 9, 9, 9], [3, 9, 9, 9, 9, 9], [9, 9, 9, 9, 9, 9]] * 25)
+    # the peer puts the own label first on document 0, then the right one
+    peer = np.array([[2, 1, 9, 9, 9, 9], [2, 9, 9, 9, 9, 9], [3, 9, 9, 9, 9, 9], [4, 9, 9, 9, 9, 9]] * 25)
+    rows = []
+    for name, preds in (("omikuji", peer), ("shortlist", ours)):
+        np.save(tmp_path / f"{name}.npy", preds)
+        rows.append({"system": name, "title": name.title(), "preds": str(tmp_path / f"{name}.npy")})
+    rows.append({"system": "napkinxc", "title": "napkinXC", "error": "not installed"})
+    inv = np.ones(10)
+    out = paired_differences(rows, truths, inv, own, resamples=100, seed=0)
+    assert [(d["peer"], d["protocol"]) for d in out] == [("Omikuji", "plain"), ("Omikuji", "own label excluded")]
+    plain, excluded = (d["diff"]["P@1"] for d in out)
+    # plain: each is right on three documents of four, different ones: a tie whose interval holds 0
+    assert plain[0] == pytest.approx(0.0) and plain[1] < 0 < plain[2]
+    # with the own label out, the peer's document 0 is right too: Shortlist is 25 points behind
+    assert excluded[0] == pytest.approx(-25.0) and excluded[2] < 0
+    assert paired_differences(rows[:1], truths, inv, own, resamples=100, seed=0) == []
+    assert paired_differences(rows, truths, inv, own, resamples=0, seed=0) == []
+    context = {"dataset": "d", "text_field": "title", "command": "c", "date": "now", "commit": "x", "cpus": 2,
+               "trn_docs": 1, "tst_docs": 100, "labels": 10, "features": 5, "latency_queries": 1, "warmup": 1,
+               "batch_size": 1, "train_threads": 1, "paired": out, "resamples": 100}
+    md = render_markdown([], [], context)
+    assert "| Omikuji | own label excluded | -25.00 [" in md

@@ -7,7 +7,15 @@ import math
 import numpy as np
 import pytest
 
-from service.engine.metrics import label_frequencies, propensities, ranking_metrics, shortlist_recall
+from service.engine.metrics import (
+    aggregate,
+    document_terms,
+    label_frequencies,
+    paired_bootstrap,
+    propensities,
+    ranking_metrics,
+    shortlist_recall,
+)
 
 PREDS = np.array([[1, 2, 3], [4, 5, 6]])
 TRUTHS = [[1, 3], [7]]
@@ -69,3 +77,39 @@ def test_label_frequencies_count_each_doc_once() -> None:
 def test_shortlist_recall() -> None:
     assert shortlist_recall([[1, 2], [3]], [[1, 5], [3]]) == pytest.approx(75.0)
     assert shortlist_recall([[1]], [[]]) == 0.0
+
+
+def test_aggregate_over_rows_scores_that_resample() -> None:
+    rng = np.random.default_rng(0)
+    preds = rng.integers(0, 8, size=(40, 5))
+    truths = [list(rng.choice(8, size=rng.integers(1, 4), replace=False)) for _ in range(40)]
+    terms = document_terms(preds, truths, ks=(1, 5), inv_propensity=INV_PROP + 1.0)
+    rows = rng.integers(0, 40, 40)  # with repeats, as a bootstrap draws them
+    expected = ranking_metrics(preds[rows], [truths[i] for i in rows], ks=(1, 5), inv_propensity=INV_PROP + 1.0)
+    assert aggregate(terms, rows) == pytest.approx(expected)
+    assert aggregate(terms) == pytest.approx(ranking_metrics(preds, truths, (1, 5), INV_PROP + 1.0))
+
+
+def test_paired_bootstrap_gives_the_difference_and_an_interval_around_it() -> None:
+    rng = np.random.default_rng(1)
+    truths = [[int(rng.integers(0, 8))] for _ in range(400)]
+    right = np.array([[t[0], -1] for t in truths])
+    # b is right on about half the documents a is right on (all of them)
+    half = np.where(rng.random(400)[:, None] < 0.5, right, np.array([[-1, -1]]))
+    a, b = (document_terms(p, truths, ks=(1,), inv_propensity=INV_PROP + 1.0) for p in (right, half))
+    out = paired_bootstrap(a, b, ("P@1", "PSP@1"), resamples=200)
+    diff, low, high = out["P@1"]
+    expected = ranking_metrics(right, truths, (1,))["P@1"] - ranking_metrics(half, truths, (1,))["P@1"]
+    assert diff == pytest.approx(expected)
+    assert 0 < low < diff < high
+    assert paired_bootstrap(a, a, ("P@1",), resamples=50)["P@1"] == (0.0, 0.0, 0.0)
+    # the same seed draws the same resamples
+    again = [paired_bootstrap(a, b, ("P@1",), resamples=50, seed=3) for _ in range(2)]
+    assert again[0] == again[1]
+
+
+def test_paired_bootstrap_refuses_systems_scored_on_different_documents() -> None:
+    a = document_terms(PREDS, TRUTHS, ks=(1,))
+    b = document_terms(PREDS[:1], TRUTHS[:1], ks=(1,))
+    with pytest.raises(ValueError, match="same documents"):
+        paired_bootstrap(a, b, ("P@1",))

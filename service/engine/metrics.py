@@ -31,13 +31,16 @@ def _discounts(k: int) -> np.ndarray:
     return 1.0 / np.log2(np.arange(2, k + 2))
 
 
-def ranking_metrics(
+def document_terms(
     predictions: np.ndarray,
     truths: Sequence[Iterable[int]],
     ks: Sequence[int] = (1, 3, 5),
     inv_propensity: np.ndarray | None = None,
-) -> dict[str, float]:
-    """Mean P@k and nDCG@k (and PSP@k, PSnDCG@k when inv_propensity is given), in percent."""
+) -> dict[str, np.ndarray]:
+    """Each document's share of the metrics, float64 [N] per name: P@k and nDCG@k (a metric is
+    their mean); with inv_propensity, PSP@k / PSnDCG@k gains and their best achievable values
+    ("PSP@k:best", ...) (a metric is sum of gains / sum of bests). `aggregate` turns them into
+    ranking_metrics' numbers, over all documents or a resample of them."""
     kmax = max(ks)
     preds = np.asarray(predictions)
     if preds.ndim != 2 or len(preds) != len(truths):
@@ -45,34 +48,82 @@ def ranking_metrics(
     if preds.shape[1] < kmax:
         preds = np.pad(preds, ((0, 0), (0, kmax - preds.shape[1])), constant_values=-1)
     disc = _discounts(kmax)
-    sums = {name: 0.0 for k in ks for name in (f"P@{k}", f"nDCG@{k}")}
+    names = [f"{m}@{k}" for k in ks for m in ("P", "nDCG")]
     if inv_propensity is not None:
-        sums.update({name: 0.0 for k in ks for name in (f"PSP@{k}", f"PSnDCG@{k}")})
-        ps_best = {k: 0.0 for k in ks}
-        psdcg_best = {k: 0.0 for k in ks}
-    for row, truth in zip(preds, truths, strict=True):
+        names += [f"{m}@{k}{part}" for k in ks for m in ("PSP", "PSnDCG") for part in ("", ":best")]
+    out = {name: np.zeros(len(preds)) for name in names}
+    for i, (row, truth) in enumerate(zip(preds, truths, strict=True)):
         tset = set(truth)
         hits = np.array([1.0 if int(p) in tset else 0.0 for p in row[:kmax]])
         for k in ks:
-            sums[f"P@{k}"] += hits[:k].sum() / k
+            out[f"P@{k}"][i] = hits[:k].sum() / k
             ideal = disc[: min(k, len(tset))].sum()
             if ideal > 0:
-                sums[f"nDCG@{k}"] += (hits[:k] * disc[:k]).sum() / ideal
+                out[f"nDCG@{k}"][i] = (hits[:k] * disc[:k]).sum() / ideal
         if inv_propensity is not None:
             gains = np.array([inv_propensity[int(p)] if h else 0.0 for p, h in zip(row[:kmax], hits, strict=True)])
             best = np.sort(np.array([inv_propensity[t] for t in tset]))[::-1] if tset else np.zeros(0)
             for k in ks:
-                sums[f"PSP@{k}"] += gains[:k].sum() / k
-                ps_best[k] += best[:k].sum() / k
-                sums[f"PSnDCG@{k}"] += (gains[:k] * disc[:k]).sum()
-                psdcg_best[k] += (best[:k] * disc[: len(best[:k])]).sum()
-    n = max(len(truths), 1)
-    out = {name: 100.0 * s / n for name, s in sums.items() if not name.startswith("PS")}
-    if inv_propensity is not None:
-        for k in ks:
-            out[f"PSP@{k}"] = 100.0 * sums[f"PSP@{k}"] / ps_best[k] if ps_best[k] else 0.0
-            out[f"PSnDCG@{k}"] = 100.0 * sums[f"PSnDCG@{k}"] / psdcg_best[k] if psdcg_best[k] else 0.0
+                out[f"PSP@{k}"][i] = gains[:k].sum() / k
+                out[f"PSP@{k}:best"][i] = best[:k].sum() / k
+                out[f"PSnDCG@{k}"][i] = (gains[:k] * disc[:k]).sum()
+                out[f"PSnDCG@{k}:best"][i] = (best[:k] * disc[: len(best[:k])]).sum()
     return out
+
+
+def aggregate(terms: dict[str, np.ndarray], rows: np.ndarray | None = None) -> dict[str, float]:
+    """The metrics, in percent, of `document_terms` over all documents or the given rows
+    (indices, repeats allowed: a bootstrap resample)."""
+    pick = (lambda a: a) if rows is None else (lambda a: a[rows])
+    out: dict[str, float] = {}
+    for name, values in terms.items():
+        if name.endswith(":best"):
+            continue
+        if name.startswith("PS"):
+            best = pick(terms[name + ":best"]).sum()
+            out[name] = 100.0 * pick(values).sum() / best if best else 0.0
+        else:
+            out[name] = 100.0 * pick(values).mean() if len(pick(values)) else 0.0
+    return out
+
+
+def ranking_metrics(
+    predictions: np.ndarray,
+    truths: Sequence[Iterable[int]],
+    ks: Sequence[int] = (1, 3, 5),
+    inv_propensity: np.ndarray | None = None,
+) -> dict[str, float]:
+    """Mean P@k and nDCG@k (and PSP@k, PSnDCG@k when inv_propensity is given), in percent."""
+    return aggregate(document_terms(predictions, truths, ks, inv_propensity))
+
+
+def paired_bootstrap(
+    terms_a: dict[str, np.ndarray],
+    terms_b: dict[str, np.ndarray],
+    names: Sequence[str],
+    resamples: int = 1000,
+    seed: int = 0,
+    level: float = 0.95,
+) -> dict[str, tuple[float, float, float]]:
+    """Metric of system a minus system b on the same documents, with a paired bootstrap
+    interval: per name (difference, low, high) in points. Both systems are scored on each
+    resample of the documents, so what the two share (the documents' difficulty) cancels."""
+    n = len(next(iter(terms_a.values())))
+    if any(len(v) != n for v in (*terms_a.values(), *terms_b.values())):
+        raise ValueError("both systems must be scored on the same documents")
+    rng = np.random.default_rng(seed)
+    full_a, full_b = aggregate(terms_a), aggregate(terms_b)
+    draws = {name: np.empty(resamples) for name in names}
+    for r in range(resamples):
+        rows = rng.integers(0, n, n)
+        a, b = aggregate(terms_a, rows), aggregate(terms_b, rows)
+        for name in names:
+            draws[name][r] = a[name] - b[name]
+    tail = 100.0 * (1.0 - level) / 2.0
+    return {
+        name: (full_a[name] - full_b[name], *(float(x) for x in np.percentile(draws[name], [tail, 100.0 - tail])))
+        for name in names
+    }
 
 
 def shortlist_recall(shortlists: Sequence[Iterable[int]], truths: Sequence[Iterable[int]]) -> float:
