@@ -659,6 +659,16 @@ def parse_grid(text: str) -> list[tuple[int, int, int, int]]:
     return points
 
 
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 0")
+    return value
+
+
 def parse_systems(text: str) -> list[str]:
     names = [s.strip() for s in text.split(",") if s.strip()]
     unknown = [n for n in names if n not in SYSTEMS]
@@ -865,7 +875,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grid-latency-queries", type=int, default=300)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=1000)
-    p.add_argument("--resamples", type=int, default=1000,
+    p.add_argument("--resamples", type=non_negative_int, default=1000,
                    help="bootstrap resamples for Shortlist-minus-peer intervals (0: none)")
     p.add_argument("--shortlist-bundle", default=None, help="serve this bundle version folder instead of training")
     p.add_argument("--shortlist-checkpoint", default=None, help="export this checkpoint instead of training")

@@ -19,6 +19,7 @@ from bench._common import latency_summary, replace_section  # noqa: E402
 from bench.peers import (  # noqa: E402
     _csr_topk,
     _pad_ids,
+    non_negative_int,
     paired_differences,
     parse_grid,
     parse_systems,
@@ -68,6 +69,10 @@ def test_grid_and_systems_reject_bad_input_by_name() -> None:
     assert parse_systems("napkinxc,shortlist") == ["napkinxc", "shortlist"]
     with pytest.raises(argparse.ArgumentTypeError, match="parabel"):
         parse_systems("pecos,parabel")
+    assert non_negative_int("0") == 0 and non_negative_int("1000") == 1000
+    for bad in ("-1", "ten"):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"'{bad}' is not an integer >= 0"):
+            non_negative_int(bad)
 
 
 def test_replace_section_keeps_the_other_sections(tmp_path: Path) -> None:

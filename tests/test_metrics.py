@@ -113,3 +113,14 @@ def test_paired_bootstrap_refuses_systems_scored_on_different_documents() -> Non
     b = document_terms(PREDS[:1], TRUTHS[:1], ks=(1,))
     with pytest.raises(ValueError, match="same documents"):
         paired_bootstrap(a, b, ("P@1",))
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"resamples": 0}, "resamples must be >= 1"),
+    ({"level": 1.0}, "level in"),
+    ({"names": ("PSP@1",)}, "no terms for PSP@1"),
+])
+def test_paired_bootstrap_refuses_bad_arguments_by_name(kwargs: dict, message: str) -> None:
+    a = document_terms(PREDS, TRUTHS, ks=(1,))
+    with pytest.raises(ValueError, match=message):
+        paired_bootstrap(a, a, **{"names": ("P@1",), **kwargs})

@@ -108,6 +108,11 @@ def paired_bootstrap(
     """Metric of system a minus system b on the same documents, with a paired bootstrap
     interval: per name (difference, low, high) in points. Both systems are scored on each
     resample of the documents, so what the two share (the documents' difficulty) cancels."""
+    if resamples < 1 or not 0.0 < level < 1.0:
+        raise ValueError(f"resamples must be >= 1 and level in (0, 1), got {resamples} and {level}")
+    missing = [name for name in names if name not in terms_a or name not in terms_b]
+    if missing:
+        raise ValueError(f"no terms for {', '.join(missing)}")
     n = len(next(iter(terms_a.values())))
     if any(len(v) != n for v in (*terms_a.values(), *terms_b.values())):
         raise ValueError("both systems must be scored on the same documents")
