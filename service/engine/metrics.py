@@ -125,10 +125,11 @@ def paired_bootstrap(
         for name in names:
             draws[name][r] = a[name] - b[name]
     tail = 100.0 * (1.0 - level) / 2.0
-    return {
-        name: (full_a[name] - full_b[name], *(float(x) for x in np.percentile(draws[name], [tail, 100.0 - tail])))
-        for name in names
-    }
+    out = {}
+    for name in names:
+        low, high = np.percentile(draws[name], [tail, 100.0 - tail])
+        out[name] = (float(full_a[name] - full_b[name]), float(low), float(high))
+    return out
 
 
 def shortlist_recall(shortlists: Sequence[Iterable[int]], truths: Sequence[Iterable[int]]) -> float:
