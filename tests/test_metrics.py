@@ -106,6 +106,10 @@ def test_paired_bootstrap_gives_the_difference_and_an_interval_around_it() -> No
     # the same seed draws the same resamples
     again = [paired_bootstrap(a, b, ("P@1",), resamples=50, seed=3) for _ in range(2)]
     assert again[0] == again[1]
+    # one resample is the smallest allowed: its interval is that resample's difference
+    _, low, high = paired_bootstrap(a, b, ("P@1",), resamples=1)["P@1"]
+    assert low == pytest.approx(high) and low > 0
+    assert set(aggregate(a, names=("PSP@1",))) == {"PSP@1"}
 
 
 def test_paired_bootstrap_refuses_systems_scored_on_different_documents() -> None:

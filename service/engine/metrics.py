@@ -71,13 +71,15 @@ def document_terms(
     return out
 
 
-def aggregate(terms: dict[str, np.ndarray], rows: np.ndarray | None = None) -> dict[str, float]:
-    """The metrics, in percent, of `document_terms` over all documents or the given rows
-    (indices, repeats allowed: a bootstrap resample)."""
+def aggregate(
+    terms: dict[str, np.ndarray], rows: np.ndarray | None = None, names: Sequence[str] | None = None
+) -> dict[str, float]:
+    """The metrics (all, or `names`), in percent, of `document_terms` over all documents or the
+    given rows (indices, repeats allowed: a bootstrap resample)."""
     pick = (lambda a: a) if rows is None else (lambda a: a[rows])
     out: dict[str, float] = {}
     for name, values in terms.items():
-        if name.endswith(":best"):
+        if name.endswith(":best") or (names is not None and name not in names):
             continue
         if name.startswith("PS"):
             best = pick(terms[name + ":best"]).sum()
@@ -121,7 +123,7 @@ def paired_bootstrap(
     draws = {name: np.empty(resamples) for name in names}
     for r in range(resamples):
         rows = rng.integers(0, n, n)
-        a, b = aggregate(terms_a, rows), aggregate(terms_b, rows)
+        a, b = aggregate(terms_a, rows, names), aggregate(terms_b, rows, names)
         for name in names:
             draws[name][r] = a[name] - b[name]
     tail = 100.0 * (1.0 - level) / 2.0
