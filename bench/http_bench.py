@@ -1,6 +1,6 @@
 """HTTP throughput and latency of `shortlist serve` against the framework's floor, in one run.
 
-    python bench/http.py --bundle-root ROOT [--version V] [--data ../shared/data/debian-deps]
+    python bench/http_bench.py --bundle-root ROOT [--version V] [--data ../shared/data/debian-deps]
                          [--client wrk|httpx] [--seconds 5] [--connections 1 16]
 
 Starts real servers (uvicorn subprocesses, echo route on): the default configuration, one
@@ -22,45 +22,25 @@ medians are reported. Figures go to stdout, bench/out/http.json and bench/RESULT
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import json
+import re
+import shutil
+import subprocess
 import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
-# bench/http.py (the entry point) is named like the standard library's `http` package: take
-# this folder off the path before anything imports http.client, and load the bench helpers
-# by file location.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+import httpx
+import numpy as np
+from _common import BENCH_DIR, OUT_DIR, command_line, git_revision, latency_summary, read_jsonl, replace_section
 
-import argparse  # noqa: E402
-import contextlib  # noqa: E402
-import importlib.util  # noqa: E402
-import json  # noqa: E402
-import re  # noqa: E402
-import shutil  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Callable, Sequence  # noqa: E402
-from typing import Any  # noqa: E402
-
-import httpx  # noqa: E402
-import numpy as np  # noqa: E402
-
-
-def _load(name: str, path: Path):  # noqa: ANN202
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-_common = _load("_common", _HERE / "_common.py")
-serve = _load("_server", _HERE.parent / "tests" / "_server.py").serve
-OUT_DIR, command_line, git_revision = _common.OUT_DIR, _common.command_line, _common.git_revision
-latency_summary, read_jsonl = _common.latency_summary, _common.read_jsonl
+from shortlist.testing import serve
 
 
 def query_texts(bundle_dir: Path, data: str | None, n: int, seed: int = 0) -> list[str]:
@@ -286,7 +266,7 @@ def failure_note(rs: Sequence[dict[str, Any]]) -> str:
 ISSUE_BAR = {"connections": 16, "min_ratio": 0.8, "max_p99_ms": 15.0}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bundle-root", required=True, type=Path)
     ap.add_argument("--version", default=None)
@@ -304,112 +284,112 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--access-log", action="store_true",
                     help="keep the service's JSON access log on (off by default: both routes pay it alike)")
     ap.add_argument("--skip-batching-modes", action="store_true")
-    ap.add_argument("--results", type=Path, default=_HERE / "RESULTS.md",
+    ap.add_argument("--results", type=Path, default=BENCH_DIR / "RESULTS.md",
                     help="markdown file whose 'http' section is replaced with these figures")
     args = ap.parse_args(argv)
-
     if args.rounds < 1 or args.seconds <= 0 or args.queries < args.batch or min(args.connections) < 1:
         ap.error("--rounds and --connections must be >= 1, --seconds > 0 and --queries >= --batch")
-    client = args.client
-    if client is None:
-        client = "wrk" if shutil.which("wrk") else "httpx"
-        if client == "httpx":
+    if args.client is None:
+        args.client = "wrk" if shutil.which("wrk") else "httpx"
+        if args.client == "httpx":
             print("note: `wrk` is not on PATH, measuring with the httpx client threads instead (they saturate "
                   "before the server does, so ratios come out near 1); Debian: apt-get install wrk", flush=True)
-    elif client == "wrk" and not shutil.which("wrk"):
+    elif args.client == "wrk" and not shutil.which("wrk"):
         ap.error("--client wrk: the `wrk` binary is not on PATH (Debian/Ubuntu: apt-get install wrk; "
                  "or use --client httpx)")
-    wrk_seconds = max(1, round(args.seconds))
-    if client == "wrk" and wrk_seconds != args.seconds:
-        print(f"note: wrk takes whole seconds: measuring {wrk_seconds} s per point", flush=True)
-    seconds = float(wrk_seconds) if client == "wrk" else args.seconds
-
+    args.wrk_seconds = max(1, round(args.seconds))
+    if args.client == "wrk" and args.wrk_seconds != args.seconds:
+        print(f"note: wrk takes whole seconds: measuring {args.wrk_seconds} s per point", flush=True)
+    args.point_seconds = float(args.wrk_seconds) if args.client == "wrk" else args.seconds
     root = args.bundle_root.resolve()
-    if not root.is_dir():
-        ap.error(f"--bundle-root {root} is not a directory")
-    versions = sorted(p.name for p in root.iterdir() if (p / "manifest.json").exists())
+    versions = sorted(p.name for p in root.iterdir() if (p / "manifest.json").exists()) if root.is_dir() else []
     if not versions or (args.version and args.version not in versions):
         ap.error(f"--bundle-root {root}: no bundle {args.version or ''} there (found: {', '.join(versions) or 'none'})")
-    bundle_dir = root / (args.version or versions[-1])
-    manifest = json.loads((bundle_dir / "manifest.json").read_text())
-    texts = query_texts(bundle_dir, args.data, args.queries)
-    bodies: dict[str, list[dict[str, Any]]] = {
+    args.root, args.bundle_dir = root, root / (args.version or versions[-1])
+    return args
+
+
+PATHS = {"echo": "/v1/echo", "predict": "/v1/predict", "batch": "/v1/predict"}
+
+
+def request_bodies(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
+    texts = query_texts(args.bundle_dir, args.data, args.queries)
+    return {
         "echo": [{"text": t} for t in texts],
         "predict": [{"text": t, "k": args.k} for t in texts],
         "batch": [{"texts": texts[i:i + args.batch], "k": args.k}
                   for i in range(0, len(texts) - args.batch + 1, args.batch)],
     }
-    paths = {"echo": "/v1/echo", "predict": "/v1/predict", "batch": "/v1/predict"}
-    log_dir = OUT_DIR / "http-logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
+
+
+def server_modes(args: argparse.Namespace) -> tuple[dict[str, str], dict[str, dict[str, str]]]:
+    """The environment every server shares and, per batching mode, its own."""
     base_env = {"SHORTLIST_ECHO_ROUTE": "true", "SHORTLIST_MAX_BATCH": str(max(128, args.batch)),
                 "SHORTLIST_ACCESS_LOG": "true" if args.access_log else "false"}
     modes: dict[str, dict[str, str]] = {"batching (default)": {}}
     if not args.skip_batching_modes:
         modes["no batching"] = {"SHORTLIST_BATCHING": "false"}
         modes["batching, 1 ms wait"] = {"SHORTLIST_BATCH_MAX_WAIT_MS": "1"}
-    client_desc = (f"{wrk_version()}, `{' '.join(wrk_command('URL', Path('SCRIPT.lua'), 'C', wrk_seconds))}`"
-                   if client == "wrk" else "closed-loop httpx client threads")
-    results: dict[str, Any] = {"command": command_line(), "revision": git_revision(), "bundle": str(bundle_dir),
-                               "client": client, "client_detail": client_desc, "seconds_per_point": seconds,
-                               "rounds": args.rounds, "distinct_bodies": {k: len(v) for k, v in bodies.items()},
-                               "server_env": {name: {**base_env, **env} for name, env in modes.items()},
-                               "points": {}, "failed_points": {}}
+    return base_env, modes
 
+
+def _measure(args: argparse.Namespace, scripts: dict[str, Path], bodies: dict[str, list[dict[str, Any]]],
+             url: str, route: str, conns: int) -> dict[str, Any]:
+    if args.client == "wrk":
+        r = wrk_point(url + PATHS[route], scripts[route], conns, args.wrk_seconds)
+        if r["non_2xx"]:
+            # wrk counts bad statuses without keeping one: replay a body to show the answer.
+            reply = httpx.post(url + PATHS[route], json=bodies[route][0], timeout=30)
+            r["first_error"] = f"(replayed) {reply.status_code} {reply.text[:200]}"
+        return r
+    return closed_loop(url, PATHS[route], bodies[route], conns, args.point_seconds, warmup_s=0.3)
+
+
+def run_points(args: argparse.Namespace, bodies: dict[str, list[dict[str, Any]]], client_desc: str,
+               results: dict[str, Any]) -> dict[tuple[str, int], list[dict[str, Any]]]:
+    """Every point of the plan in interleaved rounds, against real servers (one per batching mode)."""
+    base_env, modes = server_modes(args)
+    log_dir = OUT_DIR / "http-logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
         script_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="http-bench-wrk-")))
-        scripts: dict[str, Path] = {}
-        if client == "wrk":
-            for route, route_bodies in bodies.items():
-                scripts[route] = script_dir / f"{route}.lua"
-                scripts[route].write_text(wrk_script(route_bodies), encoding="utf-8")
-        urls = {name: stack.enter_context(serve(root, version=args.version, env={**base_env, **env},
-                                                log_dir=log_dir, timeout=300)).url
-                for name, env in modes.items()}
-        print(f"serving {bundle_dir}; modes: {', '.join(modes)}; client: {client_desc}", flush=True)
+        scripts = {route: script_dir / f"{route}.lua" for route in bodies}
+        for route, path in scripts.items():
+            path.write_text(wrk_script(bodies[route]), encoding="utf-8")
+        urls = {name: stack.enter_context(serve(args.root, version=args.version, env={**base_env, **env},
+                                                log_dir=log_dir, timeout=300)).url for name, env in modes.items()}
+        print(f"serving {args.bundle_dir}; modes: {', '.join(modes)}; client: {client_desc}", flush=True)
         main_url = urls["batching (default)"]
-
-        def measure(url: str, route: str, conns: int) -> dict[str, Any]:
-            if client == "wrk":
-                r = wrk_point(url + paths[route], scripts[route], conns, wrk_seconds)
-                if r["non_2xx"]:
-                    # wrk counts bad statuses without keeping one: replay a body to show the answer.
-                    reply = httpx.post(url + paths[route], json=bodies[route][0], timeout=30)
-                    r["first_error"] = f"(replayed) {reply.status_code} {reply.text[:200]}"
-                return r
-            return closed_loop(url, paths[route], bodies[route], conns, seconds, warmup_s=0.3)
-
-        if client == "wrk":
-            # wrk has no warm-up phase: one untimed second per server and route first.
+        if args.client == "wrk":  # wrk has no warm-up phase: one untimed second per server and route first
             for name, url in urls.items():
                 for route in ("echo", "predict") if name == "batching (default)" else ("predict",):
-                    wrk_point(url + paths[route], scripts[route], max(args.connections), 1)
+                    wrk_point(url + PATHS[route], scripts[route], max(args.connections), 1)
         plan: list[tuple[str, str, str, int, int]] = []
         for conns in args.connections:
             plan.append(("echo (framework floor)", main_url, "echo", conns, 1))
-            for name, url in urls.items():
-                plan.append((f"predict, {name}", url, "predict", conns, 1))
-        for conns in (1, 2):
-            plan.append((f"predict, {args.batch} texts/request", main_url, "batch", conns, args.batch))
+            plan += [(f"predict, {name}", url, "predict", conns, 1) for name, url in urls.items()]
+        plan += [(f"predict, {args.batch} texts/request", main_url, "batch", conns, args.batch) for conns in (1, 2)]
         samples: dict[tuple[str, int], list[dict[str, Any]]] = {}
         for rnd in range(args.rounds):
-            order = plan if rnd % 2 == 0 else plan[::-1]
-            for name, url, route, conns, per_request in order:
-                r = measure(url, route, conns)
+            for name, url, route, conns, per_request in plan if rnd % 2 == 0 else plan[::-1]:
+                r = _measure(args, scripts, bodies, url, route, conns)
                 r["texts_per_request"] = per_request
                 samples.setdefault((name, conns), []).append(r)
                 if note := sample_failure(r):
                     print(f"FAILED: {name} at {conns} connections, round {rnd + 1}: {note}", flush=True)
             print(f"round {rnd + 1}/{args.rounds} done", flush=True)
         results["batch_sizes_default"] = scrape_batch_sizes(main_url)
-        paired: dict[int, dict[str, Any]] = {}
-        if client == "httpx":
-            # One connection only: with many, predict waits for engine workers that echo never
-            # queues for, so mean latencies stop estimating a throughput ratio. wrk's Lua API
-            # has no per-request clock, so this one exists only with the httpx client.
-            paired = {1: paired_loop(main_url, bodies["echo"], bodies["predict"], 1, seconds * args.rounds)}
-        results["paired"] = paired
+        # One connection only: with many, predict waits for engine workers that echo never queues
+        # for, so mean latencies stop estimating a throughput ratio. wrk's Lua API has no
+        # per-request clock, so this one exists only with the httpx client.
+        results["paired"] = ({1: paired_loop(main_url, bodies["echo"], bodies["predict"], 1,
+                                             args.point_seconds * args.rounds)} if args.client == "httpx" else {})
+    return samples
 
+
+def point_table(samples: dict[tuple[str, int], list[dict[str, Any]]], results: dict[str, Any]
+                ) -> tuple[list[str], dict[tuple[str, int], str]]:
+    """The markdown table of medians (printed too) and the failed points."""
     table = ["| point | connections | req/s | texts/s | p50 (ms) | p99 (ms) | req/s per round |",
              "|---|---|---|---|---|---|---|"]
     print(f"\n{'point':<40} {'conns':>5} {'req/s':>9} {'texts/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
@@ -425,8 +405,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             continue
         req_s = float(np.median([r["req_s"] for r in rs]))
         point = {"name": name, "connections": conns, "req_s_median": req_s,
-                 "req_s_rounds": [round(r["req_s"], 1) for r in rs],
-                 "requests_rounds": [r["requests"] for r in rs],
+                 "req_s_rounds": [round(r["req_s"], 1) for r in rs], "requests_rounds": [r["requests"] for r in rs],
                  "texts_s_median": req_s * rs[0]["texts_per_request"],
                  "p50_ms_median": float(np.median([r["p50_ms"] for r in rs])),
                  "p99_ms_median": float(np.median([r["p99_ms"] for r in rs]))}
@@ -436,35 +415,41 @@ def main(argv: Sequence[str] | None = None) -> int:
         table.append(f"| {name} | {conns} | {req_s:.0f} | {point['texts_s_median']:.0f} | "
                      f"{point['p50_ms_median']:.2f} | {point['p99_ms_median']:.2f} | {rounds_s} |")
     print()
-    ratio_lines, bar_lines = [], []
+    return table, failed
+
+
+def ratio_lines(args: argparse.Namespace, samples: dict[tuple[str, int], list[dict[str, Any]]],
+                failed: dict[tuple[str, int], str], results: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """Predict / echo req/s per mode and connection count (median of the rounds' ratios), and the bar."""
+    lines, bar_lines = [], []
     echo_name = "echo (framework floor)"
     for conns in args.connections:
-        echo = samples[(echo_name, conns)]
-        for name in modes:
+        for name in server_modes(args)[1]:
             pred_name = f"predict, {name}"
             if (echo_name, conns) in failed or (pred_name, conns) in failed:
-                line = f"ratio predict ({name}) / echo at {conns} connections: not computed (a point failed)"
-            else:
-                pred = samples[(pred_name, conns)]
-                ratios = [p["req_s"] / e["req_s"] for p, e in zip(pred, echo, strict=True)]
-                ratio = float(np.median(ratios))
-                results[f"ratio predict ({name}) / echo @{conns}"] = ratio
-                line = (f"ratio predict ({name}) / echo at {conns} connections: median {ratio:.2f} "
-                        f"(rounds: {', '.join(f'{x:.2f}' for x in ratios)})")
-                if conns == ISSUE_BAR["connections"]:
-                    p99 = results["points"][f"{pred_name} @{conns}"]["p99_ms_median"]
-                    met = ratio >= ISSUE_BAR["min_ratio"] and p99 <= ISSUE_BAR["max_p99_ms"]
-                    results[f"issue bar met ({name})"] = met
-                    bar_lines.append(
-                        f"issue 4 bar (predict req/s >= {ISSUE_BAR['min_ratio']} x echo at {conns} connections, "
-                        f"p99 <= {ISSUE_BAR['max_p99_ms']:g} ms), {name}: ratio {ratio:.2f}, p99 {p99:.2f} ms: "
-                        f"{'met' if met else 'NOT met'}")
-            print(line)
-            ratio_lines.append(f"- {line}")
-    for line in bar_lines:
+                lines.append(f"ratio predict ({name}) / echo at {conns} connections: not computed (a point failed)")
+                continue
+            pairs = zip(samples[(pred_name, conns)], samples[(echo_name, conns)], strict=True)
+            ratios = [p["req_s"] / e["req_s"] for p, e in pairs]
+            ratio = float(np.median(ratios))
+            results[f"ratio predict ({name}) / echo @{conns}"] = ratio
+            lines.append(f"ratio predict ({name}) / echo at {conns} connections: median {ratio:.2f} "
+                         f"(rounds: {', '.join(f'{x:.2f}' for x in ratios)})")
+            if conns == ISSUE_BAR["connections"]:
+                p99 = results["points"][f"{pred_name} @{conns}"]["p99_ms_median"]
+                met = ratio >= ISSUE_BAR["min_ratio"] and p99 <= ISSUE_BAR["max_p99_ms"]
+                results[f"issue bar met ({name})"] = met
+                bar_lines.append(f"issue 4 bar (predict req/s >= {ISSUE_BAR['min_ratio']} x echo at {conns} "
+                                 f"connections, p99 <= {ISSUE_BAR['max_p99_ms']:g} ms), {name}: ratio {ratio:.2f}, "
+                                 f"p99 {p99:.2f} ms: {'met' if met else 'NOT met'}")
+    for line in lines + bar_lines:
         print(line)
-    paired_lines = []
-    for conns, pr in paired.items():
+    return [f"- {line}" for line in lines], [f"- {line}" for line in bar_lines]
+
+
+def paired_lines(results: dict[str, Any]) -> list[str]:
+    out = []
+    for conns, pr in results["paired"].items():
         if pr.get("failed"):
             line = f"paired at {conns} connection: FAILED, {pr['non_2xx']} non-2xx, first: {pr['first_error']}"
         else:
@@ -473,16 +458,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"{pr['predict']['p50_ms']:.2f} ms, mean {pr['predict']['mean_ms']:.2f} ms; "
                     f"predict/echo throughput estimate {pr['ratio']:.2f}")
         print(line)
-        paired_lines.append(f"- {line}")
-    print(f"engine calls on the default server: {results['batch_sizes_default']}")
-    out = OUT_DIR / "http.json"
-    out.write_text(json.dumps(results, indent=2))
-    calls = results["batch_sizes_default"]
-    shortlist = manifest.get("scoring", {}).get("shortlist", {})
+        out.append(f"- {line}")
+    return out
+
+
+def section_text(args: argparse.Namespace, bodies: dict[str, list[dict[str, Any]]], client_desc: str,
+                 results: dict[str, Any], lines: list[str]) -> str:
+    """The RESULTS.md 'http' section: setup, client, the table and ratio lines given."""
+    manifest = json.loads((args.bundle_dir / "manifest.json").read_text())
+    calls, shortlist = results["batch_sizes_default"], manifest.get("scoring", {}).get("shortlist", {})
+    base_env, modes = server_modes(args)
     env_text = " ".join(f"{k}={v}" for k, v in base_env.items())
     mode_text = "; ".join(f"{name}: {' '.join(f'{k}={v}' for k, v in env.items()) or 'service defaults'}"
                           for name, env in modes.items())
-    if client == "wrk":
+    if args.client == "wrk":
         client_text = (f"Client: {client_desc} (one wrk thread, C connections) with a generated Lua script "
                        f"POSTing {len(bodies['predict'])} JSON bodies from the query texts in rotation "
                        f"(`{{\"text\": ..., \"k\": {args.k}}}` to /v1/predict, `{{\"text\": ...}}` to /v1/echo, "
@@ -494,29 +483,48 @@ def main(argv: Sequence[str] | None = None) -> int:
         client_text = (f"Client: closed-loop httpx client threads (one keep-alive connection each) rotating over "
                        f"{len(bodies['predict'])} query texts, on the same 2 cores as the servers; they saturate "
                        "before the server does, so ratios come out near 1 (use wrk).")
-    section = "\n".join([
-        f"## HTTP service: /v1/predict against the framework floor (echo route), measured with {client}", "",
+    return "\n".join([
+        f"## HTTP service: /v1/predict against the framework floor (echo route), measured with {args.client}", "",
         f"Command: `{results['command']}`", "",
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, commit {results['revision']}, 2 CPU cores "
-        f"shared with other jobs; bundle `{bundle_dir}` (L={manifest.get('num_labels', 0):,}, "
+        f"shared with other jobs; bundle `{args.bundle_dir}` (L={manifest.get('num_labels', 0):,}, "
         f"D={manifest.get('dim')}, shortlists w/mu/head/tok {shortlist.get('k_w')}/{shortlist.get('k_mu')}/"
         f"{shortlist.get('k_head')}/{shortlist.get('k_tok', 0)}); "
         f"queries from {'the tst titles of ' + args.data if args.data else 'label titles'};"
-        f" k={args.k}; {args.rounds} interleaved rounds of {seconds:g} s per point, medians.", "",
+        f" k={args.k}; {args.rounds} interleaved rounds of {args.point_seconds:g} s per point, medians.", "",
         f"Servers: `shortlist serve` with {env_text} and service defaults otherwise (2 engine workers); "
         f"per mode: {mode_text}.", "",
-        client_text, "",
-        *table, "", *ratio_lines, "",
-        *([f"- {line}" for line in bar_lines] + [""] if bar_lines else []),
-        *(paired_lines + [""] if paired_lines else []),
+        client_text, "", *lines,
         f"Default server: {calls['engine_calls']:.0f} engine calls, {calls['mean_texts_per_call']:.1f} texts per "
         f"call on average (dynamic batching plus the {args.batch}-text requests).",
     ])
-    _common.replace_section(args.results, "http", section)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    bodies = request_bodies(args)
+    base_env, modes = server_modes(args)
+    client_desc = (f"{wrk_version()}, `{' '.join(wrk_command('URL', Path('SCRIPT.lua'), 'C', args.wrk_seconds))}`"
+                   if args.client == "wrk" else "closed-loop httpx client threads")
+    results: dict[str, Any] = {"command": command_line(), "revision": git_revision(), "bundle": str(args.bundle_dir),
+                               "client": args.client, "client_detail": client_desc,
+                               "seconds_per_point": args.point_seconds, "rounds": args.rounds,
+                               "distinct_bodies": {k: len(v) for k, v in bodies.items()},
+                               "server_env": {name: {**base_env, **env} for name, env in modes.items()},
+                               "points": {}, "failed_points": {}}
+    samples = run_points(args, bodies, client_desc, results)
+    table, failed = point_table(samples, results)
+    ratios, bars = ratio_lines(args, samples, failed, results)
+    paired = paired_lines(results)
+    print(f"engine calls on the default server: {results['batch_sizes_default']}")
+    out = OUT_DIR / "http.json"
+    out.write_text(json.dumps(results, indent=2))
+    lines = [*table, "", *ratios, "", *([*bars, ""] if bars else []), *([*paired, ""] if paired else [])]
+    replace_section(args.results, "http", section_text(args, bodies, client_desc, results, lines))
     print(f"wrote {out} and the 'http' section of {args.results}")
     if failed:
-        print(f"{len(failed)} point(s) FAILED (non-2xx responses or socket errors): see above and {log_dir}",
-              file=sys.stderr)
+        print(f"{len(failed)} point(s) FAILED (non-2xx responses or socket errors): see above and "
+              f"{OUT_DIR / 'http-logs'}", file=sys.stderr)
         return 1
     return 0
 

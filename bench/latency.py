@@ -19,7 +19,8 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
 
-from service.engine import Bundle, Predictor  # noqa: E402
+from service.engine import Predictor, PredictorOptions  # noqa: E402
+from service.engine.bundle import Bundle  # noqa: E402
 
 
 def _texts(bundle: Bundle, data: str | None, n: int) -> list[str]:
@@ -64,13 +65,14 @@ def main() -> None:
     ap.add_argument("--shortlist-tok", type=int, default=None)
     args = ap.parse_args()
 
-    bundle = Bundle.load(args.bundle)
-    predictor = Predictor(bundle, threads=1, ef_search=args.ef_search, shortlist_w=args.shortlist_w,
-                          shortlist_mu=args.shortlist_mu, shortlist_tok=args.shortlist_tok)
+    options = PredictorOptions(threads=1, ef_search=args.ef_search, k_w=args.shortlist_w, k_mu=args.shortlist_mu,
+                               k_tok=args.shortlist_tok)
+    predictor = Predictor.load(args.bundle, options)
+    bundle = predictor.bundle
     texts = _texts(bundle, args.data, args.queries)
-    m = bundle.manifest
-    print(f"bundle {bundle.version}: L={m.num_labels} D={m.dim} k_w={predictor.shortlist_w} "
-          f"k_mu={predictor.shortlist_mu} k_tok={predictor.shortlist_tok} ef={bundle.index_w.ef_search}")
+    m, spec = bundle.manifest, predictor.scoring.shortlist
+    print(f"bundle {bundle.version}: L={m.num_labels} D={m.dim} k_w={spec.k_w} k_mu={spec.k_mu} k_tok={spec.k_tok} "
+          f"ef={args.ef_search or m.hnsw.ef_search}")
 
     def ann(batch):
         return predictor.predict_ids(batch, args.k)
@@ -91,15 +93,16 @@ def main() -> None:
     q_ids, q_w = tok.encode_batch(texts[:1])
     q = predictor.encoder.run(q_ids, q_w)
     ones = np.ones((1, 1), dtype=np.float32)
+    index_w, index_mu = bundle.index("w", args.ef_search), bundle.index("mu", args.ef_search)
     stages = {
         "tokenise": lambda t: tok.encode_batch([t]),
         "encode (onnxruntime)": lambda t: predictor.encoder.run(q_ids, q_w),
-        "hnsw_w search": lambda t: bundle.index_w.search(np.hstack([q, ones]), max(predictor.shortlist_w, 1)),
-        "hnsw_mu search": lambda t: bundle.index_mu.search(q, max(predictor.shortlist_mu, 1)),
-        "shortlists + lexical": lambda t: predictor._shortlist(q_ids, q_w, q),
+        "hnsw_w search": lambda t: index_w.search(np.hstack([q, ones]), max(spec.k_w, 1)),
+        "hnsw_mu search": lambda t: index_mu.search(q, max(spec.k_mu, 1)),
+        "shortlists + lexical": lambda t: predictor.sources(q_ids, q_w, q),
     }
-    cands, lexical = predictor._shortlist(q_ids, q_w, q)
-    stages["score shortlist"] = lambda t: predictor.score_candidates(q, cands, predictor.alpha, lexical)
+    cands, lexical = predictor.sources(q_ids, q_w, q)
+    stages["score shortlist"] = lambda t: predictor.scorer.score(q, cands, predictor.alpha, lexical)
     for name, fn in stages.items():
         ms = _latencies(lambda batch, fn=fn: fn(batch[0]), texts[:1000])
         print(f"  stage {name:<22} p50 {np.percentile(ms, 50) * 1e3:8.1f} us")

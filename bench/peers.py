@@ -31,13 +31,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):
-    # Run as `python bench/peers.py`: make the repository importable (bench is not installed).
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import numpy as np
-
-from bench._common import (
+from _common import (
     BENCH_DIR,
     OUT_DIR,
     REPO_ROOT,
@@ -259,7 +254,7 @@ class PecosPeer(Peer):
 
     def __init__(self, files: RunFiles) -> None:
         super().__init__(files)
-        from bench._pecos_compat import patch_pecos
+        from _pecos_compat import patch_pecos
 
         patch_pecos()
 
@@ -368,19 +363,19 @@ class NapkinxcPeer(Peer):
 
 
 class ShortlistServed:
-    """Shortlist through the serving engine: Bundle.load + Predictor(threads=1)."""
+    """Shortlist through the serving engine: Predictor.load(bundle) with one thread, or another
+    Predictor over the same opened bundle with other speed knobs."""
 
     name = "shortlist"
 
     def __init__(self, bundle_dir: Path, ef_search: int | None = None, shortlist_w: int | None = None,
                  shortlist_mu: int | None = None, shortlist_tok: int | None = None, bundle: Any = None) -> None:
-        from service.engine import Bundle, Predictor
+        from service.engine import Predictor, PredictorOptions
 
-        self.bundle = bundle if bundle is not None else Bundle.load(bundle_dir)
-        self.predictor = Predictor(
-            self.bundle, threads=1, ef_search=ef_search, shortlist_w=shortlist_w, shortlist_mu=shortlist_mu,
-            shortlist_tok=shortlist_tok,
-        )
+        options = PredictorOptions(threads=1, ef_search=ef_search, k_w=shortlist_w, k_mu=shortlist_mu,
+                                   k_tok=shortlist_tok)
+        self.predictor = Predictor(bundle, options) if bundle is not None else Predictor.load(bundle_dir, options)
+        self.bundle = self.predictor.bundle
 
     def predict_one(self, text: str) -> list[int]:
         ids, _ = self.predictor.predict_ids([text], k=K)
@@ -462,8 +457,8 @@ def worker(spec_path: str) -> int:
 def shortlist_breakdown(served: ShortlistServed, texts: Sequence[str]) -> dict[str, float]:
     """Median time of each stage of one single-query prediction (ms): where the latency goes.
 
-    Calls the Predictor's stages one by one (its private _shortlist included), so it follows
-    the engine as it is; the stages add up to a little less than predict_ids' own time.
+    Calls the Predictor's stages one by one, so it follows the engine as it is; the stages add
+    up to a little less than predict_ids' own time.
     """
     from service.engine.scorers import top_k
 
@@ -476,9 +471,9 @@ def shortlist_breakdown(served: ShortlistServed, texts: Sequence[str]) -> dict[s
         t1 = clock()
         q = p.encoder.run(ids, weights)
         t2 = clock()
-        cands, lexical = p._shortlist(ids, weights, q)
+        cands, lexical = p.sources(ids, weights, q)
         t3 = clock()
-        top_k(p.score_candidates(q, cands, p.alpha, lexical), K)
+        top_k(p.scorer.score(q, cands, p.alpha, lexical), K)
         t4 = clock()
         for key, dt in zip(stages, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
             stages[key].append(dt)
@@ -486,11 +481,10 @@ def shortlist_breakdown(served: ShortlistServed, texts: Sequence[str]) -> dict[s
 
 
 def shortlist_defaults(served: ShortlistServed) -> dict[str, Any]:
-    p = served.predictor
-    return {"ef_search": served.bundle.index_w.ef_search, "shortlist_w": p.shortlist_w,
-            "shortlist_mu": p.shortlist_mu, "shortlist_tok": p.shortlist_tok, "shortlist_head": p.shortlist_head,
-            "head_mode": p.head_mode, "alpha": p.alpha, "lexical_weight": p.lexical_weight,
-            "lexical_form": served.bundle.manifest.scoring.lexical_form}
+    s, spec = served.predictor.scoring, served.predictor.scoring.shortlist
+    return {"ef_search": served.bundle.manifest.hnsw.ef_search, "shortlist_w": spec.k_w, "shortlist_mu": spec.k_mu,
+            "shortlist_tok": spec.k_tok, "shortlist_head": spec.k_head, "head_mode": spec.head, "alpha": s.alpha,
+            "lexical_weight": s.lexical_weight, "lexical_form": s.lexical_form}
 
 
 class _ExactScoring:
@@ -783,7 +777,8 @@ def render_markdown(rows: list[dict[str, Any]], grid: list[dict[str, Any]], cont
     if grid or info.get("exact"):
         out += [
             "",
-            "Shortlist speed knobs (same bundle, Predictor(ef_search, shortlist_w, shortlist_mu, shortlist_tok), "
+            "Shortlist speed knobs (same bundle, PredictorOptions(ef_search, k_w, k_mu, k_tok) in the columns "
+            "ef_search, shortlist_w, shortlist_mu, shortlist_tok, "
             f"one thread; latency over {context['grid_latency_queries']} queries; shortlist_w/mu: HNSW searches, "
             "shortlist_tok: labels per query token from the token shortlist; the head labels join as the bundle's "
             "head mode says, see the defaults above). "

@@ -14,34 +14,24 @@ the activation time of the bundle (server-side load + validate + swap).
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import shutil
 import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-# bench/http.py is named like the standard library's `http`: keep this folder off the path.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+import _common
+import httpx
+import numpy as np
+from http_bench import query_texts, run_connections
 
-import argparse  # noqa: E402
-import importlib.util  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import shutil  # noqa: E402
-import tempfile  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Sequence  # noqa: E402
-from typing import Any  # noqa: E402
-
-import httpx  # noqa: E402
-import numpy as np  # noqa: E402
-
-# http_bench loads the shared bench helpers and the test server by file location; reuse them.
-_spec = importlib.util.spec_from_file_location("bench_http", _HERE / "http_bench.py")
-assert _spec is not None and _spec.loader is not None
-_http = importlib.util.module_from_spec(_spec)
-sys.modules["bench_http"] = _http
-_spec.loader.exec_module(_http)
-_common, serve = _http._common, _http.serve
+from shortlist.testing import serve
 
 TOKEN = "bench-swap-token"
 
@@ -87,7 +77,7 @@ def load_phase(url: str, bodies: Sequence[dict[str, Any]], connections: int, sec
                 versions.add(r.json()["version"])
                 lat[w].append(dt)
 
-    _http.run_connections(worker, connections, seconds, stop)
+    run_connections(worker, connections, seconds, stop)
     return [x for per in lat for x in per], errors, versions
 
 
@@ -101,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=10)
     ap.add_argument("--server-env", nargs="*", default=[], metavar="KEY=VALUE",
                     help="extra SHORTLIST_* settings for the server, e.g. SHORTLIST_LOADER_NICE=0 (A/B runs)")
-    ap.add_argument("--results", type=Path, default=_HERE / "RESULTS.md",
+    ap.add_argument("--results", type=Path, default=_common.BENCH_DIR / "RESULTS.md",
                     help="markdown file whose 'swap' section gets this run (one line per swap pause)")
     args = ap.parse_args(argv)
     bundle = args.bundle.resolve()
@@ -115,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ap.error(f"--server-env {item!r}: expected SHORTLIST_NAME=value")
         server_env[key] = value
 
-    texts = _http.query_texts(bundle, args.data, 4000)
+    texts = query_texts(bundle, args.data, 4000)
     bodies = [{"text": t, "k": args.k} for t in texts]
     log_dir = _common.OUT_DIR / "swap-logs"
     log_dir.mkdir(parents=True, exist_ok=True)

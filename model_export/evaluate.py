@@ -1,4 +1,14 @@
-"""`shortlist eval`: metrics of a bundle through the serving engine (what is measured is what is served)."""
+"""`shortlist eval`: metrics of a bundle through the serving engine (what is measured is what is served).
+
+Protocols (`--filter`):
+  plain   every prediction and every true label counts;
+  own     a document's own label (the label with the document's uid) is left out of its
+          predictions and its truth: where documents are labels too, the Extreme Classification
+          Repository scores this way (its filter_labels files list these pairs);
+  FILE    a filter file of that repository: one "test_row label_row" pair a line (0-based),
+          each pair left out of that document's predictions and truth.
+Left-out labels are never predicted (the engine's `exclude`), so the next best move up.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +20,43 @@ from typing import Any
 
 import numpy as np
 
-from service.engine import Bundle, Predictor
 from service.engine.metrics import label_frequencies, propensities, ranking_metrics, shortlist_recall
-from training.data import load_split
+from service.engine.predictor import Predictor
+from training.data import LabelSet, Split, load_labels, load_split, own_label_ids
 
 EVAL_BATCH = 256
+METRICS = ("P@1", "P@3", "P@5", "nDCG@1", "nDCG@3", "nDCG@5", "PSP@1", "PSP@3", "PSP@5")
+
+
+def filtered_pairs(protocol: str, docs: Split, labels: LabelSet | None) -> list[list[int]]:
+    """Per document the label ids its protocol leaves out ("plain", "own" or a filter file)."""
+    if protocol == "plain":
+        return [[] for _ in range(len(docs))]
+    if protocol == "own":
+        assert labels is not None
+        return [[int(i)] if i >= 0 else [] for i in own_label_ids(docs.uids, labels.uids)]
+    return read_filter_file(Path(protocol), len(docs), len(labels) if labels is not None else None)
+
+
+def read_filter_file(path: Path, num_docs: int, num_labels: int | None) -> list[list[int]]:
+    """A filter file's pairs per document; errors name the file and line."""
+    out: list[list[int]] = [[] for _ in range(num_docs)]
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read filter file: {exc}") from None
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        parts = line.split()
+        if len(parts) != 2 or not all(p.isdigit() for p in parts):
+            raise ValueError(f"{path}:{lineno}: expected two non-negative integers 'test_row label_row', got {line!r}")
+        row, label = int(parts[0]), int(parts[1])
+        if row >= num_docs or (num_labels is not None and label >= num_labels):
+            raise ValueError(f"{path}:{lineno}: pair ({row}, {label}) out of range ({num_docs} documents, "
+                             f"{num_labels} labels)")
+        out[row].append(label)
+    return out
 
 
 def evaluate_bundle(
@@ -25,57 +67,50 @@ def evaluate_bundle(
     scorer: str = "alpha",
     alpha: float | None = None,
     limit: int | None = None,
+    protocol: str = "plain",
     predictor: Predictor | None = None,
 ) -> dict[str, Any]:
     """P@1/3/5, nDCG@1/3/5, PSP@1/3/5 (propensities from trn), shortlist recall and queries/s."""
-    if predictor is None:
-        predictor = Predictor(Bundle.load(bundle_dir))
+    predictor = predictor or Predictor.load(bundle_dir)
     manifest = predictor.bundle.manifest
-    field = text_field or manifest.text_field
-    num_labels = manifest.num_labels
+    field, num_labels = text_field or manifest.text_field, manifest.num_labels
     docs = load_split(data_dir, split, field, num_labels=num_labels)
     if limit is not None:
         docs = docs.subset(list(range(min(limit, len(docs)))))
+    labels = load_labels(data_dir, field) if protocol == "own" else None
+    left_out = filtered_pairs(protocol, docs, labels)
+    truths = [[t for t in truth if t not in drop] for truth, drop in zip(docs.targets, left_out, strict=True)]
     trn = docs if split == "trn" else load_split(data_dir, "trn", field, num_labels=num_labels)
     inv_prop = 1.0 / propensities(label_frequencies(trn.targets, num_labels), len(trn))
-
     ids = np.empty((len(docs), 5), dtype=np.int64)
     t0 = time.perf_counter()
     for start in range(0, len(docs), EVAL_BATCH):
-        batch = docs.texts[start : start + EVAL_BATCH]
-        if scorer == "tree":
-            ids[start : start + len(batch)] = predictor.predict_tree_ids(batch, k=5)[0]
-        else:
-            ids[start : start + len(batch)] = predictor.predict_ids(batch, k=5, alpha=alpha)[0]
+        batch, drop = docs.texts[start : start + EVAL_BATCH], left_out[start : start + EVAL_BATCH]
+        predict = predictor.predict_tree_ids if scorer == "tree" else predictor.predict_ids
+        kwargs = {} if scorer == "tree" else {"alpha": alpha}
+        ids[start : start + len(batch)] = predict(batch, k=5, exclude=drop, **kwargs)[0]
     elapsed = time.perf_counter() - t0
-    out: dict[str, Any] = {
-        "bundle": predictor.version,
-        "split": split,
-        "scorer": scorer,
-        "documents": len(docs),
-    }
-    out.update(ranking_metrics(ids, docs.targets, ks=(1, 3, 5), inv_propensity=inv_prop))
+    out: dict[str, Any] = {"bundle": predictor.version, "split": split, "scorer": scorer, "protocol": protocol,
+                           "filtered_pairs": sum(len(d) for d in left_out), "documents": len(docs)}
+    out.update(ranking_metrics(ids, truths, ks=(1, 3, 5), inv_propensity=inv_prop))
     if scorer == "alpha":
-        shortlists = []
-        for start in range(0, len(docs), EVAL_BATCH):
-            shortlists.extend(predictor.shortlist(docs.texts[start : start + EVAL_BATCH]))
-        out["recall@shortlist"] = shortlist_recall(shortlists, docs.targets)
+        shortlists = [s for start in range(0, len(docs), EVAL_BATCH)
+                      for s in predictor.shortlist(docs.texts[start : start + EVAL_BATCH])]
+        out["recall@shortlist"] = shortlist_recall(shortlists, truths)
         out["shortlist_size_mean"] = float(np.mean([len(s) for s in shortlists])) if shortlists else 0.0
     out["queries_per_s"] = len(docs) / elapsed if elapsed > 0 else 0.0
     return out
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    result = evaluate_bundle(
-        args.bundle, args.data, args.split, args.text_field, args.scorer, args.alpha, args.limit
-    )
+    result = evaluate_bundle(args.bundle, args.data, args.split, args.text_field, args.scorer, args.alpha,
+                             args.limit, args.filter)
     if args.json:
         print(json.dumps(result))
         return 0
     print(f"bundle {result['bundle']}  split {result['split']}  scorer {result['scorer']}  "
-          f"documents {result['documents']}")
-    for name in ("P@1", "P@3", "P@5", "nDCG@1", "nDCG@3", "nDCG@5", "PSP@1", "PSP@3", "PSP@5",
-                 "recall@shortlist", "queries_per_s"):
+          f"protocol {result['protocol']} ({result['filtered_pairs']} pairs left out)  documents {result['documents']}")
+    for name in (*METRICS, "recall@shortlist", "queries_per_s"):
         if name in result:
             print(f"  {name:<18} {result[name]:10.2f}")
     return 0

@@ -19,7 +19,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--text-field", default="title", choices=["title", "title+content"])
     p.add_argument("--config", help="JSON file of hyper-parameters overriding the defaults")
     p.add_argument("--seed", type=int, default=None, help="overrides the config's seed")
-    p.set_defaults(handler="training.train:run_cli")
+    p.set_defaults(handler="training.pipeline:run_cli")
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -52,6 +52,9 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--scorer", default="alpha", choices=["alpha", "tree"])
     p.add_argument("--alpha", type=float, default=None)
     p.add_argument("--limit", type=int, default=None, help="evaluate the first N documents only")
+    p.add_argument("--filter", default="plain", metavar="plain|own|FILE",
+                   help="own: leave each document's own label (same uid) out of its predictions and truth (the XC "
+                        "repository's filtered protocol); FILE: an XC filter file of 'test_row label_row' pairs")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler="model_export.evaluate:run_cli")
 
@@ -73,7 +76,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
                    help="auto: the machine's Debian package lists when present, else generated data")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.set_defaults(handler="model_export.demo:run_cli")
+    p.set_defaults(handler="shortlist.demo:run_cli")
 
 
 def build_parser() -> argparse.ArgumentParser:

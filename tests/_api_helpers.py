@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from service.engine import Bundle, Predictor
+from service.engine import Predictor
 
 
 def sample_titles(data_dir: Path, n: int) -> list[str]:
@@ -25,15 +25,14 @@ def sample_titles(data_dir: Path, n: int) -> list[str]:
 def reference(bundle_dir: Path, texts: list[str], k: int = 10, *, alpha: float | None = None,
               tree: bool = False, exclude: list[int] | None = None) -> list[list[dict[str, Any]]]:
     """What the engine answers in-process for these texts, as API label dicts."""
-    bundle = Bundle.load(bundle_dir)
-    predictor = Predictor(bundle)
+    predictor = Predictor.load(bundle_dir)
     rows = None if exclude is None else [exclude] * len(texts)
     if tree:
         preds = predictor.predict_tree(texts, k=k, exclude=rows)
     else:
         preds = predictor.predict(texts, k=k, alpha=alpha, exclude=rows)
     out = [[{"id": p.id, "uid": p.uid, "title": p.title, "score": p.score} for p in row] for row in preds]
-    bundle.close()
+    predictor.bundle.close()
     return out
 
 

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from model_export.export import export_checkpoint
+from training.config import TrainConfig
+from training.pipeline import train
 from training.synthetic import generate
-from training.train import TrainConfig, train
 
 SYNTHETIC = {"num_labels": 300, "train_docs": 1500, "test_docs": 300, "seed": 0}
 
@@ -30,7 +31,7 @@ def checkpoints(synthetic_data: Path, tmp_path_factory: pytest.TempPathFactory) 
     out = {}
     for version, seed in (("v1", 1), ("v2", 2)):
         ckpt_dir = tmp_path_factory.mktemp(f"ckpt-{version}")
-        train(synthetic_data, TrainConfig.tiny(), seed=seed, log=lambda *_: None).save(ckpt_dir)
+        train(synthetic_data, TrainConfig.tiny(), seed=seed).save(ckpt_dir)
         out[version] = ckpt_dir
     return out
 
@@ -39,7 +40,7 @@ def checkpoints(synthetic_data: Path, tmp_path_factory: pytest.TempPathFactory) 
 def bundle_root_template(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("bundles")
     for version, ckpt_dir in checkpoints.items():
-        export_checkpoint(ckpt_dir, root, version, log=lambda *_: None)
+        export_checkpoint(ckpt_dir, root, version)
     return root
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -14,9 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 from _api_helpers import assert_same_ranking, reference, sample_titles
-from _server import serve
 
-from service.api.registry import ActivationInProgress, BundleRegistry
+from shortlist.testing import serve
 
 TOKEN = "s3cret-admin-token"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
@@ -48,14 +46,22 @@ def admin_server(bundle_root_copy, tmp_path):
         yield s
 
 
+@pytest.fixture(scope="module")
+def shared_admin_server(bundle_root, tmp_path_factory):
+    """One server for the tests that must leave its state as they found it (each checks that
+    v2 still serves): refused requests change nothing."""
+    with serve(bundle_root, env={"SHORTLIST_ADMIN_TOKEN": TOKEN}, log_dir=tmp_path_factory.mktemp("admin")) as s:
+        yield s
+
+
 def test_admin_is_off_without_a_token(bundle_root, tmp_path):
     with serve(bundle_root, log_dir=tmp_path) as s, httpx.Client(base_url=s.url) as c:
         assert c.get("/admin/bundles", headers=AUTH).status_code == 404
         assert c.post("/admin/bundles/activate", json={"version": "v1"}, headers=AUTH).status_code == 404
 
 
-def test_auth_missing_is_401_and_wrong_is_403(admin_server):
-    with httpx.Client(base_url=admin_server.url) as c:
+def test_auth_missing_is_401_and_wrong_is_403(shared_admin_server):
+    with httpx.Client(base_url=shared_admin_server.url) as c:
         for method, path, body in (("GET", "/admin/bundles", None),
                                    ("POST", "/admin/bundles/activate", {"version": "v1"}),
                                    ("POST", "/admin/bundles/rollback", None)):
@@ -99,20 +105,22 @@ def test_list_activate_and_rollback(admin_server):
 
 @pytest.mark.parametrize(("version", "status", "fragment"), [
     ("nope", 404, "no bundle 'nope'"),
-    ("../v1", 422, "invalid bundle version"),
-    ("v1/../v2", 422, "invalid bundle version"),
-    (".hidden", 422, "invalid bundle version"),
-    ("a" * 65, 422, "invalid bundle version"),
+    ("../v1", 422, "use 1-64 letters"),
+    ("v1/../v2", 422, "use 1-64 letters"),
+    (".hidden", 422, "use 1-64 letters"),
+    ("a" * 65, 422, "use 1-64 letters"),
+    ("v1\n", 422, "use 1-64 letters"),
+    ("", 422, "use 1-64 letters"),
 ])
-def test_bad_version_names_are_refused(admin_server, version, status, fragment):
-    with httpx.Client(base_url=admin_server.url, headers=AUTH) as c:
+def test_bad_version_names_are_refused(shared_admin_server, version, status, fragment):
+    with httpx.Client(base_url=shared_admin_server.url, headers=AUTH) as c:
         r = c.post("/admin/bundles/activate", json={"version": version})
         assert r.status_code == status and fragment in r.json()["message"], r.text
         assert c.get("/readyz").json()["version"] == "v2"
 
 
-def test_activate_body_is_validated(admin_server):
-    with httpx.Client(base_url=admin_server.url, headers=AUTH) as c:
+def test_activate_body_is_validated(shared_admin_server):
+    with httpx.Client(base_url=shared_admin_server.url, headers=AUTH) as c:
         r = c.post("/admin/bundles/activate", json={"version": 3})
         assert r.status_code == 422 and r.json()["details"][0]["field"] == "body.version"
         r = c.post("/admin/bundles/activate", json={"version": "v1", "force": True})
@@ -157,34 +165,23 @@ def test_quality_gate_refuses_a_bundle_below_the_floor(bundle_root_copy, tmp_pat
         assert r.status_code == 422 and "quality gate failed" in r.json()["message"], r.text
 
 
-def test_concurrent_activation_gets_409(bundle_root):
-    registry = BundleRegistry(bundle_root)
-    registry.activate("v1")
-    # Hold the activation lock as an in-progress activation would.
-    assert registry._activation_lock.acquire(blocking=False)
-    try:
-        with pytest.raises(ActivationInProgress):
-            registry.activate("v2")
-        with pytest.raises(ActivationInProgress):
-            registry.rollback()
-    finally:
-        registry._activation_lock.release()
-    assert registry.active_version == "v1"
-    registry.close()
-
-
 def test_simultaneous_activations_over_http_are_200_or_409(admin_server):
-    def activate(version: str) -> httpx.Response:
+    def swap(route: str) -> httpx.Response:
         with httpx.Client(base_url=admin_server.url, headers=AUTH, timeout=60) as c:
-            return c.post("/admin/bundles/activate", json={"version": version})
+            if route == "rollback":
+                return c.post("/admin/bundles/rollback")
+            return c.post("/admin/bundles/activate", json={"version": route})
 
-    with ThreadPoolExecutor(6) as pool:
-        responses = list(pool.map(activate, ["v1", "v2"] * 3))
-    statuses = sorted(r.status_code for r in responses)
-    assert set(statuses) <= {200, 409} and 200 in statuses, statuses
-    for r in responses:
-        if r.status_code == 409:
-            assert r.json()["error"] == "activation_in_progress"
+    busy = []
+    for _ in range(20):  # until a request has met another's activation in progress
+        with ThreadPoolExecutor(8) as pool:
+            responses = list(pool.map(swap, ["v1", "v2", "rollback", "v1"] * 2))
+        assert all(r.status_code in (200, 404, 409) for r in responses), [r.text for r in responses]
+        assert any(r.status_code == 200 for r in responses)
+        busy += [r for r in responses if r.status_code == 409]
+        if busy:
+            break
+    assert busy and all(r.json()["error"] == "activation_in_progress" for r in busy)
 
 
 def test_separate_admin_port(bundle_root, tmp_path):
@@ -209,7 +206,9 @@ def test_swaps_under_load_fail_nothing_and_every_answer_matches_its_version(
         for v in ("v1", "v2") for scorer in ("alpha", "tree")
     }
     corrupt_copy(bundle_root_copy, "v1", "v3bad")
-    env = {"SHORTLIST_ADMIN_TOKEN": TOKEN}
+    # With the opt-in swap tricks on (niced loader threads, the tuned heap): the configuration
+    # with the most to get wrong; the other activation tests run with the defaults (off).
+    env = {"SHORTLIST_ADMIN_TOKEN": TOKEN, "SHORTLIST_HEAP_TUNING": "true", "SHORTLIST_LOADER_NICE": "10"}
     with serve(bundle_root_copy, env=env, log_dir=tmp_path) as s:
         stop = threading.Event()
         answers: list[tuple[str, int, httpx.Response]] = []
@@ -270,26 +269,3 @@ def test_swaps_under_load_fail_nothing_and_every_answer_matches_its_version(
         assert seen == {"v1", "v2"}
         print(f"RSS before {rss_before / 1e6:.1f} MB, after {rss_after / 1e6:.1f} MB, {len(answers)} answers")
         assert rss_after <= 1.10 * rss_before, (rss_before, rss_after)
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
-def test_bundles_load_on_lower_priority_threads_and_requests_do_not(bundle_root):
-    def nice() -> int:
-        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-
-    base = nice()
-    registry = BundleRegistry(bundle_root, loader_nice=7)
-    try:
-        assert registry.in_loader(registry.activate, "v1").result(timeout=120)["active"] == "v1"
-        assert registry.in_loader(nice).result(timeout=10) == min(base + 7, 19)
-        assert nice() == base  # the caller (the event loop, in the service) is untouched
-        with registry.lease() as engine:
-            assert engine.predictor.predict(["x"], k=3)
-    finally:
-        registry.close()
-    # onnxruntime pools started by a niced loader would serve at that priority: no nice then.
-    registry = BundleRegistry(bundle_root, loader_nice=7, engine_threads=2)
-    try:
-        assert registry.in_loader(nice).result(timeout=10) == base
-    finally:
-        registry.close()

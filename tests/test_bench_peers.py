@@ -7,16 +7,12 @@ shares; the benchmark run is what exercises the libraries.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench._common import latency_summary, replace_section  # noqa: E402
-from bench.peers import (  # noqa: E402
+from _common import latency_summary, replace_section  # bench/ is on pytest's pythonpath (pyproject)
+from peers import (
     _csr_topk,
     _pad_ids,
     non_negative_int,
@@ -27,8 +23,9 @@ from bench.peers import (  # noqa: E402
     texts_to_csr,
     without_own_label,
 )
-from service.engine.tokenizer import Tokenizer  # noqa: E402
-from training.data import own_label_ids  # noqa: E402
+
+from service.engine.tokenizer import Tokenizer
+from training.data import own_label_ids
 
 # scipy comes with the bench extra (and training); the peers' features are scipy CSR.
 sp = pytest.importorskip("scipy.sparse")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from model_export.demo import DEBIAN_EXAMPLE, build_demo, example_query
+from shortlist.demo import DEBIAN_EXAMPLE, build_demo, example_query
 from training.data import load_labels, load_split
 from training.debian import (
     build_debian_tags,

@@ -1,4 +1,5 @@
-"""Engine: bundle validation refuses every broken bundle with a message naming the file; Predictor behaviour."""
+"""Engine: every broken bundle is refused with a message naming the file; sources open on first
+need; Predictor behaviour and its options."""
 
 from __future__ import annotations
 
@@ -9,27 +10,31 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from service.engine import Bundle, BundleError, Predictor
-from service.engine.bundle import MANIFEST, newest_version, resolve_bundle_dir, sha256_file
+from service.engine import BundleError, Predictor, PredictorOptions
+from service.engine.schema import MANIFEST, sha256_file
+from service.engine.store import newest_version, resolve_bundle_dir
 
 
-def _rewrite_manifest(bundle_dir: Path, **changes) -> None:
+def rewrite_manifest(bundle_dir: Path, **changes) -> dict:
     path = bundle_dir / MANIFEST
     manifest = json.loads(path.read_text())
-    manifest.update(changes)
+    for key, value in changes.items():
+        if isinstance(value, dict):
+            manifest[key] = {**manifest[key], **value}
+        else:
+            manifest[key] = value
     path.write_text(json.dumps(manifest))
+    return manifest
 
 
-def _refresh_checksum(bundle_dir: Path, name: str) -> None:
-    manifest = json.loads((bundle_dir / MANIFEST).read_text())
-    manifest["files"][name] = sha256_file(bundle_dir / name)
-    (bundle_dir / MANIFEST).write_text(json.dumps(manifest))
+def refresh_checksum(bundle_dir: Path, name: str) -> None:
+    rewrite_manifest(bundle_dir, files={name: sha256_file(bundle_dir / name)})
 
 
 def test_valid_bundle_loads_and_memory_maps_its_arrays(bundle_root):
-    bundle = Bundle.load(bundle_root / "v1")
-    assert bundle.version == "v1"
-    assert isinstance(bundle.classifiers, np.memmap) and isinstance(bundle.centroids, np.memmap)
+    predictor = Predictor.load(bundle_root / "v1")
+    assert predictor.version == "v1" and predictor.bundle.has_tree
+    assert isinstance(predictor.bundle.classifiers, np.memmap) and isinstance(predictor.bundle.centroids, np.memmap)
 
 
 def test_flipped_byte_is_rejected_naming_the_file(bundle_root_copy):
@@ -38,28 +43,42 @@ def test_flipped_byte_is_rejected_naming_the_file(bundle_root_copy):
     data[-7] ^= 0xFF
     target.write_bytes(bytes(data))
     with pytest.raises(BundleError, match=r"classifiers\.npy: sha256 mismatch"):
-        Bundle.load(bundle_root_copy / "v1")
+        Predictor.load(bundle_root_copy / "v1")
 
 
-def test_missing_file_is_rejected(bundle_root_copy):
+def test_missing_or_unknown_files_are_rejected(bundle_root_copy):
     os.remove(bundle_root_copy / "v1" / "hnsw_mu.bin")
     with pytest.raises(BundleError, match=r"hnsw_mu\.bin: listed in the manifest but missing"):
-        Bundle.load(bundle_root_copy / "v1")
+        Predictor.load(bundle_root_copy / "v1")
+    (bundle_root_copy / "v2" / "extra.bin").write_bytes(b"x")
+    refresh_checksum(bundle_root_copy / "v2", "extra.bin")
+    with pytest.raises(BundleError, match="unknown file extra.bin"):
+        Predictor.load(bundle_root_copy / "v2")
 
 
-def test_unknown_format_version_is_rejected(bundle_root_copy):
-    _rewrite_manifest(bundle_root_copy / "v1", format_version=99)
-    with pytest.raises(BundleError, match="bundle format 99"):
-        Bundle.load(bundle_root_copy / "v1")
+@pytest.mark.parametrize(("change", "message"), [
+    ({"format_version": 99}, "bundle format 99, this engine reads 1"),
+    ({"new_field": 1}, "invalid manifest.*new_field"),
+    ({"scoring": {"alpha": 1.5}}, "invalid manifest.*alpha"),
+])
+def test_manifests_this_engine_cannot_read_are_refused(bundle_root_copy, change, message):
+    rewrite_manifest(bundle_root_copy / "v1", **change)
+    with pytest.raises(BundleError, match=message):
+        Predictor.load(bundle_root_copy / "v1")
+
+
+def test_a_retired_manifest_field_is_still_read(bundle_root_copy):
+    rewrite_manifest(bundle_root_copy / "v1", tree_default_beam=128)
+    assert Predictor.load(bundle_root_copy / "v1").version == "v1"
 
 
 def test_array_shape_disagreeing_with_manifest_is_rejected(bundle_root_copy):
     bundle_dir = bundle_root_copy / "v1"
     mu = np.load(bundle_dir / "centroids.npy")
     np.save(bundle_dir / "centroids.npy", mu[:, :-1])
-    _refresh_checksum(bundle_dir, "centroids.npy")
+    refresh_checksum(bundle_dir, "centroids.npy")
     with pytest.raises(BundleError, match=r"centroids\.npy: expected float32"):
-        Bundle.load(bundle_dir)
+        Predictor.load(bundle_dir)
 
 
 def test_canary_catches_arrays_that_disagree_with_export(bundle_root_copy):
@@ -68,15 +87,15 @@ def test_canary_catches_arrays_that_disagree_with_export(bundle_root_copy):
     for name in ("classifiers.npy", "centroids.npy"):
         arr = np.load(bundle_dir / name)
         np.save(bundle_dir / name, arr[::-1].copy())
-        _refresh_checksum(bundle_dir, name)
+        refresh_checksum(bundle_dir, name)
     with pytest.raises(BundleError, match="canary"):
-        Bundle.load(bundle_dir)
+        Predictor.load(bundle_dir)
 
 
 def test_manifest_version_must_match_directory(bundle_root_copy):
     os.rename(bundle_root_copy / "v1", bundle_root_copy / "v9")
     with pytest.raises(BundleError, match="does not match directory name"):
-        Bundle.load(bundle_root_copy / "v9")
+        Predictor.load(bundle_root_copy / "v9")
 
 
 def test_bundle_dirs_cannot_escape_the_root(bundle_root_copy, tmp_path):
@@ -85,7 +104,7 @@ def test_bundle_dirs_cannot_escape_the_root(bundle_root_copy, tmp_path):
     os.symlink(outside, bundle_root_copy / "escape")
     with pytest.raises(BundleError, match="outside the bundle root"):
         resolve_bundle_dir(bundle_root_copy, "escape")
-    for bad in ("../outside", "..", "v1/../v2", "/etc"):
+    for bad in ("../outside", "..", "v1/../v2", "/etc", "v1\n"):
         with pytest.raises(BundleError):
             resolve_bundle_dir(bundle_root_copy, bad)
     with pytest.raises(BundleError, match="no bundle"):
@@ -97,9 +116,52 @@ def test_newest_version_is_the_last_created(bundle_root):
     assert newest_version(bundle_root) == "v2"
 
 
+def test_an_index_the_scoring_does_not_search_is_never_read_and_is_checked_before_first_use(bundle_root_copy):
+    bundle_dir = bundle_root_copy / "v1"
+    for name in ("hnsw_w.bin", "hnsw_mu.bin"):
+        (bundle_dir / name).write_bytes(b"not an index")
+        refresh_checksum(bundle_dir, name)
+    rewrite_manifest(bundle_dir, canary=[])
+    manifest = json.loads((bundle_dir / MANIFEST).read_text())
+    manifest["scoring"]["shortlist"].update(k_w=0, k_mu=0)
+    (bundle_dir / MANIFEST).write_text(json.dumps(manifest))
+    predictor = Predictor.load(bundle_dir)  # token table and head only: the broken indices are not read
+    assert (predictor.predict_ids(["anything"], k=3)[0] >= 0).any()
+    with pytest.raises(BundleError, match=r"hnsw_w\.bin: cannot load hnsw index"):
+        Predictor(predictor.bundle, PredictorOptions(k_w=5))
+    with pytest.raises(BundleError, match=r"hnsw_mu\.bin: cannot load hnsw index"):
+        Predictor(predictor.bundle, PredictorOptions(k_mu=5))
+
+
 @pytest.fixture(scope="module")
 def predictor(bundle_root) -> Predictor:
-    return Predictor(Bundle.load(bundle_root / "v1"))
+    return Predictor.load(bundle_root / "v1")
+
+
+def test_options_override_the_bundles_scoring_and_are_checked(predictor):
+    bundle = predictor.bundle
+    assert predictor.scoring == bundle.manifest.scoring and predictor.answers_as_exported
+    narrow = Predictor(bundle, PredictorOptions(k_w=3, k_mu=0, k_tok=0, k_head=0))
+    assert narrow.scoring.shortlist.k_w == 3 and narrow.scoring.lexical_weight == 0.0  # no token rows: no lexical
+    assert all(len(s) <= 3 for s in narrow.shortlist(["alpha beta", bundle.labels.titles[3]]))
+    for options, message in [
+        (PredictorOptions(k_w=0, k_mu=0, k_tok=0), "all 0"),
+        (PredictorOptions(k_tok=-1), "greater than or equal to 0"),
+        (PredictorOptions(head="sometimes"), "head"),
+        (PredictorOptions(lexical_weight=float("nan")), "lexical_weight"),
+        (PredictorOptions(k_tok=bundle.token_table().width + 1), "labels per token"),
+        (PredictorOptions(k_tok=0, lexical_weight=0.2), "lexical_weight > 0 needs"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            Predictor(bundle, options)
+
+
+def test_another_search_breadth_never_changes_other_predictors_answers(predictor):
+    texts = [predictor.bundle.labels.titles[i] for i in range(20)]
+    before = predictor.predict_ids(texts, k=10)
+    Predictor(predictor.bundle, PredictorOptions(ef_search=1)).predict_ids(texts, k=10)
+    after = predictor.predict_ids(texts, k=10)
+    np.testing.assert_array_equal(before[0], after[0])
 
 
 def test_batch_results_equal_single_results(predictor):
@@ -173,8 +235,7 @@ def test_exclusions_are_checked(predictor):
     ids, _ = predictor.predict_ids([text], 3, exclude=[range(L)])
     assert ids.tolist() == [[-1, -1, -1]]
     assert predictor.predict([text], 3, exclude=[range(L)]) == [[]]
-    # the last id is allowed
-    predictor.predict_ids([text], 3, exclude=[[L - 1]])
+    predictor.predict_ids([text], 3, exclude=[[L - 1]])  # the last id is allowed
 
 
 def test_named_predictions_carry_uid_and_title(predictor):
@@ -184,22 +245,20 @@ def test_named_predictions_carry_uid_and_title(predictor):
         assert p.uid == labels.uids[p.id] and p.title == labels.titles[p.id]
 
 
-def test_head_shortlist_covering_every_label_equals_brute_force(bundle_root):
-    bundle = Bundle.load(bundle_root / "v1")
-    everything = Predictor(bundle, shortlist_head=bundle.manifest.num_labels, head_mode="always")
-    texts = [*bundle.labels.titles[:40], "", "zzqx unknown"]
+def test_a_shortlist_of_every_label_scores_exactly_as_brute_force(predictor):
+    everything = Predictor(predictor.bundle, PredictorOptions(k_head=predictor.num_labels, head="always"))
+    texts = [*predictor.bundle.labels.titles[:40], "", "zzqx unknown"]
     ann_ids, ann_scores = everything.predict_ids(texts, k=5)
     exact_ids, exact_scores = everything.predict_exact_ids(texts, k=5)
-    assert np.allclose(ann_scores, exact_scores, atol=1e-6)
+    np.testing.assert_allclose(ann_scores, exact_scores, atol=1e-6)
     assert np.mean(ann_ids == exact_ids) > 0.97  # only exact ties may order differently
 
 
-def test_export_shortlists_the_prior_head_when_classifiers_have_a_bias(bundle_root):
-    bundle = Bundle.load(bundle_root / "v1")
-    has_bias = bool(np.any(np.asarray(bundle.classifier_bias) != 0))
-    assert bundle.manifest.scoring.shortlist.k_head == (32 if has_bias else 0)
-    predictor = Predictor(bundle)
-    head = set(np.argsort(-np.asarray(bundle.classifier_bias), kind="stable")[:predictor.shortlist_head].tolist())
+def test_the_prior_head_is_shortlisted_when_classifiers_have_a_bias(predictor):
+    bundle = predictor.bundle
+    k_head = bundle.manifest.scoring.shortlist.k_head
+    assert k_head == (32 if np.any(np.asarray(bundle.classifier_bias) != 0) else 0)
+    head = set(np.argsort(-np.asarray(bundle.classifier_bias), kind="stable")[:k_head].tolist())
     assert head <= set(predictor.shortlist(["zzqx unknown"])[0].tolist())
 
 
@@ -257,3 +316,13 @@ def test_top_k_matches_a_full_sort_on_short_and_long_rows(width):
         assert all(len(set(row)) == kk for row in idx.tolist())
         if width <= 256:  # sorted outright: ties keep index order (a partition makes no such promise)
             assert idx[1].tolist() == list(range(kk))
+
+
+def test_importing_a_submodule_loads_no_native_engine():
+    import subprocess
+    import sys
+
+    code = ("import sys; import service.engine.tokenizer, service.engine.schema; "
+            "print(sorted(m for m in ('onnxruntime', 'hnswlib') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]"

@@ -14,8 +14,9 @@ import torch
 
 from model_export.export import export_checkpoint
 from model_export.onnx_export import PARITY_TOLERANCE, parity_texts
-from service.engine import Bundle, BundleError, Predictor
-from service.engine.bundle import MANIFEST, REQUIRED_FILES, newest_version, sha256_file
+from service.engine import BundleError, Predictor
+from service.engine.schema import MANIFEST, REQUIRED_FILES, sha256_file
+from service.engine.store import newest_version
 from training.checkpoint import Checkpoint
 
 
@@ -24,7 +25,7 @@ def test_onnx_matches_torch_on_1000_texts_including_edge_cases(checkpoints, bund
     texts = parity_texts(ckpt.tokenizer, ckpt.labels.titles, n=1000)
     assert len(texts) == 1000 and "" in texts
     assert any(len(ckpt.tokenizer.encode(t)[0]) == ckpt.tokenizer.max_tokens for t in texts)  # very long
-    predictor = Predictor(Bundle.load(bundle_root / "v1"))
+    predictor = Predictor.load(bundle_root / "v1")
     served = np.vstack([predictor.encode(texts[i : i + 100]) for i in range(0, 1000, 100)])
     ids, weights = ckpt.tokenizer.encode_batch(texts)
     with torch.no_grad():
@@ -48,14 +49,14 @@ def test_manifest_lists_every_file_with_its_sha256(bundle_root):
                   "data_fingerprint", "metrics", "canary"):
         assert field in manifest
     assert manifest["scoring"]["calibration"]["classifier"]["kind"] in ("sigmoid", "exp", "identity")
-    assert manifest["hnsw"]["ef_search"] >= manifest["scoring"]["shortlist"]["k_w"]
+    assert "tree_default_beam" not in manifest  # retired: the tree's beam is in tree.npz
     assert np.load(bundle_dir / "classifiers.npy", mmap_mode="r").shape == (manifest["num_labels"], manifest["dim"])
 
 
 def test_export_refuses_to_overwrite_an_existing_version(checkpoints, bundle_root_copy):
     before = sha256_file(bundle_root_copy / "v1" / MANIFEST)
     with pytest.raises(BundleError, match="already exists"):
-        export_checkpoint(checkpoints["v1"], bundle_root_copy, "v1", log=lambda *_: None)
+        export_checkpoint(checkpoints["v1"], bundle_root_copy, "v1")
     assert sha256_file(bundle_root_copy / "v1" / MANIFEST) == before
 
 
@@ -66,7 +67,7 @@ def test_inconsistent_checkpoint_is_refused_before_writing(checkpoints, tmp_path
     np.save(broken / "classifiers.npy", w[:-1])  # one label short
     root = tmp_path / "bundles"
     with pytest.raises(ValueError, match=r"classifiers\.npy: shape \(299, \d+\), expected \(300,"):
-        export_checkpoint(broken, root, "broken", log=lambda *_: None)
+        export_checkpoint(broken, root, "broken")
     assert not (root / "broken").exists()
 
 
@@ -86,14 +87,14 @@ def test_killed_export_never_leaves_a_bundle_under_its_final_name(checkpoints, t
     assert not (root / "vkill").exists()
     with pytest.raises(BundleError, match="no bundle"):
         newest_version(root)  # the leftover staging directory is never mistaken for a bundle
-    export_checkpoint(checkpoints["v1"], root, "vkill", log=lambda *_: None)
-    assert Bundle.load(root / "vkill").version == "vkill"
+    export_checkpoint(checkpoints["v1"], root, "vkill")
+    assert Predictor.load(root / "vkill").version == "vkill"
 
 
 def test_export_rejects_bad_version_names(checkpoints, tmp_path):
     for bad in ("../escape", "a/b", ".hidden", "x" * 65, "v 1"):
         with pytest.raises(BundleError, match="invalid bundle version"):
-            export_checkpoint(checkpoints["v1"], tmp_path, bad, log=lambda *_: None)
+            export_checkpoint(checkpoints["v1"], tmp_path, bad)
 
 
 def test_cli_eval_json_reports_metrics_far_above_chance(bundle_root, synthetic_data):
@@ -124,10 +125,91 @@ def test_served_ranking_tracks_exact_scoring(bundle_root, synthetic_data):
     """The ANN shortlist costs little: top-1 agrees with brute force on nearly every test text."""
     from training.data import load_split
 
-    predictor = Predictor(Bundle.load(bundle_root / "v1"))
+    predictor = Predictor.load(bundle_root / "v1")
     texts = load_split(synthetic_data, "tst").texts[:200]
     ann_ids, ann_scores = predictor.predict_ids(texts, k=5)
     exact_ids, exact_scores = predictor.predict_exact_ids(texts, k=5)
     assert np.mean(ann_ids[:, 0] == exact_ids[:, 0]) >= 0.9
     same = ann_ids[:, 0] == exact_ids[:, 0]
     assert np.allclose(ann_scores[same, 0], exact_scores[same, 0], atol=1e-5)
+
+
+def test_what_training_tuned_is_what_the_bundle_serves(checkpoints, bundle_root, synthetic_data):
+    """The scoring was tuned on the indices the bundle ships, through the engine's candidate code:
+    the bundle answers the validation documents with the metrics training recorded."""
+    from service.engine.metrics import ranking_metrics
+    from training.config import TrainConfig
+    from training.dataset import TrainingSet
+
+    ckpt = Checkpoint.load(checkpoints["v1"])
+    for name in ("hnsw_w.bin", "hnsw_mu.bin"):
+        assert sha256_file(checkpoints["v1"] / name) == sha256_file(bundle_root / "v1" / name)
+    data = TrainingSet.load(synthetic_data, TrainConfig.tiny(), "title", np.random.default_rng(ckpt.seed))
+    predictor = Predictor.load(bundle_root / "v1")
+    own = data.own_labels()
+    ids, _ = predictor.predict_ids(data.val.texts, k=5, exclude=[[o] if o >= 0 else [] for o in own])
+    served = ranking_metrics(ids, data.truths(data.val), (1, 5))
+    for name in ("P@1", "P@5", "PSP@5"):
+        assert served[name] == pytest.approx(ckpt.metrics["validation"][name], abs=1e-3)
+
+
+def test_a_checkpoint_from_before_the_indices_were_trained_still_exports(checkpoints, tmp_path):
+    old = tmp_path / "ckpt"
+    shutil.copytree(checkpoints["v1"], old)
+    meta = json.loads((old / "checkpoint.json").read_text())
+    del meta["hnsw"]
+    meta["format"] = 1
+    (old / "checkpoint.json").write_text(json.dumps(meta))
+    for name in ("hnsw_w.bin", "hnsw_mu.bin"):
+        (old / name).unlink()
+    bundle = export_checkpoint(old, tmp_path / "bundles", "old")
+    assert json.loads((bundle / MANIFEST).read_text())["hnsw"]["M"] == 24
+    assert Predictor.load(bundle).predict_ids(["anything"], k=3)[0].shape == (1, 3)
+
+
+def _own_label_data(synthetic_data, tmp_path, predictor):
+    """A copy of the data whose even test documents carry the uid of their best label."""
+    from training.data import load_split
+
+    data = tmp_path / "own"
+    data.mkdir()
+    for name in ("trn.json.gz", "lbl.json.gz"):
+        shutil.copy(synthetic_data / name, data / name)
+    docs = load_split(synthetic_data, "tst")
+    texts = docs.texts[:40]
+    top = predictor.predict_ids(texts, k=1)[0][:, 0]
+    own = [int(top[i]) if i % 2 == 0 else -1 for i in range(len(texts))]
+    with (data / "tst.jsonl").open("w") as f:
+        for i, text in enumerate(texts):
+            uid = predictor.bundle.labels.uids[own[i]] if own[i] >= 0 else f"doc{i}"
+            f.write(json.dumps({"uid": uid, "title": text, "content": "", "target_ind": docs.targets[i]}) + "\n")
+    return data, texts, [d for d in docs.targets[:40]], own
+
+
+def test_eval_leaves_own_labels_or_a_filter_files_pairs_out_for_both_scorers(bundle_root, synthetic_data, tmp_path):
+    from model_export.evaluate import evaluate_bundle
+    from service.engine.metrics import ranking_metrics
+
+    predictor = Predictor.load(bundle_root / "v1")
+    data, texts, truths, own = _own_label_data(synthetic_data, tmp_path, predictor)
+    pairs = tmp_path / "filter.txt"
+    pairs.write_text("".join(f"{i} {o}\n" for i, o in enumerate(own) if o >= 0))
+    exclude = [[o] if o >= 0 else [] for o in own]
+    kept = [[t for t in truth if t != o] for truth, o in zip(truths, own, strict=True)]
+    for scorer, predict in (("alpha", predictor.predict_ids), ("tree", predictor.predict_tree_ids)):
+        plain = evaluate_bundle(bundle_root / "v1", data, scorer=scorer, predictor=predictor)
+        by_uid = evaluate_bundle(bundle_root / "v1", data, scorer=scorer, protocol="own", predictor=predictor)
+        by_file = evaluate_bundle(bundle_root / "v1", data, scorer=scorer, protocol=str(pairs), predictor=predictor)
+        assert (plain["protocol"], by_uid["protocol"], by_file["protocol"]) == ("plain", "own", str(pairs))
+        assert plain["filtered_pairs"] == 0 and by_uid["filtered_pairs"] == by_file["filtered_pairs"] == 20
+        expected = ranking_metrics(predict(texts, k=5, exclude=exclude)[0], kept, (1, 3, 5))
+        for name in ("P@1", "P@5"):
+            assert by_uid[name] == by_file[name] == pytest.approx(expected[name])
+        assert by_uid["P@1"] != plain["P@1"]
+    out = subprocess.run([sys.executable, "-m", "shortlist.cli", "eval", str(bundle_root / "v1"), "--data", str(data),
+                          "--filter", "own", "--json"], capture_output=True, text=True, check=True, timeout=120)
+    assert json.loads(out.stdout)["protocol"] == "own"
+    pairs.write_text("0 1\n3 x\n")
+    out = subprocess.run([sys.executable, "-m", "shortlist.cli", "eval", str(bundle_root / "v1"), "--data", str(data),
+                          "--filter", str(pairs)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "filter.txt:2: expected two non-negative integers" in out.stderr

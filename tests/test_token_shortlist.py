@@ -10,8 +10,10 @@ import pytest
 import scipy.sparse as sp
 import torch
 
-from service.engine import Bundle, BundleError, Predictor
-from service.engine.bundle import (
+from service.engine import Bundle, BundleError, Predictor, PredictorOptions
+from service.engine.candidates import merge_shortlists
+from service.engine.lexical import TokenShortlist
+from service.engine.schema import (
     LEXICAL_FILES,
     MANIFEST,
     TOKEN_SHORTLIST,
@@ -20,8 +22,6 @@ from service.engine.bundle import (
     TOKEN_SHORTLIST_WEIGHTS,
     sha256_file,
 )
-from service.engine.lexical import TokenShortlist
-from service.engine.predictor import merge_shortlists
 from training.token_shortlist import fit_token_logistic, fit_token_shortlist
 
 
@@ -78,18 +78,19 @@ def _write_table(bundle_dir: Path, table: np.ndarray, k_tok: int | None = None, 
 
 
 def test_exported_bundle_carries_the_table_and_serves_it(bundle_root):
-    bundle = Bundle.load(bundle_root / "v1")
+    bundle = Predictor.load(bundle_root / "v1").bundle
     k_tok = bundle.manifest.scoring.shortlist.k_tok
-    assert k_tok >= 1 and bundle.token_shortlist is not None
-    labels = bundle.token_shortlist.labels
-    assert labels.shape[0] == bundle.tokenizer.vocab_size and bundle.token_shortlist.weights is not None
-    assert bundle.manifest.scoring.lexical_form == bundle.token_shortlist.form == "logistic"  # training's default
+    table = bundle.token_table()
+    assert k_tok >= 1 and table is not None
+    labels = table.labels
+    assert labels.shape[0] == bundle.tokenizer.vocab_size and table.weights is not None
+    assert bundle.manifest.scoring.lexical_form == table.form == "logistic"  # the tiny preset's
     text = bundle.labels.titles[7]
     token_ids, _ = bundle.tokenizer.encode(text)
     expected = {int(x) for t in token_ids for x in labels[t, :k_tok] if x >= 0}
     assert expected, "the label's own title must reach the table"
     # With the HNSW searches and the head off, the shortlist is exactly the tokens' rows.
-    only_tokens = Predictor(bundle, shortlist_w=0, shortlist_mu=0, shortlist_head=0)
+    only_tokens = Predictor(bundle, PredictorOptions(k_w=0, k_mu=0, k_head=0))
     assert set(only_tokens.shortlist([text])[0].tolist()) == expected
     ids, _ = only_tokens.predict_ids([text], k=len(expected) + 3)
     assert set(ids[0][ids[0] >= 0].tolist()) == expected
@@ -98,18 +99,6 @@ def test_exported_bundle_carries_the_table_and_serves_it(bundle_root):
     assert ids.tolist() == [[-1, -1, -1]]
     # The default predictor's shortlist holds the token rows as well.
     assert expected <= set(Predictor(bundle).shortlist([text])[0].tolist())
-
-
-def test_token_shortlist_sizes_are_checked(bundle_root):
-    bundle = Bundle.load(bundle_root / "v1")
-    width = bundle.token_shortlist.width
-    Predictor(bundle, shortlist_tok=width)
-    with pytest.raises(ValueError, match="labels per token"):
-        Predictor(bundle, shortlist_tok=width + 1)
-    with pytest.raises(ValueError, match="all 0"):
-        Predictor(bundle, shortlist_w=0, shortlist_mu=0, shortlist_tok=0)
-    with pytest.raises(ValueError, match=">= 0"):
-        Predictor(bundle, shortlist_tok=-1)
 
 
 def test_bundle_with_k_tok_needs_a_valid_table(bundle_root_copy):
@@ -123,11 +112,13 @@ def test_bundle_with_k_tok_needs_a_valid_table(bundle_root_copy):
     del manifest["files"][TOKEN_SHORTLIST]
     (bundle_dir / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(BundleError, match="k_tok > 0 but token_shortlist.npy is not listed"):
-        Bundle.load(bundle_dir)
+        Predictor.load(bundle_dir)
     manifest["scoring"]["shortlist"]["k_tok"] = 0
     (bundle_dir / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(BundleError, match="token_shortlist_weights.npy without token_shortlist.npy"):
-        Bundle.load(bundle_dir)
+        Predictor.load(bundle_dir)
+    manifest["scoring"]["shortlist"]["k_tok"] = k_tok  # served again: the table is read, and checked
+    (bundle_dir / MANIFEST).write_text(json.dumps(manifest))
 
     for bad, message in [
         (good.astype(np.int64), "expected int32"),
@@ -137,15 +128,15 @@ def test_bundle_with_k_tok_needs_a_valid_table(bundle_root_copy):
     ]:
         _write_table(bundle_dir, bad)
         with pytest.raises(BundleError, match=message):
-            Bundle.load(bundle_dir)
+            Predictor.load(bundle_dir)
     _write_table(bundle_dir, good, k_tok=good.shape[1] + 1)
     with pytest.raises(BundleError, match="rows hold"):
-        Bundle.load(bundle_dir)
+        Predictor.load(bundle_dir)
     # at the edge, k_tok = the row width: rows cut to the served k_tok (the canary's answers stay)
     weights = np.load(bundle_dir / TOKEN_SHORTLIST_WEIGHTS)
     _write_table(bundle_dir, np.ascontiguousarray(weights[:, :k_tok]), name=TOKEN_SHORTLIST_WEIGHTS)
     _write_table(bundle_dir, np.ascontiguousarray(good[:, :k_tok]), k_tok=k_tok)
-    assert Bundle.load(bundle_dir).token_shortlist.width == k_tok
+    assert Predictor.load(bundle_dir).bundle.token_table().width == k_tok
 
 
 def test_bundle_without_a_table_still_serves(bundle_root_copy):
@@ -159,14 +150,14 @@ def test_bundle_without_a_table_still_serves(bundle_root_copy):
     del manifest["scoring"]["lexical_weight"]
     (bundle_dir / MANIFEST).write_text(json.dumps(manifest))
     # The canaries were recorded with the lexical score, which this bundle no longer has.
-    bundle = Bundle.load(bundle_dir, canary=False)
-    assert bundle.token_shortlist is None
+    bundle = Bundle.open(bundle_dir)
+    assert bundle.token_table() is None
     predictor = Predictor(bundle)
-    assert predictor.shortlist_tok == 0
+    assert predictor.scoring.shortlist.k_tok == 0
     ids, _ = predictor.predict_ids([bundle.labels.titles[3]], k=5)
     assert (ids >= 0).all()
     with pytest.raises(ValueError, match="holds 0 labels per token"):
-        Predictor(bundle, shortlist_tok=1)
+        Predictor(bundle, PredictorOptions(k_tok=1))
 
 
 def test_manifest_with_no_query_dependent_shortlist_is_refused(bundle_root_copy):
@@ -175,7 +166,7 @@ def test_manifest_with_no_query_dependent_shortlist_is_refused(bundle_root_copy)
     manifest["scoring"]["shortlist"].update({"k_w": 0, "k_mu": 0, "k_tok": 0})
     (bundle_dir / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(BundleError, match="all 0"):
-        Bundle.load(bundle_dir)
+        Predictor.load(bundle_dir)
 
 
 def test_lexical_terms_summed_per_label_equal_the_dense_reference():
@@ -284,31 +275,31 @@ def test_merged_shortlist_sums_each_labels_terms_and_is_the_same_alone_and_in_a_
 
 
 def test_served_lexical_scoring_equals_brute_force_when_the_shortlist_holds_every_label(bundle_root):
-    bundle = Bundle.load(bundle_root / "v1")
+    bundle = Predictor.load(bundle_root / "v1").bundle
     texts = [*bundle.labels.titles[:30], "", "zzqx unknown"]
-    everything = Predictor(bundle, shortlist_head=bundle.manifest.num_labels, head_mode="always", lexical_weight=0.5)
+    every = bundle.manifest.num_labels
+    everything = Predictor(bundle, PredictorOptions(k_head=every, head="always", lexical_weight=0.5))
     served_ids, served_scores = everything.predict_ids(texts, k=5)
     exact_ids, exact_scores = everything.predict_exact_ids(texts, k=5)
     np.testing.assert_allclose(served_scores, exact_scores, atol=1e-6)
     assert np.mean(served_ids == exact_ids) > 0.97  # only exact ties may order differently
     # and the lexical term moves scores: the same texts without it score differently
-    _, plain = Predictor(
-        bundle, shortlist_head=bundle.manifest.num_labels, head_mode="always", lexical_weight=0.0
-    ).predict_ids(texts, 5)
+    without = Predictor(bundle, PredictorOptions(k_head=every, head="always", lexical_weight=0.0))
+    _, plain = without.predict_ids(texts, 5)
     assert not np.allclose(plain, served_scores)
 
 
 def test_lexical_weight_is_checked(bundle_root, bundle_root_copy):
-    bundle = Bundle.load(bundle_root / "v1")
-    Predictor(bundle, lexical_weight=0.0)
+    bundle = Predictor.load(bundle_root / "v1").bundle
+    Predictor(bundle, PredictorOptions(lexical_weight=0.0))
     for bad in (-0.1, float("nan"), float("inf")):
-        with pytest.raises(ValueError, match="lexical_weight must be finite"):
-            Predictor(bundle, lexical_weight=bad)
+        with pytest.raises(ValueError, match="lexical_weight"):
+            Predictor(bundle, PredictorOptions(lexical_weight=bad))
     with pytest.raises(ValueError, match="needs a token shortlist"):
-        Predictor(bundle, lexical_weight=0.2, shortlist_tok=0)
+        Predictor(bundle, PredictorOptions(lexical_weight=0.2, k_tok=0))
     # without the token rows the bundle's own weight does not apply (nothing to read it from)
     assert bundle.manifest.scoring.lexical_weight > 0
-    assert Predictor(bundle, shortlist_tok=0).lexical_weight == 0.0
+    assert Predictor(bundle, PredictorOptions(k_tok=0)).scoring.lexical_weight == 0.0
     bundle_dir = bundle_root_copy / "v1"
     weights = np.load(bundle_dir / TOKEN_SHORTLIST_WEIGHTS)
     bias = np.load(bundle_dir / TOKEN_SHORTLIST_BIAS)
@@ -324,32 +315,32 @@ def test_lexical_weight_is_checked(bundle_root, bundle_root_copy):
     ]:
         _write_table(bundle_dir, bad, name=name)
         with pytest.raises(BundleError, match=name):
-            Bundle.load(bundle_dir)
+            Predictor.load(bundle_dir)
         _write_table(bundle_dir, weights if name == TOKEN_SHORTLIST_WEIGHTS else bias, name=name)
-    Bundle.load(bundle_dir)
+    Predictor.load(bundle_dir)
     manifest = json.loads((bundle_dir / MANIFEST).read_text())
     manifest["scoring"]["lexical_weight"] = 0.3
     del manifest["files"][TOKEN_SHORTLIST_BIAS]
     (bundle_dir / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(BundleError, match="lexical_form 'logistic' needs token_shortlist_bias.npy"):
-        Bundle.load(bundle_dir)
+        Predictor.load(bundle_dir)
     del manifest["files"][TOKEN_SHORTLIST_WEIGHTS]
     (bundle_dir / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(BundleError, match="lexical_weight > 0 but token_shortlist_weights.npy is not listed"):
-        Bundle.load(bundle_dir)
+        Predictor.load(bundle_dir)
     # another form's file in a logistic bundle: refused, not silently ignored
     _write_table(bundle_dir, np.zeros(labels.shape, np.float32), name=TOKEN_SHORTLIST_SHARES)
     with pytest.raises(BundleError, match="token_shortlist_shares.npy is not a file of lexical_form 'logistic'"):
-        Bundle.load(bundle_dir)
+        Predictor.load(bundle_dir)
     manifest = json.loads((bundle_dir / MANIFEST).read_text())
     manifest["scoring"]["lexical_weight"] = -0.1
     (bundle_dir / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(BundleError, match="lexical_weight"):
-        Bundle.load(bundle_dir)
+        Predictor.load(bundle_dir)
     manifest["scoring"].update(lexical_weight=0.1, lexical_form="softmax")
     (bundle_dir / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(BundleError, match="lexical_form"):
-        Bundle.load(bundle_dir)
+        Predictor.load(bundle_dir)
 
 
 def test_a_shares_bundle_still_loads_and_scores_its_shares(bundle_root_copy):
@@ -366,29 +357,30 @@ def test_a_shares_bundle_still_loads_and_scores_its_shares(bundle_root_copy):
     for bad in (shares * 0 + 1.5, shares - 0.75):
         _write_table(bundle_dir, bad.astype(np.float32), name=TOKEN_SHORTLIST_SHARES)
         with pytest.raises(BundleError, match="shares must be in"):
-            Bundle.load(bundle_dir, canary=False)
+            Predictor(Bundle.open(bundle_dir))
     _write_table(bundle_dir, shares, name=TOKEN_SHORTLIST_SHARES)
     # The canaries were recorded with the logistic scores.
-    bundle = Bundle.load(bundle_dir, canary=False)
-    assert bundle.manifest.scoring.lexical_form == bundle.token_shortlist.form == "shares"
-    predictor = Predictor(bundle, shortlist_w=0, shortlist_mu=0, shortlist_head=0)
+    bundle = Bundle.open(bundle_dir)
+    assert bundle.manifest.scoring.lexical_form == bundle.token_table().form == "shares"
+    predictor = Predictor(bundle, PredictorOptions(k_w=0, k_mu=0, k_head=0))
     text = bundle.labels.titles[4]
-    tokens, weights, q = predictor._encode([text])
-    cands, lexical = predictor._shortlist(tokens, weights, q)
-    dense = bundle.token_shortlist.dense_scores(tokens, weights, bundle.manifest.num_labels, predictor.shortlist_tok)
+    tokens, weights = bundle.tokenizer.encode_batch([text])
+    cands, lexical = predictor.sources(tokens, weights, predictor.encode([text]))
+    k_tok = predictor.scoring.shortlist.k_tok
+    dense = bundle.token_table().dense_scores(tokens, weights, bundle.manifest.num_labels, k_tok)
     np.testing.assert_allclose(lexical[0], dense[0, cands[0]], rtol=1e-6)
     assert (lexical > 0).all()  # every label of the rows has a share, and only those are listed
 
 
 def test_head_joins_only_texts_whose_tokens_point_nowhere_by_default(bundle_root, bundle_root_copy):
-    bundle = Bundle.load(bundle_root / "v1")
+    bundle = Predictor.load(bundle_root / "v1").bundle
     assert bundle.manifest.scoring.shortlist.head == "fallback"  # export's choice with a token table
     head = set(np.argsort(-np.asarray(bundle.classifier_bias), kind="stable")[:32].tolist())
     assert len(head) == bundle.manifest.scoring.shortlist.k_head == 32
-    labels = bundle.token_shortlist.labels
+    labels = bundle.token_table().labels
     k_tok = bundle.manifest.scoring.shortlist.k_tok
-    fallback = Predictor(bundle, shortlist_w=0, shortlist_mu=0)
-    always = Predictor(bundle, shortlist_w=0, shortlist_mu=0, head_mode="always")
+    fallback = Predictor(bundle, PredictorOptions(k_w=0, k_mu=0))
+    always = Predictor(bundle, PredictorOptions(k_w=0, k_mu=0, head="always"))
     texts = [bundle.labels.titles[5], "zzqx unknown", bundle.labels.titles[11], ""]
     rows = {int(x) for t in bundle.tokenizer.encode(texts[0])[0] for x in labels[t, :k_tok] if x >= 0}
     assert rows and not head <= rows
@@ -401,24 +393,22 @@ def test_head_joins_only_texts_whose_tokens_point_nowhere_by_default(bundle_root
         assert fallback.shortlist([text])[0].tolist() == served[row].tolist()
     ids, _ = fallback.predict_ids(["zzqx unknown"], k=40)
     assert set(ids[0][ids[0] >= 0].tolist()) == head
-    with pytest.raises(ValueError, match="head_mode must be one of always, fallback"):
-        Predictor(bundle, head_mode="sometimes")
     # a manifest without the field (bundles written before it) keeps the head in every shortlist
     bundle_dir = bundle_root_copy / "v1"
     manifest = json.loads((bundle_dir / MANIFEST).read_text())
     del manifest["scoring"]["shortlist"]["head"]
     (bundle_dir / MANIFEST).write_text(json.dumps(manifest))
-    assert Bundle.load(bundle_dir).manifest.scoring.shortlist.head == "always"
+    assert Bundle.open(bundle_dir).manifest.scoring.shortlist.head == "always"
     manifest["scoring"]["shortlist"]["head"] = "sometimes"
     (bundle_dir / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(BundleError, match="head"):
-        Bundle.load(bundle_dir)
+        Bundle.open(bundle_dir)
 
 
 @pytest.mark.parametrize("head", [0, 4])
 def test_token_only_batches_equal_single_queries(bundle_root, head):
-    bundle = Bundle.load(bundle_root / "v1")
-    predictor = Predictor(bundle, shortlist_w=0, shortlist_mu=0, shortlist_head=head)
+    bundle = Predictor.load(bundle_root / "v1").bundle
+    predictor = Predictor(bundle, PredictorOptions(k_w=0, k_mu=0, k_head=head))
     texts = [bundle.labels.titles[1], "zzqx unknown", "", bundle.labels.titles[9] + " " + bundle.labels.titles[4]]
     batch_ids, batch_scores = predictor.predict_ids(texts, k=6)
     shortlists = predictor.shortlist(texts)
@@ -429,26 +419,3 @@ def test_token_only_batches_equal_single_queries(bundle_root, head):
         (alone,) = predictor.shortlist([text])
         assert alone.tolist() == shortlists[row].tolist() == sorted(set(alone.tolist()))
     assert (batch_ids[1] >= 0).sum() == head  # an unknown text gets the head only
-
-
-def test_training_tunes_on_the_shortlists_the_engine_serves(bundle_root):
-    import torch
-
-    from training.train import ServedShortlist
-
-    bundle = Bundle.load(bundle_root / "v1")
-    predictor = Predictor(bundle, shortlist_w=0, shortlist_mu=0)
-    b = np.asarray(bundle.classifier_bias)
-    served = ServedShortlist(0, 0, predictor.shortlist_tok, np.argsort(-b, kind="stable")[:32], predictor.head_mode)
-    assert served.head_mode == "fallback" and predictor.shortlist_head == 32
-    texts = [*bundle.labels.titles[:20], "zzqx unknown", bundle.labels.titles[3] + " " + bundle.labels.titles[8]]
-    tokens, weights = bundle.tokenizer.encode_batch(texts)
-    q = predictor.encoder.run(tokens, weights)
-    arrays = (np.asarray(bundle.classifiers), b, np.asarray(bundle.centroids))
-    cands, lexical = served.candidates(q, tokens, weights, *arrays, bundle.token_shortlist, torch.device("cpu"),
-                                       chunk=7)  # several chunks of different widths
-    engine_cands, engine_lexical = predictor._shortlist(tokens, weights, q)
-    width = engine_cands.shape[1]
-    assert (cands[:, width:] == -1).all()
-    np.testing.assert_array_equal(cands[:, :width], engine_cands)
-    np.testing.assert_allclose(lexical[:, :width], engine_lexical, atol=1e-6)

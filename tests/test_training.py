@@ -1,144 +1,175 @@
-"""End-to-end training on small generated data: quality, determinism, checkpoint, CLI errors."""
+"""Training on small generated data: quality, determinism, the model's parts, tuning, the CLI.
+
+The pipeline's runs are conftest's checkpoints (v1, v2: the tiny preset, seeds 1 and 2); each
+part is also fitted on its own here, on v1's data and encoder."""
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
-from service.engine.metrics import label_frequencies, propensities, ranking_metrics
-from service.engine.scorers import Calibration
+from service.engine.candidates import CandidateSources
+from service.engine.metrics import Truths, label_frequencies, propensities, ranking_metrics
+from service.engine.scorers import Calibration, LabelScorer
 from shortlist.cli import main as cli_main
 from training.checkpoint import Checkpoint
+from training.classifiers import OneVsAll
+from training.config import DEFAULT_OBJECTIVE, TrainConfig
 from training.data import load_split
-from training.synthetic import generate
-from training.train import (
-    DEFAULT_OBJECTIVE,
-    LEXICAL_WEIGHTS,
-    Scoring,
-    TrainConfig,
-    _encode_texts,
-    embed,
-    objective_value,
-    predict_exact,
-    train,
-    tune_scoring,
-)
+from training.dataset import target_matrix
+from training.encoder import EncodedTexts, embed
+from training.pipeline import train
+from training.progress import Progress
+from training.token_shortlist import TokenTable
+from training.tuning import LEXICAL_WEIGHTS, ScoringTuner, objective_value
+
+CPU = torch.device("cpu")
+IDENTITY = Calibration("identity")
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return generate(tmp_path_factory.mktemp("syn"), num_labels=300, train_docs=2000, test_docs=400, seed=1)
-
-
-def _tiny(**overrides: object) -> TrainConfig:
-    # The tree scorer has its own tests; leaving it out keeps these fast.
-    return TrainConfig.from_dict({"tree_enabled": False, **overrides}, TrainConfig.tiny())
+def ckpt(checkpoints) -> Checkpoint:
+    return Checkpoint.load(checkpoints["v1"])
 
 
 @pytest.fixture(scope="module")
-def trained(dataset: Path) -> Checkpoint:
-    return train(dataset, _tiny(), seed=7, log=lambda *_: None)
+def test_split(ckpt, synthetic_data):
+    """The test documents embedded by v1's encoder, with their truths (propensities from trn)."""
+    tst = load_split(synthetic_data, "tst", "title", len(ckpt.labels))
+    trn = load_split(synthetic_data, "trn", "title", len(ckpt.labels))
+    inv_prop = 1.0 / propensities(label_frequencies(trn.targets, len(ckpt.labels)), len(trn))
+    texts = EncodedTexts.of(ckpt.tokenizer, tst.texts)
+    return tst, texts, embed(ckpt.encoder, texts, CPU), Truths(tst.targets, inv_prop)
 
 
-def test_quality_far_above_chance(trained: Checkpoint, dataset: Path) -> None:
-    tst = load_split(dataset, "tst", "title", len(trained.labels))
-    trn = load_split(dataset, "trn", "title", len(trained.labels))
-    most_frequent = np.argsort(-label_frequencies(trn.targets, len(trained.labels)))[:5]
+def test_quality_far_above_chance_and_recorded_as_exported(ckpt, test_split):
+    tst, _, q, truths = test_split
+    most_frequent = np.argsort(-label_frequencies(tst.targets, len(ckpt.labels)))[:5]
     baseline = ranking_metrics(np.tile(most_frequent, (len(tst), 1)), tst.targets, (1,))["P@1"]
-    combined = trained.metrics["module3"]["combined"]
+    combined = ckpt.metrics["module3"]["combined"]
     assert combined["P@1"] > max(40.0, baseline + 20.0)
-    # the metrics recorded are those of the exported arrays under the recorded scoring
-    s = trained.scoring
-    scoring = Scoring(s["alpha"], Calibration.from_dict(s["calibration"]["classifier"]),
-                      Calibration.from_dict(s["calibration"]["centroid"]))
-    q = embed(trained.encoder, _encode_texts(trained.tokenizer, tst.texts), trained.encoder.embedding.device)
-    preds = predict_exact(q, trained.classifiers, trained.classifier_bias, trained.centroids, scoring, 5,
-                          trained.encoder.embedding.device)
-    assert ranking_metrics(preds, tst.targets, (1,))["P@1"] == pytest.approx(combined["P@1"], abs=1e-6)
+    # the metrics recorded are those of the saved arrays under the recorded scoring
+    scorer = LabelScorer.of(ckpt.classifiers.weights_, ckpt.classifiers.bias_, ckpt.centroids.vectors_, ckpt.scoring)
+    ids, _ = scorer.exact_top_k(q, 5, ckpt.scoring.alpha)
+    assert ranking_metrics(ids, truths, (1,))["P@1"] == pytest.approx(combined["P@1"], abs=1e-3)
 
 
-def test_checkpoint_contents(trained: Checkpoint) -> None:
-    L = len(trained.labels)
-    assert trained.classifiers.shape == (L, 32) and trained.classifier_bias.shape == (L,)
-    assert trained.centroids.shape == (L, 32)
-    assert set(trained.scoring) == {
-        "alpha", "lexical_weight", "lexical_form", "classifier_form", "calibration", "shortlist"
-    }
-    assert trained.scoring["lexical_form"] == "logistic"
-    assert trained.scoring["lexical_weight"] in LEXICAL_WEIGHTS
-    assert trained.scoring["classifier_form"] == "scaled_bias"
-    assert set(trained.scoring["calibration"]) == {"classifier", "centroid"}
+def test_checkpoint_holds_every_part_of_the_model(ckpt):
+    L = len(ckpt.labels)
+    assert ckpt.classifiers.weights_.shape == (L, 32) and ckpt.classifiers.bias_.shape == (L,)
+    assert ckpt.centroids.vectors_.shape == (L, 32)
+    s = ckpt.scoring
+    assert s.lexical_form == "logistic" and s.lexical_weight in LEXICAL_WEIGHTS and s.classifier_form == "scaled_bias"
     # the tiny config serves HNSW 20 / 20 and 10 labels per token; the prior's head as fallback
-    assert trained.scoring["shortlist"] == {"k_w": 20, "k_mu": 20, "k_tok": 10, "k_head": 32, "head": "fallback"}
-    table = trained.extra_arrays["token_shortlist"]["labels"]
-    assert table.dtype == np.int32 and table.shape[0] == trained.tokenizer.vocab_size
-    assert (table[0] == -1).all() and table.min() >= -1 and table.max() < L
-    lexical = trained.extra_arrays["token_shortlist"]
-    weights, bias = lexical["weights"], lexical["bias"]
-    assert set(lexical) == {"labels", "weights", "bias"} and bias.shape == (L,)
-    assert weights.shape == table.shape and np.isfinite(weights).all() and np.isfinite(bias).all()
+    assert s.shortlist.model_dump() == {"k_w": 20, "k_mu": 20, "k_tok": 10, "k_head": 32, "head": "fallback"}
+    assert ckpt.indices is not None and ckpt.indices[0].count == ckpt.indices[1].count == L
+    table = ckpt.token_table
+    assert table.labels.dtype == np.int32 and table.labels.shape[0] == ckpt.tokenizer.vocab_size
+    assert (table.labels[0] == -1).all() and table.labels.min() >= -1 and table.labels.max() < L
+    assert table.bias.shape == (L,) and np.isfinite(table.weights).all() and np.isfinite(table.bias).all()
     # learned on the served slots only: the first k_tok columns, where a label is listed
-    assert not weights[:, 10:].any() and not weights[table < 0].any()
-    assert (weights[:, :10][table[:, :10] >= 0] != 0).mean() > 0.9
-    assert 0 < len(trained.validation) <= 50
-    assert all(set(row) == {"text", "target_ind"} and row["target_ind"] for row in trained.validation)
-    for stage in ("module1", "module3", "times"):
-        assert stage in trained.metrics
-    assert trained.fingerprint["counts"]["lbl"] == L
+    assert not table.weights[:, 10:].any() and not table.weights[table.labels < 0].any()
+    assert (table.weights[:, :10][table.labels[:, :10] >= 0] != 0).mean() > 0.9
+    assert ckpt.tree is not None and ckpt.tree.arrays_["classifier_weights"].shape == (L, 32)
+    assert 0 < len(ckpt.validation) <= 50
+    assert all(set(row) == {"text", "target_ind"} and row["target_ind"] for row in ckpt.validation)
+    for part in ("module1", "module3", "validation", "times", "losses", "losses_lexical"):
+        assert part in ckpt.metrics
+    assert ckpt.fingerprint["counts"]["lbl"] == L
 
 
-def test_deterministic_given_seed(dataset: Path, trained: Checkpoint) -> None:
-    again = train(dataset, _tiny(), seed=7, log=lambda *_: None)
-    np.testing.assert_array_equal(again.classifiers, trained.classifiers)
-    np.testing.assert_array_equal(again.centroids, trained.centroids)
-    other = train(dataset, _tiny(), seed=8, log=lambda *_: None)
-    assert not np.array_equal(other.classifiers, trained.classifiers)
+def test_deterministic_given_seed(ckpt, checkpoints, synthetic_data):
+    # Only the tree, fitted last with its own seed, is left out: the rest is v1's run again.
+    again = train(synthetic_data, TrainConfig.from_dict({"tree_enabled": False}, TrainConfig.tiny()), seed=1)
+    np.testing.assert_array_equal(again.classifiers.weights_, ckpt.classifiers.weights_)
+    np.testing.assert_array_equal(again.centroids.vectors_, ckpt.centroids.vectors_)
+    assert again.scoring == ckpt.scoring
+    other = Checkpoint.load(checkpoints["v2"])  # seed 2
+    assert not np.array_equal(other.classifiers.weights_, ckpt.classifiers.weights_)
 
 
-def test_paper_form_with_shortlisted_negatives(dataset: Path) -> None:
-    cfg = _tiny(classifier_form="paper", m3_negatives="shortlist", m3_train_encoder=False)
-    ckpt = train(dataset, cfg, seed=1, log=lambda *_: None)
-    assert ckpt.scoring["classifier_form"] == "paper"
-    assert not ckpt.classifier_bias.any()
-    np.testing.assert_allclose(np.linalg.norm(ckpt.classifiers, axis=1), 1.0, rtol=1e-5)
-    assert ckpt.metrics["module3"]["combined"]["P@1"] > 30.0
+@pytest.fixture(scope="module")
+def module3_inputs(ckpt, synthetic_data):
+    trn = load_split(synthetic_data, "trn", "title", len(ckpt.labels))
+    docs = EncodedTexts.of(ckpt.tokenizer, trn.texts)
+    labels = [ckpt.labels.titles[i] for i in range(len(ckpt.labels))]
+    label_emb = embed(ckpt.encoder, EncodedTexts.of(ckpt.tokenizer, labels), CPU)
+    return docs, target_matrix(trn.targets, len(ckpt.labels)), label_emb
 
 
-def test_softmax_term_trains_a_different_model_of_the_same_quality(dataset: Path, trained: Checkpoint) -> None:
-    ckpt = train(dataset, _tiny(m3_softmax_weight=1.0), seed=7, log=lambda *_: None)
-    assert not np.allclose(ckpt.classifiers, trained.classifiers)
-    assert ckpt.metrics["module3"]["combined"]["P@1"] > trained.metrics["module3"]["combined"]["P@1"] - 10.0
-    with pytest.raises(ValueError, match="m3_softmax_weight"):
-        TrainConfig.from_dict({"m3_softmax_weight": -1.0})
+def _p1(clf: OneVsAll, q: np.ndarray, truths: Truths) -> float:
+    scorer = LabelScorer(clf.weights_, clf.bias_, clf.weights_, IDENTITY, IDENTITY)
+    return ranking_metrics(scorer.exact_top_k(q, 1, 1.0)[0], truths, (1,))["P@1"]
 
 
-def test_checkpoint_round_trip(trained: Checkpoint, tmp_path: Path) -> None:
-    trained.save(tmp_path / "ck")
+def test_paper_classifiers_on_shortlisted_negatives_are_unit_vectors_without_bias(ckpt, module3_inputs, test_split):
+    docs, y, label_emb = module3_inputs
+    negatives = np.tile(np.arange(20), (len(docs), 1))  # every document's 20 hard negatives
+    clf = OneVsAll("paper", "shortlist", epochs=2, batch_size=128, train_encoder=False, progress=False).fit(
+        ckpt.encoder, label_emb, docs, y, negatives, CPU, np.random.default_rng(0))
+    assert not clf.bias_.any()
+    np.testing.assert_allclose(np.linalg.norm(clf.weights_, axis=1), 1.0, rtol=1e-5)
+    assert _p1(clf, test_split[2], test_split[3]) > 30.0
+
+
+def test_a_softmax_term_trains_a_different_model_of_the_same_quality(ckpt, module3_inputs, test_split):
+    docs, y, label_emb = module3_inputs
+    fitted = {}
+    for weight in (0.0, 1.0):
+        fitted[weight] = OneVsAll(epochs=2, batch_size=128, train_encoder=False, softmax_weight=weight,
+                                  progress=False).fit(ckpt.encoder, label_emb, docs, y, None, CPU,
+                                                      np.random.default_rng(0))
+    assert not np.allclose(fitted[0.0].weights_, fitted[1.0].weights_)
+    q, truths = test_split[2], test_split[3]
+    assert _p1(fitted[1.0], q, truths) > _p1(fitted[0.0], q, truths) - 10.0
+
+
+def test_the_shares_form_on_request(ckpt, module3_inputs):
+    docs, y, _ = module3_inputs
+    labels = EncodedTexts.of(ckpt.tokenizer, list(ckpt.labels.titles))
+    cfg = TrainConfig.from_dict({"lexical_form": "shares"}, TrainConfig.tiny())
+    (table,) = TokenTable.of(cfg).fit(docs, y, labels, ckpt.tokenizer.vocab_size, CPU).tables_
+    assert table.form == "shares" and table.bias is None
+    assert 0 <= table.weights.min() <= table.weights.max() <= 1
+    assert ((table.weights > 0) == (table.labels >= 0)).all()  # every listed label co-occurred
+
+
+def test_checkpoint_round_trip(ckpt, tmp_path):
+    ckpt.save(tmp_path / "ck")
     back = Checkpoint.load(tmp_path / "ck")
-    np.testing.assert_array_equal(back.classifiers, trained.classifiers)
-    assert back.scoring == trained.scoring and back.validation == trained.validation
+    np.testing.assert_array_equal(back.classifiers.weights_, ckpt.classifiers.weights_)
+    np.testing.assert_array_equal(back.token_table.weights, ckpt.token_table.weights)
+    assert back.scoring == ckpt.scoring and back.validation == ckpt.validation and back.hnsw == ckpt.hnsw
+    meta = json.loads((tmp_path / "ck" / "checkpoint.json").read_text())
+    meta["format"] = 9
+    (tmp_path / "ck" / "checkpoint.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="checkpoint format 9"):
+        Checkpoint.load(tmp_path / "ck")
 
 
 def test_config_errors_are_clear(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown training config keys: m9_epochs"):
         TrainConfig.from_dict({"m9_epochs": 3})
-    with pytest.raises(ValueError, match="classifier_form"):
-        TrainConfig.from_dict({"classifier_form": "magic"})
-    with pytest.raises(ValueError, match="serve_k_tok must be in"):
-        TrainConfig.from_dict({"serve_k_tok": 21, "token_shortlist_width": 20})
-    with pytest.raises(ValueError, match="all 0"):
-        TrainConfig.from_dict({"serve_k_w": 0, "serve_k_mu": 0, "serve_k_tok": 0})
-    with pytest.raises(ValueError, match="serve_k_w must be >= 0"):
-        TrainConfig.from_dict({"serve_k_w": -1})
-    with pytest.raises(ValueError, match="serve_k_head must be >= 0"):
-        TrainConfig.from_dict({"serve_k_head": -1})
+    for change, message in [
+        ({"classifier_form": "magic"}, "classifier_form"),
+        ({"serve_k_tok": 21, "token_shortlist_width": 20}, "serve_k_tok must be in"),
+        ({"serve_k_w": 0, "serve_k_mu": 0, "serve_k_tok": 0}, "all 0"),
+        ({"serve_k_w": -1}, "serve_k_w must be >= 0"),
+        ({"serve_k_head": -1}, "serve_k_head must be >= 0"),
+        ({"lexical_form": "softmax"}, "lexical_form must be one of"),
+        ({"m3_softmax_weight": -1.0}, "m3_softmax_weight"),
+        ({"index_m": 1}, "index_m must be >= 2"),
+        ({"index_ef_search": 0}, "index_ef_search must be >= 1"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            TrainConfig.from_dict(change)
     assert TrainConfig.from_dict({"serve_k_head": 0}).serve_k_head == 0  # no head at all
-    with pytest.raises(ValueError, match="lexical_form must be one of"):
-        TrainConfig.from_dict({"lexical_form": "softmax"})
     for name in ("lexical_epochs", "lexical_batch_size"):
         with pytest.raises(ValueError, match=f"{name} must be >= 1"):
             TrainConfig.from_dict({name: 0})
@@ -148,7 +179,6 @@ def test_config_errors_are_clear(tmp_path: Path) -> None:
             with pytest.raises(ValueError, match=f"{name} must be a finite number >= 0"):
                 TrainConfig.from_dict({name: bad_value})
         assert getattr(TrainConfig.from_dict({name: 0.0}), name) == 0.0
-    assert TrainConfig.from_dict({"lexical_form": "shares"}).lexical_form == "shares"
     # the edge: only the token shortlist, at the table's full width
     TrainConfig.from_dict({"serve_k_w": 0, "serve_k_mu": 0, "serve_k_tok": 20, "token_shortlist_width": 20})
     bad = tmp_path / "cfg.json"
@@ -157,79 +187,70 @@ def test_config_errors_are_clear(tmp_path: Path) -> None:
         TrainConfig.from_json(bad)
 
 
-def test_shares_form_on_request(dataset: Path) -> None:
-    ckpt = train(dataset, _tiny(m1_epochs=1, m3_epochs=1, lexical_form="shares"), seed=7, log=lambda *_: None)
-    assert ckpt.scoring["lexical_form"] == "shares"
-    lexical = ckpt.extra_arrays["token_shortlist"]
-    assert set(lexical) == {"labels", "shares"} and 0 <= lexical["shares"].min() <= lexical["shares"].max() <= 1
-    assert ((lexical["shares"] > 0) == (lexical["labels"] >= 0)).all()  # every listed label co-occurred
-
-
-def test_cli_trains_and_reports_bad_data(dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_cli_trains_picks_the_better_lexical_form_and_reports_bad_data(synthetic_data, tmp_path, capsys, caplog):
     cfg = tmp_path / "cfg.json"
     cfg.write_text(json.dumps(
         {"preset": "tiny", "m1_epochs": 1, "m3_epochs": 1, "tree_enabled": False, "lexical_form": "auto"}
     ))
-    capsys.readouterr()
-    assert cli_main(["train", "--data", str(dataset), "--out", str(tmp_path / "ck"), "--config", str(cfg)]) == 0
+    with caplog.at_level(logging.INFO, logger="shortlist.training"):
+        assert cli_main(["train", "--data", str(synthetic_data), "--out", str(tmp_path / "ck"),
+                         "--config", str(cfg)]) == 0
     # "auto" tunes both lexical forms on validation and keeps the better one
-    values = {
-        m.group(1): float(m.group(2))
-        for m in re.finditer(r"lexical form (\w+): validation .* = ([0-9.]+)", capsys.readouterr().out)
-    }
+    values = {m.group(1): float(m.group(2))
+              for m in re.finditer(r"lexical form (\w+): validation .* = ([0-9.]+)", caplog.text)}
     assert set(values) == {"shares", "logistic"}
-    ckpt = Checkpoint.load(tmp_path / "ck")
-    chosen = ckpt.scoring["lexical_form"]
-    assert values[chosen] == max(values.values())
-    lexical = ckpt.extra_arrays["token_shortlist"]
-    assert set(lexical) == ({"labels", "shares"} if chosen == "shares" else {"labels", "weights", "bias"})
+    chosen = Checkpoint.load(tmp_path / "ck")
+    assert values[chosen.scoring.lexical_form] == max(values.values()) == values[chosen.token_table.form]
+    assert json.loads(capsys.readouterr().out)["scoring"]["lexical_form"] == chosen.scoring.lexical_form
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "lbl.jsonl").write_text('{"uid": "a", "title": "x", "content": ""}\n')
     (bad / "trn.jsonl").write_text('{"uid": "d", "title": "x", "content": "", "target_ind": [3]}\n')
-    capsys.readouterr()
     assert cli_main(["train", "--data", str(bad), "--out", str(tmp_path / "ck2"), "--config", str(cfg)]) == 2
     err = capsys.readouterr().err
     assert "trn.jsonl:1: target_ind 3 out of range" in err and "Traceback" not in err
 
 
-def test_tuning_maximises_the_configured_objective(trained: Checkpoint, dataset: Path) -> None:
-    # The tuner's own behaviour on a held-out split (a quality claim would use validation).
-    tst = load_split(dataset, "tst", "title", len(trained.labels))
-    device = trained.encoder.embedding.device
-    q = embed(trained.encoder, _encode_texts(trained.tokenizer, tst.texts), device)
-    inv_prop = 1.0 / propensities(label_frequencies(tst.targets, len(trained.labels)), len(tst))
-    args = (q, tst.targets, trained.classifiers, trained.classifier_bias, trained.centroids, "scaled_bias",
-            inv_prop, device)
-    head_scoring, head = tune_scoring(*args, objective={"P@1": 1.0})
-    tail_scoring, tail = tune_scoring(*args, objective={"PSP@5": 1.0})
-    assert head_scoring != tail_scoring
-    assert head["P@1"] >= tail["P@1"] and tail["PSP@5"] >= head["PSP@5"]
-    assert head["P@1"] > tail["P@1"] or tail["PSP@5"] > head["PSP@5"]
-    _, default = tune_scoring(*args)
-    assert objective_value(default, DEFAULT_OBJECTIVE) >= objective_value(head, DEFAULT_OBJECTIVE)
-    assert objective_value(default, DEFAULT_OBJECTIVE) >= objective_value(tail, DEFAULT_OBJECTIVE)
+@pytest.fixture(scope="module")
+def tuning_inputs(ckpt, test_split):
+    """The tuner's inputs on the test split (its own behaviour, not a quality claim)."""
+    _, texts, q, truths = test_split
+    w, b, mu = ckpt.classifiers.weights_, ckpt.classifiers.bias_, ckpt.centroids.vectors_
+    sources = CandidateSources(ckpt.scoring.shortlist, b, index_w=ckpt.indices[0], index_mu=ckpt.indices[1],
+                               table=ckpt.token_table, lexical=True)
+    return q, texts.ids.numpy(), texts.weights.numpy(), truths, [sources], LabelScorer(w, b, mu, IDENTITY, IDENTITY)
 
 
-def test_tuning_without_own_labels_scores_what_exclusion_serves(trained: Checkpoint, dataset: Path) -> None:
-    tst = load_split(dataset, "tst", "title", len(trained.labels))
-    device = trained.encoder.embedding.device
-    q = embed(trained.encoder, _encode_texts(trained.tokenizer, tst.texts), device)
-    inv_prop = 1.0 / propensities(label_frequencies(tst.targets, len(trained.labels)), len(tst))
-    w, b, mu = trained.classifiers, trained.classifier_bias, trained.centroids
-    args = (q, tst.targets, w, b, mu, "scaled_bias", inv_prop, device)
-    plain_scoring, plain = tune_scoring(*args)
+def test_tuning_maximises_the_configured_objective(tuning_inputs):
+    head = ScoringTuner(objective={"P@1": 1.0}).fit(*tuning_inputs)
+    tail = ScoringTuner(objective={"PSP@5": 1.0}).fit(*tuning_inputs)
+    assert head.scoring_ != tail.scoring_
+    assert head.metrics_["P@1"] >= tail.metrics_["P@1"] and tail.metrics_["PSP@5"] >= head.metrics_["PSP@5"]
+    assert head.metrics_["P@1"] > tail.metrics_["P@1"] or tail.metrics_["PSP@5"] > head.metrics_["PSP@5"]
+    default = ScoringTuner().fit(*tuning_inputs)
+    for other in (head, tail):
+        assert objective_value(default.metrics_, DEFAULT_OBJECTIVE) >= objective_value(
+            other.metrics_, DEFAULT_OBJECTIVE)
+
+
+def test_tuning_without_own_labels_scores_what_exclusion_serves(ckpt, tuning_inputs, test_split):
+    q, tokens, weights, truths, candidates, scorer = tuning_inputs
+    plain = ScoringTuner().fit(*tuning_inputs)
     # Pretend each document whose best label is wrong is that label (its own, never a target).
-    top = predict_exact(q, w, b, mu, plain_scoring, 1, device)[:, 0]
-    own = np.array([t if t not in truth else -1 for t, truth in zip(top, tst.targets, strict=True)])
+    cands, lexical = candidates[0](tokens, weights, q)
+    served = LabelScorer.of(scorer.w, scorer.b, scorer.mu, plain.scoring_)
+    top = cands[np.arange(len(q)), served.score(q, cands, plain.scoring_.alpha, lexical).argmax(axis=1)]
+    own = np.array([t if t not in truth else -1 for t, truth in zip(top, test_split[0].targets, strict=True)])
     assert (own >= 0).sum() > 20
-    scoring, tuned = tune_scoring(*args, own=own)
-    assert tuned["P@1"] > plain["P@1"]  # the wrong best labels are gone
-    ranked = predict_exact(q, w, b, mu, scoring, 6, device)
-    served = np.array([[x for x in row if x != o][:5] for row, o in zip(ranked, own, strict=True)])
-    expected = ranking_metrics(served, tst.targets, (1, 5), inv_prop)
+    tuned = ScoringTuner().fit(q, tokens, weights, truths, candidates, scorer, own=own)
+    assert tuned.metrics_["P@1"] > plain.metrics_["P@1"]  # the wrong best labels are gone
+    chosen = LabelScorer.of(scorer.w, scorer.b, scorer.mu, tuned.scoring_)
+    scores = chosen.score(q, cands, tuned.scoring_.alpha, lexical)
+    scores[cands == own[:, None]] = -np.inf
+    ranked = cands[np.arange(len(q))[:, None], np.argsort(-scores, axis=1, kind="stable")[:, :5]]
+    expected = ranking_metrics(ranked, truths, (1, 5))
     for name in ("P@1", "P@5", "PSP@5"):
-        assert tuned[name] == pytest.approx(expected[name], abs=1e-9)
+        assert tuned.metrics_[name] == pytest.approx(expected[name], abs=1e-9)
 
 
 @pytest.mark.parametrize(
@@ -248,3 +269,15 @@ def test_tune_objective_is_validated(objective: dict, message: str) -> None:
         TrainConfig.from_dict({"tune_objective": objective})
     weights = {"P@1": 2, "PSP@5": 0.5}
     assert TrainConfig.from_dict({"tune_objective": weights}).tune_objective == weights
+
+
+def test_progress_off_a_terminal_is_a_log_line_every_few_seconds(caplog, monkeypatch):
+    clock = iter(range(0, 1000, 3))  # each step takes 3 "seconds"
+    monkeypatch.setattr("training.progress.time.monotonic", lambda: next(clock))
+    bar = Progress(range(10), "Module I epoch 1/1", every_s=10.0)
+    with caplog.at_level(logging.INFO, logger="shortlist.training"):
+        for i in bar:
+            bar.postfix(loss=f"{i:.1f}")
+    lines = [r.getMessage() for r in caplog.records]
+    assert 2 <= len(lines) <= 3 and all("\r" not in line for line in lines)
+    assert lines[0].startswith("Module I epoch 1/1: 4/10 (40%)") and "loss=" in lines[0]

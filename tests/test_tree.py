@@ -8,7 +8,7 @@ import pytest
 from service.engine.metrics import ranking_metrics
 from service.engine.tree import TreeScorer
 from training.tree import LabelTree
-from training.tree_train import TreeClassifier, fit_tree_scorer
+from training.tree_train import AdversarialTree, TreeClassifier
 
 
 def clustered_data(
@@ -44,7 +44,7 @@ def small_tree() -> tuple[LabelTree, np.ndarray]:
 def scorer_and_data():
     x, targets, _ = clustered_data(60, 2400, 16, 0.8, seed=2)
     xtr, ttr, xte, tte = split(x, targets, 2000)
-    arrays = fit_tree_scorer(xtr, ttr, 60, {"pca_dim": 8, "epochs": 8, "beam": 16}, seed=0)
+    arrays = AdversarialTree({"pca_dim": 8, "epochs": 8, "beam": 16}, seed=0).fit(xtr, ttr, 60).arrays_
     scorer = TreeScorer.from_arrays(arrays)
     return scorer, arrays, xte, tte
 
@@ -155,13 +155,13 @@ def test_bad_arrays_and_inputs_are_named(scorer_and_data):
     with pytest.raises(ValueError, match="beam"):
         scorer.search(xte[:2], k=3, beam=0)
     with pytest.raises(ValueError, match="unknown tree config keys: pca"):
-        fit_tree_scorer(xte, [[0]] * len(xte), 60, {"pca": 3}, seed=0)
+        AdversarialTree({"pca": 3})
 
 
 def test_fit_is_deterministic_given_seed():
     x, targets, _ = clustered_data(20, 300, 8, 0.8, seed=3)
-    a = fit_tree_scorer(x, targets, 20, {"pca_dim": 4, "epochs": 2}, seed=5)
-    b = fit_tree_scorer(x, targets, 20, {"pca_dim": 4, "epochs": 2}, seed=5)
+    a = AdversarialTree({"pca_dim": 4, "epochs": 2}, seed=5).fit(x, targets, 20).arrays_
+    b = AdversarialTree({"pca_dim": 4, "epochs": 2}, seed=5).fit(x, targets, 20).arrays_
     for name in a:
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
 

@@ -1,16 +1,18 @@
-"""The training checkpoint directory: what `shortlist train` writes and `shortlist export` reads.
+"""The trained model: what `shortlist train` writes and `shortlist export` turns into a bundle.
 
-Layout of CKPT_DIR:
-  checkpoint.json        format, dims, hyper-parameters, scoring defaults, data fingerprint, metrics
+Layout of CKPT_DIR (each part saved by the object that fitted it):
+  checkpoint.json        format, dims, the scoring (service.engine.schema.Scoring) and the
+                         indices' HNSW parameters, hyper-parameters, data fingerprint, metrics
   tokenizer.json         service.engine.tokenizer.Tokenizer
   labels.jsonl           service.engine.labels.LabelTable (row i = label i)
   encoder.pt             state_dict of training.encoder.SiameseEncoder
-  classifiers.npy        [L, D] float32, w_l
-  classifier_bias.npy    [L] float32, b_l (zeros for the paper's form)
-  centroids.npy          [L, D] float32, mu_l (unit rows; a label with no document has a zero row,
-                         or its text embedding when training.train.TrainConfig.centroid_label_weight > 0)
+  classifiers.npy, classifier_bias.npy   training.classifiers.OneVsAll
+  centroids.npy          training.centroids.Centroids
+  hnsw_w.bin, hnsw_mu.bin   the bundle's indices (service.engine.index), the scoring tuned on them
+  token_shortlist.npz    optional: training.token_shortlist (the table and its chosen form)
+  tree.npz               optional: training.tree_train.AdversarialTree
   validation.jsonl       optional: held-out {"text", "target_ind"} rows for a bundle's quality gate
-  tree.npz, tree_classifier.npz   optional: the adversarial tree scorer
+Format 1 (before the indices were built in training) is read too; export builds its indices.
 """
 
 from __future__ import annotations
@@ -20,14 +22,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
+from service.engine.index import VectorIndex
 from service.engine.labels import LabelTable
+from service.engine.lexical import TokenShortlist
+from service.engine.schema import HNSW_MU, HNSW_W, HnswParams, Scoring
 from service.engine.tokenizer import Tokenizer
+from training.centroids import Centroids
+from training.classifiers import OneVsAll
 from training.encoder import SiameseEncoder
+from training.token_shortlist import load_table, save_table
+from training.tree_train import AdversarialTree
 
-CHECKPOINT_FORMAT = 1
+CHECKPOINT_FORMAT = 2
+READABLE_FORMATS = (1, 2)
+META, TOKENIZER, LABELS, ENCODER, VALIDATION = (
+    "checkpoint.json", "tokenizer.json", "labels.jsonl", "encoder.pt", "validation.jsonl")
+# Format 1's bundle index parameters, which its export used.
+_FORMAT1_HNSW = HnswParams(M=24, ef_construction=200, ef_search=50)
 
 
 @dataclass
@@ -35,80 +48,74 @@ class Checkpoint:
     tokenizer: Tokenizer
     labels: LabelTable
     encoder: SiameseEncoder
-    classifiers: np.ndarray
-    classifier_bias: np.ndarray
-    centroids: np.ndarray
-    # Scoring defaults carried into the bundle: {"alpha", "classifier_form",
-    # "calibration": {"classifier": {...}, "centroid": {...}}, "shortlist": {...}}
-    scoring: dict[str, Any]
+    classifiers: OneVsAll
+    centroids: Centroids
+    scoring: Scoring
+    hnsw: HnswParams
+    indices: tuple[VectorIndex, VectorIndex] | None  # over [w, b] and mu; None: export builds them
+    token_table: TokenShortlist | None = None
+    tree: AdversarialTree | None = None
+    text_field: str = "title"
     config: dict[str, Any] = field(default_factory=dict)
     fingerprint: dict[str, Any] = field(default_factory=dict)
     metrics: dict[str, Any] = field(default_factory=dict)
     validation: list[dict[str, Any]] = field(default_factory=list)
-    extra_arrays: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
+
+    @property
+    def seed(self) -> int:
+        return int(self.config.get("seed", 0))
 
     def save(self, out_dir: str | Path) -> Path:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        L, D = self.classifiers.shape
-        meta = {
-            "format": CHECKPOINT_FORMAT,
-            "dim": D,
-            "num_labels": L,
-            "vocab_size": self.tokenizer.vocab_size,
-            "scoring": self.scoring,
-            "config": self.config,
-            "fingerprint": self.fingerprint,
-            "metrics": self.metrics,
-            "extra_arrays": sorted(self.extra_arrays),
-        }
-        self.tokenizer.save(out / "tokenizer.json")
-        self.labels.save(out / "labels.jsonl")
-        torch.save(self.encoder.state_dict(), out / "encoder.pt")
-        np.save(out / "classifiers.npy", np.ascontiguousarray(self.classifiers, dtype=np.float32))
-        np.save(out / "classifier_bias.npy", np.ascontiguousarray(self.classifier_bias, dtype=np.float32))
-        np.save(out / "centroids.npy", np.ascontiguousarray(self.centroids, dtype=np.float32))
+        self.tokenizer.save(out / TOKENIZER)
+        self.labels.save(out / LABELS)
+        torch.save(self.encoder.state_dict(), out / ENCODER)
+        self.classifiers.save(out)
+        self.centroids.save(out)
+        if self.indices is not None:
+            self.indices[0].save(out / HNSW_W)
+            self.indices[1].save(out / HNSW_MU)
+        if self.token_table is not None:
+            save_table(self.token_table, out)
+        if self.tree is not None:
+            self.tree.save(out)
         if self.validation:
-            with (out / "validation.jsonl").open("w", encoding="utf-8") as f:
-                for row in self.validation:
-                    f.write(json.dumps(row, ensure_ascii=False) + "\n")
-        for name, arrays in self.extra_arrays.items():
-            np.savez(out / f"{name}.npz", **arrays)
-        (out / "checkpoint.json").write_text(json.dumps(meta, indent=2), encoding="utf-8")
+            with (out / VALIDATION).open("w", encoding="utf-8") as f:
+                f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in self.validation)
+        meta = {"format": CHECKPOINT_FORMAT, "dim": self.encoder.dim, "num_labels": len(self.labels),
+                "vocab_size": self.tokenizer.vocab_size, "scoring": self.scoring.model_dump(),
+                "hnsw": self.hnsw.model_dump(), "text_field": self.text_field, "config": self.config,
+                "fingerprint": self.fingerprint, "metrics": self.metrics}
+        (out / META).write_text(json.dumps(meta, indent=2), encoding="utf-8")
         return out
 
     @classmethod
     def load(cls, ckpt_dir: str | Path) -> Checkpoint:
         ckpt = Path(ckpt_dir)
-        meta_path = ckpt / "checkpoint.json"
-        if not meta_path.is_file():
-            raise FileNotFoundError(f"{ckpt}: not a checkpoint directory (no checkpoint.json)")
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-        if meta.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError(f"{meta_path}: checkpoint format {meta.get('format')!r}, expected {CHECKPOINT_FORMAT}")
-        tokenizer = Tokenizer.load(ckpt / "tokenizer.json")
+        if not (ckpt / META).is_file():
+            raise FileNotFoundError(f"{ckpt}: not a checkpoint directory (no {META})")
+        meta = json.loads((ckpt / META).read_text(encoding="utf-8"))
+        if meta.get("format") not in READABLE_FORMATS:
+            raise ValueError(f"{ckpt / META}: checkpoint format {meta.get('format')!r}, this shortlist reads "
+                             f"{', '.join(map(str, READABLE_FORMATS))}")
+        scoring = Scoring.model_validate(meta["scoring"])
         encoder = SiameseEncoder(meta["vocab_size"], meta["dim"])
-        encoder.load_state_dict(torch.load(ckpt / "encoder.pt", map_location="cpu", weights_only=True))
+        encoder.load_state_dict(torch.load(ckpt / ENCODER, map_location="cpu", weights_only=True))
         encoder.eval()
-        validation: list[dict[str, Any]] = []
-        if (ckpt / "validation.jsonl").is_file():
-            with (ckpt / "validation.jsonl").open(encoding="utf-8") as f:
-                validation = [json.loads(line) for line in f]
-        extra = {}
-        for name in meta.get("extra_arrays", []):
-            with np.load(ckpt / f"{name}.npz") as z:
-                extra[name] = {k: z[k] for k in z.files}
+        hnsw = HnswParams.model_validate(meta["hnsw"]) if "hnsw" in meta else _FORMAT1_HNSW
+        indices = None
+        if (ckpt / HNSW_W).is_file():
+            indices = (VectorIndex.load(ckpt / HNSW_W, meta["dim"] + 1, meta["num_labels"], hnsw.ef_search),
+                       VectorIndex.load(ckpt / HNSW_MU, meta["dim"], meta["num_labels"], hnsw.ef_search))
+        validation = []
+        if (ckpt / VALIDATION).is_file():
+            validation = [json.loads(line) for line in (ckpt / VALIDATION).read_text(encoding="utf-8").splitlines()]
         return cls(
-            tokenizer=tokenizer,
-            labels=LabelTable.load(ckpt / "labels.jsonl"),
-            encoder=encoder,
-            classifiers=np.load(ckpt / "classifiers.npy"),
-            classifier_bias=np.load(ckpt / "classifier_bias.npy"),
-            centroids=np.load(ckpt / "centroids.npy"),
-            scoring=meta["scoring"],
-            config=meta.get("config", {}),
-            fingerprint=meta.get("fingerprint", {}),
-            metrics=meta.get("metrics", {}),
+            tokenizer=Tokenizer.load(ckpt / TOKENIZER), labels=LabelTable.load(ckpt / LABELS), encoder=encoder,
+            classifiers=OneVsAll.load(ckpt), centroids=Centroids.load(ckpt), scoring=scoring, hnsw=hnsw,
+            indices=indices, token_table=load_table(ckpt, scoring.lexical_form), tree=AdversarialTree.load(ckpt),
+            text_field=meta.get("text_field", meta.get("config", {}).get("text_field", "title")),
+            config=meta.get("config", {}), fingerprint=meta.get("fingerprint", {}), metrics=meta.get("metrics", {}),
             validation=validation,
-            extra_arrays=extra,
         )

@@ -16,12 +16,19 @@ table's slots, so it costs what the shares cost to serve and scales with V x k, 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import scipy.sparse as sp
 import torch
 import torch.nn.functional as F
 
 from service.engine.lexical import TokenShortlist
+from service.engine.schema import LEXICAL_FILES, TOKEN_SHORTLIST
+from training.config import TrainConfig
+from training.encoder import EncodedTexts
+
+TABLE_FILE = "token_shortlist.npz"
 
 
 def fit_token_shortlist(
@@ -160,10 +167,60 @@ def _candidate_batch(
     return uniq % num_labels, slot_token, slot_col, slot_x, inverse, target
 
 
-def lexical_arrays(table: TokenShortlist) -> dict[str, np.ndarray]:
-    """The table's lexical arrays by checkpoint name (model_export writes token_shortlist_<name>.npy)."""
-    if table.weights is None:
-        return {}
-    if table.form == "shares":
-        return {"shares": table.weights}
-    return {"weights": table.weights, "bias": table.bias}
+class TokenTable:
+    """Fits the token shortlist (`width` labels per token) and its lexical forms: `tables_`, one
+    TokenShortlist per form in `forms` (shares first), all over the same rows; the logistic
+    form is fitted on the first `served_k` columns, the ones served."""
+
+    def __init__(self, width: int = 20, forms: tuple[str, ...] = ("shares", "logistic"), served_k: int = 10,
+                 epochs: int = 100, lr: float = 0.05, l2: float = 1e-5, batch_size: int = 1024, seed: int = 0) -> None:
+        self.width, self.forms, self.served_k = width, forms, served_k
+        self.epochs, self.lr, self.l2, self.batch_size, self.seed = epochs, lr, l2, batch_size, seed
+
+    @classmethod
+    def of(cls, cfg: TrainConfig) -> TokenTable:
+        forms = ("shares", "logistic") if cfg.lexical_form == "auto" else (cfg.lexical_form,)
+        return cls(cfg.token_shortlist_width, forms, max(cfg.serve_k_tok, 1), cfg.lexical_epochs, cfg.lexical_lr,
+                   cfg.lexical_l2, cfg.lexical_batch_size, cfg.seed)
+
+    def fit(self, docs: EncodedTexts, y: sp.csr_matrix, label_texts: EncodedTexts, vocab_size: int,
+            device: torch.device) -> TokenTable:
+        labels, shares = fit_token_shortlist(docs.ids.numpy(), y, label_texts.ids.numpy(), vocab_size, self.width)
+        self.tables_: list[TokenShortlist] = []
+        if "shares" in self.forms:
+            self.tables_.append(TokenShortlist(labels, shares))
+        if "logistic" in self.forms:
+            weights, bias, self.losses_ = fit_token_logistic(
+                docs.ids.numpy(), docs.weights.numpy(), y, labels, self.served_k, epochs=self.epochs, lr=self.lr,
+                l2=self.l2, batch_size=self.batch_size, seed=self.seed, device=device,
+            )
+            self.tables_.append(TokenShortlist(labels, weights, "logistic", bias))
+        return self
+
+
+def lexical_files(table: TokenShortlist) -> dict[str, np.ndarray]:
+    """The table's bundle files (service.engine.schema): its rows and its lexical form's arrays."""
+    out = {TOKEN_SHORTLIST: np.ascontiguousarray(table.labels, dtype=np.int32)}
+    if table.weights is not None:
+        arrays = zip(LEXICAL_FILES[table.form], (table.weights, table.bias), strict=False)
+        out.update({name: np.ascontiguousarray(array, dtype=np.float32) for name, array in arrays})
+    return out
+
+
+def save_table(table: TokenShortlist, directory: Path) -> None:
+    """TABLE_FILE: the bundle files' arrays, named "labels" and by their files' stems."""
+    files = lexical_files(table)
+    np.savez(directory / TABLE_FILE, **{_stem(name): array for name, array in files.items()})
+
+
+def _stem(name: str) -> str:
+    return "labels" if name == TOKEN_SHORTLIST else name.removeprefix("token_shortlist_").removesuffix(".npy")
+
+
+def load_table(directory: Path, form: str) -> TokenShortlist | None:
+    if not (directory / TABLE_FILE).is_file():
+        return None
+    with np.load(directory / TABLE_FILE) as z:
+        arrays = {k: z[k] for k in z.files}
+    weights = arrays.get("shares", arrays.get("weights"))
+    return TokenShortlist(arrays["labels"], weights, form if weights is not None else "shares", arrays.get("bias"))

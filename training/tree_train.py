@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -41,6 +42,8 @@ import torch
 import torch.nn.functional as F
 
 from training.tree import LabelTree, flatten_pairs
+
+TREE_FILE = "tree.npz"
 
 DEFAULT_CONFIG: dict[str, Any] = {
     # the tree p_n
@@ -118,6 +121,35 @@ class TreeClassifier:
         callback_every: int = 0,
         time_budget: float | None = None,
     ) -> TreeClassifier:
+        self._check(tree)
+        run = _Run(self, embeddings, targets, num_labels, tree)
+        losses: list[float] = []
+        stop = False
+        for _epoch in range(self.epochs):
+            order = run.rng.permutation(len(run.pair_doc))
+            total, batches = 0.0, 0
+            for start in range(0, len(order), self.batch_size):
+                t0 = time.perf_counter()
+                total += run.step(order[start : start + self.batch_size])
+                batches += 1
+                run.elapsed += time.perf_counter() - t0
+                if callback is not None and callback_every and run.steps % callback_every == 0:
+                    callback(run.elapsed, run.steps, *run.export())
+                if time_budget is not None and run.elapsed >= time_budget:
+                    stop = True
+                    break
+            losses.append(total / max(batches, 1))
+            if stop:
+                break
+        if callback is not None:
+            callback(run.elapsed, run.steps, *run.export())
+        w, b = run.export()
+        self.weights_, self.bias_ = w.astype(np.float32, copy=True), b
+        self.fit_stats_ = {"train_seconds": run.elapsed, "steps": run.steps, "losses": losses,
+                           "masked_negative_fraction": run.masked / max(run.drawn, 1)}
+        return self
+
+    def _check(self, tree: LabelTree | None) -> None:
         if self.sampler not in ("adversarial", "uniform"):
             raise ValueError(f"sampler must be 'adversarial' or 'uniform', got {self.sampler!r}")
         if self.regularise not in ("xi", "corrected"):
@@ -128,101 +160,82 @@ class TreeClassifier:
             raise ValueError("sampler='adversarial' needs a fitted LabelTree")
         if self.negatives < 1 or self.epochs < 0 or self.batch_size < 1 or self.lr <= 0 or self.lam < 0:
             raise ValueError("negatives >= 1, epochs >= 0, batch_size >= 1, lr > 0 and lambda >= 0 required")
+
+
+class _Run:
+    """One TreeClassifier fit's state: the positive pairs, the sampler, the parameters being trained."""
+
+    def __init__(self, clf: TreeClassifier, embeddings: np.ndarray, targets: Sequence[Sequence[int]],
+                 num_labels: int, tree: LabelTree | None) -> None:
+        self.clf, self.num_labels, self.tree = clf, num_labels, tree
         x = np.ascontiguousarray(embeddings, dtype=np.float32)
         # Encoder outputs are non-negative (ReLU), so every raw embedding shares one direction;
         # training on centred inputs keeps v_y about what distinguishes y's documents rather than
         # that common direction. xi = v.(q - m) + c = v.q + (c - v.m): the bias absorbs it on export.
-        center = x.mean(axis=0)
-        x = x - center
-        pair_doc, pair_label = flatten_pairs(targets, num_labels)
-        rng = np.random.default_rng(self.seed)
-        torch.manual_seed(self.seed)
-        keys = _pair_keys(pair_doc, pair_label, num_labels)
-        uniform_logp = -float(np.log(num_labels))
-        if self.sampler == "adversarial":
+        self.center = x.mean(axis=0)
+        x = x - self.center
+        self.pair_doc, self.pair_label = flatten_pairs(targets, num_labels)
+        self.rng = np.random.default_rng(clf.seed)
+        torch.manual_seed(clf.seed)
+        self.keys = _pair_keys(self.pair_doc, self.pair_label, num_labels)
+        self.uniform_logp = -float(np.log(num_labels))
+        if clf.sampler == "adversarial":
             assert tree is not None
-            z = tree.project(x)
-            pos_logp = tree.log_prob(z[pair_doc], pair_label[:, None])[:, 0]
+            self.z = tree.project(x)
+            self.pos_logp = tree.log_prob(self.z[self.pair_doc], self.pair_label[:, None])[:, 0]
         else:
-            z = None
-            pos_logp = np.full(len(pair_doc), uniform_logp)
+            self.z, self.pos_logp = None, np.full(len(self.pair_doc), self.uniform_logp)
+        self.weight = torch.nn.Embedding(num_labels, x.shape[1], sparse=True)
+        self.bias = torch.nn.Embedding(num_labels, 1, sparse=True)
+        torch.nn.init.zeros_(self.weight.weight)
+        torch.nn.init.zeros_(self.bias.weight)
+        params = [self.weight.weight, self.bias.weight]
+        self.opt: torch.optim.Optimizer = (torch.optim.Adagrad(params, lr=clf.lr) if clf.optimizer == "adagrad"
+                                           else torch.optim.SGD(params, lr=clf.lr))
+        self.x = torch.from_numpy(x)
+        self.masked = self.drawn = self.steps = 0
+        self.elapsed = 0.0
 
-        dim = x.shape[1]
-        weight = torch.nn.Embedding(num_labels, dim, sparse=True)
-        bias = torch.nn.Embedding(num_labels, 1, sparse=True)
-        torch.nn.init.zeros_(weight.weight)
-        torch.nn.init.zeros_(bias.weight)
-        params = [weight.weight, bias.weight]
-        if self.optimizer == "adagrad":
-            opt: torch.optim.Optimizer = torch.optim.Adagrad(params, lr=self.lr)
+    def export(self) -> tuple[np.ndarray, np.ndarray]:
+        w = self.weight.weight.detach().numpy()
+        return w, (self.bias.weight.detach().numpy()[:, 0] - w @ self.center).astype(np.float32)
+
+    def _negatives(self, doc: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Negatives [B, S] for each document, their log p_n, and which are not its positives."""
+        s = self.clf.negatives
+        if self.z is not None:
+            assert self.tree is not None
+            neg, neg_logp = self.tree.sample(self.z[doc], s, self.rng)
         else:
-            opt = torch.optim.SGD(params, lr=self.lr)
-        x_t = torch.from_numpy(x)
+            neg = self.rng.integers(0, self.num_labels, size=(len(doc), s))
+            neg_logp = np.full(neg.shape, self.uniform_logp)
+        keep = ~_is_positive(self.keys, np.repeat(doc, s), neg.ravel(), self.num_labels)
+        keep = keep.reshape(neg.shape)
+        self.masked += int((~keep).sum())
+        self.drawn += keep.size
+        return neg, neg_logp, keep
 
-        def export() -> tuple[np.ndarray, np.ndarray]:
-            w = weight.weight.detach().numpy()
-            return w, (bias.weight.detach().numpy()[:, 0] - w @ center).astype(np.float32)
-
-        masked = drawn = 0
-        elapsed = 0.0
-        step = 0
-        losses: list[float] = []
-        stop = False
-        for _epoch in range(self.epochs):
-            order = rng.permutation(len(pair_doc))
-            total, batches = 0.0, 0
-            for start in range(0, len(order), self.batch_size):
-                t0 = time.perf_counter()
-                idx = order[start : start + self.batch_size]
-                doc, pos = pair_doc[idx], pair_label[idx]
-                if z is not None:
-                    assert tree is not None
-                    neg, neg_logp = tree.sample(z[doc], self.negatives, rng)
-                else:
-                    neg = rng.integers(0, num_labels, size=(len(idx), self.negatives))
-                    neg_logp = np.full(neg.shape, uniform_logp)
-                keep = ~_is_positive(keys, np.repeat(doc, self.negatives), neg.ravel(), num_labels)
-                keep = keep.reshape(neg.shape)
-                masked += int((~keep).sum())
-                drawn += keep.size
-
-                q = x_t[torch.from_numpy(doc)]
-                labels = torch.from_numpy(np.concatenate([pos[:, None], neg], axis=1))
-                xi = (weight(labels) * q[:, None, :]).sum(-1) + bias(labels)[..., 0]  # [B, 1 + S]
-                logp = torch.from_numpy(np.concatenate([pos_logp[idx][:, None], neg_logp], axis=1)).float()
-                mask = torch.from_numpy(np.concatenate([np.ones((len(idx), 1), bool), keep], axis=1)).float()
-                nll = F.softplus(-xi[:, 0]) + (F.softplus(xi[:, 1:]) * mask[:, 1:]).sum(1)
-                target = xi + logp if self.regularise == "corrected" else xi
-                reg = self.lam * ((target**2) * mask).sum(1) + self.weight_decay * (weight(labels) ** 2).sum(-1).mean(1)
-                loss = (nll + reg).mean()
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                # Adagrad's sparse update warns unless invariant checks are explicitly chosen.
-                with torch.sparse.check_sparse_tensor_invariants(enable=False):
-                    opt.step()
-                total += float(loss.detach())
-                batches += 1
-                step += 1
-                elapsed += time.perf_counter() - t0
-                if callback is not None and callback_every and step % callback_every == 0:
-                    callback(elapsed, step, *export())
-                if time_budget is not None and elapsed >= time_budget:
-                    stop = True
-                    break
-            losses.append(total / max(batches, 1))
-            if stop:
-                break
-        if callback is not None:
-            callback(elapsed, step, *export())
-        w, b = export()
-        self.weights_, self.bias_ = w.astype(np.float32, copy=True), b
-        self.fit_stats_ = {
-            "train_seconds": elapsed,
-            "steps": step,
-            "losses": losses,
-            "masked_negative_fraction": masked / max(drawn, 1),
-        }
-        return self
+    def step(self, idx: np.ndarray) -> float:
+        """One update on the positive pairs idx; returns the batch's loss."""
+        clf = self.clf
+        doc, pos = self.pair_doc[idx], self.pair_label[idx]
+        neg, neg_logp, keep = self._negatives(doc)
+        q = self.x[torch.from_numpy(doc)]
+        labels = torch.from_numpy(np.concatenate([pos[:, None], neg], axis=1))
+        xi = (self.weight(labels) * q[:, None, :]).sum(-1) + self.bias(labels)[..., 0]  # [B, 1 + S]
+        logp = torch.from_numpy(np.concatenate([self.pos_logp[idx][:, None], neg_logp], axis=1)).float()
+        mask = torch.from_numpy(np.concatenate([np.ones((len(idx), 1), bool), keep], axis=1)).float()
+        nll = F.softplus(-xi[:, 0]) + (F.softplus(xi[:, 1:]) * mask[:, 1:]).sum(1)
+        target = xi + logp if clf.regularise == "corrected" else xi
+        decay = clf.weight_decay * (self.weight(labels) ** 2).sum(-1).mean(1)
+        loss = (nll + (clf.lam * ((target**2) * mask).sum(1) + decay)).mean()
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        # Adagrad's sparse update warns unless invariant checks are explicitly chosen.
+        with torch.sparse.check_sparse_tensor_invariants(enable=False):
+            self.opt.step()
+        self.steps += 1
+        return float(loss.detach())
 
 
 def resolve_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -260,24 +273,37 @@ def classifier_from_config(cfg: dict[str, Any], seed: int, sampler: str = "adver
     )
 
 
-def fit_tree_scorer(
-    doc_embeddings: np.ndarray,
-    targets: list[list[int]],
-    num_labels: int,
-    config: dict[str, Any],
-    seed: int,
-) -> dict[str, np.ndarray]:
-    """Fit p_n and xi on the training documents; return the arrays of service.engine.tree.TreeScorer.
+class AdversarialTree:
+    """The tree route's model: p_n (a LabelTree) and xi (a TreeClassifier) fitted on the training
+    documents' embeddings; `arrays_` are service.engine.tree.TreeScorer's (the bundle's tree.npz).
 
     config keys (defaults in DEFAULT_CONFIG): pca_dim, lambda_n, newton_steps, max_rounds,
     negatives, lambda, regularise, weight_decay, epochs, batch_size, lr, beam.
     """
-    cfg = resolve_config(config)
-    tree = tree_from_config(cfg, seed).fit(doc_embeddings, targets, num_labels)
-    clf = classifier_from_config(cfg, seed).fit(doc_embeddings, targets, num_labels, tree)
-    return {
-        **tree.arrays(),
-        "classifier_weights": clf.weights_,
-        "classifier_bias": clf.bias_,
-        "default_beam": np.asarray(int(cfg["beam"]), dtype=np.int64),
-    }
+
+    def __init__(self, config: dict[str, Any] | None = None, seed: int = 0) -> None:
+        self.config = resolve_config(dict(config or {}))
+        self.seed = seed
+
+    def fit(self, doc_embeddings: np.ndarray, targets: list[list[int]], num_labels: int) -> AdversarialTree:
+        tree = tree_from_config(self.config, self.seed).fit(doc_embeddings, targets, num_labels)
+        clf = classifier_from_config(self.config, self.seed).fit(doc_embeddings, targets, num_labels, tree)
+        self.arrays_ = {
+            **tree.arrays(),
+            "classifier_weights": clf.weights_,
+            "classifier_bias": clf.bias_,
+            "default_beam": np.asarray(int(self.config["beam"]), dtype=np.int64),
+        }
+        return self
+
+    def save(self, directory: Path) -> None:
+        np.savez(directory / TREE_FILE, **self.arrays_)
+
+    @classmethod
+    def load(cls, directory: Path) -> AdversarialTree | None:
+        if not (directory / TREE_FILE).is_file():
+            return None
+        out = cls()
+        with np.load(directory / TREE_FILE) as z:
+            out.arrays_ = {k: z[k] for k in z.files}
+        return out

@@ -1,97 +1,100 @@
-"""4xx errors as JSON bodies that name the field and say why, and request-body parsing."""
+"""Errors as one JSON body (schemas.ErrorResponse) that names the field at fault and says why."""
 
 from __future__ import annotations
 
-import json
-from typing import Any, TypeVar
+from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import Response
 
-M = TypeVar("M", bound=BaseModel)
+from service.api.schemas import NON_BLANK, ErrorDetail, ErrorResponse
+from service.engine.schema import VERSION_RE
+
+# What a failed pattern means, in words.
+_PATTERNS = {
+    NON_BLANK: "text is empty or whitespace-only",
+    VERSION_RE.pattern: "use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit",
+}
+_HTTP_CODES = {400: "bad_request", 404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, error: str, message: str, details: list[dict[str, str]] | None = None,
+    """A request answered with an error status and the one error body."""
+
+    def __init__(self, status: int, error: str, message: str, details: list[ErrorDetail] | None = None,
                  headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
-        self.status = status
-        self.error = error
-        self.message = message
+        self.status, self.error, self.message = status, error, message
         self.details = details or []
         self.headers = headers
 
 
-def error_response(request: Request, exc: ApiError) -> JSONResponse:
-    body = {"error": exc.error, "message": exc.message, "details": exc.details,
-            "request_id": request.scope.get("state", {}).get("request_id")}
-    return JSONResponse(body, status_code=exc.status, headers=exc.headers)
+def error_json(error: str, message: str, details: list[ErrorDetail], request_id: str | None) -> bytes:
+    body = ErrorResponse(error=error, message=message, details=details, request_id=request_id)
+    return body.model_dump_json().encode()
 
 
-def _field(loc: tuple[Any, ...]) -> str:
-    out = "body"
-    for part in loc:
+def error_response(request: Request, exc: ApiError) -> Response:
+    request_id = request.scope.get("state", {}).get("request_id")
+    return Response(error_json(exc.error, exc.message, exc.details, request_id), status_code=exc.status,
+                    headers=exc.headers, media_type="application/json")
+
+
+def invalid(field: str, message: str, status: int = 422) -> ApiError:
+    """A request whose `field` is wrong, e.g. invalid("body.exclude[2]", "unknown label uid 'x'")."""
+    return ApiError(status, "invalid_request", f"{field}: {message}", [ErrorDetail(field=field, message=message)])
+
+
+def field_name(loc: tuple[Any, ...]) -> str:
+    out = str(loc[0]) if loc else "body"
+    for part in loc[1:]:
         out += f"[{part}]" if isinstance(part, int) else f".{part}"
     return out
 
 
 def _message(err: dict[str, Any]) -> str:
-    if err["type"] == "extra_forbidden":
+    kind = err["type"]
+    if kind == "extra_forbidden":
         return "unknown field"
-    if err["type"] == "missing":
+    if kind == "missing":
         return "field required"
-    msg = str(err["msg"])
-    return msg.removeprefix("Value error, ")
+    if kind == "string_pattern_mismatch" and err.get("ctx", {}).get("pattern") in _PATTERNS:
+        return _PATTERNS[err["ctx"]["pattern"]]
+    return str(err["msg"]).removeprefix("Value error, ")
 
 
-def validation_details(exc: ValidationError) -> list[dict[str, str]]:
-    return [{"field": _field(tuple(e["loc"])), "message": _message(e)} for e in exc.errors()]
+async def _validation_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    errors = exc.errors()
+    if errors and errors[0]["type"] == "json_invalid":
+        reason = errors[0].get("ctx", {}).get("error", "syntax error")
+        return error_response(request, ApiError(400, "malformed_json", f"body is not valid JSON: {reason} at byte "
+                                                f"{errors[0]['loc'][-1]}"))
+    details = [ErrorDetail(field=field_name(tuple(e["loc"])), message=_message(e)) for e in errors]
+    summary = "; ".join(f"{d.field}: {d.message}" for d in details)
+    return error_response(request, ApiError(422, "invalid_request", summary, details))
 
 
-async def read_json(request: Request, max_bytes: int) -> Any:
-    """The request body as JSON: content type, size, UTF-8 and syntax checked, in that order."""
-    ctype = request.headers.get("content-type", "")
-    media, _, params = ctype.partition(";")
-    if media.strip().lower() != "application/json":
-        raise ApiError(415, "unsupported_media_type",
-                       f"content-type must be application/json, got {ctype or 'none'!r}")
-    charset = params.strip().lower()
-    if charset and charset.replace(" ", "") not in ("charset=utf-8", "charset=utf8"):
-        raise ApiError(415, "unsupported_media_type", f"only UTF-8 bodies are accepted, got {params.strip()!r}")
-    length = request.headers.get("content-length")
-    if length is not None:
-        try:
-            declared = int(length)
-        except ValueError:
-            raise ApiError(400, "bad_request", f"content-length {length!r} is not a number") from None
-        if declared > max_bytes:
-            raise ApiError(413, "body_too_large", f"body is {declared} bytes, the limit is {max_bytes}")
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:  # chunked uploads have no content-length; stop reading at the limit
-            raise ApiError(413, "body_too_large", f"body exceeds the limit of {max_bytes} bytes")
-        chunks.append(chunk)
-    raw = b"".join(chunks)
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ApiError(400, "invalid_encoding",
-                       f"body is not valid UTF-8: {exc.reason} at byte {exc.start}") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ApiError(400, "malformed_json", f"body is not valid JSON: {exc.msg} at line {exc.lineno} "
-                       f"column {exc.colno}") from None
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StarletteHTTPException)
+    where = f"{request.method} {request.url.path}"
+    message = f"{where}: {exc.detail}"
+    code = _HTTP_CODES.get(exc.status_code, "http_error")
+    cause = exc.__cause__
+    if exc.status_code == 400 and isinstance(cause, UnicodeDecodeError):
+        code, message = "invalid_encoding", f"body is not valid UTF-8: {cause.reason} at byte {cause.start}"
+    return error_response(request, ApiError(exc.status_code, code, message, headers=getattr(exc, "headers", None)))
 
 
-async def parse_body(request: Request, model: type[M], max_bytes: int, context: dict[str, Any] | None = None) -> M:
-    data = await read_json(request, max_bytes)
-    try:
-        return model.model_validate(data, context=context)
-    except ValidationError as exc:
-        details = validation_details(exc)
-        summary = "; ".join(f"{d['field']}: {d['message']}" for d in details)
-        raise ApiError(422, "invalid_request", summary, details) from None
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return error_response(request, exc)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)

@@ -19,6 +19,8 @@ import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from service.api.errors import error_json
+
 access_log = logging.getLogger("shortlist.access")
 error_log = logging.getLogger("shortlist.error")
 
@@ -112,9 +114,8 @@ class ObservabilityMiddleware:
                 "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(),
             }))
             if not started:
-                body = json.dumps({"error": "internal", "message": "unexpected server error; quote the "
-                                   "request_id when reporting it", "details": [],
-                                   "request_id": request_id}).encode()
+                body = error_json("internal", "unexpected server error; quote the request_id when reporting it",
+                                  [], request_id)
                 await send({"type": "http.response.start", "status": 500, "headers": [
                     (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                     (b"x-request-id", request_id.encode())]})

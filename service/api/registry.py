@@ -19,9 +19,12 @@ from pathlib import Path
 
 import numpy as np
 
-from service.engine import Bundle, BundleError, Manifest, Predictor, heap
-from service.engine.bundle import list_bundles, newest_version, resolve_bundle_dir, validate_version_name
+from service.engine import heap
+from service.engine.bundle import Bundle
 from service.engine.metrics import ranking_metrics
+from service.engine.predictor import Predictor, PredictorOptions
+from service.engine.schema import BundleError, Manifest, validate_version_name
+from service.engine.store import list_bundles, newest_version, resolve_bundle_dir
 
 log = logging.getLogger("shortlist.registry")
 
@@ -105,7 +108,7 @@ class BundleRegistry:
         quality_gate_min_p1: float | None = None,
         drain_timeout_s: float = 30.0,
         on_swap: Callable[[str | None, str], None] | None = None,
-        loader_nice: int = 10,
+        loader_nice: int = 0,
     ) -> None:
         self.root = Path(root)
         self.engine_threads = engine_threads
@@ -191,31 +194,9 @@ class BundleRegistry:
 
     def _activate_locked(self, version: str | None, *, record_history: bool) -> dict[str, object]:
         t0 = time.perf_counter()
-        if version is None:
-            try:
-                version = newest_version(self.root)
-            except BundleError as exc:
-                raise BundleNotFound(str(exc)) from exc
-        try:
-            validate_version_name(version)
-        except BundleError as exc:
-            raise ActivationFailed(str(exc)) from exc
-        try:
-            path = resolve_bundle_dir(self.root, version)
-        except BundleError as exc:
-            if "no bundle" in str(exc):
-                raise BundleNotFound(str(exc)) from exc
-            raise ActivationFailed(str(exc)) from exc
-        try:
-            bundle = Bundle.load(path)
-            predictor = Predictor(bundle, threads=self.engine_threads)
-        except BundleError as exc:
-            raise ActivationFailed(str(exc)) from exc
-        except Exception as exc:  # anything else on the load path also disqualifies the bundle
-            log.exception("loading bundle %s failed", version)
-            raise ActivationFailed(f"{path}: {type(exc).__name__}: {exc}") from exc
-        quality = self._quality_gate(bundle, predictor)
-        new = Engine(bundle, predictor)
+        predictor = self._load(self._resolve(version))
+        quality = self._quality_gate(predictor)
+        new = Engine(predictor.bundle, predictor)
         old = self._active
         self._active = new  # the swap: one reference assignment
         if old is not None:
@@ -233,9 +214,34 @@ class BundleRegistry:
         return {"active": new.version, "previous": old.version if old else None, "seconds": seconds,
                 "quality": quality}
 
-    def _quality_gate(self, bundle: Bundle, predictor: Predictor) -> dict[str, float]:
+    def _resolve(self, version: str | None) -> Path:
+        """The directory of `version` (default: the newest bundle under the root)."""
+        if version is None:
+            try:
+                version = newest_version(self.root)
+            except BundleError as exc:
+                raise BundleNotFound(str(exc)) from exc
+        try:
+            validate_version_name(version)
+        except BundleError as exc:
+            raise ActivationFailed(str(exc)) from exc
+        try:
+            return resolve_bundle_dir(self.root, version)
+        except BundleError as exc:
+            if "no bundle" in str(exc):
+                raise BundleNotFound(str(exc)) from exc
+            raise ActivationFailed(str(exc)) from exc
+
+    def _load(self, path: Path) -> Predictor:
+        try:
+            return Predictor.load(path, PredictorOptions(threads=self.engine_threads))
+        except BundleError as exc:
+            raise ActivationFailed(str(exc)) from exc
+
+    def _quality_gate(self, predictor: Predictor) -> dict[str, float]:
         if self.quality_gate_min_p1 is None:
             return {}
+        bundle = predictor.bundle
         rows = bundle.validation_rows()
         if not rows:
             bundle.close()

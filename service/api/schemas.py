@@ -1,124 +1,88 @@
 """The API schema: every request and response body, defined once.
 
-Limits that are configurable (text length, k, batch size, beam, exclusions) are checked by validators
-reading `Limits` from the validation context, so they fail with the same field-named 422
-as every other schema error.
+Request limits come from the running settings: `RequestModels(settings)` is the one place they
+are derived, as constraints of the request models, so FastAPI validates them and /openapi.json
+documents them; the published schema is the validator.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, model_validator
 
+from service.api.settings import Settings
+from service.engine.schema import VERSION_RE
 
-@dataclass(frozen=True)
-class Limits:
-    max_text_chars: int = 2000
-    max_k: int = 100
-    max_batch: int = 128
-    max_beam: int = 256
-    max_exclude: int = 1000
+# A text must hold something besides ASCII whitespace (spelled out: regex engines disagree on
+# what else `\s` covers, and the schema must mean to a client what it means to the validator).
+NON_BLANK = r"[^ \t\n\r\f\v]"
+ONE_OF_TEXT = {"oneOf": [{"required": ["text"]}, {"required": ["texts"]}]}
 
 
-def _limits(info: ValidationInfo) -> Limits:
-    ctx = info.context or {}
-    return ctx.get("limits", Limits())
+def _whole(value: Any) -> Any:
+    """16.0 is the integer 16 to JSON Schema (and to a JavaScript client); 2.5 stays invalid."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
-def _check_text(text: str, limits: Limits) -> str:
-    if not text.strip():
-        raise ValueError("text is empty or whitespace-only")
-    if len(text) > limits.max_text_chars:
-        raise ValueError(f"text has {len(text)} characters, the limit is {limits.max_text_chars}")
-    return text
+# An integer as JSON Schema defines it: any number with no fraction (never a string or a bool).
+Whole = Annotated[int, BeforeValidator(_whole)]
 
 
-class _Strict(BaseModel):
+class _Request(BaseModel):
+    # Strict: "3" is not a k, 1.5 is not a k, true is not a number.
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class PredictRequest(_Strict):
-    """Exactly one of `text` and `texts`."""
-
-    text: str | None = Field(None, description="one text to label")
-    texts: list[str] | None = Field(None, description="several texts, answered in order")
-    k: int = Field(10, ge=1, description="labels per text, 1..max_k")
-    alpha: float | None = Field(
-        None, ge=0.0, le=1.0, description="classifier weight in [0, 1]; default: the bundle's"
-    )
-    beam: int | None = Field(None, ge=1, description="tree endpoint only: beam width")
-    exclude: list[str] | None = Field(
-        None,
-        description="label uids never to return, for every text of the request (the text's own label "
-        "when texts are labels too, items already chosen); the next best labels take their places; "
-        "at most max_exclude",
-    )
-
-    @field_validator("alpha", mode="before")
-    @classmethod
-    def _alpha_number(cls, v: Any) -> Any:
-        # Strict mode would refuse an integer 0 or 1, which is a perfectly good alpha.
-        if isinstance(v, int) and not isinstance(v, bool):
-            return float(v)
-        return v
-
-    @field_validator("text")
-    @classmethod
-    def _text(cls, v: str | None, info: ValidationInfo) -> str | None:
-        return None if v is None else _check_text(v, _limits(info))
-
-    @field_validator("texts")
-    @classmethod
-    def _texts(cls, v: list[str] | None, info: ValidationInfo) -> list[str] | None:
-        if v is None:
-            return None
-        limits = _limits(info)
-        if not v:
-            raise ValueError("texts is empty; send at least one text")
-        if len(v) > limits.max_batch:
-            raise ValueError(f"texts has {len(v)} items, the limit is {limits.max_batch}")
-        for i, t in enumerate(v):
-            try:
-                _check_text(t, limits)
-            except ValueError as exc:
-                raise ValueError(f"texts[{i}]: {exc}") from None
-        return v
-
-    @field_validator("k")
-    @classmethod
-    def _k(cls, v: int, info: ValidationInfo) -> int:
-        limit = _limits(info).max_k
-        if v > limit:
-            raise ValueError(f"k is {v}, the limit is {limit}")
-        return v
-
-    @field_validator("beam")
-    @classmethod
-    def _beam(cls, v: int | None, info: ValidationInfo) -> int | None:
-        limit = _limits(info).max_beam
-        if v is not None and v > limit:
-            raise ValueError(f"beam is {v}, the limit is {limit}")
-        return v
-
-    @field_validator("exclude")
-    @classmethod
-    def _exclude(cls, v: list[str] | None, info: ValidationInfo) -> list[str] | None:
-        limit = _limits(info).max_exclude
-        if v is not None and len(v) > limit:
-            raise ValueError(f"exclude has {len(v)} uids, the limit is {limit}")
-        return v
+class _OneOfText(_Request):
+    model_config = ConfigDict(json_schema_extra=ONE_OF_TEXT)
 
     @model_validator(mode="after")
-    def _one_of(self) -> PredictRequest:
-        if (self.text is None) == (self.texts is None):
+    def _one_of(self) -> _OneOfText:
+        if (self.text is None) == (self.texts is None):  # type: ignore[attr-defined]
             raise ValueError("send exactly one of 'text' and 'texts'")
         return self
 
     @property
     def all_texts(self) -> list[str]:
-        return [self.text] if self.text is not None else list(self.texts or [])
+        text: str | None = self.text  # type: ignore[attr-defined]
+        return [text] if text is not None else list(self.texts)  # type: ignore[attr-defined]
+
+
+class RequestModels:
+    """The request bodies under the limits of `settings`."""
+
+    def __init__(self, settings: Settings) -> None:
+        Text = Annotated[str, StringConstraints(min_length=1, max_length=settings.max_text_chars, pattern=NON_BLANK)]  # noqa: N806
+        Texts = Annotated[list[Text], Field(min_length=1, max_length=settings.max_batch)]  # noqa: N806
+
+        class _Predict(_OneOfText):
+            # Absent, never null: exactly one of the two is sent.
+            text: Text = Field(None, description="one text to label")  # type: ignore[assignment]
+            texts: Texts = Field(None, description="several texts, answered in order")  # type: ignore[assignment]
+            k: Whole = Field(10, ge=1, le=settings.max_k, description="labels per text")
+            exclude: list[str] | None = Field(
+                None, max_length=settings.max_exclude,
+                description="label uids never returned for any text of the request (the text's own label when "
+                "texts are labels too, items already chosen); the next best labels take their places; an unknown "
+                "uid is a 422",
+            )
+
+        class PredictRequest(_Predict):
+            """Exactly one of `text` and `texts`."""
+
+            alpha: float | None = Field(None, ge=0.0, le=1.0, description="classifier weight; default: the bundle's")
+
+        class TreePredictRequest(_Predict):
+            """Exactly one of `text` and `texts`."""
+
+            beam: Annotated[int, Field(ge=1, le=settings.max_beam), BeforeValidator(_whole)] | None = Field(
+                None, description="beam width; default: the tree's")
+
+        class EchoRequest(_Request):
+            text: str
+
+        self.predict, self.tree_predict, self.echo = PredictRequest, TreePredictRequest, EchoRequest
 
 
 class Label(BaseModel):
@@ -140,14 +104,12 @@ class ErrorDetail(BaseModel):
 
 
 class ErrorResponse(BaseModel):
+    """The one error body of every 4xx and 5xx."""
+
     error: str = Field(description="a short machine-readable code")
     message: str
     details: list[ErrorDetail] = Field(default_factory=list)
     request_id: str | None = None
-
-
-class EchoRequest(_Strict):
-    text: str
 
 
 class EchoResponse(BaseModel):
@@ -159,8 +121,8 @@ class Health(BaseModel):
     version: str | None = None
 
 
-class ActivateRequest(_Strict):
-    version: str = Field(description="a bundle directory name under the bundle root")
+class ActivateRequest(_Request):
+    version: str = Field(pattern=VERSION_RE.pattern, description="a bundle directory name under the bundle root")
 
 
 class BundleInfo(BaseModel):

@@ -4,20 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 
 import uvicorn
 
-from service.api.app import (
-    build_state,
-    create_admin_app,
-    create_app,
-    freeze_startup_objects,
-    initial_load,
-    shutdown,
-)
+from service.api.app import build_state, create_admin_app, create_app, initial_load, shutdown
 from service.api.settings import Settings
-from service.engine import heap
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -42,7 +33,6 @@ async def _serve_two(settings: Settings) -> None:
                                   settings.host, settings.port, settings))
     admin = uvicorn.Server(_config(create_admin_app(state), settings.admin_host or settings.host,
                                    int(settings.admin_port or 0), settings))
-    freeze_startup_objects()
     load = asyncio.create_task(initial_load(state))
     try:
         # A signal reaches only one server's handler: when either stops, stop the other.
@@ -56,9 +46,6 @@ async def _serve_two(settings: Settings) -> None:
 
 
 def run(settings: Settings) -> None:
-    sys.setswitchinterval(settings.gil_switch_interval_ms / 1000.0)
-    if settings.heap_tuning:
-        heap.tune_for_loads()
     if settings.admin_token is not None and settings.admin_port is not None:
         # The same event loop uvicorn.Server.run would pick (uvloop when installed).
         loop_factory = _config(None, settings.host, settings.port, settings).get_loop_factory()

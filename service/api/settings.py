@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -24,11 +25,6 @@ class Settings(BaseSettings):
     # box is not oversubscribed by onnxruntime's default of one thread per core per session.
     workers: int = Field(2, ge=1, le=256)
     engine_threads: int = Field(1, ge=1, le=256)
-    # How long a thread running Python code keeps the GIL while another waits for it
-    # (sys.setswitchinterval, CPython's default 5 ms). The event loop gives the GIL up on
-    # every socket call and then waits behind engine threads running Python (tokenizing,
-    # building responses): at 5 ms that wait showed up as p99 latency under load.
-    gil_switch_interval_ms: float = Field(0.5, gt=0.0, le=100.0)
 
     # Dynamic batching of concurrent single-text requests: requests queue while every worker
     # is busy and leave together, up to batch_max_size; batch_max_wait_ms > 0 also holds a
@@ -52,19 +48,34 @@ class Settings(BaseSettings):
     # Quality gate at activation, on the bundle's stored validation rows: P@1 (percent) must
     # reach this floor. None disables the gate.
     quality_gate_min_p1: float | None = Field(None, ge=0.0, le=100.0)
-    # Bundle loads (startup, activation, rollback) run on threads this much nicer than the
-    # serving threads (0..19; 0 = same priority), so a hot swap takes CPU from idle time first.
-    loader_nice: int = Field(10, ge=0, le=19)
-    # Bundle loads pre-fault the memory hnswlib copies an index into, with the GIL released
-    # (service/engine/heap.py): glibc's heap is set to one arena, no per-block mmap and
-    # explicit trimming. Off: the copy page-faults with the GIL held, stalling requests.
-    heap_tuning: bool = True
+    # Platform tricks for hot swaps beside live traffic, both off by default (bench/swap.py
+    # measures what they buy; README "Hot swap"). loader_nice: bundle loads (startup,
+    # activation, rollback) run on threads this much nicer than the serving threads (0..19),
+    # so a swap takes CPU from idle time first. heap_tuning: glibc's heap is set to one arena,
+    # no per-block mmap and explicit trimming, and loads pre-fault the memory hnswlib copies an
+    # index into with the GIL released (service/engine/heap.py); otherwise that copy
+    # page-faults with the GIL held, stalling requests in flight.
+    loader_nice: int = Field(0, ge=0, le=19)
+    heap_tuning: bool = False
     # How long a retired bundle may wait for in-flight requests before it is closed anyway.
     drain_timeout_s: float = Field(30.0, ge=0.0)
 
-    # Diagnostics: a trivial echo route (the framework's floor in bench/http.py) and a route
+    # Diagnostics: a trivial echo route (the framework's floor in bench/http_bench.py) and a route
     # that raises (to exercise the 500 path in tests). Both off by default.
     echo_route: bool = False
     fault_route: bool = False
     access_log: bool = True
     log_level: str = "info"
+
+    @model_validator(mode="after")
+    def _no_unknown_variables(self) -> Settings:
+        # pydantic-settings ignores prefixed variables that match no field: a misspelt limit
+        # (or one a release removed) would silently fall back to its default.
+        prefix = "SHORTLIST_"
+        unknown = sorted(name for name in os.environ
+                         if name.upper().startswith(prefix)
+                         and name[len(prefix):].lower() not in type(self).model_fields)
+        if unknown:
+            raise ValueError(f"unknown setting(s) {', '.join(unknown)}: not one of "
+                             f"{', '.join(prefix + f.upper() for f in type(self).model_fields)}")
+        return self

@@ -10,6 +10,7 @@ import hnswlib
 import numpy as np
 
 from service.engine import heap
+from service.engine.schema import HnswParams
 
 # hnswlib's saved-index layout (HierarchicalNSW::saveIndex, unchanged since 0.6): offsetLevel0,
 # max_elements, cur_element_count, size_data_per_element, label_offset, offsetData (size_t),
@@ -80,21 +81,26 @@ class VectorIndex:
     def save(self, path: str | Path) -> None:
         self._index.save_index(str(path))
 
-    def set_ef(self, ef_search: int) -> None:
-        """Change the search breadth; not safe while other threads search this index."""
-        self.ef_search = int(ef_search)
-        self._index.set_ef(self.ef_search)
-
     def search(self, queries: np.ndarray, k: int, threads: int = 1) -> np.ndarray:
         """Ids [B, k] of the rows with the largest inner product with each query, best first.
 
-        `threads` > 1 splits a large batch of queries (offline use); serving calls use one.
+        hnswlib searches max(ef_search, k) candidates. `threads` > 1 splits a large batch of
+        queries (offline use); serving calls use one.
         """
         k = min(k, self.count)
-        if k > self.ef_search:
-            raise ValueError(f"k={k} exceeds ef_search={self.ef_search}")
         labels, _ = self._index.knn_query(queries, k=k, num_threads=threads)
         return labels.astype(np.int64)
+
+
+def build_label_indices(
+    w: np.ndarray, b: np.ndarray, mu: np.ndarray, params: HnswParams, seed: int
+) -> tuple[VectorIndex, VectorIndex]:
+    """A bundle's two indices: over [w_l, b_l] (the bias rides along as one more coordinate,
+    matched by a constant 1 in the query) and over mu_l. One insertion thread, so the graphs
+    are the same for the same seed."""
+    wb = np.hstack([np.asarray(w, dtype=np.float32), np.asarray(b, dtype=np.float32)[:, None]])
+    return (VectorIndex.build(wb, params.M, params.ef_construction, params.ef_search, seed, threads=1),
+            VectorIndex.build(mu, params.M, params.ef_construction, params.ef_search, seed, threads=1))
 
 
 def _read_saved_index(path: Path, dim: int) -> dict[str, Any]:

@@ -12,12 +12,9 @@ tf-idf weight in the query). Fitted by training/token_shortlist.py.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import numpy as np
 
-LexicalForm = Literal["shares", "logistic"]
-LEXICAL_FORMS: tuple[str, ...] = ("shares", "logistic")
+from service.engine.schema import LEXICAL_FORMS, LexicalForm
 
 
 class TokenShortlist:
@@ -61,8 +58,8 @@ class TokenShortlist:
         """The query tokens' first k labels, int32 [B, T * k] (padding slots and short rows give
         -1), and with token_weights their terms x_t * W[t, l], float32 [B, T * k].
 
-        Summed per label (Predictor merges them with the other shortlist sources) and passed
-        to `scores`, the terms give lex_l; a -1 slot's term is 0 (Bundle.load checks).
+        Summed per label (service.engine.candidates merges them with the other sources) and passed
+        to `scores`, the terms give lex_l; a -1 slot's term is 0 (checked at construction).
         """
         labels = self.labels[tokens, :k].reshape(len(tokens), -1)
         if token_weights is None:

@@ -31,43 +31,82 @@ def _discounts(k: int) -> np.ndarray:
     return 1.0 / np.log2(np.arange(2, k + 2))
 
 
+class Truths:
+    """Each document's true labels (a set per document), indexed once so that many rankings of
+    the same documents (a tuning grid, a bootstrap) are scored without a loop over documents."""
+
+    def __init__(self, truths: Sequence[Iterable[int]], inv_propensity: np.ndarray | None = None) -> None:
+        sets = [np.unique(np.fromiter(t, dtype=np.int64)) for t in truths]
+        self.sizes = np.array([len(t) for t in sets], dtype=np.int64)
+        labels = np.concatenate(sets) if sets else np.zeros(0, dtype=np.int64)
+        docs = np.repeat(np.arange(len(sets), dtype=np.int64), self.sizes)
+        self.span = int(labels.max()) + 1 if len(labels) else 1
+        self._keys = docs * self.span + labels  # sorted: by document, then label
+        self.inv_propensity = inv_propensity
+        self._docs, self._labels = docs, labels
+        self._best: dict[int, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def hits(self, predictions: np.ndarray) -> np.ndarray:
+        """bool [N, K]: is each predicted label one of its document's truths."""
+        valid = (predictions >= 0) & (predictions < self.span)
+        keys = np.arange(len(predictions), dtype=np.int64)[:, None] * self.span + np.where(valid, predictions, 0)
+        at = np.minimum(np.searchsorted(self._keys, keys), max(len(self._keys) - 1, 0))
+        return valid & (self._keys[at] == keys) if len(self._keys) else np.zeros(predictions.shape, dtype=bool)
+
+    def best_gains(self, kmax: int) -> np.ndarray:
+        """float64 [N, kmax]: each document's largest inverse propensities, largest first, 0 padded."""
+        if kmax in self._best:
+            return self._best[kmax]
+        gains = np.asarray(self.inv_propensity, dtype=np.float64)[self._labels]
+        order = np.lexsort((-gains, self._docs))
+        rank = np.arange(len(order)) - np.repeat(np.cumsum(self.sizes) - self.sizes, self.sizes)
+        out = np.zeros((len(self), kmax))
+        keep = rank < kmax
+        out[self._docs[order][keep], rank[keep]] = gains[order][keep]
+        self._best[kmax] = out
+        return out
+
+
 def document_terms(
     predictions: np.ndarray,
-    truths: Sequence[Iterable[int]],
+    truths: Sequence[Iterable[int]] | Truths,
     ks: Sequence[int] = (1, 3, 5),
     inv_propensity: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
     """Each document's share of the metrics, float64 [N] per name: P@k and nDCG@k (a metric is
-    their mean); with inv_propensity, PSP@k / PSnDCG@k gains and their best achievable values
-    ("PSP@k:best", ...) (a metric is sum of gains / sum of bests). `aggregate` turns them into
-    ranking_metrics' numbers, over all documents or a resample of them."""
+    their mean); with inv_propensity (or Truths built with it), PSP@k / PSnDCG@k gains and their
+    best achievable values ("PSP@k:best", ...) (a metric is sum of gains / sum of bests).
+    `aggregate` turns them into ranking_metrics' numbers, over all documents or a resample."""
+    if not isinstance(truths, Truths):
+        truths = Truths(truths, inv_propensity)
     kmax = max(ks)
     preds = np.asarray(predictions)
     if preds.ndim != 2 or len(preds) != len(truths):
         raise ValueError("predictions must be [N, k] with one row per truth")
     if preds.shape[1] < kmax:
         preds = np.pad(preds, ((0, 0), (0, kmax - preds.shape[1])), constant_values=-1)
+    preds = preds[:, :kmax]
     disc = _discounts(kmax)
-    names = [f"{m}@{k}" for k in ks for m in ("P", "nDCG")]
-    if inv_propensity is not None:
-        names += [f"{m}@{k}{part}" for k in ks for m in ("PSP", "PSnDCG") for part in ("", ":best")]
-    out = {name: np.zeros(len(preds)) for name in names}
-    for i, (row, truth) in enumerate(zip(preds, truths, strict=True)):
-        tset = set(truth)
-        hits = np.array([1.0 if int(p) in tset else 0.0 for p in row[:kmax]])
+    ideal = np.concatenate(([0.0], np.cumsum(disc)))
+    hits = truths.hits(preds).astype(np.float64)
+    out: dict[str, np.ndarray] = {}
+    for k in ks:
+        out[f"P@{k}"] = hits[:, :k].sum(axis=1) / k
+        best = ideal[np.minimum(k, truths.sizes)]
+        out[f"nDCG@{k}"] = np.divide((hits[:, :k] * disc[:k]).sum(axis=1), best, out=np.zeros(len(preds)),
+                                     where=best > 0)
+    if truths.inv_propensity is not None:
+        inv = np.asarray(truths.inv_propensity, dtype=np.float64)
+        gains = np.where(hits > 0, inv[np.maximum(preds, 0)], 0.0)
+        best = truths.best_gains(kmax)
         for k in ks:
-            out[f"P@{k}"][i] = hits[:k].sum() / k
-            ideal = disc[: min(k, len(tset))].sum()
-            if ideal > 0:
-                out[f"nDCG@{k}"][i] = (hits[:k] * disc[:k]).sum() / ideal
-        if inv_propensity is not None:
-            gains = np.array([inv_propensity[int(p)] if h else 0.0 for p, h in zip(row[:kmax], hits, strict=True)])
-            best = np.sort(np.array([inv_propensity[t] for t in tset]))[::-1] if tset else np.zeros(0)
-            for k in ks:
-                out[f"PSP@{k}"][i] = gains[:k].sum() / k
-                out[f"PSP@{k}:best"][i] = best[:k].sum() / k
-                out[f"PSnDCG@{k}"][i] = (gains[:k] * disc[:k]).sum()
-                out[f"PSnDCG@{k}:best"][i] = (best[:k] * disc[: len(best[:k])]).sum()
+            out[f"PSP@{k}"] = gains[:, :k].sum(axis=1) / k
+            out[f"PSP@{k}:best"] = best[:, :k].sum(axis=1) / k
+            out[f"PSnDCG@{k}"] = (gains[:, :k] * disc[:k]).sum(axis=1)
+            out[f"PSnDCG@{k}:best"] = (best[:, :k] * disc[:k]).sum(axis=1)
     return out
 
 
@@ -91,7 +130,7 @@ def aggregate(
 
 def ranking_metrics(
     predictions: np.ndarray,
-    truths: Sequence[Iterable[int]],
+    truths: Sequence[Iterable[int]] | Truths,
     ks: Sequence[int] = (1, 3, 5),
     inv_propensity: np.ndarray | None = None,
 ) -> dict[str, float]:

@@ -1,20 +1,24 @@
-"""Scoring contracts: calibrations and the alpha combination of classifier and centroid scores.
+"""The scoring contract: calibrations, the alpha combination, and the label scorer.
 
 score_l = alpha * f(w_l . q + b_l) + (1 - alpha) * g(mu_l . q) + lambda * lex_l
 (lex: the token shortlist's lexical score, service/engine/lexical.py; lambda 0 without one)
 
-One definition, used by training's exact evaluation, model_export's evaluation and the API.
+One definition, used by serving (over a shortlist), exact scoring over all labels (evaluation,
+benchmarks, training's test metrics) and training's tuning of alpha, f, g and lambda.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
-CalibrationKind = Literal["sigmoid", "exp", "identity"]
+from service.engine.schema import CalibrationKind, CalibrationSpec, Scoring
+
 _SORT_WHOLE_ROWS = 256  # top_k sorts rows this short outright
+_GATHER_ROWS = 64  # queries whose candidate rows are gathered at once
+EXACT_CHUNK = 512  # queries scored against all labels at once
 
 
 @dataclass(frozen=True)
@@ -44,12 +48,12 @@ class Calibration:
             return np.exp(np.minimum(z, 60.0))
         return z
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Calibration:
-        return cls(kind=d["kind"], a=float(d.get("a", 1.0)), b=float(d.get("b", 0.0)))
+    def of(cls, spec: CalibrationSpec) -> Calibration:
+        return cls(spec.kind, spec.a, spec.b)
+
+    def spec(self) -> CalibrationSpec:
+        return CalibrationSpec(kind=self.kind, a=self.a, b=self.b)
 
 
 def combine_scores(
@@ -88,3 +92,85 @@ def top_k(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     part_scores = scores[rows, part]
     order = np.argsort(-part_scores, axis=1, kind="stable")
     return part[rows, order], part_scores[rows, order]
+
+
+class LabelScorer:
+    """The combined score of labels for query embeddings, over a shortlist or over all labels.
+
+    w [L, D], b [L], mu [L, D] float32 (plain arrays or memory maps); f, g the calibrations;
+    lexical_weight the lambda of the lexical term (its values come from the caller).
+    """
+
+    def __init__(
+        self, w: np.ndarray, b: np.ndarray, mu: np.ndarray, f: Calibration, g: Calibration, lexical_weight: float = 0.0
+    ) -> None:
+        # Plain ndarray views of memory maps: same pages, without np.memmap's per-index overhead.
+        self.w, self.b, self.mu = np.asarray(w), np.asarray(b), np.asarray(mu)
+        self.f, self.g = f, g
+        self.lexical_weight = float(lexical_weight)
+
+    @classmethod
+    def of(cls, w: np.ndarray, b: np.ndarray, mu: np.ndarray, scoring: Scoring) -> LabelScorer:
+        cal = scoring.calibration
+        return cls(w, b, mu, Calibration.of(cal.classifier), Calibration.of(cal.centroid), scoring.lexical_weight)
+
+    @property
+    def num_labels(self) -> int:
+        return len(self.b)
+
+    def dots(self, q: np.ndarray, cands: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """w_l.q + b_l and mu_l.q [B, C] for candidate ids [B, C] (-1 entries: any value)."""
+        # A single row has -1 slots only when it is empty: the single-query path skips the copy.
+        safe = np.maximum(cands, 0) if len(cands) > 1 or cands[0, 0] < 0 else cands
+        if len(q) <= _GATHER_ROWS:
+            logits, sims = self._dots(safe, q)
+        else:
+            # The gathered rows are [rows, C, D] floats: in slices, so a batch of 1000 queries
+            # needs ~2 x 9 MB at a time instead of 2 x 135 MB.
+            logits = np.empty(cands.shape, dtype=np.float32)
+            sims = np.empty(cands.shape, dtype=np.float32)
+            for start in range(0, len(q), _GATHER_ROWS):
+                part = slice(start, start + _GATHER_ROWS)
+                logits[part], sims[part] = self._dots(safe[part], q[part])
+        logits += self.b[safe]
+        return logits, sims
+
+    def _dots(self, rows: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        col = q[:, :, None]
+        return (np.matmul(self.w.take(rows, axis=0), col)[:, :, 0],
+                np.matmul(self.mu.take(rows, axis=0), col)[:, :, 0])
+
+    def score(self, q: np.ndarray, cands: np.ndarray, alpha: float, lexical: np.ndarray | None = None) -> np.ndarray:
+        """Combined scores float32 [B, C] of candidate ids [B, C]; -1 entries score -inf."""
+        logits, sims = self.dots(q, cands)
+        scores = combine_scores(logits, sims, alpha, self.f, self.g, lexical, self.lexical_weight)
+        scores = scores.astype(np.float32, copy=False)
+        if len(cands) > 1 or cands[0, 0] < 0:
+            scores[cands < 0] = -np.inf
+        return scores
+
+    def exact_top_k(
+        self,
+        q: np.ndarray,
+        k: int,
+        alpha: float,
+        lexical: Callable[[slice], np.ndarray] | None = None,
+        exclude: list[np.ndarray] | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Top k over ALL labels (brute force, EXACT_CHUNK queries at a time): ids int64 [B, k]
+        and scores float32 [B, k]. lexical(rows) gives the dense lexical scores [rows, L] of a
+        slice of the queries; exclude, per query, label ids never returned (scored -inf)."""
+        k = min(k, self.num_labels)
+        ids = np.empty((len(q), k), dtype=np.int64)
+        best = np.empty((len(q), k), dtype=np.float32)
+        for start in range(0, len(q), EXACT_CHUNK):
+            part = slice(start, start + EXACT_CHUNK)
+            logits = q[part] @ self.w.T + self.b
+            sims = q[part] @ self.mu.T
+            lex = lexical(part) if lexical is not None and self.lexical_weight else None
+            scores = combine_scores(logits, sims, alpha, self.f, self.g, lex, self.lexical_weight)
+            scores = scores.astype(np.float32, copy=False)
+            for row, drop in enumerate((exclude or [])[part]):
+                scores[row, drop] = -np.inf
+            ids[part], best[part] = top_k(scores, k)
+        return ids, best

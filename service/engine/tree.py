@@ -16,7 +16,7 @@ log p(y|x) - log p_n(y|x) (up to a constant); the bias-corrected score is
 and search() finds its top k by a beam search on the path log-probabilities followed by
 rescoring the beam's leaves with the full score: O(beam * (k_pca log L + D)) per query.
 
-Arrays (tree.npz in a bundle; produced by training.tree_train.fit_tree_scorer):
+Arrays (tree.npz in a bundle; produced by training.tree_train.AdversarialTree):
   pca_mean [D] f32, pca_components [k, D] f32,
   node_weights [num_leaves - 1, k] f32, node_bias [num_leaves - 1] f32,
   leaf_labels [num_leaves] int64 (each real label exactly once, -1 padding),

@@ -1,4 +1,5 @@
-"""A real `shortlist serve` (uvicorn) in a subprocess on a free loopback port, for tests and benches."""
+"""A real `shortlist serve` (uvicorn) in a subprocess on a free loopback port: what the tests and
+the benchmarks talk to, and what a user's own integration tests can start the same way."""
 
 from __future__ import annotations
 
@@ -7,12 +8,12 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-
-import httpx
 
 
 def free_port() -> int:
@@ -34,11 +35,24 @@ class Server:
     def wait_ready(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            r = httpx.get(f"{self.url}/readyz", timeout=5)
-            if r.status_code == 200:
+            if _status(f"{self.url}/readyz") == 200:
                 return
             time.sleep(0.05)
         raise TimeoutError(f"server not ready after {timeout}s; log:\n{self.log()[-4000:]}")
+
+
+_LOOPBACK = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never via a proxy
+
+
+def _status(url: str) -> int | None:
+    """The HTTP status of GET url, None when nothing answers."""
+    try:
+        with _LOOPBACK.open(url, timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return None
 
 
 @contextmanager
@@ -75,11 +89,8 @@ def serve(
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(f"server exited with {proc.returncode}; log:\n{server.log()[-4000:]}")
-            try:
-                if httpx.get(f"{server.url}/healthz", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
+            if _status(f"{server.url}/healthz") == 200:
+                break
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no /healthz after {timeout}s; log:\n{server.log()[-4000:]}")
             time.sleep(0.05)

@@ -11,9 +11,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 from pathlib import Path
 
-from service.engine.bundle import BundleError, newest_version
+from service.engine.schema import BundleError
+from service.engine.store import newest_version
 
 DEMO_DATA = {"num_labels": 2000, "train_docs": 10000, "test_docs": 2000, "seed": 0}
 # role:: (program, shared-lib, ...) and implemented-in:: tags sit on most packages and say little
@@ -70,7 +72,7 @@ def _write_data(data: Path, dataset: str) -> None:
 
 
 def demo_config(dataset: str = "synthetic") -> dict:
-    from training.train import TrainConfig
+    from training.config import TrainConfig
 
     cfg = dataclasses.asdict(TrainConfig.tiny())
     cfg.update({"dim": 128, "m1_epochs": 6, "m3_epochs": 6, "lexical_form": "auto", "progress": True})
@@ -86,7 +88,8 @@ def build_demo(workdir: Path, dataset: str = "auto") -> Path:
     """Build or generate data, train, export and evaluate; returns the bundle root."""
     from model_export.evaluate import evaluate_bundle
     from model_export.export import export_checkpoint
-    from training.train import TrainConfig, train
+    from training.config import TrainConfig
+    from training.pipeline import train
 
     dataset = resolve_dataset(dataset)
     info = _read_info(workdir)
@@ -118,6 +121,7 @@ def _read_info(workdir: Path) -> dict:
 
 
 def run_cli(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     workdir = Path(args.workdir)
     root = workdir / "bundles"
     dataset = getattr(args, "dataset", "auto")

@@ -1,0 +1,103 @@
+"""Prediction routes: /v1/predict (alpha scorer), /v1/predict/tree, and the diagnostic echo and fault routes.
+
+No `from __future__ import annotations` here: the request models are made per app from its
+settings, and FastAPI reads a route's body type from its evaluated annotation.
+"""
+
+from functools import partial
+from typing import Any
+
+import orjson
+from fastapi import APIRouter
+from starlette.requests import Request
+from starlette.responses import Response
+
+from service.api.dependencies import ServiceState, lease_engine, service_state
+from service.api.errors import ApiError, invalid
+from service.api.registry import Engine
+from service.api.schemas import EchoResponse, ErrorResponse, PredictResponse, RequestModels
+from service.api.settings import Settings
+
+
+def documented(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI entries for the error statuses a route can answer, all with the one error body."""
+    return {status: {"model": ErrorResponse} for status in statuses}
+
+
+# A valid body can still get: 413 (size), 415 (media type), 422 (an unknown exclude uid), 503
+# (no bundle yet); and 400 for a body that is not JSON.
+PREDICT_ERRORS = documented(400, 413, 415, 422, 503)
+
+
+def _json(body: dict[str, Any]) -> Response:
+    """The routes' answers, serialized directly: `response_model` documents the shape (and the
+    fuzzer checks answers against it), but having FastAPI validate and serialize each answer
+    through the model cost ~20% of predict's req/s at one connection."""
+    return Response(orjson.dumps(body), media_type="application/json")
+
+
+def _labels(engine: Engine, preds: list[Any]) -> list[dict[str, Any]]:
+    return [{"id": p.id, "uid": p.uid, "title": p.title, "score": p.score} for p in preds]
+
+
+def _excluded_ids(uids: list[str] | None, engine: Engine) -> tuple[int, ...]:
+    """The request's exclude uids as label ids of the bundle answering it; 422 naming an unknown uid."""
+    if not uids:
+        return ()
+    ids = engine.bundle.labels.ids_of(uids)
+    for i, (uid, row) in enumerate(zip(uids, ids, strict=True)):
+        if row is None:
+            raise invalid(f"body.exclude[{i}]", f"unknown label uid {uid!r} in bundle {engine.version}")
+    return tuple(sorted(set(ids)))
+
+
+async def _answer(state: ServiceState, engine: Engine, scorer: str, req: Any, **params: Any) -> Response:
+    """Every text's top k from `scorer` of the leased engine; single texts share engine calls
+    with concurrent requests of the same parameters (service.api.batching)."""
+    excluded = _excluded_ids(req.exclude, engine)
+    method = engine.predictor.predict_tree if scorer == "tree" else engine.predictor.predict
+    if excluded:
+        def fn(texts: list[str]) -> list[Any]:
+            return method(texts, k=req.k, exclude=[excluded] * len(texts), **params)
+    else:
+        fn = partial(method, k=req.k, **params)
+    if req.text is not None:
+        key = (engine, scorer, req.k, *params.values(), excluded)
+        results = [await state.runner.submit_one(key, scorer, fn, req.text)]
+    else:
+        results = list(await state.runner.run_batch(scorer, fn, req.texts))
+    return _json({"version": engine.version, "results": [_labels(engine, r) for r in results]})
+
+
+def predict_router(models: RequestModels, settings: Settings) -> APIRouter:
+    router = APIRouter()
+    PredictRequest, TreePredictRequest = models.predict, models.tree_predict  # noqa: N806
+
+    @router.post("/v1/predict", response_model=PredictResponse, responses=PREDICT_ERRORS,
+                 summary="top-k labels per text: alpha * f(classifier) + (1 - alpha) * g(centroid) + lexical")
+    async def predict(req: PredictRequest, request: Request) -> Response:
+        with lease_engine(request) as engine:
+            return await _answer(service_state(request), engine, "alpha", req, alpha=req.alpha)
+
+    @router.post("/v1/predict/tree", response_model=PredictResponse, responses={**PREDICT_ERRORS, **documented(409)},
+                 summary="top-k labels per text from the bias-corrected tree scorer (409: the bundle has no tree)")
+    async def predict_tree(req: TreePredictRequest, request: Request) -> Response:
+        with lease_engine(request) as engine:
+            if not engine.bundle.has_tree:
+                raise ApiError(409, "no_tree_scorer", f"the active bundle {engine.version} has no tree scorer; "
+                               "use /v1/predict")
+            return await _answer(service_state(request), engine, "tree", req, beam=req.beam)
+
+    if settings.echo_route:
+        EchoRequest = models.echo  # noqa: N806
+
+        @router.post("/v1/echo", response_model=EchoResponse, responses=documented(400, 413, 415, 422))
+        async def echo(req: EchoRequest) -> Response:
+            return _json({"text": req.text})
+
+    if settings.fault_route:
+        @router.post("/v1/fault", responses=documented(500))
+        async def fault() -> None:
+            raise RuntimeError("deliberate failure (fault_route is enabled)")
+
+    return router

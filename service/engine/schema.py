@@ -1,0 +1,214 @@
+"""The bundle's one schema: which files a bundle holds, its manifest, how it is checksummed.
+
+Written by model_export, read by service.engine.bundle; training builds the manifest's
+`scoring` as the `Scoring` model below (never as a dict of its own).
+
+A bundle is a directory BUNDLE_ROOT/VERSION, immutable once written:
+  manifest.json          `Manifest`; its `files` maps every other file to its sha256
+  encoder.onnx           padded token ids + weights [B, T] -> unit embeddings [B, D]
+  tokenizer.json         service.engine.tokenizer.Tokenizer
+  labels.jsonl           service.engine.labels.LabelTable (row i = label i everywhere)
+  classifiers.npy        [L, D] float32 w_l (memory-mapped)
+  classifier_bias.npy    [L] float32 b_l (memory-mapped)
+  centroids.npy          [L, D] float32 mu_l (memory-mapped)
+  hnsw_w.bin             service.engine.index.VectorIndex over [w_l, b_l] (MIPS, rows centred, dim D + 1)
+  hnsw_mu.bin            service.engine.index.VectorIndex over mu_l (MIPS, rows centred, dim D)
+  token_shortlist.npy    optional: [vocab_size, M] int32, per token id the labels it co-occurred
+                         with most in training, most first, -1 padded (row 0, padding, all -1)
+  token_shortlist_shares.npy   optional: [vocab_size, M] float32 in [0, 1], P(label | token)
+                         (lexical_form "shares"; service.engine.lexical)
+  token_shortlist_weights.npy  optional: [vocab_size, M] float32, signed weights of the
+                         (token, label) slots (lexical_form "logistic")
+  token_shortlist_bias.npy     optional: [L] float32, the logistic form's per-label bias
+  tree.npz               optional: the adversarial tree scorer's arrays (service.engine.tree)
+  validation.jsonl       optional: held-out {"text", "target_ind"} rows for a quality gate
+
+Versioning policy (what a reader does with a bundle from another writer):
+- `format_version` is the layout's version. A reader reads every version in
+  READABLE_FORMATS and refuses any other, naming both: a newer bundle may mean something an
+  older engine would serve wrongly. A change that alters how an existing file or field is read
+  (a new scoring term, another array dtype, a new index layout) bumps it; readers keep reading
+  the versions before it.
+- Unknown manifest fields are refused (every model here forbids extras): a writer that adds a
+  field the reader must understand bumps the format; free-form information goes into the
+  open dicts (`metrics`, `training_config`, `data_fingerprint`), which readers never interpret.
+- Fields retired from the writer stay readable (LEGACY below) and are ignored.
+- A new optional file is refused by readers that do not know it (`KNOWN_FILES`): serving a
+  bundle without a file its writer thought it needed could change answers.
+- Array dtypes are fixed per file (float32 vectors, int32 token table); a reader refuses any
+  other. Another dtype (float16 vectors) comes with a format bump that says where it applies.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+FORMAT_VERSION = 1
+READABLE_FORMATS = (1,)
+
+MANIFEST = "manifest.json"
+ENCODER = "encoder.onnx"
+TOKENIZER = "tokenizer.json"
+LABELS = "labels.jsonl"
+CLASSIFIERS = "classifiers.npy"
+CLASSIFIER_BIAS = "classifier_bias.npy"
+CENTROIDS = "centroids.npy"
+HNSW_W = "hnsw_w.bin"
+HNSW_MU = "hnsw_mu.bin"
+TREE = "tree.npz"
+TOKEN_SHORTLIST = "token_shortlist.npy"
+TOKEN_SHORTLIST_SHARES = "token_shortlist_shares.npy"
+TOKEN_SHORTLIST_WEIGHTS = "token_shortlist_weights.npy"
+TOKEN_SHORTLIST_BIAS = "token_shortlist_bias.npy"
+VALIDATION = "validation.jsonl"
+REQUIRED_FILES = (ENCODER, TOKENIZER, LABELS, CLASSIFIERS, CLASSIFIER_BIAS, CENTROIDS, HNSW_W, HNSW_MU)
+OPTIONAL_FILES = (
+    TREE, VALIDATION, TOKEN_SHORTLIST, TOKEN_SHORTLIST_SHARES, TOKEN_SHORTLIST_WEIGHTS, TOKEN_SHORTLIST_BIAS
+)
+KNOWN_FILES = frozenset((*REQUIRED_FILES, *OPTIONAL_FILES))
+
+LexicalForm = Literal["shares", "logistic"]
+LEXICAL_FORMS: tuple[str, ...] = ("shares", "logistic")
+# The files holding each lexical form's weights, the weights file first.
+LEXICAL_FILES: dict[str, tuple[str, ...]] = {
+    "shares": (TOKEN_SHORTLIST_SHARES,),
+    "logistic": (TOKEN_SHORTLIST_WEIGHTS, TOKEN_SHORTLIST_BIAS),
+}
+# When the prior's head labels join a query's shortlist (Shortlist.head).
+HeadMode = Literal["always", "fallback"]
+HEAD_MODES: tuple[str, ...] = ("always", "fallback")
+ClassifierForm = Literal["paper", "scaled_bias"]
+CalibrationKind = Literal["sigmoid", "exp", "identity"]
+
+VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_HASH_CHUNK = 1 << 20
+
+
+class BundleError(ValueError):
+    """A bundle that must not be served; the message names the file and what is wrong."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class CalibrationSpec(_Strict):
+    """f(x) = act(a x + b), act in {sigmoid, exp, identity} (service.engine.scorers.Calibration)."""
+
+    kind: CalibrationKind
+    a: float = 1.0
+    b: float = 0.0
+
+
+class Calibrations(_Strict):
+    classifier: CalibrationSpec
+    centroid: CalibrationSpec
+
+
+class Shortlist(_Strict):
+    """The sources of each query's candidate labels (service.engine.candidates)."""
+
+    k_w: int = Field(ge=0)  # HNSW over [w_l, b_l]
+    k_mu: int = Field(ge=0)  # HNSW over mu_l
+    # The labels with the largest bias (the label prior's head): a heavy-head label can win on
+    # its prior while its direction ranks low in HNSW.
+    k_head: int = Field(0, ge=0)
+    # When the head joins: "always", or "fallback" = only for a query none of whose tokens has
+    # a label in the token shortlist. With the token table the head's labels that a query's
+    # words point to are in their rows already: on debian-deps validation "fallback" scores the
+    # same (P@1 64.21 vs 64.16) with 35 candidates instead of 56.
+    head: HeadMode = "always"
+    # The first k_tok labels of each query token's row of token_shortlist.npy.
+    k_tok: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _some_source(self) -> Shortlist:
+        if self.k_w + self.k_mu + self.k_tok == 0:
+            raise ValueError("k_w, k_mu and k_tok are all 0: no query-dependent shortlist")
+        return self
+
+    @property
+    def searches_hnsw(self) -> bool:
+        return bool(self.k_w or self.k_mu)
+
+    @classmethod
+    def served(cls, k_w: int, k_mu: int, k_tok: int, k_head: int, has_prior: bool) -> Shortlist:
+        """The shortlist a trained model serves: the head only where the classifiers carry a
+        prior (a bias) to rank it by, and with a token table only as its fallback (the rows
+        already hold the head labels a query's words point to)."""
+        return cls(k_w=k_w, k_mu=k_mu, k_tok=k_tok, k_head=k_head if has_prior else 0,
+                   head="fallback" if k_tok else "always")
+
+
+class Scoring(_Strict):
+    """score_l = alpha f(w_l.q + b_l) + (1 - alpha) g(mu_l.q) + lexical_weight lex_l over the shortlist."""
+
+    alpha: float = Field(ge=0.0, le=1.0)
+    # Weight of the token shortlist's lexical score (service.engine.lexical); 0 for bundles
+    # without the lexical form's files.
+    lexical_weight: float = Field(0.0, ge=0.0, allow_inf_nan=False)
+    # "shares" (P(label | token); bundles before the logistic form) or "logistic".
+    lexical_form: LexicalForm = "shares"
+    classifier_form: ClassifierForm
+    calibration: Calibrations
+    shortlist: Shortlist
+
+
+class HnswParams(_Strict):
+    space: Literal["ip"] = "ip"
+    M: int = Field(ge=2)
+    ef_construction: int = Field(ge=1)
+    ef_search: int = Field(ge=1)
+
+
+class CanaryQuery(_Strict):
+    """A query answered at export; loading must reproduce its answer (service.engine.canary)."""
+
+    text: str
+    top_ids: list[int]
+    top_scores: list[float]
+
+
+class Manifest(_Strict):
+    format_version: int
+    version: str
+    created_at: str
+    dim: int = Field(ge=1)
+    num_labels: int = Field(ge=1)
+    vocab_size: int = Field(ge=1)
+    text_field: str = "title"
+    scoring: Scoring
+    hnsw: HnswParams
+    data_fingerprint: dict[str, Any] = Field(default_factory=dict)
+    metrics: dict[str, Any] = Field(default_factory=dict)
+    training_config: dict[str, Any] = Field(default_factory=dict)
+    canary: list[CanaryQuery] = Field(default_factory=list)
+    files: dict[str, str]
+    # LEGACY: written by exports before 2026-11-24 (the tree's beam is in tree.npz); ignored.
+    tree_default_beam: int | None = Field(None, exclude=True)
+
+    @property
+    def has_tree(self) -> bool:
+        return TREE in self.files
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def validate_version_name(version: str) -> str:
+    if not isinstance(version, str) or not VERSION_RE.fullmatch(version) or version in (".", ".."):
+        raise BundleError(
+            f"invalid bundle version {version!r}: use 1-64 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return version

@@ -1,0 +1,129 @@
+"""The bundle root on disk: reading manifests, listing and resolving versions, and writing a
+bundle through a staging directory renamed into place (so a crash never leaves a half bundle
+under its final name)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from service.engine.schema import (
+    FORMAT_VERSION,
+    MANIFEST,
+    READABLE_FORMATS,
+    REQUIRED_FILES,
+    VERSION_RE,
+    BundleError,
+    Manifest,
+    sha256_file,
+    validate_version_name,
+)
+
+
+def read_manifest(bundle_dir: str | Path) -> Manifest:
+    path = Path(bundle_dir) / MANIFEST
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise BundleError(f"{path}: missing manifest") from exc
+    except (OSError, ValueError) as exc:
+        raise BundleError(f"{path}: unreadable manifest: {exc}") from exc
+    if isinstance(raw, dict) and raw.get("format_version") not in READABLE_FORMATS:
+        readable = ", ".join(map(str, READABLE_FORMATS))
+        raise BundleError(f"{path}: bundle format {raw.get('format_version')!r}, this engine reads {readable}")
+    try:
+        return Manifest.model_validate(raw)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'manifest'}: {e['msg']}" for e in exc.errors())
+        raise BundleError(f"{path}: invalid manifest: {problems}") from exc
+
+
+def list_bundles(root: str | Path) -> list[Manifest]:
+    """Manifests of every readable bundle directly under root, oldest first."""
+    found: list[Manifest] = []
+    root = Path(root)
+    if not root.is_dir():
+        return found
+    for child in root.iterdir():
+        if child.name.startswith(".") or not child.is_dir() or not VERSION_RE.fullmatch(child.name):
+            continue
+        try:
+            found.append(read_manifest(child))
+        except BundleError:
+            continue
+    return sorted(found, key=lambda m: (m.created_at, m.version))
+
+
+def newest_version(root: str | Path) -> str:
+    bundles = list_bundles(root)
+    if not bundles:
+        raise BundleError(f"no bundle under {Path(root).resolve()}")
+    return bundles[-1].version
+
+
+def resolve_bundle_dir(root: str | Path, version: str) -> Path:
+    """ROOT/VERSION, refusing names or symlinks that lead outside the root."""
+    validate_version_name(version)
+    root_real = Path(root).resolve()
+    candidate = (root_real / version).resolve()
+    if candidate.parent != root_real:
+        raise BundleError(f"bundle {version!r} resolves outside the bundle root {root_real}")
+    if not candidate.is_dir():
+        raise BundleError(f"no bundle {version!r} under {root_real}")
+    return candidate
+
+
+def staging_dir(root: Path, version: str) -> Path:
+    """A fresh hidden directory under root to write bundle `version` into."""
+    validate_version_name(version)
+    root.mkdir(parents=True, exist_ok=True)
+    if (root / version).exists():
+        raise BundleError(f"bundle {root / version} already exists; bundles are immutable, pick another version")
+    staging = root / f".staging-{version}-{os.getpid()}"
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir()
+    return staging
+
+
+def write_manifest(staging: Path, fields: dict[str, Any]) -> Manifest:
+    """Checksum every file in `staging` and write its manifest.json from `fields`."""
+    files = {p.name: sha256_file(p) for p in sorted(staging.iterdir()) if p.is_file() and p.name != MANIFEST}
+    missing = [name for name in REQUIRED_FILES if name not in files]
+    if missing:
+        raise BundleError(f"{staging}: cannot write manifest, missing {', '.join(missing)}")
+    manifest = Manifest.model_validate(
+        {"format_version": FORMAT_VERSION, "created_at": utc_now(), **fields, "files": files}
+    )
+    (staging / MANIFEST).write_text(manifest.model_dump_json(indent=2), encoding="utf-8")
+    return manifest
+
+
+def finalize_bundle(staging: Path, root: Path, version: str) -> Path:
+    """Rename a staged bundle (manifest written) to ROOT/VERSION: the commit point."""
+    final = Path(root) / validate_version_name(version)
+    if final.exists():
+        raise BundleError(f"bundle {final} already exists; bundles are immutable, pick another version")
+    for p in staging.iterdir():
+        _fsync(p)
+    os.rename(staging, final)
+    _fsync(final.parent)
+    return final
+
+
+def utc_now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,145 @@
+"""Module III: per-label 1-vs-all classifiers.
+
+"paper": w_l = normalise(E(z_l) + eta_l), positives + shortlisted negatives, SiameseXML's
+likelihood (c=0.75, d=3.0). "scaled_bias": w_l = E(z_l) + eta_l left unnormalised (its length
+is the label's scale) plus a bias b_l, binary cross-entropy against all labels (or the
+shortlist for large L): a classifier can learn its label's prior, which the heavy head needs.
+Optionally the encoder is fine-tuned with them (debian-deps validation P@1 53 -> 60).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+import torch.nn.functional as F
+
+from training.config import TrainConfig
+from training.encoder import EncodedTexts, SiameseEncoder, siamese_nll
+from training.epochs import run_epoch
+
+WEIGHTS_FILE, BIAS_FILE = "classifiers.npy", "classifier_bias.npy"
+
+
+class _Classifiers(torch.nn.Module):
+    """w_l = base_l + eta_l (paper: normalised) and b_l (trained for scaled_bias only)."""
+
+    def __init__(self, base: np.ndarray, form: str, prior_logit: np.ndarray | None) -> None:
+        super().__init__()
+        self.form = form
+        self.register_buffer("base", torch.from_numpy(base.astype(np.float32)))
+        self.eta = torch.nn.Parameter(torch.zeros_like(self.base))
+        bias = np.zeros(len(base), dtype=np.float32) if prior_logit is None else prior_logit.astype(np.float32)
+        self.bias = torch.nn.Parameter(torch.from_numpy(bias), requires_grad=form == "scaled_bias")
+
+    def weight(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        w = self.base + self.eta if rows is None else self.base[rows] + self.eta[rows]
+        return F.normalize(w, dim=-1) if self.form == "paper" else w
+
+
+class OneVsAll:
+    """Fits `weights_` [L, D] and `bias_` [L] (Module III); `losses_` per epoch."""
+
+    def __init__(self, form: str = "scaled_bias", negatives: str = "all", epochs: int = 8, batch_size: int = 256,
+                 lr: float = 0.02, c: float = 0.75, d: float = 3.0, train_encoder: bool = True,
+                 encoder_lr: float = 0.005, weight_decay: float = 1e-5, softmax_weight: float = 0.0,
+                 progress: bool = True) -> None:
+        self.form, self.negatives, self.epochs, self.batch_size, self.lr = form, negatives, epochs, batch_size, lr
+        self.c, self.d, self.train_encoder, self.encoder_lr = c, d, train_encoder, encoder_lr
+        self.weight_decay, self.softmax_weight, self.progress = weight_decay, softmax_weight, progress
+
+    @classmethod
+    def of(cls, cfg: TrainConfig) -> OneVsAll:
+        return cls(cfg.classifier_form, cfg.m3_negatives, cfg.m3_epochs, cfg.m3_batch_size, cfg.m3_lr, cfg.m3_c,
+                   cfg.m3_d, cfg.m3_train_encoder, cfg.m3_encoder_lr, cfg.m3_weight_decay, cfg.m3_softmax_weight,
+                   cfg.progress)
+
+    def fit(self, encoder: SiameseEncoder, label_emb: np.ndarray, docs: EncodedTexts, y: sp.csr_matrix,
+            shortlist: np.ndarray | None, device: torch.device, rng: np.random.Generator) -> OneVsAll:
+        """Classifiers starting from the label embeddings E(z_l) (and, for scaled_bias, each
+        label's prior log-odds as its bias); `shortlist` [N, K]: each document's negatives when
+        negatives is "shortlist"."""
+        prior = None
+        if self.form == "scaled_bias":
+            freq = np.bincount(y.indices, minlength=y.shape[1])  # documents per label
+            p = np.clip(freq / y.shape[0], 1e-6, 1 - 1e-6)
+            prior = np.log(p / (1 - p))
+        clf = _Classifiers(label_emb, self.form, prior).to(device)
+        params = [{"params": [p for p in clf.parameters() if p.requires_grad], "lr": self.lr,
+                   "weight_decay": self.weight_decay}]
+        encoder.requires_grad_(self.train_encoder)
+        if self.train_encoder:
+            params.append({"params": list(encoder.parameters()), "lr": self.encoder_lr})
+        opt = torch.optim.Adam(params)
+        trainable = np.flatnonzero(np.diff(y.indptr) > 0)
+        self.losses_: list[float] = []
+        encoder.train(self.train_encoder)
+        for epoch in range(self.epochs):
+            order = rng.permutation(trainable)
+            self.losses_.append(run_epoch(
+                order, self.batch_size, lambda batch: self._loss(encoder, clf, docs, y, batch, shortlist, device),
+                opt, f"Module III epoch {epoch + 1}/{self.epochs}", self.progress))
+        encoder.requires_grad_(True)
+        encoder.eval()
+        with torch.no_grad():
+            self.weights_ = clf.weight().float().cpu().numpy()
+            self.bias_ = clf.bias.detach().float().cpu().numpy()
+        return self
+
+    def _loss(self, encoder: SiameseEncoder, clf: _Classifiers, docs: EncodedTexts, y: sp.csr_matrix,
+              batch: np.ndarray, shortlist: np.ndarray | None, device: torch.device) -> torch.Tensor:
+        ids, w = docs.rows(batch, device)
+        with torch.set_grad_enabled(self.train_encoder):
+            q = encoder(ids, w)
+        yb = y[batch]
+        valid = None
+        if self.negatives == "all":
+            target = torch.from_numpy(yb.toarray()).to(device)
+            logits = q @ clf.weight().T + clf.bias
+        else:
+            cols, tgt = _positives_and_negatives(yb, shortlist[batch])
+            cols_t = torch.from_numpy(cols).to(device)
+            valid, safe = cols_t >= 0, cols_t.clamp(min=0)
+            target = torch.from_numpy(tgt).to(device)
+            logits = torch.einsum("bd,bkd->bk", q, clf.weight(safe)) + clf.bias[safe]
+        if self.form == "paper":
+            pos_t = siamese_nll(logits, self.c, self.d, positive=True)
+            per = target * pos_t + (1 - target) * siamese_nll(logits, self.c, self.d, positive=False)
+        else:
+            per = F.binary_cross_entropy_with_logits(logits, target, reduction="none")
+        if valid is not None:
+            per = per * valid
+        loss = per.sum(dim=1).mean()
+        if self.softmax_weight > 0 and self.negatives == "all":
+            npos = target.sum(dim=1).clamp(min=1.0)
+            ce = -(target * F.log_softmax(logits, dim=1)).sum(dim=1) / npos
+            loss = loss + self.softmax_weight * ce.mean()
+        return loss
+
+    def save(self, directory: Path) -> None:
+        np.save(directory / WEIGHTS_FILE, np.ascontiguousarray(self.weights_, dtype=np.float32))
+        np.save(directory / BIAS_FILE, np.ascontiguousarray(self.bias_, dtype=np.float32))
+
+    @classmethod
+    def load(cls, directory: Path) -> OneVsAll:
+        out = cls()
+        out.weights_, out.bias_ = np.load(directory / WEIGHTS_FILE), np.load(directory / BIAS_FILE)
+        return out
+
+
+def _positives_and_negatives(yb: sp.csr_matrix, negatives: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per document its positives then its shortlisted negatives that are not positives: label
+    columns [B, W] (-1 padded) and 0/1 targets [B, W]."""
+    pos_lists = [yb.indices[yb.indptr[i] : yb.indptr[i + 1]] for i in range(yb.shape[0])]
+    width = max(len(p) for p in pos_lists) + negatives.shape[1]
+    cols = np.full((yb.shape[0], width), -1, dtype=np.int64)
+    tgt = np.zeros((yb.shape[0], width), dtype=np.float32)
+    for i, p in enumerate(pos_lists):
+        neg = negatives[i]
+        neg = neg[(neg >= 0) & ~np.isin(neg, p)]
+        cols[i, : len(p)] = p
+        tgt[i, : len(p)] = 1.0
+        cols[i, len(p) : len(p) + len(neg)] = neg
+    return cols, tgt

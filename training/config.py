@@ -1,0 +1,186 @@
+"""`shortlist train`'s hyper-parameters: one dataclass, validated at the edge.
+
+What each setting was measured at is in bench/RESULTS.md; the comments here say what a
+setting does and why its default is what it is.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from service.engine.schema import LEXICAL_FORMS
+
+CLASSIFIER_FORMS = ("paper", "scaled_bias")
+# Metrics the validation tuning can weigh: ranking_metrics at ks (1, 5) with propensities.
+TUNABLE_METRICS = ("P@1", "P@5", "nDCG@1", "nDCG@5", "PSP@1", "PSP@5", "PSnDCG@1", "PSnDCG@5")
+DEFAULT_OBJECTIVE = {"P@1": 1.0, "P@5": 1.0, "PSP@5": 1.0}
+
+
+@dataclass
+class TrainConfig:
+    """All hyper-parameters of `shortlist train`; a JSON file given by --config overrides them."""
+
+    seed: int = 0
+    dim: int = 256
+    threads: int = 0  # 0 = all cores
+    device: str = "auto"  # auto | cpu | cuda
+    progress: bool = True  # a bar on a terminal, a log line every few seconds elsewhere
+    # Deterministic torch kernels (the parallel embedding-gradient sum otherwise varies run to run).
+    deterministic: bool = True
+    # tokenizer
+    min_df: int = 1
+    max_vocab: int = 200_000
+    max_tokens: int = 64
+    # validation split carved from trn (tuning of the scoring, the bundle's quality gate rows)
+    val_fraction: float = 0.05
+    val_max_docs: int = 2000
+    validation_rows: int = 200
+    # Module I: Siamese training of the encoder on documents against their labels' texts
+    m1_epochs: int = 2
+    m1_batch_size: int = 256
+    m1_lr: float = 0.01
+    m1_c: float = 0.9
+    m1_d: float = 1.5
+    m1_inbatch_negatives: int = 10
+    m1_refresh_every: int = 2  # epochs between refreshes of the ANN hard negatives (0 = never)
+    m1_ann_negatives: int = 20  # nearest non-positive labels kept per document at a refresh
+    # ANN (hnswlib, inner product) used for hard negatives in Modules I and II
+    hnsw_m: int = 16
+    hnsw_ef_construction: int = 100
+    hnsw_ef: int = 100
+    # Module II shortlists (Module III's negatives with m3_negatives "shortlist")
+    m2_k_w: int = 50
+    m2_k_mu: int = 50
+    # weight of the label's own text embedding added to its centroid (0 = the paper's centroid):
+    # tail labels with few documents then score by their text too
+    centroid_label_weight: float = 1.0
+    # Module III: per-label classifiers
+    classifier_form: str = "scaled_bias"
+    m3_negatives: str = "all"  # all | shortlist (large L)
+    m3_epochs: int = 8
+    m3_batch_size: int = 256
+    m3_lr: float = 0.02
+    m3_c: float = 0.75
+    m3_d: float = 3.0
+    m3_train_encoder: bool = True  # fine-tune the encoder with the classifiers
+    m3_encoder_lr: float = 0.005
+    m3_weight_decay: float = 1e-5  # L2 on the classifiers; without it Module III overfits
+    # weight of a softmax cross-entropy term added to the per-label BCE (m3_negatives "all")
+    m3_softmax_weight: float = 0.0
+    # The bundle's HNSW indices over [w_l, b_l] and mu_l: built before tuning, so the scoring
+    # is tuned on the searches the bundle serves, and shipped as they are.
+    index_m: int = 24
+    index_ef_construction: int = 200
+    index_ef_search: int = 50
+    # Scoring (alpha, calibrations, lexical weight): tuned on validation when `tune`, to
+    # maximise sum of weight * metric (TUNABLE_METRICS); a single metric picks noisily.
+    tune: bool = True
+    tune_objective: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_OBJECTIVE))
+    # Tune as if each validation document's own label (same uid) were excluded, as the
+    # service's `exclude` and the XC repository's filtered protocol do: a document that is
+    # also a label is never its own target. No effect where documents are not labels.
+    exclude_own_labels: bool = True
+    alpha: float = 0.8  # used when tune is off
+    # Shortlist sources served by default: HNSW over [w, b] (k_w), HNSW over centroids (k_mu),
+    # the token shortlist (k_tok labels per query token, of token_shortlist_width kept; 0 = no
+    # table), the k labels of largest bias (the prior's head). The token table alone beat both
+    # HNSW searches on debian-deps at a fifth of the latency; data whose texts share little
+    # vocabulary with the label texts needs the HNSW sources, which every bundle carries.
+    serve_k_w: int = 0
+    serve_k_mu: int = 0
+    token_shortlist_width: int = 20
+    serve_k_tok: int = 10
+    serve_k_head: int = 32
+    # The token table's lexical score (service/engine/lexical.py): "shares", "logistic" (fitted
+    # by Adam with lexical_epochs, lexical_lr, L2 lexical_l2), or "auto": fit both and keep the
+    # one whose tuned validation objective is higher.
+    lexical_form: str = "auto"
+    lexical_epochs: int = 100
+    lexical_lr: float = 0.05
+    lexical_l2: float = 1e-5
+    lexical_batch_size: int = 1024
+    # the adversarial tree scorer (training/tree_train.py)
+    tree_enabled: bool = True
+    tree: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def tiny(cls) -> TrainConfig:
+        """Trains in a few seconds on small generated data (test fixtures)."""
+        return cls(
+            dim=32, m1_epochs=4, m1_batch_size=128, m1_lr=0.02, m1_refresh_every=2, m3_epochs=4, m3_batch_size=128,
+            m3_lr=0.02, val_max_docs=300, validation_rows=50, hnsw_ef=50, hnsw_ef_construction=50, m2_k_w=20,
+            m2_k_mu=20, serve_k_w=20, serve_k_mu=20,
+            # one form, fitted once: the test fixtures' bundles hold the logistic table
+            lexical_form="logistic", lexical_epochs=30, progress=False,
+        )
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], base: TrainConfig | None = None) -> TrainConfig:
+        unknown = sorted(set(d) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown training config keys: {', '.join(unknown)}")
+        out = cls(**{**asdict(base or cls()), **d})
+        out.validate()
+        return out
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> TrainConfig:
+        try:
+            d = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{path}: cannot read training config: {exc}") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"{path}: training config must be a JSON object")
+        preset = d.pop("preset", None)
+        return cls.from_dict(d, cls.tiny() if preset == "tiny" else None)
+
+    def validate(self) -> None:
+        _choice("classifier_form", self.classifier_form, CLASSIFIER_FORMS)
+        _choice("m3_negatives", self.m3_negatives, ("all", "shortlist"))
+        _choice("device", self.device, ("auto", "cpu", "cuda"))
+        _choice("lexical_form", self.lexical_form, (*LEXICAL_FORMS, "auto"))
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
+        for name in ("dim", "m1_batch_size", "m3_batch_size", "hnsw_m", "lexical_epochs", "lexical_batch_size",
+                     "index_ef_construction", "index_ef_search"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.index_m < 2:
+            raise ValueError("index_m must be >= 2")
+        for name in ("serve_k_w", "serve_k_mu", "serve_k_head", "token_shortlist_width"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        if not 0 <= self.serve_k_tok <= self.token_shortlist_width:
+            raise ValueError(
+                f"serve_k_tok must be in [0, token_shortlist_width={self.token_shortlist_width}], "
+                f"got {self.serve_k_tok}"
+            )
+        if self.serve_k_w + self.serve_k_mu + self.serve_k_tok == 0:
+            raise ValueError("serve_k_w, serve_k_mu and serve_k_tok are all 0: serving would have nothing to score")
+        for name in ("lexical_lr", "lexical_l2", "m3_softmax_weight"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        check_objective(self.tune_objective)
+
+
+def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+
+
+def check_objective(objective: dict[str, float]) -> None:
+    if not isinstance(objective, dict) or not objective:
+        raise ValueError(f"tune_objective must be a non-empty object of metric weights, got {objective!r}")
+    unknown = sorted(set(objective) - set(TUNABLE_METRICS))
+    if unknown:
+        raise ValueError(f"tune_objective: unknown metrics {unknown}; known: {', '.join(TUNABLE_METRICS)}")
+    for name, weight in objective.items():
+        if isinstance(weight, bool) or not isinstance(weight, int | float) or not math.isfinite(weight) or weight < 0:
+            raise ValueError(f"tune_objective[{name!r}] must be a finite number >= 0, got {weight!r}")
+    if not any(objective.values()):
+        raise ValueError("tune_objective: all weights are 0, nothing to maximise")

@@ -1,0 +1,28 @@
+"""One epoch of minibatch gradient steps, shown as progress: the loop Modules I and III share."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from training.progress import Progress
+
+
+def run_epoch(order: np.ndarray, batch_size: int, loss_of: Callable[[np.ndarray], torch.Tensor],
+              opt: torch.optim.Optimizer, desc: str, progress: bool = True) -> float:
+    """A step on `loss_of(batch)` for each run of `batch_size` rows of `order`; the epoch's mean
+    loss per row (weighted by batch size)."""
+    total, count = 0.0, 0
+    bar = Progress(range(0, len(order), batch_size), desc, enabled=progress)
+    for start in bar:
+        batch = order[start : start + batch_size]
+        loss = loss_of(batch)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        total += float(loss.detach()) * len(batch)
+        count += len(batch)
+        bar.postfix(loss=f"{total / count:.4f}")
+    return total / max(count, 1)

@@ -1,0 +1,139 @@
+"""`shortlist train`: SiameseXML Modules I-III, the token table, the bundle's indices, the tuned
+scoring and the tree, on an XC raw-text dataset -> Checkpoint. Read `_train` top to bottom."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from service.engine.candidates import CandidateSources
+from service.engine.index import build_label_indices
+from service.engine.labels import LabelTable
+from service.engine.schema import HnswParams, Shortlist
+from service.engine.scorers import Calibration, LabelScorer
+from training.ann import AnnParams
+from training.centroids import Centroids, hard_negative_shortlists
+from training.checkpoint import Checkpoint
+from training.classifiers import OneVsAll
+from training.config import TrainConfig
+from training.dataset import TrainingSet
+from training.encoder import SiameseEncoder, embed
+from training.report import Report
+from training.siamese import SiameseTrainer
+from training.token_shortlist import TokenTable
+from training.tree_train import AdversarialTree
+from training.tuning import ScoringTuner, default_scoring
+
+log = logging.getLogger("shortlist.training")
+IDENTITY = Calibration("identity")
+
+
+def train(data_dir: str | Path, config: TrainConfig | None = None, text_field: str = "title",
+          seed: int | None = None) -> Checkpoint:
+    """Train on data_dir's trn (validation carved from it); test metrics on tst when present."""
+    cfg = replace(config or TrainConfig(), **({} if seed is None else {"seed": int(seed)}))
+    cfg.validate()
+    with _torch_settings(cfg):
+        return _train(Path(data_dir), cfg, text_field)
+
+
+def _train(data_dir: Path, cfg: TrainConfig, text_field: str) -> Checkpoint:
+    device, rng, report = _device(cfg), np.random.default_rng(cfg.seed), Report()
+    with report.stage("data"):
+        data = TrainingSet.load(data_dir, cfg, text_field, rng)
+    ann = AnnParams(cfg.hnsw_m, cfg.hnsw_ef_construction, cfg.hnsw_ef, _threads(cfg))
+    encoder = SiameseEncoder(data.tokenizer.vocab_size, cfg.dim, seed=cfg.seed).to(device)
+    with report.stage("module1"):
+        m1 = SiameseTrainer.of(cfg, ann).fit(encoder, data.docs, data.label_texts, data.y, device, rng)
+        label_emb, doc_emb = embed(encoder, data.label_texts, device), embed(encoder, data.docs, device)
+        mu = Centroids(cfg.centroid_label_weight).fit(doc_emb, data.y, label_emb).vectors_
+    report.test_module1(data, encoder, label_emb, mu, device)
+    with report.stage("module3"):
+        negatives = None
+        if cfg.m3_negatives == "shortlist":
+            negatives = hard_negative_shortlists(doc_emb, label_emb, mu, cfg.m2_k_w, cfg.m2_k_mu, ann, cfg.seed)
+        clf = OneVsAll.of(cfg).fit(encoder, label_emb, data.docs, data.y, negatives, device, rng)
+        if cfg.m3_train_encoder:  # the encoder moved: the centroids live in the served encoder's space
+            label_emb, doc_emb = embed(encoder, data.label_texts, device), embed(encoder, data.docs, device)
+        centroids = Centroids(cfg.centroid_label_weight).fit(doc_emb, data.y, label_emb)
+    with report.stage("token_shortlist"):
+        lexical = (TokenTable.of(cfg).fit(data.docs, data.y, data.label_texts, data.tokenizer.vocab_size, device)
+                   if cfg.token_shortlist_width else None)
+        tables = lexical.tables_ if lexical is not None else [None]
+    with report.stage("indices"):
+        hnsw = HnswParams(M=cfg.index_m, ef_construction=cfg.index_ef_construction, ef_search=cfg.index_ef_search)
+        indices = build_label_indices(clf.weights_, clf.bias_, centroids.vectors_, hnsw, cfg.seed)
+    with report.stage("tuning"):
+        spec = Shortlist.served(cfg.serve_k_w, cfg.serve_k_mu, cfg.serve_k_tok if tables[0] is not None else 0,
+                                min(cfg.serve_k_head, data.num_labels), bool(np.any(clf.bias_ != 0)))
+        candidates = [CandidateSources(spec, clf.bias_, index_w=indices[0], index_mu=indices[1], table=t,
+                                       lexical=t is not None and t.weights is not None) for t in tables]
+        scorer = LabelScorer(clf.weights_, clf.bias_, centroids.vectors_, IDENTITY, IDENTITY)
+        if cfg.tune:
+            tuner = ScoringTuner(cfg.classifier_form, cfg.tune_objective).fit(
+                embed(encoder, data.val_texts, device), data.val_texts.ids.numpy(), data.val_texts.weights.numpy(),
+                data.truths(data.val), candidates, scorer, data.own_labels() if cfg.exclude_own_labels else None)
+            scoring, table = tuner.scoring_, tuner.sources_.table
+            report.validation(tuner)
+        else:
+            table = tables[-1]
+            scoring = default_scoring(cfg.classifier_form, cfg.alpha, candidates[-1],
+                                      table.form if table is not None else "shares")
+    report.test_module3(data, encoder, LabelScorer.of(clf.weights_, clf.bias_, centroids.vectors_, scoring), device,
+                        scoring.alpha)
+    tree = None
+    if cfg.tree_enabled:
+        with report.stage("tree"):
+            tree = AdversarialTree(cfg.tree, cfg.seed).fit(doc_emb, data.trn.targets, data.num_labels)
+    report.losses(m1.losses_, clf.losses_, getattr(lexical, "losses_", None))
+    return Checkpoint(
+        tokenizer=data.tokenizer, labels=LabelTable(data.labels.uids, data.labels.titles), encoder=encoder.cpu(),
+        classifiers=clf, centroids=centroids, scoring=scoring, hnsw=hnsw, indices=indices, token_table=table,
+        tree=tree, text_field=text_field, config=asdict(cfg), fingerprint=data.fingerprint,
+        metrics=report.metrics, validation=data.validation_rows(cfg.validation_rows),
+    )
+
+
+@contextmanager
+def _torch_settings(cfg: TrainConfig) -> Iterator[None]:
+    """Deterministic kernels, the thread count and the seeds of this run; restored after."""
+    was_deterministic, threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
+    torch.use_deterministic_algorithms(cfg.deterministic, warn_only=True)
+    torch.set_num_threads(_threads(cfg))
+    torch.manual_seed(cfg.seed)
+    np.random.seed(cfg.seed % (2**32))
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was_deterministic)
+        torch.set_num_threads(threads)
+
+
+def _device(cfg: TrainConfig) -> torch.device:
+    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def _threads(cfg: TrainConfig) -> int:
+    return cfg.threads if cfg.threads > 0 else (os.cpu_count() or 1)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(message)s")
+    cfg = TrainConfig.from_json(args.config) if args.config else TrainConfig()
+    ckpt = train(args.data, cfg, text_field=args.text_field, seed=args.seed)
+    out = ckpt.save(args.out)
+    print(json.dumps({"checkpoint": str(out), "metrics": ckpt.metrics, "scoring": ckpt.scoring.model_dump()},
+                     indent=2))
+    return 0

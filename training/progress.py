@@ -1,0 +1,66 @@
+"""Progress of long loops: a bar on a terminal, a plain log line every few seconds elsewhere
+(a log file or CI gets readable lines, not thousands of carriage-return frames)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any, TypeVar
+
+from tqdm import tqdm
+
+T = TypeVar("T")
+log = logging.getLogger("shortlist.training")
+LOG_EVERY_S = 10.0
+
+
+class Progress:
+    """Iterate `items` showing progress under `desc`; `postfix(**values)` adds figures (a loss)."""
+
+    def __init__(self, items: Iterable[T], desc: str, total: int | None = None, enabled: bool = True,
+                 every_s: float = LOG_EVERY_S) -> None:
+        self.items = items
+        self.desc = desc
+        self.total = total if total is not None else _length(items)
+        self.enabled = enabled
+        self.every_s = every_s
+        self._bar: tqdm | None = None
+        self._values: dict[str, Any] = {}
+
+    def __iter__(self) -> Iterator[T]:
+        if not self.enabled:
+            yield from self.items
+            return
+        if sys.stderr.isatty():
+            self._bar = tqdm(self.items, desc=self.desc, total=self.total, leave=False, mininterval=1.0)
+            yield from self._bar
+            return
+        start = last = time.monotonic()
+        done = 0
+        for item in self.items:
+            yield item
+            done += 1
+            now = time.monotonic()
+            if now - last >= self.every_s:
+                last = now
+                log.info("%s: %s (%.0fs)%s", self.desc, self._count(done), now - start, self._figures())
+
+    def postfix(self, **values: Any) -> None:
+        self._values = values
+        if self._bar is not None:
+            self._bar.set_postfix(values)
+
+    def _count(self, done: int) -> str:
+        return f"{done}/{self.total} ({100.0 * done / self.total:.0f}%)" if self.total else str(done)
+
+    def _figures(self) -> str:
+        return "".join(f", {k}={v}" for k, v in self._values.items())
+
+
+def _length(items: Iterable[Any]) -> int | None:
+    try:
+        return len(items)  # type: ignore[arg-type]
+    except TypeError:
+        return None

@@ -1,0 +1,73 @@
+"""What a training run reports: each stage's wall time, test metrics after Modules I and III
+(all labels scored exactly, when the data has a test split), the tuned validation metrics and
+the losses; logged as they come and kept for the checkpoint's metrics."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+
+from service.engine.scorers import Calibration, LabelScorer
+from training.dataset import TrainingSet
+from training.encoder import SiameseEncoder, embed
+from training.tuning import ScoringTuner, exact_metrics
+
+log = logging.getLogger("shortlist.training")
+_IDENTITY = Calibration("identity")
+
+
+class Report:
+    def __init__(self) -> None:
+        self.metrics: dict[str, Any] = {"times": {}}
+        self._start = time.perf_counter()
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        yield
+        seconds = time.perf_counter() - t0
+        self.metrics["times"][f"{name}_s"] = round(seconds, 2)
+        self.metrics["times"]["total_s"] = round(time.perf_counter() - self._start, 2)
+        log.info("%s done in %.1fs", name, seconds)
+
+    def test_module1(self, data: TrainingSet, encoder: SiameseEncoder, label_emb: np.ndarray, mu: np.ndarray,
+                     device: torch.device) -> None:
+        """Label embeddings (alpha 1) and centroids (alpha 0) as classifiers, raw similarities."""
+        if data.tst is None:
+            return
+        q, truths = embed(encoder, data.tst_texts, device), data.truths(data.tst)
+        scorer = LabelScorer(label_emb, np.zeros(data.num_labels, np.float32), mu, _IDENTITY, _IDENTITY)
+        self.metrics["module1"] = {"label_embeddings": exact_metrics(scorer, q, truths, 1.0),
+                                   "centroids": exact_metrics(scorer, q, truths, 0.0)}
+        for name, m in self.metrics["module1"].items():
+            log.info("after Module I (test): %s %s", name, m)
+
+    def test_module3(self, data: TrainingSet, encoder: SiameseEncoder, scorer: LabelScorer,
+                     device: torch.device, alpha: float) -> None:
+        """The classifiers alone and the tuned mixture (without the lexical term)."""
+        if data.tst is None:
+            return
+        q, truths = embed(encoder, data.tst_texts, device), data.truths(data.tst)
+        self.metrics["module3"] = {"classifiers": exact_metrics(scorer, q, truths, 1.0),
+                                   "combined": exact_metrics(scorer, q, truths, alpha)}
+        for name, m in self.metrics["module3"].items():
+            log.info("after Module III (test, all labels, no lexical score): %s %s", name, m)
+
+    def validation(self, tuner: ScoringTuner) -> None:
+        self.metrics["validation"] = {k: round(v, 3) for k, v in tuner.metrics_.items()}
+        s = tuner.scoring_
+        log.info("tuned on validation (served shortlists, mean %.1f labels, lexical form %s): alpha=%s %s "
+                 "lexical_weight=%s -> %s", tuner.mean_candidates_, s.lexical_form, s.alpha,
+                 s.calibration.model_dump(), s.lexical_weight, self.metrics["validation"])
+
+    def losses(self, module1: list[float], module3: list[float], lexical: list[float] | None) -> None:
+        self.metrics["losses"] = {"module1": [round(x, 5) for x in module1],
+                                  "module3": [round(x, 5) for x in module3]}
+        if lexical is not None:
+            self.metrics["losses_lexical"] = [round(x, 5) for x in lexical]

@@ -1,0 +1,113 @@
+"""The scoring a bundle serves (alpha, calibrations f and g, lexical weight), tuned on validation
+documents over the candidates the bundle will serve, scored by the engine's own code
+(service.engine.candidates and service.engine.scorers): what is tuned is what is served."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+
+from service.engine.candidates import CandidateSources
+from service.engine.metrics import Truths, ranking_metrics
+from service.engine.schema import Calibrations, Scoring
+from service.engine.scorers import Calibration, LabelScorer, combine_scores, top_k
+from training.config import DEFAULT_OBJECTIVE, check_objective
+
+log = logging.getLogger("shortlist.training")
+
+ALPHAS = (0.0, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+# The logistic lexical score chose 0.3-0.5 on debian-tags validation: the grid reaches past it.
+LEXICAL_WEIGHTS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.7, 1.0)
+CENTROID_CALIBRATIONS = tuple(Calibration("sigmoid", a, -a) for a in (1.0, 3.0, 5.0, 10.0, 20.0))
+# The reference code's exp(d (x - 1)) on the paper form's cosine classifiers; a logit otherwise.
+CLASSIFIER_CALIBRATIONS = {
+    "paper": tuple(Calibration("exp", a, -a) for a in (1.0, 3.0, 5.0, 10.0)),
+    "scaled_bias": (Calibration("sigmoid", 1.0, 0.0),),
+}
+
+
+def objective_value(metrics: dict[str, float], objective: dict[str, float]) -> float:
+    return sum(weight * metrics[name] for name, weight in objective.items())
+
+
+def default_scoring(form: str, alpha: float, sources: CandidateSources, lexical_form: str) -> Scoring:
+    """The untuned scoring (tune off): the reference calibrations, no lexical term."""
+    f, g = ((Calibration("exp", 3.0, -3.0), Calibration("sigmoid", 1.0, 0.0)) if form == "paper"
+            else (Calibration("sigmoid", 1.0, 0.0), Calibration("sigmoid", 10.0, -10.0)))
+    return _scoring(form, alpha, f, g, 0.0, sources, lexical_form)
+
+
+def _scoring(form: str, alpha: float, f: Calibration, g: Calibration, lexical_weight: float,
+             sources: CandidateSources, lexical_form: str) -> Scoring:
+    return Scoring(alpha=alpha, lexical_weight=lexical_weight, lexical_form=lexical_form, classifier_form=form,
+                   calibration=Calibrations(classifier=f.spec(), centroid=g.spec()), shortlist=sources.spec)
+
+
+class ScoringTuner:
+    """Grid search maximising `objective` (metric -> weight) on validation documents; after
+    fit: `scoring_` (a manifest's schema.Scoring), `sources_` (the candidate sources it was
+    tuned on, of those given), `metrics_` and `value_`."""
+
+    def __init__(self, classifier_form: str = "scaled_bias", objective: dict[str, float] | None = None,
+                 alphas: Sequence[float] = ALPHAS, lexical_weights: Sequence[float] = LEXICAL_WEIGHTS) -> None:
+        self.classifier_form = classifier_form
+        self.objective = dict(objective or DEFAULT_OBJECTIVE)
+        check_objective(self.objective)
+        self.alphas, self.lexical_weights = tuple(alphas), tuple(lexical_weights)
+
+    def fit(self, q: np.ndarray, tokens: np.ndarray, token_weights: np.ndarray, truths: Truths,
+            candidates: Sequence[CandidateSources], scorer: LabelScorer, own: np.ndarray | None = None) -> ScoringTuner:
+        """q [N, D], tokens / token_weights [N, T]: the validation documents as served; truths
+        built with inverse propensities; candidates: one per lexical form to choose from (the
+        first wins ties); own: per document a label id never predicted (-1: none)."""
+        self.value_ = -np.inf
+        for sources in candidates:
+            cands, lexical = sources(tokens, token_weights, q)
+            scoring, metrics, value = self._grid(q, cands, lexical, truths, sources, scorer, own)
+            form = sources.table.form if sources.table is not None else "none"
+            log.info("lexical form %s: validation %s = %.3f", form, self.objective, value)
+            if value > self.value_:
+                self.scoring_, self.metrics_, self.value_, self.sources_ = scoring, metrics, value, sources
+                self.mean_candidates_ = float(np.mean((cands >= 0).sum(axis=1)))
+        return self
+
+    def _grid(self, q: np.ndarray, cands: np.ndarray, lexical: np.ndarray | None, truths: Truths,
+              sources: CandidateSources, scorer: LabelScorer, own: np.ndarray | None) -> tuple[Scoring, dict, float]:
+        logits, sims = scorer.dots(q, cands)
+        invalid = cands < 0
+        if own is not None:
+            invalid |= cands == own[:, None]
+        lexical_form = sources.table.form if sources.table is not None else "shares"
+        best: tuple[float, Scoring, dict[str, float]] | None = None
+        for fi, f in enumerate(CLASSIFIER_CALIBRATIONS[self.classifier_form]):
+            for g in CENTROID_CALIBRATIONS:
+                for alpha in self.alphas:
+                    if alpha == 0.0 and fi > 0:
+                        continue  # f is irrelevant at alpha 0
+                    mixed = combine_scores(logits, sims, alpha, f, g)
+                    for lam in self.lexical_weights if lexical is not None else (0.0,):
+                        scores = mixed + lam * lexical if lam else mixed.copy()
+                        scores[invalid] = -np.inf
+                        metrics = ranking_metrics(_top5(cands, scores), truths, (1, 5))
+                        value = objective_value(metrics, self.objective)
+                        if best is None or value > best[0]:
+                            best = (value, _scoring(self.classifier_form, alpha, f, g, lam, sources, lexical_form),
+                                    metrics)
+        assert best is not None
+        return best[1], {k: float(v) for k, v in best[2].items()}, best[0]
+
+
+def _top5(cands: np.ndarray, scores: np.ndarray) -> np.ndarray:
+    """The 5 best candidates of each row as the engine ranks them (-1 where fewer are finite)."""
+    idx, best = top_k(scores, 5)
+    ids = cands[np.arange(len(cands))[:, None], idx]
+    return np.where(np.isfinite(best), ids, -1)
+
+
+def exact_metrics(scorer: LabelScorer, q: np.ndarray, truths: Truths, alpha: float) -> dict[str, float]:
+    """P@k and PSP@k of the scorer over all labels (no shortlist, no lexical term), rounded."""
+    ids, _ = scorer.exact_top_k(q, 5, alpha)
+    m = ranking_metrics(ids, truths, (1, 3, 5))
+    return {k: round(float(m[k]), 3) for k in ("P@1", "P@3", "P@5", "nDCG@5", "PSP@1", "PSP@3", "PSP@5")}
