@@ -62,7 +62,9 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a bundle over HTTP")
     p.add_argument("--bundle-root", default=None)
-    p.add_argument("--version", default=None, help="default: the newest bundle under the root")
+    p.add_argument("--version", default=None,
+                   help="default: the version last activated (with a state dir), else the newest bundle")
+    p.add_argument("--state-dir", default=None, help="writable directory that remembers the active version")
     p.add_argument("--host", default=None)
     p.add_argument("--port", type=int, default=None)
     p.set_defaults(handler="service.api.server:run_cli")

@@ -13,6 +13,7 @@ from fastapi import APIRouter, FastAPI
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import JSONResponse, Response
 
+from service.api.active_state import ActiveVersionFile
 from service.api.admin import admin_router
 from service.api.batching import EngineRunner
 from service.api.dependencies import ServiceState, State
@@ -39,7 +40,7 @@ def build_state(settings: Settings) -> ServiceState:
     registry = BundleRegistry(
         settings.bundle_root, engine_threads=settings.engine_threads,
         quality_gate_min_p1=settings.quality_gate_min_p1, drain_timeout_s=settings.drain_timeout_s,
-        on_swap=on_swap, loader_nice=settings.loader_nice,
+        on_swap=on_swap, loader_nice=settings.loader_nice, remembered=_remembered(settings),
     )
     runner = EngineRunner(
         settings.workers, batching=settings.batching, max_batch=settings.batch_max_size,
@@ -47,6 +48,15 @@ def build_state(settings: Settings) -> ServiceState:
         on_batch=lambda scorer, n: metrics.batch_size.labels(scorer).observe(n),
     )
     return ServiceState(settings, registry, runner, metrics, RequestModels(settings))
+
+
+def _remembered(settings: Settings) -> ActiveVersionFile | None:
+    if settings.state_dir is None:
+        log.warning("SHORTLIST_STATE_DIR is not set: the active version is not remembered across restarts")
+        return None
+    remembered = ActiveVersionFile(settings.state_dir)
+    remembered.prepare()  # an unwritable state directory stops start-up, naming it
+    return remembered
 
 
 def _probes() -> APIRouter:
@@ -146,7 +156,11 @@ def apply_runtime_tuning(settings: Settings) -> None:
 
 async def initial_load(state: ServiceState) -> None:
     try:
-        await asyncio.wrap_future(state.registry.in_loader(state.registry.activate, state.settings.version))
+        result = await asyncio.wrap_future(state.registry.in_loader(state.registry.start, state.settings.version))
+        if "fallback_from" in result:
+            state.metrics.startup_fallback.labels(wanted=result["fallback_from"]).set(1)
+            error_log.error(json.dumps({"event": "startup_fallback", "wanted": result["fallback_from"],
+                                        "serving": result["active"], "reason": result["reason"]}))
     except (ActivationFailed, BundleNotFound, ActivationInProgress) as exc:
         state.metrics.failed_activations.labels("startup").inc()
         error_log.error(json.dumps({"event": "startup_load_failed", "message": str(exc),

@@ -49,6 +49,9 @@ class ServiceMetrics:
         self.swaps = Counter("shortlist_bundle_swaps_total", "successful bundle activations", registry=r)
         self.failed_activations = Counter("shortlist_bundle_activation_failures_total",
                                           "activations refused", ["reason"], registry=r)
+        self.startup_fallback = Gauge("shortlist_startup_fallback",
+                                      "1 when start-up could not serve the wanted bundle and serves "
+                                      "the newest one that loads instead", ["wanted"], registry=r)
         self.activation_seconds = Histogram("shortlist_bundle_activation_seconds",
                                             "load + validate + swap time",
                                             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from service.api.active_state import ActiveVersionFile
 from service.engine import heap
 from service.engine.bundle import Bundle
 from service.engine.metrics import ranking_metrics
@@ -88,6 +89,14 @@ class Engine:
         self.bundle.close()
 
 
+def _newest_or_none(root: Path) -> str | None:
+    """The version `activate(None)` picks, or None when there is none."""
+    try:
+        return newest_version(root)
+    except BundleError:
+        return None
+
+
 def _lower_priority(nice: int) -> None:
     # Linux keeps a nice value per thread, and setpriority() given a thread id renices only
     # that thread; elsewhere this is a no-op and loads run at the serving threads' priority.
@@ -109,8 +118,10 @@ class BundleRegistry:
         drain_timeout_s: float = 30.0,
         on_swap: Callable[[str | None, str], None] | None = None,
         loader_nice: int = 0,
+        remembered: ActiveVersionFile | None = None,
     ) -> None:
         self.root = Path(root)
+        self.remembered = remembered
         self.engine_threads = engine_threads
         self.quality_gate_min_p1 = quality_gate_min_p1
         self.drain_timeout_s = drain_timeout_s
@@ -196,6 +207,7 @@ class BundleRegistry:
         t0 = time.perf_counter()
         predictor = self._load(self._resolve(version))
         quality = self._quality_gate(predictor)
+        self._remember(predictor)
         new = Engine(predictor.bundle, predictor)
         old = self._active
         self._active = new  # the swap: one reference assignment
@@ -213,6 +225,39 @@ class BundleRegistry:
         log.info("activated bundle %s (previous %s) in %.3fs", new.version, old.version if old else None, seconds)
         return {"active": new.version, "previous": old.version if old else None, "seconds": seconds,
                 "quality": quality}
+
+    def start(self, configured: str | None = None) -> dict[str, object]:
+        """The first activation: the remembered version (the operator's last choice), else
+        `configured`, else the newest bundle; if that one cannot be served, the newest bundle
+        that can (the result's "fallback_from" names what was wanted and "reason" why not)."""
+        wanted = (self.remembered.read() if self.remembered else None) or configured
+        try:
+            return self.activate(wanted)
+        except (ActivationFailed, BundleNotFound) as exc:
+            first_error: Exception = exc
+        log.error("cannot serve bundle %s: %s; falling back to the newest bundle that loads",
+                  wanted or "(newest)", first_error)
+        tried = wanted or _newest_or_none(self.root)
+        for manifest in reversed(list_bundles(self.root)):
+            if manifest.version == tried:
+                continue
+            try:
+                result = self.activate(manifest.version)
+            except (ActivationFailed, BundleNotFound) as exc:
+                log.error("fallback bundle %s cannot be served either: %s", manifest.version, exc)
+                continue
+            return {**result, "fallback_from": wanted or "(newest)", "reason": str(first_error)}
+        raise first_error
+
+    def _remember(self, predictor: Predictor) -> None:
+        """Record the version about to serve before it does: served is always remembered."""
+        if self.remembered is None:
+            return
+        try:
+            self.remembered.write(predictor.bundle.version)
+        except OSError as exc:
+            predictor.bundle.close()
+            raise ActivationFailed(f"cannot record the active version in {self.remembered.dir}: {exc}") from exc
 
     def _resolve(self, version: str | None) -> Path:
         """The directory of `version` (default: the newest bundle under the root)."""

@@ -15,7 +15,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     """Environment (SHORTLIST_*) first, then any flag given on the command line wins."""
     overrides = {
         name: getattr(args, name)
-        for name in ("bundle_root", "version", "host", "port")
+        for name in ("bundle_root", "version", "host", "port", "state_dir")
         if getattr(args, name, None) is not None
     }
     return Settings(**overrides)

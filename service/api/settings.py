@@ -33,6 +33,11 @@ class Settings(BaseSettings):
     batch_max_size: int = Field(32, ge=1, le=4096)
     batch_max_wait_ms: float = Field(0.0, ge=0.0, le=1000.0)
 
+    # Writable directory for what must survive a restart (the bundle root may be read-only):
+    # the active version, recorded at every activation and rollback and served after a
+    # restart. None: not remembered (start-up serves `version`, else the newest bundle).
+    state_dir: Path | None = None
+
     # Request limits.
     max_text_chars: int = Field(2000, ge=1)
     max_k: int = Field(100, ge=1)

@@ -1,0 +1,77 @@
+"""Restarts keep the operator's choice: the active version lives in SHORTLIST_STATE_DIR, and a
+bundle that cannot be served at start-up gives way to the newest one that can."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import httpx
+from test_admin import AUTH, TOKEN, corrupt_copy
+
+from shortlist.testing import serve
+
+
+def _env(state_dir) -> dict[str, str]:
+    return {"SHORTLIST_ADMIN_TOKEN": TOKEN, "SHORTLIST_STATE_DIR": str(state_dir)}
+
+
+def _serving(server) -> str:
+    return httpx.get(f"{server.url}/readyz").json()["version"]
+
+
+def test_a_restart_serves_the_version_last_activated_or_rolled_back_to(bundle_root, tmp_path):
+    state = tmp_path / "state"
+    with serve(bundle_root, env=_env(state), log_dir=tmp_path) as s:
+        assert _serving(s) == "v2"  # nothing remembered yet: the newest
+        r = httpx.post(f"{s.url}/admin/bundles/activate", json={"version": "v1"}, headers=AUTH, timeout=60)
+        assert r.status_code == 200, r.text
+    assert json.loads((state / "active.json").read_text())["version"] == "v1"
+    with serve(bundle_root, env=_env(state), log_dir=tmp_path) as s:
+        assert _serving(s) == "v1"  # not the newest: the operator's choice
+        assert httpx.post(f"{s.url}/v1/predict", json={"text": "x"}).json()["version"] == "v1"
+    # The choice outlives an explicit start-up version too, which only stands in when nothing
+    # was activated.
+    with serve(bundle_root, env=_env(state), version="v2", log_dir=tmp_path) as s:
+        assert _serving(s) == "v1"
+        r = httpx.post(f"{s.url}/admin/bundles/activate", json={"version": "v2"}, headers=AUTH, timeout=60)
+        assert r.status_code == 200
+        r = httpx.post(f"{s.url}/admin/bundles/rollback", headers=AUTH, timeout=60)
+        assert r.status_code == 200 and r.json()["active"] == "v1"
+    with serve(bundle_root, env=_env(state), log_dir=tmp_path) as s:
+        assert _serving(s) == "v1"
+
+
+def test_a_remembered_bundle_that_no_longer_loads_gives_way_to_the_newest_that_does(bundle_root_copy, tmp_path):
+    state = tmp_path / "state"
+    corrupt_copy(bundle_root_copy, "v1", "v0bad")  # an older, broken bundle
+    state.mkdir()
+    (state / "active.json").write_text(json.dumps({"version": "v0bad"}))
+    with serve(bundle_root_copy, env=_env(state), log_dir=tmp_path) as s:
+        assert _serving(s) == "v2"
+        metrics = httpx.get(f"{s.url}/metrics").text
+        assert 'shortlist_startup_fallback{wanted="v0bad"} 1.0' in metrics
+        events = [json.loads(line) for line in s.log().splitlines() if line.startswith("{")]
+        fallback = [e for e in events if e.get("event") == "startup_fallback"]
+        assert fallback and fallback[0]["serving"] == "v2" and "v0bad" in fallback[0]["wanted"]
+    # What serves is what is recorded: the next start does not try the broken bundle again
+    # (the log and the metric above tell the operator it was given up).
+    assert json.loads((state / "active.json").read_text())["version"] == "v2"
+
+
+def test_a_broken_newest_bundle_does_not_keep_the_service_down(bundle_root_copy, tmp_path):
+    corrupt_copy(bundle_root_copy, "v2", "v3bad")  # the newest (same created_at, later name)
+    with serve(bundle_root_copy, env=_env(tmp_path / "state"), log_dir=tmp_path) as s:
+        assert _serving(s) == "v2"
+        assert 'shortlist_startup_fallback{wanted="(newest)"} 1.0' in httpx.get(f"{s.url}/metrics").text
+
+
+def test_an_unwritable_state_dir_stops_start_up_naming_it(bundle_root, tmp_path):
+    not_a_dir = tmp_path / "state-file"
+    not_a_dir.write_text("")
+    env = {"PATH": "/usr/bin:/bin", "SHORTLIST_STATE_DIR": str(not_a_dir / "sub")}
+    r = subprocess.run([sys.executable, "-m", "shortlist.cli", "serve", "--bundle-root", str(bundle_root)],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode != 0
+    assert str(not_a_dir) in r.stderr
