@@ -360,3 +360,45 @@ def test_new_settings_are_bounded_at_and_past_the_edge(field, inside, outside):
     for value in outside:
         with pytest.raises(ValidationError, match=field):
             Settings(**{field: value})
+
+
+def _deep(depth: int, kind: str) -> bytes:
+    return (b"[" * depth + b"]" * depth) if kind == "array" else (b'{"a":' * depth + b"1" + b"}" * depth)
+
+
+def _parser_abuse() -> list[tuple[str, bytes, str]]:
+    """Bodies that make a JSON parser recurse or convert without bound, wherever they sit."""
+    cases = []
+    for depth in (1_000, 5_000, 50_000):
+        for kind in ("array", "object"):
+            value = _deep(depth, kind)
+            cases += [(f"{kind} nested {depth} deep as k", b'{"text": "x", "k": ' + value + b"}", "too deeply"),
+                      (f"{kind} nested {depth} deep, unknown field", b'{"zz": ' + value + b', "text": "x"}',
+                       "too deeply"),
+                      (f"{kind} nested {depth} deep, whole body", value, "too deeply")]
+    for digits in (4_301, 20_000, 200_000):
+        number = b"1" * digits
+        cases += [(f"{digits}-digit k", b'{"text": "x", "k": ' + number + b"}", "too many digits"),
+                  (f"negative {digits}-digit exclude item", b'{"text": "x", "exclude": [-' + number + b"]}",
+                   "too many digits"),
+                  (f"{digits}-digit unknown field", b'{"text": "x", "zz": ' + number + b"}", "too many digits")]
+    return cases
+
+
+@pytest.fixture(scope="module")
+def roomy_server(bundle_root, tmp_path_factory):
+    """Default body limit (1 MiB): room for bodies that abuse the parser."""
+    with serve(bundle_root, env={"SHORTLIST_ACCESS_LOG": "false"}, log_dir=tmp_path_factory.mktemp("roomy")) as s:
+        yield s
+
+
+def test_parser_abuse_is_a_400_naming_it_and_the_server_keeps_serving(roomy_server):
+    with httpx.Client(base_url=roomy_server.url, timeout=30) as c:
+        for name, body, reason in _parser_abuse():
+            t0 = time.perf_counter()
+            r = c.post("/v1/predict", content=body, headers={"content-type": "application/json"})
+            assert r.status_code == 400 and r.json()["error"] == "malformed_json", (name, r.text[:300])
+            assert reason in r.json()["message"], (name, r.json())
+            assert time.perf_counter() - t0 < 5, name  # refused, not computed
+        assert c.post("/v1/predict", json={"text": "still serving"}).status_code == 200
+        assert 'status="500"' not in c.get("/metrics").text

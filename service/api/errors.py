@@ -83,10 +83,21 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     where = f"{request.method} {request.url.path}"
     message = f"{where}: {exc.detail}"
     code = _HTTP_CODES.get(exc.status_code, "http_error")
-    cause = exc.__cause__
-    if exc.status_code == 400 and isinstance(cause, UnicodeDecodeError):
-        code, message = "invalid_encoding", f"body is not valid UTF-8: {cause.reason} at byte {cause.start}"
+    if exc.status_code == 400 and exc.__cause__ is not None:
+        code, message = _parse_failure(exc.__cause__, code, message)
     return error_response(request, ApiError(exc.status_code, code, message, headers=getattr(exc, "headers", None)))
+
+
+def _parse_failure(cause: BaseException, code: str, message: str) -> tuple[str, str]:
+    """Name why the JSON parser gave up on a body (FastAPI reports them all as one 400)."""
+    if isinstance(cause, UnicodeDecodeError):
+        return "invalid_encoding", f"body is not valid UTF-8: {cause.reason} at byte {cause.start}"
+    if isinstance(cause, RecursionError):
+        return "malformed_json", "body is not acceptable JSON: nested too deeply"
+    if isinstance(cause, ValueError) and "digits" in str(cause):
+        # CPython refuses int() of more than sys.get_int_max_str_digits() digits (4300).
+        return "malformed_json", "body is not acceptable JSON: an integer with too many digits"
+    return code, message
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:
