@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -14,6 +15,7 @@ import httpx
 import pytest
 from _api_helpers import assert_same_ranking, reference, sample_titles
 
+from shortlist.bundle_fuzz import index_of, make_variant
 from shortlist.testing import serve
 
 TOKEN = "s3cret-admin-token"
@@ -206,6 +208,12 @@ def test_swaps_under_load_fail_nothing_and_every_answer_matches_its_version(
         for v in ("v1", "v2") for scorer in ("alpha", "tree")
     }
     corrupt_copy(bundle_root_copy, "v1", "v3bad")
+    # Faults a checksum cannot see (it is recomputed): each once crashed or misled the service.
+    faulty = {"v3graph": ("hnsw_w.bin", "neighbour_out_of_range"), "v3entry": ("hnsw_mu.bin", "header_out_of_range"),
+              "v3nan": ("centroids.npy", "nan"), "v3onnx": ("encoder.onnx", "embedding_short")}
+    for version, (file, kind) in faulty.items():
+        template = bundle_root_copy / "v1"
+        make_variant(template, bundle_root_copy, 7, index_of(template, file, kind), version=version)
     # With the opt-in swap tricks on (niced loader threads, the tuned heap): the configuration
     # with the most to get wrong; the other activation tests run with the defaults (off).
     env = {"SHORTLIST_ADMIN_TOKEN": TOKEN, "SHORTLIST_HEAP_TUNING": "true", "SHORTLIST_LOADER_NICE": "10"}
@@ -240,12 +248,13 @@ def test_swaps_under_load_fail_nothing_and_every_answer_matches_its_version(
                 t.start()
             outcomes = []
             plan = ["v1", "v2"] * 10
-            plan.insert(7, "v3bad")
-            plan.insert(13, "missing")
+            refused = ("v3graph", "v3bad", "v3entry", "missing", "v3nan", "v3onnx")
+            for at, version in zip((3, 7, 10, 13, 16, 19), refused, strict=True):
+                plan.insert(at, version)
             for v in plan:
                 r = admin.post("/admin/bundles/activate", json={"version": v})
                 outcomes.append((v, r.status_code, r.json()))
-                if v in ("v3bad", "missing"):
+                if v not in ("v1", "v2"):
                     # The bundle serving before the refused one is still answering.
                     assert admin.get("/readyz").json()["version"] == outcomes[-2][0]
                 time.sleep(0.05)
@@ -259,6 +268,9 @@ def test_swaps_under_load_fail_nothing_and_every_answer_matches_its_version(
         by_version = {v: status for v, status, _ in outcomes}
         assert [st for v, st, _ in outcomes if v in ("v1", "v2")] == [200] * 20
         assert by_version["v3bad"] == 422 and by_version["missing"] == 404
+        for v, status, body in outcomes:
+            if v in faulty:
+                assert status == 422 and faulty[v][0] in body["message"], (v, body)
         assert len(answers) > 100
         seen = set()
         for scorer, idx, r in answers:
@@ -269,3 +281,43 @@ def test_swaps_under_load_fail_nothing_and_every_answer_matches_its_version(
         assert seen == {"v1", "v2"}
         print(f"RSS before {rss_before / 1e6:.1f} MB, after {rss_after / 1e6:.1f} MB, {len(answers)} answers")
         assert rss_after <= 1.10 * rss_before, (rss_before, rss_after)
+
+
+def _checking_process(server_pid: int, timeout: float = 30.0) -> int:
+    """The pid of the server's child process that checks a bundle before it is loaded."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for entry in Path("/proc").iterdir():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                if ppid == server_pid and b"service.engine.isolated" in (entry / "cmdline").read_bytes():
+                    return int(entry.name)
+            except (OSError, ValueError, IndexError):
+                continue
+        time.sleep(0.005)
+    raise AssertionError("no checking process appeared")
+
+
+@pytest.mark.parametrize(("sig", "env", "fragment"), [
+    # What native code crashing on a bundle looks like from outside (here the signal comes
+    # from the test): the checking process dies, the serving one refuses and goes on.
+    (signal.SIGSEGV, {}, "crashed the checking process (SIGSEGV)"),
+    (signal.SIGKILL, {}, "crashed the checking process (SIGKILL)"),  # e.g. the OOM killer
+    # A hang: the checking process stops making progress and is killed at the timeout.
+    (signal.SIGSTOP, {"SHORTLIST_LOAD_CHECK_TIMEOUT_S": "3"}, "did not finish within 3 s"),
+])
+def test_a_load_that_kills_or_hangs_its_checking_process_is_refused_and_serving_goes_on(
+    bundle_root, tmp_path, sig, env, fragment
+):
+    with serve(bundle_root, env={"SHORTLIST_ADMIN_TOKEN": TOKEN, **env}, log_dir=tmp_path) as s, \
+            httpx.Client(base_url=s.url, headers=AUTH, timeout=60) as c, ThreadPoolExecutor(1) as pool:
+        activation = pool.submit(c.post, "/admin/bundles/activate", json={"version": "v1"})
+        os.kill(_checking_process(s.proc.pid), sig)
+        r = activation.result()
+        assert r.status_code == 422 and fragment in r.json()["message"], r.text
+        assert s.proc.poll() is None
+        assert c.get("/readyz").json()["version"] == "v2"
+        assert c.post("/v1/predict", json={"text": "x"}).json()["version"] == "v2"
+        if sig != signal.SIGSTOP:
+            # The same bundle, checked without interference, activates.
+            assert c.post("/admin/bundles/activate", json={"version": "v1"}).status_code == 200

@@ -41,6 +41,7 @@ def build_state(settings: Settings) -> ServiceState:
         settings.bundle_root, engine_threads=settings.engine_threads,
         quality_gate_min_p1=settings.quality_gate_min_p1, drain_timeout_s=settings.drain_timeout_s,
         on_swap=on_swap, loader_nice=settings.loader_nice, remembered=_remembered(settings),
+        check_timeout_s=settings.load_check_timeout_s if settings.load_check_in_child else None,
     )
     runner = EngineRunner(
         settings.workers, batching=settings.batching, max_batch=settings.batch_max_size,

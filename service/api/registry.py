@@ -22,6 +22,7 @@ import numpy as np
 from service.api.active_state import ActiveVersionFile
 from service.engine import heap
 from service.engine.bundle import Bundle
+from service.engine.isolated import check_in_child
 from service.engine.metrics import ranking_metrics
 from service.engine.predictor import Predictor, PredictorOptions
 from service.engine.schema import BundleError, Manifest, validate_version_name
@@ -119,8 +120,11 @@ class BundleRegistry:
         on_swap: Callable[[str | None, str], None] | None = None,
         loader_nice: int = 0,
         remembered: ActiveVersionFile | None = None,
+        check_timeout_s: float | None = 600.0,
     ) -> None:
         self.root = Path(root)
+        # None: bundles load into this process without a checking process first.
+        self.check_timeout_s = check_timeout_s
         self.remembered = remembered
         self.engine_threads = engine_threads
         self.quality_gate_min_p1 = quality_gate_min_p1
@@ -279,6 +283,8 @@ class BundleRegistry:
 
     def _load(self, path: Path) -> Predictor:
         try:
+            if self.check_timeout_s is not None:
+                check_in_child(path, threads=self.engine_threads, timeout_s=self.check_timeout_s)
             return Predictor.load(path, PredictorOptions(threads=self.engine_threads))
         except BundleError as exc:
             raise ActivationFailed(str(exc)) from exc

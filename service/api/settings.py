@@ -62,6 +62,12 @@ class Settings(BaseSettings):
     # page-faults with the GIL held, stalling requests in flight.
     loader_nice: int = Field(0, ge=0, le=19)
     heap_tuning: bool = False
+    # Every bundle is first loaded, and its canaries answered, in a child process (service/engine/
+    # isolated.py): native code that crashes or hangs on a bundle that passed every structural
+    # check takes down that child, and the bundle is refused, instead of the serving process.
+    # Costs the child's start-up and one more load per activation (README "Faults").
+    load_check_in_child: bool = True
+    load_check_timeout_s: float = Field(600.0, gt=0.0, le=86_400.0)
     # How long a retired bundle may wait for in-flight requests before it is closed anyway.
     drain_timeout_s: float = Field(30.0, ge=0.0)
 

@@ -93,6 +93,7 @@ class Bundle:
         bundle._check_lexical_files()
         if manifest.has_tree:
             bundle.tree = bundle._open_tree()
+        bundle.validation_rows()
         return bundle
 
     def _check_files(self, verify_checksums: bool) -> None:
@@ -112,14 +113,27 @@ class Bundle:
     def _load_array(self, name: str) -> np.ndarray:
         p = self.path / name
         try:
-            return np.load(p, mmap_mode="r", allow_pickle=False)
-        except (OSError, ValueError) as exc:
-            raise BundleError(f"{p}: unreadable array: {exc}") from exc
+            arr = np.load(p, mmap_mode="r", allow_pickle=False)
+        except Exception as exc:  # numpy parses a header with Python's tokenizer: any error type
+            raise BundleError(f"{p}: unreadable array: {type(exc).__name__}: {exc}") from exc
+        # A map covers only what the header declares: bytes past it mean the file is not what
+        # export wrote (appended to, or a header rewritten to a smaller shape).
+        if isinstance(arr, np.memmap) and arr.offset + arr.nbytes != p.stat().st_size:
+            raise BundleError(f"{p}: {p.stat().st_size} bytes, the header declares {arr.offset + arr.nbytes}")
+        return arr
 
-    def _array(self, name: str, shape: tuple[int, ...], dtype: type = np.float32) -> np.ndarray:
+    def _array(self, name: str, shape: tuple[int, ...], dtype: type = np.float32, of: str = MANIFEST) -> np.ndarray:
+        """The array `name`, of the `shape` that file `of` implies; a float array is also checked
+        finite: NaN in one row silently drops that label from every answer (a NaN score never
+        ranks), Inf makes it win every one."""
         arr = self._load_array(name)
         if arr.dtype != dtype or arr.shape != shape:
-            raise BundleError(f"{self.path / name}: expected {np.dtype(dtype)} {shape}, found {arr.dtype} {arr.shape}")
+            raise BundleError(f"{self.path / name}: expected {np.dtype(dtype)} {shape} (from {of}), "
+                              f"found {arr.dtype} {arr.shape}")
+        if arr.dtype.kind == "f":
+            bad = _first_non_finite(arr)
+            if bad is not None:
+                raise BundleError(f"{self.path / name}: non-finite value at flat index {bad}")
         return arr
 
     def _open_tables(self) -> None:
@@ -163,8 +177,8 @@ class Bundle:
             with np.load(self.path / TREE, allow_pickle=False) as z:
                 tree = TreeScorer.from_arrays({k: z[k] for k in z.files})
             tree.validate(self.manifest.num_labels, self.manifest.dim)
-        except (OSError, ValueError, KeyError) as exc:
-            raise BundleError(f"{self.path / TREE}: {exc}") from exc
+        except Exception as exc:  # a damaged zip raises zipfile's, zlib's or numpy's own errors
+            raise BundleError(f"{self.path / TREE}: {type(exc).__name__}: {exc}") from exc
         return tree
 
     # -- shortlist sources, opened on first need -----------------------------------------
@@ -210,16 +224,12 @@ class Bundle:
         weights_file = LEXICAL_FILES[form][0]
         weights = bias = None
         if weights_file in m.files:
-            weights = self._array(weights_file, labels.shape)
-            if not np.all(np.isfinite(weights)):
-                raise BundleError(f"{self.path / weights_file}: weights must be finite")
+            weights = self._array(weights_file, labels.shape, of=TOKEN_SHORTLIST)
             low, high = float(weights.min(initial=0.0)), float(weights.max(initial=0.0))
             if form == "shares" and not (low >= 0.0 and high <= 1.0):
                 raise BundleError(f"{self.path / TOKEN_SHORTLIST_SHARES}: shares must be in [0, 1]")
             if form == "logistic":
                 bias = self._array(TOKEN_SHORTLIST_BIAS, (m.num_labels,))
-                if not np.all(np.isfinite(bias)):
-                    raise BundleError(f"{self.path / TOKEN_SHORTLIST_BIAS}: bias must be finite")
         try:
             # Plain ndarray views of the maps (same pages): np.memmap indexing costs a Python call per lookup.
             return TokenShortlist(np.asarray(labels), None if weights is None else np.asarray(weights), form,
@@ -234,18 +244,49 @@ class Bundle:
         with self._lock:
             if threads not in self._encoders:
                 try:
-                    self._encoders[threads] = OnnxEncoder(self.path / ENCODER, threads=threads)
+                    encoder = OnnxEncoder(self.path / ENCODER, threads=threads)
                 except ValueError as exc:
                     raise BundleError(str(exc)) from exc
+                if not self._encoders:
+                    self._check_encoder(encoder)
+                self._encoders[threads] = encoder
             return self._encoders[threads]
 
+    def _check_encoder(self, encoder: OnnxEncoder) -> None:
+        """Every token id the tokenizer can produce encodes (alone, and as an empty text) to a
+        finite vector of the manifest's dimension: a graph whose embedding table is shorter than
+        the vocabulary, or holds NaN in some row, would otherwise fail only on the requests
+        whose text holds that token."""
+        vocab, dim = self.manifest.vocab_size, self.manifest.dim
+        batches = [(np.zeros((1, 1), np.int64), np.zeros((1, 1), np.float32))]
+        for start in range(1, vocab, 4096):
+            ids = np.arange(start, min(vocab, start + 4096), dtype=np.int64)[:, None]
+            batches.append((ids, np.ones(ids.shape, np.float32)))
+        for ids, weights in batches:
+            try:
+                out = encoder.run(ids, weights)
+            except Exception as exc:  # onnxruntime's own exception types
+                raise BundleError(f"{self.path / ENCODER}: token ids {ids[0, 0]}..{ids[-1, 0]}: {exc}") from exc
+            if out.shape != (len(ids), dim) or out.dtype != np.float32:
+                raise BundleError(f"{self.path / ENCODER}: embeddings {out.dtype} {out.shape}, expected float32 "
+                                  f"[{len(ids)}, {dim}]")
+            bad = _first_non_finite(out)
+            if bad is not None:
+                raise BundleError(f"{self.path / ENCODER}: token id {int(ids[bad // dim, 0])} encodes to a "
+                                  "non-finite vector")
+
     def validation_rows(self) -> list[dict[str, Any]]:
-        """Held-out {"text", "target_ind"} rows stored at export, for a quality gate ([] if none)."""
+        """Held-out {"text", "target_ind"} rows stored at export, for a quality gate ([] if none);
+        BundleError naming the line of a row that is not one."""
         p = self.path / VALIDATION
         if VALIDATION not in self.manifest.files:
             return []
-        with p.open(encoding="utf-8") as f:
-            return [json.loads(line) for line in f if line.strip()]
+        rows = []
+        with p.open("rb") as f:
+            for number, line in enumerate(f, 1):
+                if line.strip():
+                    rows.append(_validation_row(line, self.manifest.num_labels, f"{p}:{number}"))
+        return rows
 
     def close(self) -> None:
         """Drop references to memory maps, indices and the tree so their memory can be released."""
@@ -256,3 +297,30 @@ class Bundle:
             self._indices.clear()
             self._table = None
             self._encoders.clear()
+
+
+_CHUNK = 1 << 20
+
+
+def _first_non_finite(arr: np.ndarray) -> int | None:
+    """Flat index of the first NaN or Inf, or None; a chunk at a time, so a memory-mapped
+    array of 10^6 rows needs no temporary of its size."""
+    flat = arr.reshape(-1)
+    for start in range(0, len(flat), _CHUNK):
+        ok = np.isfinite(flat[start : start + _CHUNK])
+        if not ok.all():
+            return start + int(np.argmin(ok))
+    return None
+
+
+def _validation_row(line: bytes, num_labels: int, where: str) -> dict[str, Any]:
+    try:
+        row = json.loads(line)
+        text, targets = row["text"], row["target_ind"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise BundleError(f"{where}: bad validation row: {exc!r}") from exc
+    if not isinstance(text, str) or not isinstance(targets, list) or not all(
+        type(t) is int and 0 <= t < num_labels for t in targets
+    ):
+        raise BundleError(f"{where}: a validation row is {{\"text\": str, \"target_ind\": [label ids < {num_labels}]}}")
+    return row

@@ -30,23 +30,30 @@ def record(predictor: Predictor, texts: Sequence[str]) -> list[CanaryQuery]:
 
 def check(predictor: Predictor) -> None:
     """Raise BundleError unless the bundle reproduces its canaries and every scorer path a
-    request can select (alpha 0, 1 and the bundle's; the tree) answers with finite scores."""
+    request can select (alpha 0, between and 1, and the bundle's; each shortlist source, which
+    every query searches; the tree) answers each text with finite scores and label ids."""
     bundle = predictor.bundle
     canaries = bundle.manifest.canary
-    texts = [c.text for c in canaries] or [bundle.labels.titles[0]]
+    # Label titles too: a canary set may miss a source (no canary text matches a token row).
+    texts = [c.text for c in canaries] + list(bundle.labels.titles[:3]) + [""]
     try:
         ids, scores = predictor.predict_ids(texts, k=CANARY_K)
-        paths = [(ids, scores), predictor.predict_ids(texts, k=CANARY_K, alpha=0.0),
-                 predictor.predict_ids(texts, k=CANARY_K, alpha=1.0)]
+        paths = {"bundle's alpha": (ids, scores)}
+        for alpha in (0.0, 0.5, 1.0):
+            paths[f"alpha {alpha}"] = predictor.predict_ids(texts, k=CANARY_K, alpha=alpha)
         if bundle.tree is not None:
-            paths.append(predictor.predict_tree_ids(texts[:1], k=CANARY_K))
+            paths["tree"] = predictor.predict_tree_ids(texts, k=CANARY_K)
     except BundleError:
         raise
     except Exception as exc:  # any runtime failure on the path disqualifies the bundle
         raise BundleError(f"{bundle.path}: canary query failed: {type(exc).__name__}: {exc}") from exc
-    for path_ids, path_scores in paths:
-        if not np.all(np.isfinite(path_scores[path_ids >= 0])):
-            raise BundleError(f"{bundle.path}: canary query produced non-finite scores")
+    for name, (path_ids, path_scores) in paths.items():
+        found = path_ids >= 0
+        if not np.all(np.isfinite(path_scores[found])) or np.any(path_ids >= predictor.num_labels):
+            raise BundleError(f"{bundle.path}: canary queries at {name} produced non-finite scores or bad label ids")
+        answered = [c.top_ids != [] for c in canaries]
+        if not found[: len(canaries)].any(axis=1)[answered].all():
+            raise BundleError(f"{bundle.path}: canary queries at {name}: a canary text found no label")
     for c, row_ids, row_scores in zip(canaries, ids[: len(canaries)], scores[: len(canaries)], strict=True):
         if not c.top_ids:
             continue

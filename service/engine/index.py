@@ -88,8 +88,27 @@ class VectorIndex:
         queries (offline use); serving calls use one.
         """
         k = min(k, self.count)
-        labels, _ = self._index.knn_query(queries, k=k, num_threads=threads)
+        try:
+            labels, _ = self._index.knn_query(queries, k=k, num_threads=threads)
+        except RuntimeError:
+            return self._search_each(queries, k)
         return labels.astype(np.int64)
+
+    def _search_each(self, queries: np.ndarray, k: int) -> np.ndarray:
+        """hnswlib refuses a batch when one query reaches fewer than k elements (a graph whose
+        entry point's component is small): answer each query with what it reaches, -1 padded."""
+        out = np.full((len(queries), k), -1, dtype=np.int64)
+        for row in range(len(queries)):
+            width = k
+            while width:
+                try:
+                    labels, _ = self._index.knn_query(queries[row : row + 1], k=width, num_threads=1)
+                except RuntimeError:
+                    width //= 2
+                    continue
+                out[row, :width] = labels[0]
+                break
+        return out
 
 
 def build_label_indices(
@@ -104,15 +123,14 @@ def build_label_indices(
 
 
 def _read_saved_index(path: Path, dim: int) -> dict[str, Any]:
-    """An index file as the state `hnswlib.Index.__setstate__` takes (its pickle format).
+    """An index file as the state `hnswlib.Index.__setstate__` takes (its pickle format),
+    checked so that hnswlib can neither read nor write outside its memory (`_check_graph`).
 
     Why not `Index.load_index`: it holds the GIL for its whole run (~40 ms for 42K x 257
     floats, longer while another core is busy), and bundles are loaded on a background
     thread of a serving process, so every in-flight request stalled that long during a hot
     swap. Here the file is read with the GIL released and parsed with numpy; only the final
     copy into hnswlib's memory holds it (~28 ms).
-    hnswlib re-checks the geometry (M, dims, offsets) against the header when it takes the
-    state, so a file from another layout is refused, not misread.
     """
     # np.empty, not bytearray: no zero-filling pass (with the GIL held) before the read.
     raw = np.empty(path.stat().st_size, dtype=np.uint8)
@@ -121,19 +139,61 @@ def _read_saved_index(path: Path, dim: int) -> dict[str, Any]:
             raise ValueError("file changed size while being read")
     if len(raw) < _HEADER.size:
         raise ValueError(f"{len(raw)} bytes, shorter than an hnswlib header")
-    (offset_level0, max_elements, count, size_per_element, label_offset, offset_data, max_level,
-     enterpoint, max_m, max_m0, m, mult, ef_construction) = _HEADER.unpack_from(raw, 0)
-    size_links = max_m * 4 + 4
+    names = ("offset_level0", "max_elements", "cur_element_count", "size_data_per_element", "label_offset",
+             "offset_data", "max_level", "enterpoint_node", "max_M", "max_M0", "M", "mult", "ef_construction")
+    header = dict(zip(names, _HEADER.unpack_from(raw, 0), strict=True))
+    _check_header(header, dim, len(raw))
+    count, size_per_element = header["cur_element_count"], header["size_data_per_element"]
     level0_end = _HEADER.size + count * size_per_element
-    if (size_per_element != offset_data + dim * 4 + 8 or label_offset + 8 > size_per_element
-            or level0_end > len(raw) or count > max_elements):
+    levels, link_lists = _upper_links(raw[level0_end:], count, header["max_M"] * 4 + 4)
+    level0 = raw[_HEADER.size : level0_end]
+    labels = np.ndarray((count,), dtype="<u8", buffer=memoryview(raw), offset=_HEADER.size + header["label_offset"],
+                        strides=(size_per_element,)).copy()
+    _check_graph(header, dim, level0, levels, link_lists, labels)
+    return {
+        **header, "ser_version": _PICKLE_VERSION, "space": "ip", "dim": dim, "index_inited": True,
+        "ep_added": True, "normalize": False, "num_threads": 1, "seed": 100,
+        "ef": 10, "has_deletions": False, "size_links_per_element": header["max_M"] * 4 + 4,
+        "allow_replace_deleted": False,
+        "label_lookup_external": labels,
+        "label_lookup_internal": np.arange(count, dtype=np.uint32),
+        "element_levels": levels,
+        "data_level0": level0.view(np.int8),
+        "link_lists": link_lists.view(np.int8),
+    }
+
+
+def _check_header(h: dict[str, Any], dim: int, file_size: int) -> None:
+    """The geometry hnswlib would compute for this M and dim, and sizes the file can hold.
+
+    hnswlib allocates max_elements blocks (and a visited list as long) before it copies
+    anything: a header may not ask for more than the file holds.
+    """
+    count, m = h["cur_element_count"], h["M"]
+    if not 2 <= m <= 10_000 or h["max_M"] != m or h["max_M0"] != 2 * m:
+        raise ValueError(f"header: M={m}, maxM={h['max_M']}, maxM0={h['max_M0']} (hnswlib writes maxM0 = 2 maxM = 2M)")
+    offset_data = h["max_M0"] * 4 + 4
+    if (h["offset_level0"] != 0 or h["offset_data"] != offset_data or h["label_offset"] != offset_data + dim * 4
+            or h["size_data_per_element"] != offset_data + dim * 4 + 8):
         raise ValueError("not an hnswlib index of this dimension (header disagrees)")
-    # The tail is 4-byte words: a header per element (its link bytes, a multiple of 4) and
-    # the links. ~1/M of the elements have upper levels, so the walk jumps over each run of
-    # zero headers instead of visiting every element in Python.
-    if (len(raw) - level0_end) % 4:
+    if count < 1 or h["max_elements"] != count:
+        raise ValueError(f"header: {count} elements of capacity {h['max_elements']} (export writes a full index)")
+    if _HEADER.size + count * h["size_data_per_element"] > file_size:
+        raise ValueError(f"file truncated: the header promises {count} elements")
+    if not 0 <= h["enterpoint_node"] < count:
+        raise ValueError(f"entry point {h['enterpoint_node']} outside the index's {count} elements")
+    if h["max_level"] < 0:
+        raise ValueError(f"header: max level {h['max_level']}")
+
+
+def _upper_links(tail: np.ndarray, count: int, size_links: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each element's level (int32 [count]) and the upper-level link lists of all elements in
+    order (uint32 words), from the file's tail: per element a byte count, then its lists."""
+    # The tail is 4-byte words. ~1/M of the elements have upper levels, so the walk jumps over
+    # each run of zero headers instead of visiting every element in Python.
+    if len(tail) % 4:
         raise ValueError("file truncated (link lists end mid-word)")
-    words = raw[level0_end:].view("<u4")
+    words = tail.view("<u4")
     nonzero = np.flatnonzero(words)
     levels = np.zeros(count, dtype=np.int32)
     links: list[np.ndarray] = []
@@ -156,22 +216,48 @@ def _read_saved_index(path: Path, dim: int) -> dict[str, Any]:
         i, j = i + 1, end
     if j != len(words):
         raise ValueError(f"{4 * (len(words) - j)} trailing bytes: file truncated or corrupted")
-    link_lists = np.concatenate(links).view(np.int8) if links else np.zeros(0, dtype=np.int8)
-    level0 = raw[_HEADER.size : level0_end].view(np.int8)
-    labels = np.ndarray((count,), dtype="<u8", buffer=memoryview(raw), offset=_HEADER.size + label_offset,
-                        strides=(size_per_element,)).copy()
-    return {
-        "ser_version": _PICKLE_VERSION, "space": "ip", "dim": dim, "index_inited": True,
-        "ep_added": True, "normalize": False, "num_threads": 1, "seed": 100,
-        "offset_level0": offset_level0, "max_elements": max_elements, "cur_element_count": count,
-        "size_data_per_element": size_per_element, "label_offset": label_offset,
-        "offset_data": offset_data, "max_level": max_level, "enterpoint_node": enterpoint,
-        "max_M": max_m, "max_M0": max_m0, "M": m, "mult": mult, "ef_construction": ef_construction,
-        "ef": 10, "has_deletions": False, "size_links_per_element": size_links,
-        "allow_replace_deleted": False,
-        "label_lookup_external": labels,
-        "label_lookup_internal": np.arange(count, dtype=np.uint32),
-        "element_levels": levels,
-        "data_level0": level0,
-        "link_lists": link_lists,
-    }
+    return levels, np.concatenate(links) if links else np.zeros(0, dtype="<u4")
+
+
+def _check_graph(h: dict[str, Any], dim: int, level0: np.ndarray, levels: np.ndarray, link_lists: np.ndarray,
+                 labels: np.ndarray) -> None:
+    """Everything a search reads is inside the index: every link count within its list, every
+    neighbour id an element, every level-l neighbour an element with level >= l, the entry
+    point on the top level; labels are each element's row, once; vectors are finite.
+
+    hnswlib trusts all of it (a neighbour id past the end is read as a vector; a level past an
+    element's own reads past its link lists), so a damaged graph would crash the process or
+    answer from stray memory.
+    """
+    count, max_m0, max_m = h["cur_element_count"], h["max_M0"], h["max_M"]
+    top = int(levels.max())
+    if h["max_level"] != top or levels[h["enterpoint_node"]] != top:
+        raise ValueError(f"header: max level {h['max_level']} and entry point {h['enterpoint_node']} "
+                         f"(level {levels[h['enterpoint_node']]}) disagree with the elements' levels (top {top})")
+    blocks = level0.view("<u4").reshape(count, -1)
+    _check_links(blocks[:, : 1 + max_m0], None, levels, "level 0")
+    if link_lists.size:
+        # Element i's lists are for levels 1..levels[i], in that order.
+        level_of = np.arange(int(levels.sum())) - np.repeat(np.cumsum(levels) - levels, levels) + 1
+        _check_links(link_lists.reshape(-1, 1 + max_m), level_of, levels, "upper levels")
+    offset = h["offset_data"] // 4
+    vectors = blocks[:, offset : offset + dim].view("<f4")
+    if not np.isfinite(vectors).all():
+        raise ValueError(f"vector {int(np.flatnonzero(~np.isfinite(vectors).all(axis=1))[0])} is not finite")
+    if labels.max() >= count or np.bincount(labels.astype(np.int64), minlength=count).max() != 1:
+        raise ValueError(f"element labels are not the rows 0..{count - 1}, each once")
+
+
+def _check_links(lists: np.ndarray, level_of: np.ndarray | None, levels: np.ndarray, where: str) -> None:
+    """lists: uint32 [n, 1 + max links], each a link count (low 16 bits, as hnswlib reads it)
+    then ids; level_of [n]: the level each list links on (None: level 0, which every element has)."""
+    sizes = lists[:, 0] & 0xFFFF
+    width = lists.shape[1] - 1
+    if (sizes > width).any():
+        raise ValueError(f"{where}: a link list holds {int(sizes.max())} links, at most {width} fit")
+    used = np.arange(width) < sizes[:, None]
+    ids = lists[:, 1:][used]
+    if ids.size and ids.max() >= len(levels):
+        raise ValueError(f"{where}: neighbour id {int(ids.max())} outside the index's {len(levels)} elements")
+    if level_of is not None and ids.size and (levels[ids] < np.repeat(level_of, sizes)).any():
+        raise ValueError(f"{where}: a link to an element that has no list on that level")

@@ -86,7 +86,12 @@ class Predictor:
     def load(cls, path: str | Path, options: PredictorOptions | None = None) -> Predictor:
         """Open the bundle at `path`, check it (files, shapes, sources, canaries) and predict
         with `options`; raises BundleError naming what is wrong, releasing what was opened."""
-        bundle = Bundle.open(path)
+        try:
+            bundle = Bundle.open(path)
+        except BundleError:
+            raise
+        except Exception as exc:  # a reader's own error type on a damaged file: still a refusal
+            raise BundleError(f"{path}: cannot be opened: {type(exc).__name__}: {exc}") from exc
         try:
             predictor = cls(bundle, options)
             canary.check(predictor if predictor.answers_as_exported else cls(bundle))

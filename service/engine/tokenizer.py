@@ -139,8 +139,18 @@ class Tokenizer:
             data = orjson.loads(path.read_bytes())
         except (OSError, ValueError) as exc:
             raise ValueError(f"{path}: cannot read tokenizer: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: a tokenizer is a JSON object")
         if data.get("format") != TOKENIZER_FORMAT:
             raise ValueError(f"{path}: tokenizer format {data.get('format')!r}, expected {TOKENIZER_FORMAT}")
         if data.get("token_pattern") != _TOKEN_RE.pattern:
             raise ValueError(f"{path}: tokenizer was built with another token pattern")
-        return cls(data["vocab"], data["idf"], max_tokens=data.get("max_tokens", 64))
+        try:
+            tokenizer = cls(data["vocab"], data["idf"], max_tokens=data.get("max_tokens", 64))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{path}: bad tokenizer: {exc!r}") from exc
+        if not all(isinstance(token, str) for token in tokenizer.vocab):
+            raise ValueError(f"{path}: vocabulary entries must be strings")
+        if not (np.isfinite(tokenizer.idf).all() and (tokenizer.idf >= 0).all()):
+            raise ValueError(f"{path}: idf values must be finite and >= 0")
+        return tokenizer
