@@ -19,7 +19,12 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--text-field", default="title", choices=["title", "title+content"])
     p.add_argument("--config", help="JSON file of hyper-parameters overriding the defaults")
     p.add_argument("--seed", type=int, default=None, help="overrides the config's seed")
-    p.set_defaults(handler="training.pipeline:run_cli")
+    p.add_argument("--aggregated", action="store_true",
+                   help="grouped data (labels per group of documents, training/grouped.py): impute per-document "
+                        "labels with EAGLE, then train on them")
+    p.add_argument("--aggregated-rounds", type=int, default=None,
+                   help="2: re-impute with the trained encoder's embeddings and retrain (config aggregated_rounds)")
+    p.set_defaults(handler="training.train_cli:run_cli")
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -30,6 +35,19 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--test-docs", type=int, default=2000)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(handler="training.synthetic:run_cli")
+
+
+def _add_data(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("data", help="dataset tools")
+    data_sub = p.add_subparsers(dest="data_command", required=True)
+    a = data_sub.add_parser("aggregate", help="grouped data (labels per group of documents) from an ordinary dataset")
+    a.add_argument("--data", required=True, help="an XC raw-text dataset folder")
+    a.add_argument("--out", required=True, help="folder to write the grouped dataset to")
+    a.add_argument("--group-size", type=int, required=True)
+    a.add_argument("--grouping", default="random", choices=["random", "clustered"],
+                   help="clustered: leaves of a balanced hierarchical 2-means on TF-IDF (alike documents together)")
+    a.add_argument("--seed", type=int, default=0)
+    a.set_defaults(handler="training.aggregate_data:run_cli")
 
 
 def _add_export(sub: argparse._SubParsersAction) -> None:
@@ -84,7 +102,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shortlist", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_train, _add_generate, _add_export, _add_eval, _add_serve, _add_demo):
+    for add in (_add_train, _add_generate, _add_data, _add_export, _add_eval, _add_serve, _add_demo):
         add(sub)
     return parser
 

@@ -105,6 +105,13 @@ class TrainConfig:
     lexical_batch_size: int = 1024
     # the adversarial tree scorer (training/tree_train.py)
     tree_enabled: bool = True
+    # Grouped data (`shortlist train --aggregated`, training/aggregated.py): EAGLE's Algorithm 1
+    # iterations T and step lambda, and the rounds of imputation (2: re-impute with the first
+    # round's encoder embeddings, then retrain). T and lambda were set before any measurement
+    # and not tuned on per-document labels (the setting has none).
+    aggregated_iterations: int = 10
+    aggregated_step: float = 0.5
+    aggregated_rounds: int = 1
     tree: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -166,6 +173,10 @@ class TrainConfig:
             if isinstance(value, bool) or not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         check_objective(self.tune_objective)
+        if self.aggregated_iterations < 0 or self.aggregated_rounds < 1:
+            raise ValueError("aggregated_iterations must be >= 0 and aggregated_rounds >= 1")
+        if not 0.0 < self.aggregated_step <= 1.0:
+            raise ValueError(f"aggregated_step must be in (0, 1], got {self.aggregated_step}")
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -79,7 +79,7 @@ def _require_split_file(data_dir: str | Path, split: str) -> Path:
     return path
 
 
-def _iter_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+def iter_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     opener = gzip.open if path.name.endswith(".gz") else open
     try:
         with opener(path, "rt", encoding="utf-8") as f:
@@ -97,7 +97,7 @@ def _iter_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
         raise ValueError(f"{path}: cannot read file: {exc}") from None
 
 
-def _text(row: dict[str, Any], text_field: TextField, path: Path, lineno: int) -> str:
+def row_text(row: dict[str, Any], text_field: TextField, path: Path, lineno: int) -> str:
     for name in ("title", "content") if text_field == "title+content" else ("title",):
         if name not in row:
             raise ValueError(f"{path}:{lineno}: missing field {name!r}")
@@ -120,10 +120,10 @@ def load_labels(data_dir: str | Path, text_field: TextField = "title") -> LabelS
     uids: list[str] = []
     titles: list[str] = []
     texts: list[str] = []
-    for lineno, row in _iter_rows(path):
+    for lineno, row in iter_rows(path):
         if "uid" not in row:
             raise ValueError(f"{path}:{lineno}: missing field 'uid'")
-        text = _text(row, text_field, path, lineno)
+        text = row_text(row, text_field, path, lineno)
         if not text:
             raise ValueError(f"{path}:{lineno}: empty label text (label {row['uid']!r})")
         uids.append(str(row["uid"]))
@@ -143,11 +143,11 @@ def load_split(
     uids: list[str] = []
     texts: list[str] = []
     targets: list[list[int]] = []
-    for lineno, row in _iter_rows(path):
+    for lineno, row in iter_rows(path):
         for name in ("uid", "target_ind"):
             if name not in row:
                 raise ValueError(f"{path}:{lineno}: missing field {name!r}")
-        text = _text(row, text_field, path, lineno)
+        text = row_text(row, text_field, path, lineno)
         target = row["target_ind"]
         if not isinstance(target, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) for t in target
@@ -179,7 +179,7 @@ def _sha256(path: Path) -> str:
 def fingerprint(data_dir: str | Path, counts: dict[str, int] | None = None) -> dict[str, Any]:
     """sha256 of each dataset file plus row counts, so a checkpoint names the data it saw."""
     files = {}
-    for split in ("trn", "tst", "lbl"):
+    for split in ("trn", "tst", "lbl", "groups"):
         path = find_split_file(data_dir, split)
         if path is not None:
             files[path.name] = _sha256(path)

@@ -41,9 +41,11 @@ class TrainingSet:
         return len(self.labels)
 
     @classmethod
-    def load(cls, data_dir: str | Path, cfg: TrainConfig, text_field: str, rng: np.random.Generator) -> TrainingSet:
+    def load(cls, data_dir: str | Path, cfg: TrainConfig, text_field: str, rng: np.random.Generator,
+             trn: xc_data.Split | None = None) -> TrainingSet:
+        """data_dir's splits; `trn` replaces its training documents (labels imputed from groups)."""
         labels = xc_data.load_labels(data_dir, text_field)
-        full_trn = xc_data.load_split(data_dir, "trn", text_field, len(labels))
+        full_trn = trn if trn is not None else xc_data.load_split(data_dir, "trn", text_field, len(labels))
         if len(full_trn) < 2:
             raise ValueError(f"{data_dir}: need at least 2 training documents, found {len(full_trn)}")
         has_tst = xc_data.find_split_file(data_dir, "tst") is not None

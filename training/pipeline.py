@@ -3,11 +3,8 @@ scoring and the tree, on an XC raw-text dataset -> Checkpoint. Read `_train` top
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import os
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, replace
@@ -26,6 +23,7 @@ from training.centroids import Centroids, hard_negative_shortlists
 from training.checkpoint import Checkpoint
 from training.classifiers import OneVsAll
 from training.config import TrainConfig
+from training.data import Split, find_split_file
 from training.dataset import TrainingSet
 from training.encoder import SiameseEncoder, embed
 from training.report import Report
@@ -39,18 +37,21 @@ IDENTITY = Calibration("identity")
 
 
 def train(data_dir: str | Path, config: TrainConfig | None = None, text_field: str = "title",
-          seed: int | None = None) -> Checkpoint:
-    """Train on data_dir's trn (validation carved from it); test metrics on tst when present."""
+          seed: int | None = None, trn: Split | None = None) -> Checkpoint:
+    """Train on data_dir's trn (validation carved from it); test metrics on tst when present.
+    `trn` replaces data_dir's training documents (training/aggregated.py passes imputed ones)."""
     cfg = replace(config or TrainConfig(), **({} if seed is None else {"seed": int(seed)}))
     cfg.validate()
+    if trn is None and find_split_file(data_dir, "groups") is not None:
+        raise ValueError(f"{data_dir}: grouped data (it has a groups file): train it with --aggregated")
     with _torch_settings(cfg):
-        return _train(Path(data_dir), cfg, text_field)
+        return _train(Path(data_dir), cfg, text_field, trn)
 
 
-def _train(data_dir: Path, cfg: TrainConfig, text_field: str) -> Checkpoint:
+def _train(data_dir: Path, cfg: TrainConfig, text_field: str, trn: Split | None = None) -> Checkpoint:
     device, rng, report = _device(cfg), np.random.default_rng(cfg.seed), Report()
     with report.stage("data"):
-        data = TrainingSet.load(data_dir, cfg, text_field, rng)
+        data = TrainingSet.load(data_dir, cfg, text_field, rng, trn)
     ann = AnnParams(cfg.hnsw_m, cfg.hnsw_ef_construction, cfg.hnsw_ef, _threads(cfg))
     encoder = SiameseEncoder(data.tokenizer.vocab_size, cfg.dim, seed=cfg.seed).to(device)
     with report.stage("module1"):
@@ -127,13 +128,3 @@ def _device(cfg: TrainConfig) -> torch.device:
 
 def _threads(cfg: TrainConfig) -> int:
     return cfg.threads if cfg.threads > 0 else (os.cpu_count() or 1)
-
-
-def run_cli(args: argparse.Namespace) -> int:
-    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(message)s")
-    cfg = TrainConfig.from_json(args.config) if args.config else TrainConfig()
-    ckpt = train(args.data, cfg, text_field=args.text_field, seed=args.seed)
-    out = ckpt.save(args.out)
-    print(json.dumps({"checkpoint": str(out), "metrics": ckpt.metrics, "scoring": ckpt.scoring.model_dump()},
-                     indent=2))
-    return 0

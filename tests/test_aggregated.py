@@ -1,0 +1,145 @@
+"""Training from aggregated (group-level) labels: the grouped format, EAGLE's imputation, the CLI."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+from shortlist.cli import main as cli
+from training import data as xc_data
+from training.aggregate_data import aggregate, clustered_groups, random_groups
+from training.aggregated import impute, tfidf_features
+from training.config import TrainConfig
+from training.eagle import EagleImputer, _normalize
+from training.grouped import load_grouped
+from training.synthetic import generate
+
+
+def _toy() -> tuple[np.ndarray, sp.csr_matrix, sp.csr_matrix, np.ndarray]:
+    """Three groups of two documents, x and -x; labels 0 and 1 both tag all three groups."""
+    x = np.array([3.0, 4.0, 0.0], dtype=np.float32)
+    features = np.vstack([x, -x] * 3)
+    members = sp.csr_matrix(np.kron(np.eye(3), np.ones((1, 2))))
+    group_labels = sp.csr_matrix(np.ones((3, 2)))
+    return features, members, group_labels, x / np.linalg.norm(x)
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_the_papers_toy_example(sparse: bool) -> None:
+    features, members, group_labels, unit_x = _toy()
+    naive = _normalize(np.asarray(group_labels.T @ members @ features))
+    assert np.allclose(naive, 0.0)  # the union of the groups' members cancels out
+    imputer = EagleImputer(iterations=10, step=0.5, seed=3).fit(
+        sp.csr_matrix(features) if sparse else features, members, group_labels)
+    vectors = imputer.label_vectors_.toarray() if sparse else imputer.label_vectors_
+    for v in vectors:  # a seeded member of one of the label's groups breaks the tie: +x or -x, unit norm
+        assert np.isclose(np.linalg.norm(v), 1.0) and np.isclose(abs(float(v @ unit_x)), 1.0)
+    imputed = imputer.impute()
+    for group in range(3):
+        first, second = imputed[2 * group], imputed[2 * group + 1]
+        assert sorted(first + second) == [0, 1]  # each of the group's labels goes to exactly one member
+        for label, v in enumerate(vectors):  # ... the member on its vector's side
+            owner = 2 * group if float(v @ unit_x) > 0 else 2 * group + 1
+            assert label in imputed[owner]
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("aggregated")
+    generate(root / "data", num_labels=200, train_docs=1200, test_docs=200, seed=5)
+    return {g: aggregate(root / "data", root / g, 4, g, seed=1) and root / g for g in ("random", "clustered")} | {
+        "data": root / "data"}
+
+
+@pytest.mark.parametrize("grouping", ["random", "clustered"])
+def test_imputation_recovers_planted_labels_far_above_chance(planted: dict[str, Path], grouping: str) -> None:
+    labels = xc_data.load_labels(planted["data"])
+    truth = xc_data.load_split(planted["data"], "trn", "title", len(labels)).targets
+    grouped = load_grouped(planted[grouping], "title", len(labels))
+    imputed = impute(grouped, tfidf_features(grouped.texts, labels.texts, TrainConfig()), len(labels), TrainConfig())
+    naive = [grouped.group_targets[g] for g in grouped.group_of]
+
+    def precision(guess: list[list[int]]) -> float:
+        return sum(len(set(a) & set(b)) for a, b in zip(guess, truth, strict=True)) / sum(map(len, guess))
+
+    # Chance is the naive precision: a group label belongs to ~1 of its 4 members.
+    assert precision(imputed) >= max(0.7, 2 * precision(naive)), (precision(imputed), precision(naive))
+    # Dense features (a second round's embeddings) take the same path to the same answer, but
+    # for near-ties that float32 sums in another order break the other way.
+    x = tfidf_features(grouped.texts, labels.texts, TrainConfig())
+    dense = impute(grouped, x.toarray(), len(labels), TrainConfig())
+    assert np.mean([a == b for a, b in zip(dense, impute(grouped, x, len(labels), TrainConfig()), strict=True)]) > 0.98
+
+
+def test_groupings_cover_every_document_once_and_clustered_groups_are_alike(planted: dict[str, Path]) -> None:
+    labels = xc_data.load_labels(planted["data"])
+    trn = xc_data.load_split(planted["data"], "trn", "title", len(labels))
+    x = tfidf_features(trn.texts, labels.texts, TrainConfig())
+    similarity = {}
+    for name, group_of in (("random", random_groups(len(trn), 4, 0)), ("clustered", clustered_groups(x, 4, 0))):
+        sizes = np.bincount(group_of)
+        assert sizes.sum() == len(trn) and sizes.max() <= 4 and (sizes > 0).all()
+        centroid = sp.csr_matrix((np.ones(len(trn)), (group_of, np.arange(len(trn))))) @ x
+        similarity[name] = float(np.mean(np.asarray(x.multiply(centroid[group_of]).sum(axis=1))))
+    assert similarity["clustered"] > 1.3 * similarity["random"], similarity
+
+
+def _write(path: Path, rows: list[dict]) -> None:
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+LBL = [{"uid": f"l{i}", "title": f"label {i}", "content": ""} for i in range(3)]
+DOCS = [{"uid": "d0", "title": "a b", "content": "", "group": "g0"},
+        {"uid": "d1", "title": "c", "content": "", "group": 7}]
+GROUPS = [{"uid": "g0", "target_ind": [0, 1]}, {"uid": "7", "target_ind": [2]}]
+
+
+@pytest.mark.parametrize(("docs", "groups", "message"), [
+    ([{**DOCS[0], "group": None}, DOCS[1]], GROUPS, r"trn\.json\.gz:1: field 'group' must be a string or an integer"),
+    ([{k: v for k, v in DOCS[0].items() if k != "group"}, DOCS[1]], GROUPS, r"trn\.json\.gz:1: missing field 'group'"),
+    ([DOCS[0], {**DOCS[1], "group": "g9"}], GROUPS, r"trn\.json\.gz:2: group 'g9' is not in groups\.json\.gz"),
+    ([DOCS[0]], GROUPS, r"groups\.json\.gz:2: group '7' has no document"),
+    (DOCS, [GROUPS[0], {"uid": "7", "target_ind": [3]}], r"groups\.json\.gz:2: target_ind 3 out of range"),
+    (DOCS, [GROUPS[0], {"uid": "7", "target_ind": ["2"]}], r"groups\.json\.gz:2: target_ind must be a list"),
+    (DOCS, [GROUPS[0], GROUPS[1], {"uid": "g0", "target_ind": []}], r"groups\.json\.gz:3: group 'g0' listed twice"),
+    (DOCS, [GROUPS[0], {"target_ind": [1]}], r"groups\.json\.gz:2: missing field 'uid'"),
+])
+def test_bad_grouped_data_is_refused_naming_file_and_line(tmp_path: Path, docs, groups, message) -> None:
+    _write(tmp_path / "lbl.json.gz", LBL)
+    _write(tmp_path / "trn.json.gz", docs)
+    _write(tmp_path / "groups.json.gz", groups)
+    with pytest.raises(ValueError, match=message):
+        load_grouped(tmp_path, "title", len(LBL))
+
+
+def test_good_grouped_data_loads_and_a_missing_groups_file_is_named(tmp_path: Path) -> None:
+    _write(tmp_path / "lbl.json.gz", LBL)
+    _write(tmp_path / "trn.json.gz", DOCS)
+    with pytest.raises(FileNotFoundError, match="no groups file"):
+        load_grouped(tmp_path, "title", len(LBL))
+    _write(tmp_path / "groups.json.gz", GROUPS)
+    grouped = load_grouped(tmp_path, "title", len(LBL))
+    assert grouped.group_of.tolist() == [0, 1] and grouped.group_targets == [[0, 1], [2]]
+
+
+def test_cli_aggregates_then_trains_two_rounds(planted: dict[str, Path], tmp_path: Path, capsys) -> None:
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps({"preset": "tiny", "tree_enabled": False}))
+    assert cli(["data", "aggregate", "--data", str(planted["data"]), "--out", str(tmp_path / "g"),
+                "--group-size", "4", "--grouping", "random"]) == 0
+    assert cli(["train", "--data", str(tmp_path / "g"), "--out", str(tmp_path / "ckpt"), "--config", str(config),
+                "--aggregated", "--aggregated-rounds", "2"]) == 0
+    report = json.loads(capsys.readouterr().out.split("\n", 1)[1])
+    info = report["metrics"]["aggregated"]
+    assert info["rounds"] == 2 and len(info["imputation_s"]) == 2 and info["groups"] == 300
+    # Far above chance (1/200) on the per-document test split.
+    assert report["metrics"]["module3"]["combined"]["P@1"] > 10
+    # Without --aggregated, grouped data is not mistaken for ordinary data.
+    assert cli(["train", "--data", str(tmp_path / "g"), "--out", str(tmp_path / "c2"), "--config", str(config)]) == 2
+    assert "grouped data (it has a groups file): train it with --aggregated" in capsys.readouterr().err
