@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse, Response
 from service.api.active_state import ActiveVersionFile
 from service.api.admin import admin_router
 from service.api.batching import EngineRunner
-from service.api.dependencies import ServiceState, State
+from service.api.dependencies import AuthFailures, ServiceState, State
 from service.api.errors import install_error_handlers
 from service.api.observability import ObservabilityMiddleware, ServiceMetrics, error_log, setup_logging
 from service.api.predict import predict_router
@@ -48,7 +48,8 @@ def build_state(settings: Settings) -> ServiceState:
         max_wait_s=settings.batch_max_wait_ms / 1000.0,
         on_batch=lambda scorer, n: metrics.batch_size.labels(scorer).observe(n),
     )
-    return ServiceState(settings, registry, runner, metrics, RequestModels(settings))
+    return ServiceState(settings, registry, runner, metrics, RequestModels(settings),
+                        AuthFailures(settings.admin_auth_failures_per_minute))
 
 
 def _remembered(settings: Settings) -> ActiveVersionFile | None:
@@ -63,20 +64,22 @@ def _remembered(settings: Settings) -> ActiveVersionFile | None:
 def _probes() -> APIRouter:
     router = APIRouter()
 
-    @router.get("/healthz", response_model=Health, summary="liveness: 200 while the process serves")
+    # HEAD too: load balancers and orchestrators probe with it.
+    @router.api_route("/healthz", methods=["GET", "HEAD"], response_model=Health,
+                      summary="liveness: 200 while the process serves")
     async def healthz(state: State) -> Health:
         return Health(status="ok", version=state.registry.active_version)
 
-    @router.get("/readyz", response_model=Health, responses={503: {"model": Health}},
-                summary="readiness: 200 once a validated bundle serves, 503 before")
+    @router.api_route("/readyz", methods=["GET", "HEAD"], response_model=Health, responses={503: {"model": Health}},
+                      summary="readiness: 200 once a validated bundle serves, 503 before")
     async def readyz(state: State) -> Response:
         version = state.registry.active_version
         if version is None:
             return JSONResponse({"status": "not ready", "version": None}, status_code=503)
         return JSONResponse({"status": "ready", "version": version})
 
-    @router.get("/metrics", response_class=Response, summary="Prometheus text format",
-                responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
+    @router.api_route("/metrics", methods=["GET", "HEAD"], response_class=Response, summary="Prometheus text format",
+                      responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
     async def metrics(state: State) -> Response:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -89,7 +92,7 @@ def _new_app(state: ServiceState, title: str, lifespan: object = None) -> FastAP
                   description="Extreme multi-label label shortlisting: top-k labels for short texts.")
     app.state.service = state
     install_error_handlers(app)
-    app.add_middleware(RequestBodyMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestBodyMiddleware, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
     # Added last, so outermost: request ids, metrics and the access log cover every response.
     app.add_middleware(ObservabilityMiddleware, metrics=state.metrics, access_log_enabled=settings.access_log)
     return app

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -19,6 +20,34 @@ from service.api.schemas import RequestModels
 from service.api.settings import Settings
 
 
+class AuthFailures:
+    """Wrong admin tokens per client address in the current minute: past the budget, the
+    client's admin requests get 429 until the minute is over (guessing slowed to that rate)."""
+
+    WINDOW_S = 60.0
+
+    def __init__(self, per_minute: int) -> None:
+        self.per_minute = per_minute
+        self._window_start = time.monotonic()
+        self._counts: dict[str, int] = {}
+
+    def _roll(self) -> None:
+        now = time.monotonic()
+        if now - self._window_start >= self.WINDOW_S:
+            self._window_start, self._counts = now, {}  # bounded: one entry per address per minute
+
+    def retry_after(self, client: str) -> int | None:
+        """Seconds until `client` may try again, or None while within its budget."""
+        self._roll()
+        if self._counts.get(client, 0) < self.per_minute:
+            return None
+        return max(1, int(self.WINDOW_S - (time.monotonic() - self._window_start)) + 1)
+
+    def record(self, client: str) -> None:
+        self._roll()
+        self._counts[client] = self._counts.get(client, 0) + 1
+
+
 @dataclass
 class ServiceState:
     """What the routes share, made once per process by the app factory (app.state.service)."""
@@ -28,6 +57,7 @@ class ServiceState:
     runner: EngineRunner
     metrics: ServiceMetrics
     models: RequestModels
+    auth_failures: AuthFailures
 
 
 def service_state(request: Request) -> ServiceState:
@@ -62,9 +92,15 @@ def lease_engine(request: Request) -> Iterator[Engine]:
         raise ApiError(503, "not_ready", "no validated bundle is loaded yet") from None
 
 
-async def require_admin(state: State,
+async def require_admin(state: State, request: Request,
                         authorization: Annotated[str | None, Header(include_in_schema=False)] = None) -> None:
-    """A bearer token equal to the configured admin token (compared in constant time)."""
+    """A bearer token equal to the configured admin token (compared in constant time), from a
+    client that has not spent its budget of wrong tokens (429 with Retry-After)."""
+    client = request.client.host if request.client else "unknown"
+    wait = state.auth_failures.retry_after(client)
+    if wait is not None:
+        raise ApiError(429, "too_many_requests", f"too many wrong admin tokens from {client}: retry in {wait} s",
+                       headers={"Retry-After": str(wait)})
     challenge = {"WWW-Authenticate": "Bearer"}
     if not authorization:
         raise ApiError(401, "unauthorized", "admin routes need an Authorization: Bearer token", headers=challenge)
@@ -73,4 +109,5 @@ async def require_admin(state: State,
         raise ApiError(401, "unauthorized", "the Authorization header must be 'Bearer <token>'", headers=challenge)
     expected = state.settings.admin_token
     if expected is None or not hmac.compare_digest(token.strip().encode(), expected.get_secret_value().encode()):
+        state.auth_failures.record(client)
         raise ApiError(403, "forbidden", "wrong admin token")

@@ -7,18 +7,20 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from service.api.schemas import NON_BLANK, ErrorDetail, ErrorResponse
 from service.engine.schema import VERSION_RE
 
+MAX_DETAILS = 10
 # What a failed pattern means, in words.
 _PATTERNS = {
     NON_BLANK: "text is empty or whitespace-only",
     VERSION_RE.pattern: "use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit",
 }
-_HTTP_CODES = {400: "bad_request", 404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
+_HTTP_CODES = {400: "bad_request", 404: "not_found", 405: "method_not_allowed", 408: "request_timeout",
+               413: "body_too_large", 429: "too_many_requests"}
 
 
 class ApiError(Exception):
@@ -73,13 +75,20 @@ async def _validation_error(request: Request, exc: Exception) -> Response:
         reason = errors[0].get("ctx", {}).get("error", "syntax error")
         return error_response(request, ApiError(400, "malformed_json", f"body is not valid JSON: {reason} at byte "
                                                 f"{errors[0]['loc'][-1]}"))
-    details = [ErrorDetail(field=field_name(tuple(e["loc"])), message=_message(e)) for e in errors]
+    # At most MAX_DETAILS named: 1,000 bad list items must not make an answer larger than the request.
+    details = [ErrorDetail(field=field_name(tuple(e["loc"])), message=_message(e)) for e in errors[:MAX_DETAILS]]
     summary = "; ".join(f"{d.field}: {d.message}" for d in details)
+    if len(errors) > MAX_DETAILS:
+        summary += f"; and {len(errors) - MAX_DETAILS} more problems"
     return error_response(request, ApiError(422, "invalid_request", summary, details))
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, StarletteHTTPException)
+    if isinstance(exc.__cause__, ClientDisconnect):
+        # FastAPI reports a client gone mid-body as a 400 "error parsing the body": there is no
+        # one to answer; the observability middleware counts it apart from errors.
+        raise exc.__cause__
     where = f"{request.method} {request.url.path}"
     message = f"{where}: {exc.detail}"
     code = _HTTP_CODES.get(exc.status_code, "http_error")

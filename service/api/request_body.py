@@ -1,5 +1,6 @@
-"""Request bodies at the door: UTF-8 JSON only (415) and at most `max_bytes` (413), answered
-with the one error body.
+"""Request bodies at the door: UTF-8 JSON only, uncompressed (415), at most `max_bytes` (413),
+arriving within `timeout_s` of the request head (408, connection closed), answered with the one
+error body.
 
 A middleware rather than dependencies: Starlette's own limiter answers a declared oversize
 body with a plain-text 413 from outside the app's middleware (no error body, no request id),
@@ -9,6 +10,8 @@ dependency solver (5% of predict's req/s at one connection, bench/http_bench.py)
 
 from __future__ import annotations
 
+import asyncio
+
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -16,9 +19,10 @@ from service.api.errors import error_json
 
 
 class RequestBodyMiddleware:
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -27,17 +31,25 @@ class RequestBodyMiddleware:
         headers = dict(scope.get("headers", ()))
         declared = _content_length(headers)
         has_body = (declared or 0) > 0 or b"transfer-encoding" in headers
-        refusal = _media_type_refusal(headers.get(b"content-type")) if has_body else None
+        refusal = _body_refusal(headers) if has_body else None
         if refusal is None and declared is not None and declared > self.max_bytes:
             refusal = (413, "body_too_large", f"body is {declared} bytes, the limit is {self.max_bytes}")
         if refusal is not None:
             await _refuse(scope, send, *refusal)
             return
         received = 0
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
 
         async def counted() -> Message:
             nonlocal received
-            message = await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                # A body trickling in (a byte a second) would hold a worker slot and SIGTERM's
+                # drain for as long as the client likes; "connection: close" drops the rest.
+                raise HTTPException(408, f"the body did not arrive within {self.timeout_s:g} s",
+                                    headers={"connection": "close"}) from None
             received += len(message.get("body", b""))
             if received > self.max_bytes:  # chunked uploads declare no length: stop at the limit
                 raise HTTPException(413, f"body exceeds the limit of {self.max_bytes} bytes")
@@ -46,15 +58,19 @@ class RequestBodyMiddleware:
         await self.app(scope, counted, send)
 
 
-def _media_type_refusal(content_type: bytes | None) -> tuple[int, str, str] | None:
-    """Why a body of this content type is refused (415), or None for UTF-8 JSON."""
-    value = (content_type or b"").decode("latin-1")
-    media, _, params = value.partition(";")
+def _body_refusal(headers: dict[bytes, bytes]) -> tuple[int, str, str] | None:
+    """Why a body with these headers is refused (415), or None for uncompressed UTF-8 JSON."""
+    encoding = headers.get(b"content-encoding", b"identity").decode("latin-1").strip().lower()
+    if encoding not in ("", "identity"):
+        return 415, "unsupported_media_type", f"content-encoding {encoding!r} is not accepted: send it uncompressed"
+    value = headers.get(b"content-type", b"").decode("latin-1")
+    media, _, rest = value.partition(";")
     if media.strip().lower() != "application/json":
         return 415, "unsupported_media_type", f"content-type must be application/json, got {value or 'none'!r}"
-    charset = params.strip().lower().replace(" ", "")
-    if charset and charset not in ("charset=utf-8", "charset=utf8"):
-        return 415, "unsupported_media_type", f"only UTF-8 bodies are accepted, got {params.strip()!r}"
+    for param in rest.split(";"):
+        name, _, arg = param.partition("=")
+        if name.strip().lower() == "charset" and arg.strip().strip('"').lower() not in ("utf-8", "utf8"):
+            return 415, "unsupported_media_type", f"only UTF-8 bodies are accepted, got charset {arg.strip()!r}"
     return None
 
 

@@ -8,6 +8,7 @@ import asyncio
 import uvicorn
 
 from service.api.app import build_state, create_admin_app, create_app, initial_load, shutdown
+from service.api.http_protocol import protocol_kwargs
 from service.api.settings import Settings
 
 
@@ -24,7 +25,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 def _config(app: object, host: str, port: int, settings: Settings) -> uvicorn.Config:
     # access_log off: the app writes its own JSON access log with request ids and versions.
     return uvicorn.Config(app, host=host, port=port, access_log=False, log_level=settings.log_level,
-                          timeout_graceful_shutdown=int(settings.drain_timeout_s) or None)
+                          timeout_graceful_shutdown=int(settings.drain_timeout_s) or None, **protocol_kwargs(settings))
 
 
 async def _serve_two(settings: Settings) -> None:

@@ -46,6 +46,19 @@ class Settings(BaseSettings):
     max_beam: int = Field(256, ge=1)
     max_exclude: int = Field(1000, ge=0)
 
+    # What a client may hold before (and while) its request reaches the app (service/api/
+    # http_protocol.py, request_body.py). Connections past max_connections get a 503 and are
+    # closed (each open socket holds a file descriptor); a request head (request line and
+    # headers) must arrive within header_timeout_s of its first byte (of the connection, for a
+    # new one: a socket that never sends is closed) and within max_header_bytes (431 past it,
+    # refused before it is buffered); a body must arrive within body_timeout_s of its head
+    # (408). Idle keep-alive connections close after keep_alive_timeout_s.
+    max_connections: int = Field(1000, ge=1, le=1_000_000)
+    header_timeout_s: float = Field(10.0, gt=0.0, le=3600.0)
+    max_header_bytes: int = Field(32_768, ge=1024, le=16_777_216)
+    body_timeout_s: float = Field(30.0, gt=0.0, le=3600.0)
+    keep_alive_timeout_s: float = Field(5.0, gt=0.0, le=3600.0)
+
     # Admin API: off unless a token is set; optionally on its own port.
     admin_token: SecretStr | None = None
     admin_host: str | None = None
@@ -53,6 +66,9 @@ class Settings(BaseSettings):
     # Quality gate at activation, on the bundle's stored validation rows: P@1 (percent) must
     # reach this floor. None disables the gate.
     quality_gate_min_p1: float | None = Field(None, ge=0.0, le=100.0)
+    # Wrong admin tokens a client (by address) may send per minute before its admin requests get
+    # 429 for the rest of the minute: token guessing is slowed to this rate.
+    admin_auth_failures_per_minute: int = Field(10, ge=1, le=100_000)
     # Platform tricks for hot swaps beside live traffic, both off by default (bench/swap.py
     # measures what they buy; README "Hot swap"). loader_nice: bundle loads (startup,
     # activation, rollback) run on threads this much nicer than the serving threads (0..19),

@@ -45,18 +45,24 @@ def read_manifest(bundle_dir: str | Path) -> Manifest:
 
 
 def list_bundles(root: str | Path) -> list[Manifest]:
-    """Manifests of every readable bundle directly under root, oldest first."""
+    """Manifests of every bundle that could be activated: a directory directly under root (not a
+    symlink leading outside it, as activation refuses), named as its manifest's version; oldest first."""
     found: list[Manifest] = []
     root = Path(root)
     if not root.is_dir():
         return found
+    root_real = root.resolve()
     for child in root.iterdir():
         if child.name.startswith(".") or not child.is_dir() or not VERSION_RE.fullmatch(child.name):
             continue
+        if child.resolve().parent != root_real:
+            continue
         try:
-            found.append(read_manifest(child))
+            manifest = read_manifest(child)
         except BundleError:
             continue
+        if manifest.version == child.name:
+            found.append(manifest)
     return sorted(found, key=lambda m: (m.created_at, m.version))
 
 

@@ -1,0 +1,107 @@
+"""The HTTP/1.1 protocol `shortlist serve` runs: uvicorn's httptools protocol with limits on what a
+client may hold before its request reaches the app.
+
+uvicorn has none of these for httptools (its header size limit exists only for the slower h11
+parser, which answered ~25% fewer requests a second here, and httptools buffers a whole header
+before it hands it over): a socket that never sends a request was kept forever, so idle
+sockets could exhaust the process's file descriptors; a header sent a byte at a time, or 100 MB
+long, was read to its end. Here, with the byte counting done before the parser sees the data:
+- more than `max_connections` open connections: the new one gets a 503 and is closed;
+- a request head (request line and headers) must be complete within `max_header_bytes` (431,
+  closed, the rest never read) and within `header_timeout_s` of its first byte, or of the
+  connection for its first request (408 if some of it came, else closed silently).
+Bodies have their own deadline in service.api.request_body (an ASGI concern: the app reads them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from service.api.errors import error_json
+
+_REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large", 503: b"Service Unavailable"}
+_HEAD_END = b"\r\n\r\n"
+
+
+def guarded_protocol(max_connections: int, header_timeout_s: float, max_header_bytes: int) -> type[HttpToolsProtocol]:
+    """uvicorn's httptools protocol class with these limits (pass it as uvicorn.Config(http=...))."""
+
+    class GuardedHttpToolsProtocol(HttpToolsProtocol):
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._head_bytes = 0
+            self._reading_head = True
+            self._tail = b""
+            self._head_timer: asyncio.TimerHandle | None = None
+            if len(self.connections) > max_connections:
+                self._refuse(503, "too_many_connections", f"the server holds {max_connections} connections")
+                return
+            self._arm_head_timer()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm_head_timer()
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            if self._reading_head and not self.transport.is_closing():
+                if self._head_timer is None:
+                    self._arm_head_timer()
+                seen = self._tail + data
+                end = seen.find(_HEAD_END)
+                self._head_bytes += len(data) if end < 0 else end + len(_HEAD_END) - len(self._tail)
+                if self._head_bytes > max_header_bytes:
+                    self._refuse(431, "headers_too_large",
+                                 f"the request line and headers exceed {max_header_bytes} bytes")
+                    return
+                self._tail = seen[-(len(_HEAD_END) - 1):]
+            if not self.transport.is_closing():
+                super().data_received(data)
+
+        def on_headers_complete(self) -> None:
+            self._reading_head = False
+            self._disarm_head_timer()
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            self._reading_head, self._head_bytes, self._tail = True, 0, b""
+
+        def _arm_head_timer(self) -> None:
+            self._head_timer = self.loop.call_later(header_timeout_s, self._head_timed_out)
+
+        def _disarm_head_timer(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_timed_out(self) -> None:
+            self._head_timer = None
+            if self.transport.is_closing():
+                return
+            if self._head_bytes:
+                self._refuse(408, "request_timeout", f"the request head did not arrive within {header_timeout_s:g} s")
+            else:
+                self.transport.close()  # never sent anything: nothing to answer
+
+        def _refuse(self, status: int, code: str, message: str) -> None:
+            """Answer with the one error body and close, whatever the parser was in the middle of."""
+            self._disarm_head_timer()
+            body = error_json(code, message, [], None)
+            head = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS[status]),
+                    *(name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers),
+                    b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(body)]
+            self.transport.write(b"".join(head) + body)
+            self.transport.close()
+
+    return GuardedHttpToolsProtocol
+
+
+def protocol_kwargs(settings: Any) -> dict[str, Any]:
+    """uvicorn.Config keyword arguments for the running settings' HTTP limits."""
+    return {
+        "http": guarded_protocol(settings.max_connections, settings.header_timeout_s, settings.max_header_bytes),
+        "timeout_keep_alive": settings.keep_alive_timeout_s,
+    }

@@ -1,0 +1,226 @@
+"""What a client may hold and send, on a real `shortlist serve` over loopback: idle and slow
+clients, connection cap, header size, clients that leave mid-body, media types and encodings,
+probes by HEAD, capped error details, the admin token failure budget."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import socket
+import time
+
+import httpx
+import pytest
+
+from shortlist.testing import serve
+
+TOKEN = "s3cret-admin-token"
+LIMITS = {"SHORTLIST_HEADER_TIMEOUT_S": "1", "SHORTLIST_BODY_TIMEOUT_S": "1", "SHORTLIST_MAX_CONNECTIONS": "20",
+          "SHORTLIST_MAX_HEADER_BYTES": "4096", "SHORTLIST_ADMIN_TOKEN": TOKEN,
+          "SHORTLIST_ADMIN_AUTH_FAILURES_PER_MINUTE": "3"}
+
+
+@pytest.fixture(scope="module")
+def limited(bundle_root, tmp_path_factory):
+    with serve(bundle_root, env=LIMITS, log_dir=tmp_path_factory.mktemp("limits")) as s:
+        yield s
+
+
+def _connect(server) -> socket.socket:
+    host, port = server.url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    return sock
+
+
+def _read_all(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection."""
+    chunks = []
+    while True:
+        try:
+            chunk = sock.recv(65536)
+        except (ConnectionResetError, TimeoutError):
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _status_and_body(raw: bytes) -> tuple[int, dict]:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), json.loads(body) if body else {}
+
+
+def _metric(server, status: str) -> float:
+    text = httpx.get(f"{server.url}/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("shortlist_http_requests_total") and f'status="{status}"' in line)
+
+
+PREDICT_HEAD = b"POST /v1/predict HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+
+
+def test_a_socket_that_never_sends_is_closed_after_the_header_timeout(limited):
+    with _connect(limited) as sock:
+        started = time.monotonic()
+        assert _read_all(sock) == b""
+        assert 0.8 < time.monotonic() - started < 5
+
+
+def test_a_head_sent_a_byte_at_a_time_gets_408_at_the_header_timeout(limited):
+    with _connect(limited) as sock:
+        started = time.monotonic()
+        try:
+            for byte in PREDICT_HEAD:
+                sock.sendall(bytes([byte]))
+                time.sleep(0.05)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        status, body = _status_and_body(_read_all(sock))
+        assert status == 408 and body["error"] == "request_timeout", body
+        assert time.monotonic() - started < 5
+
+
+def test_a_body_sent_a_byte_at_a_time_gets_408_at_the_body_timeout(limited):
+    body = json.dumps({"text": "network traffic monitor"}).encode()
+    with _connect(limited) as sock:
+        sock.sendall(PREDICT_HEAD + b"content-length: %d\r\n\r\n" % len(body))
+        started = time.monotonic()
+        try:
+            for byte in body:
+                sock.sendall(bytes([byte]))
+                time.sleep(0.1)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        status, answer = _status_and_body(_read_all(sock))
+        assert status == 408 and "did not arrive within 1 s" in answer["message"], answer
+        assert time.monotonic() - started < 5
+    assert httpx.post(f"{limited.url}/v1/predict", json={"text": "x"}).status_code == 200
+
+
+def test_connections_past_the_cap_get_503_and_the_others_keep_working(limited):
+    held = [_connect(limited) for _ in range(20)]
+    try:
+        time.sleep(0.1)
+        extra = _connect(limited)
+        status, body = _status_and_body(_read_all(extra))
+        assert status == 503 and body["error"] == "too_many_connections"
+        # One of the held connections still gets its answer.
+        held[0].sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert held[0].recv(65536).startswith(b"HTTP/1.1 200")
+    finally:
+        for sock in held:
+            sock.close()
+    time.sleep(0.2)
+    assert httpx.get(f"{limited.url}/healthz").status_code == 200
+
+
+@pytest.mark.parametrize("extra", [-1, 0, 1, 100, 10**8])
+def test_a_head_past_max_header_bytes_gets_431_without_being_read(limited, extra):
+    # A request head of exactly 4096 + extra bytes (request line, headers, blank line).
+    head_start, head_end = b"GET /healthz HTTP/1.1\r\nhost: x\r\nx-pad: ", b"\r\n\r\n"
+    pad = 4096 + extra - len(head_start) - len(head_end)
+    with _connect(limited) as sock:
+        sent = 0
+        try:
+            sock.sendall(head_start)
+            chunk = b"a" * 65536
+            while sent < pad:  # 100 MB would take a while: the server stops reading long before
+                piece = chunk[: pad - sent]
+                sock.sendall(piece)
+                sent += len(piece)
+            sock.sendall(head_end)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        status, body = _status_and_body(_read_all(sock))
+    if extra <= 0:
+        assert status == 200
+    else:
+        assert status == 431 and body["error"] == "headers_too_large", body
+        assert sent < 10**7  # refused long before the end of the 100 MB header
+    assert httpx.get(f"{limited.url}/healthz").status_code == 200
+
+
+def test_a_client_leaving_mid_body_is_counted_apart_and_logs_no_error(limited):
+    before_5xx, before_499 = _metric(limited, "500"), _metric(limited, "499")
+    for _ in range(3):
+        with _connect(limited) as sock:
+            sock.sendall(PREDICT_HEAD + b'content-length: 1000\r\n\r\n{"text": "abc')
+            time.sleep(0.1)
+    time.sleep(0.3)
+    assert _metric(limited, "499") == before_499 + 3
+    assert _metric(limited, "500") == before_5xx
+    assert "ClientDisconnect" not in limited.log() and "Traceback" not in limited.log()
+
+
+@pytest.mark.parametrize(("content_type", "encoding", "refusal"), [
+    ('application/json; charset="utf-8"', None, None),
+    ("application/json; charset=UTF-8; foo=bar", None, None),
+    ("Application/JSON ; boundary=x", None, None),
+    ("application/json", "identity", None),
+    ("application/json; charset=latin-1", None, "charset 'latin-1'"),
+    ('application/json; charset="utf-16"', None, "charset '\"utf-16\"'"),
+    ("application/json", "gzip", "content-encoding 'gzip'"),
+    ("text/plain", None, "content-type must be application/json"),
+])
+def test_media_type_parameters_and_encodings(limited, content_type, encoding, refusal):
+    headers = {"content-type": content_type, **({"content-encoding": encoding} if encoding else {})}
+    r = httpx.post(f"{limited.url}/v1/predict", content=b'{"text": "network"}', headers=headers)
+    if refusal is None:
+        assert r.status_code == 200, r.text
+    else:
+        assert r.status_code == 415 and r.json()["error"] == "unsupported_media_type", r.text
+        assert refusal in r.json()["message"], r.text
+
+
+@pytest.mark.parametrize("path", ["/healthz", "/readyz", "/metrics"])
+def test_probes_answer_head(limited, path):
+    r = httpx.head(f"{limited.url}{path}")
+    assert r.status_code == 200 and r.content == b""
+
+
+def test_a_422_names_at_most_ten_problems(limited):
+    body = {"text": "x", "exclude": [7] * 1000}  # 1,000 items that are not uids
+    r = httpx.post(f"{limited.url}/v1/predict", json=body)
+    assert r.status_code == 422
+    assert len(r.json()["details"]) == 10 and "and 990 more problems" in r.json()["message"]
+    assert len(r.content) < len(json.dumps(body))
+
+
+def test_wrong_admin_tokens_past_the_budget_get_429_even_with_the_right_one(bundle_root, tmp_path):
+    with serve(bundle_root, env=LIMITS, log_dir=tmp_path) as s, httpx.Client(base_url=s.url) as c:
+        right = {"authorization": f"Bearer {TOKEN}"}
+        assert c.get("/admin/bundles", headers=right).status_code == 200
+        for _ in range(3):
+            assert c.get("/admin/bundles", headers={"authorization": "Bearer guess"}).status_code == 403
+        r = c.get("/admin/bundles", headers=right)
+        assert r.status_code == 429 and 1 <= int(r.headers["retry-after"]) <= 61
+        assert c.post("/v1/predict", json={"text": "x"}).status_code == 200  # serving is not affected
+
+
+def test_sigterm_is_not_held_by_a_body_trickling_in(bundle_root, tmp_path):
+    with serve(bundle_root, env=LIMITS, log_dir=tmp_path) as s, _connect(s) as sock:
+        sock.sendall(PREDICT_HEAD + b"content-length: 100000\r\n\r\n{")
+        time.sleep(0.1)
+        started = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        for _ in range(20):  # keep trickling while the server drains
+            try:
+                sock.sendall(b" ")
+            except OSError:
+                break
+            time.sleep(0.2)
+        s.proc.wait(timeout=30)
+        assert time.monotonic() - started < 4  # the 1 s body timeout, not the trickle's length
+
+
+def test_bundle_listing_skips_symlinks_outside_the_root_and_misnamed_copies(bundle_root_copy, tmp_path):
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (bundle_root_copy / "v1").rename(outside / "v1")
+    (bundle_root_copy / "v1").symlink_to(outside / "v1")  # activation refuses it: so does the listing
+    shutil.copytree(bundle_root_copy / "v2", bundle_root_copy / "renamed")  # its manifest says v2
+    with serve(bundle_root_copy, env=LIMITS, log_dir=tmp_path) as s:
+        listed = httpx.get(f"{s.url}/admin/bundles", headers={"authorization": f"Bearer {TOKEN}"}).json()
+    assert [b["version"] for b in listed["bundles"]] == ["v2"]
