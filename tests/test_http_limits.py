@@ -52,6 +52,16 @@ def _status_and_body(raw: bytes) -> tuple[int, dict]:
     return int(head.split(b" ", 2)[1]), json.loads(body) if body else {}
 
 
+def _trickle(sock: socket.socket, data: bytes, pause: float) -> None:
+    """Send data a byte at a time, until done or the server closes the connection."""
+    try:
+        for byte in data:
+            sock.sendall(bytes([byte]))
+            time.sleep(pause)
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+
+
 def _metric(server, status: str) -> float:
     text = httpx.get(f"{server.url}/metrics").text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
@@ -71,12 +81,7 @@ def test_a_socket_that_never_sends_is_closed_after_the_header_timeout(limited):
 def test_a_head_sent_a_byte_at_a_time_gets_408_at_the_header_timeout(limited):
     with _connect(limited) as sock:
         started = time.monotonic()
-        try:
-            for byte in PREDICT_HEAD:
-                sock.sendall(bytes([byte]))
-                time.sleep(0.05)
-        except (BrokenPipeError, ConnectionResetError):
-            pass
+        _trickle(sock, PREDICT_HEAD, 0.05)
         status, body = _status_and_body(_read_all(sock))
         assert status == 408 and body["error"] == "request_timeout", body
         assert time.monotonic() - started < 5
@@ -87,12 +92,7 @@ def test_a_body_sent_a_byte_at_a_time_gets_408_at_the_body_timeout(limited):
     with _connect(limited) as sock:
         sock.sendall(PREDICT_HEAD + b"content-length: %d\r\n\r\n" % len(body))
         started = time.monotonic()
-        try:
-            for byte in body:
-                sock.sendall(bytes([byte]))
-                time.sleep(0.1)
-        except (BrokenPipeError, ConnectionResetError):
-            pass
+        _trickle(sock, body, 0.1)
         status, answer = _status_and_body(_read_all(sock))
         assert status == 408 and "did not arrive within 1 s" in answer["message"], answer
         assert time.monotonic() - started < 5
