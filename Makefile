@@ -4,15 +4,16 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test install lint bench-latency clean
+.PHONY: demo test install lint bench-latency clean image image-cuda lint-docker container-test load
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
 # torch is pinned to the CPU build that installs locally (a looser pin pulls gigabytes of CUDA).
+# constraints.txt: the same pinned versions the images install.
 install: $(BIN)/python
-	$(BIN)/pip install -q -e '.[train,dev]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[train,dev]'
 
 demo: install
 	$(BIN)/shortlist demo --workdir .demo
@@ -23,6 +24,28 @@ test: install
 
 bench-latency: install
 	$(BIN)/python bench/latency.py
+
+# The serving images (docker/build.sh: starts a Docker engine and makes a local base image when
+# none is reachable, then builds). The CUDA image is multi-gigabyte: its own target.
+image:
+	docker/build.sh cpu
+
+image-cuda:
+	docker/build.sh cuda
+
+lint-docker: install
+	$(BIN)/hadolint --failure-threshold error docker/Dockerfile docker/Dockerfile.cuda
+
+# The CPU image end to end on a real engine (tests_container/); CI runs it after `make test`.
+container-test: install lint-docker image
+	$(BIN)/python -m pytest tests_container -q -p no:cacheprovider
+
+# A locust step ramp against URL (any deployed instance), or, without URL, against the container
+# on BUNDLE (default: the demo's bundle, built if missing) and beside it `shortlist serve` on the
+# same bundle; reports in bench/out/load/, the summary in bench/RESULTS.md.
+load:
+	$(BIN)/pip install -q -c constraints.txt -e '.[load]'
+	$(BIN)/python bench/load/run.py $(if $(URL),--url $(URL),$(if $(BUNDLE),--bundle $(BUNDLE)) --compare-bare) --publish
 
 clean:
 	rm -rf .demo .pytest_cache

@@ -38,7 +38,7 @@ def tfidf_features(texts: list[str], label_texts: list[str], cfg: TrainConfig) -
 
 def impute(grouped: GroupedSplit, features: sp.csr_matrix | np.ndarray, num_labels: int,
            cfg: TrainConfig) -> list[list[int]]:
-    imputer = EagleImputer(cfg.aggregated_iterations, cfg.aggregated_step, cfg.seed)
+    imputer = EagleImputer(cfg.aggregated_iterations, cfg.aggregated_step, cfg.seed, cfg.aggregated_assignment)
     imputer.fit(features, grouped.members(), grouped.group_labels(num_labels))
     return imputer.impute()
 

@@ -112,6 +112,10 @@ class TrainConfig:
     aggregated_iterations: int = 10
     aggregated_step: float = 0.5
     aggregated_rounds: int = 1
+    # Who gets a group's label: its closest member (the paper's Algorithm 2), or "expected":
+    # as many closest members as a group carrying the label is expected to hold (from the
+    # share of groups carrying it; training/eagle.py).
+    aggregated_assignment: str = "closest"
     tree: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -150,6 +154,7 @@ class TrainConfig:
         _choice("m3_negatives", self.m3_negatives, ("all", "shortlist"))
         _choice("device", self.device, ("auto", "cpu", "cuda"))
         _choice("lexical_form", self.lexical_form, (*LEXICAL_FORMS, "auto"))
+        _choice("aggregated_assignment", self.aggregated_assignment, ("closest", "expected"))
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
         for name in ("dim", "m1_batch_size", "m3_batch_size", "hnsw_m", "lexical_epochs", "lexical_batch_size",

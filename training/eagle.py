@@ -19,6 +19,8 @@ import numpy as np
 import scipy.sparse as sp
 
 Features = sp.csr_matrix | np.ndarray
+# Algorithm 2 as in the paper ("closest"), or beyond it ("expected"): see EagleImputer.impute.
+ASSIGNMENTS = ("closest", "expected")
 _DENSE_CHUNK = 1 << 16
 
 
@@ -31,14 +33,17 @@ class EagleImputer:
     member of one of its groups drawn with this seed.
     """
 
-    def __init__(self, iterations: int = 10, step: float = 0.5, seed: int = 0) -> None:
+    def __init__(self, iterations: int = 10, step: float = 0.5, seed: int = 0, assignment: str = "closest") -> None:
         if iterations < 0:
             raise ValueError(f"iterations must be >= 0, got {iterations}")
         if not 0.0 < step <= 1.0:
             raise ValueError(f"step must be in (0, 1], got {step}")
+        if assignment not in ASSIGNMENTS:
+            raise ValueError(f"assignment must be one of {ASSIGNMENTS}, got {assignment!r}")
         self.iterations = int(iterations)
         self.step = float(step)
         self.seed = int(seed)
+        self.assignment = assignment
 
     def fit(self, features: Features, members: sp.csr_matrix, group_labels: sp.csr_matrix) -> EagleImputer:
         x = _normalize(features)
@@ -48,31 +53,47 @@ class EagleImputer:
         v = _normalize(_as_features(sp.csr_matrix(group_labels.T) @ members @ x, x))
         v = self._seed_empty(v, x, members, group_labels)
         for _ in range(self.iterations):
-            picks = self._closest(x, v)
+            picks, _ = self._closest(x, v)
             u = _normalize(_as_features(_label_by_doc(self.pair_label_, picks, v.shape[0], x.shape[0]) @ x, x))
             v = _normalize(_as_features((1.0 - self.step) * v + self.step * u, x))
         self.label_vectors_ = v
-        self._features = x
+        self._features, self._members = x, members
         return self
 
     def impute(self) -> list[list[int]]:
-        """Each document's labels: every (group, label) pair given to the group's closest member."""
-        picks = self._closest(self._features, self.label_vectors_)
+        """Each document's labels: every (group, label) pair given to the group's closest member
+        ("closest", the paper's Algorithm 2), or to as many of its closest members as a group
+        holding the label is expected to have ("expected")."""
+        counts = self._expected_counts() if self.assignment == "expected" else None
+        picks, labels = self._closest(self._features, self.label_vectors_, counts)
         n = self._features.shape[0]
-        assigned = sp.csr_matrix((np.ones(len(picks), np.float32), (picks, self.pair_label_)),
+        assigned = sp.csr_matrix((np.ones(len(picks), np.float32), (picks, labels)),
                                  shape=(n, self.label_vectors_.shape[0]))
         assigned.sum_duplicates()
         return [assigned.indices[assigned.indptr[i] : assigned.indptr[i + 1]].tolist() for i in range(n)]
 
-    def _closest(self, x: Features, v: Features) -> np.ndarray:
+    def _closest(self, x: Features, v: Features, counts: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Per pair, the member of its group with the largest inner product with its label's vector
-        (the first such member on ties)."""
+        (the first such member on ties), or its `counts[pair]` closest: (documents, their labels)."""
         starts, docs = self.pair_members_
         pair_of = np.repeat(np.arange(len(self.pair_label_)), np.diff(starts))
         scores = _row_dots(x, docs, v, self.pair_label_[pair_of])
         order = np.lexsort((np.arange(len(docs)), -scores, pair_of))
-        first = np.r_[True, pair_of[order][1:] != pair_of[order][:-1]]
-        return docs[order[first]]
+        rank = np.arange(len(order)) - starts[pair_of[order]]  # 0 = the pair's closest member
+        keep = rank < (1 if counts is None else counts[pair_of[order]])
+        return docs[order[keep]], self.pair_label_[pair_of[order[keep]]]
+
+    def _expected_counts(self) -> np.ndarray:
+        """Per pair, how many members of a group of its size hold its label, given that one does:
+        E[n | n >= 1] = s p / (1 - (1 - p)^s), with p the label's per-document rate estimated from
+        the share f of groups carrying it (f = 1 - (1 - p)^s at the mean group size). Group-level
+        statistics only: the setting has no per-document labels to tune on."""
+        group_sizes = np.diff(self._members.indptr).astype(np.float64)
+        share = np.bincount(self.pair_label_, minlength=self.label_vectors_.shape[0]) / len(group_sizes)
+        p = 1.0 - (1.0 - np.minimum(share, 1.0 - 1e-9)) ** (1.0 / group_sizes.mean())
+        sizes, p_pair = group_sizes[self.pair_group_], p[self.pair_label_]
+        expected = sizes * p_pair / (1.0 - (1.0 - p_pair) ** sizes)
+        return np.clip(np.rint(expected), 1, sizes).astype(np.int64)
 
     def _seed_empty(self, v: Features, x: Features, members: sp.csr_matrix, group_labels: sp.csr_matrix) -> Features:
         norms = _row_norms(v)

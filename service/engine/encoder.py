@@ -2,20 +2,34 @@
 
 from __future__ import annotations
 
+import functools
+import logging
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 
+log = logging.getLogger("shortlist.engine")
 ENCODER_INPUTS = ("ids", "weights")
 ENCODER_OUTPUT = "embedding"
 
 
-def execution_providers() -> list[str]:
-    """CUDA when this onnxruntime build and machine have it, else CPU."""
+@functools.cache
+def execution_providers() -> tuple[str, ...]:
+    """CUDA when this onnxruntime build has it and a GPU is visible, else CPU (said once)."""
     available = ort.get_available_providers()
-    preferred = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
-    return preferred or ["CPUExecutionProvider"]
+    if "CUDAExecutionProvider" in available:
+        # onnxruntime-gpu lists its CUDA provider whether or not there is a device, and then
+        # falls back per session with a warning each time: decide once, and say so.
+        if _gpu_visible():
+            log.info("encoder: onnxruntime CUDA execution provider on the visible GPU")
+            return ("CUDAExecutionProvider", "CPUExecutionProvider")
+        log.warning("encoder: onnxruntime has the CUDA provider but no GPU is visible: serving on CPU")
+    return ("CPUExecutionProvider",)
+
+
+def _gpu_visible() -> bool:
+    return Path("/proc/driver/nvidia/version").exists() or any(Path("/dev").glob("nvidia[0-9]*"))
 
 
 class OnnxEncoder:
@@ -34,7 +48,7 @@ class OnnxEncoder:
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         try:
             self.session = ort.InferenceSession(
-                str(path), sess_options=opts, providers=providers or execution_providers()
+                str(path), sess_options=opts, providers=providers or list(execution_providers())
             )
         except Exception as exc:  # onnxruntime raises its own exception types for bad graphs
             raise ValueError(f"{path}: cannot load ONNX encoder: {exc}") from exc
