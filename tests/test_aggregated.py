@@ -34,7 +34,7 @@ def test_the_papers_toy_example(sparse: bool) -> None:
     features, members, group_labels, unit_x = _toy()
     naive = _normalize(np.asarray(group_labels.T @ members @ features))
     assert np.allclose(naive, 0.0)  # the union of the groups' members cancels out
-    imputer = EagleImputer(iterations=10, step=0.5, seed=3).fit(
+    imputer = EagleImputer(iterations=10, step=0.5, seed=3, assignment="closest").fit(
         sp.csr_matrix(features) if sparse else features, members, group_labels)
     vectors = imputer.label_vectors_.toarray() if sparse else imputer.label_vectors_
     for v in vectors:  # a seeded member of one of the label's groups breaks the tie: +x or -x, unit norm
@@ -74,6 +74,22 @@ def test_imputation_recovers_planted_labels_far_above_chance(planted: dict[str, 
     x = tfidf_features(grouped.texts, labels.texts, TrainConfig())
     dense = impute(grouped, x.toarray(), len(labels), TrainConfig())
     assert np.mean([a == b for a, b in zip(dense, impute(grouped, x, len(labels), TrainConfig()), strict=True)]) > 0.98
+
+
+def test_expected_counts_give_frequent_labels_to_more_members(planted: dict[str, Path]) -> None:
+    labels = xc_data.load_labels(planted["data"])
+    truth = xc_data.load_split(planted["data"], "trn", "title", len(labels)).targets
+    grouped = load_grouped(planted["random"], "title", len(labels))
+    x = tfidf_features(grouped.texts, labels.texts, TrainConfig())
+    found = {}
+    for assignment in ("closest", "expected"):
+        imputer = EagleImputer(assignment=assignment).fit(x, grouped.members(), grouped.group_labels(len(labels)))
+        imputed = imputer.impute()
+        found[assignment] = sum(len(set(a) & set(b)) for a, b in zip(imputed, truth, strict=True))
+        if assignment == "expected":  # never fewer than one member, never more than the group
+            pairs = grouped.group_labels(len(labels)).nnz
+            assert pairs <= sum(map(len, imputed)) <= 4 * pairs
+    assert found["expected"] > found["closest"], found
 
 
 def test_groupings_cover_every_document_once_and_clustered_groups_are_alike(planted: dict[str, Path]) -> None:

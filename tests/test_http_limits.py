@@ -88,6 +88,7 @@ def test_a_head_sent_a_byte_at_a_time_gets_408_at_the_header_timeout(limited):
 
 
 def test_a_body_sent_a_byte_at_a_time_gets_408_at_the_body_timeout(limited):
+    timed_out_before = _metric(limited, "408")
     body = json.dumps({"text": "network traffic monitor"}).encode()
     with _connect(limited) as sock:
         sock.sendall(PREDICT_HEAD + b"content-length: %d\r\n\r\n" % len(body))
@@ -97,6 +98,7 @@ def test_a_body_sent_a_byte_at_a_time_gets_408_at_the_body_timeout(limited):
         assert status == 408 and "did not arrive within 1 s" in answer["message"], answer
         assert time.monotonic() - started < 5
     assert httpx.post(f"{limited.url}/v1/predict", json={"text": "x"}).status_code == 200
+    assert _metric(limited, "408") == timed_out_before + 1  # counted as the server's 408, not as a client leaving
 
 
 def test_connections_past_the_cap_get_503_and_the_others_keep_working(limited):

@@ -115,7 +115,7 @@ class TrainConfig:
     # Who gets a group's label: its closest member (the paper's Algorithm 2), or "expected":
     # as many closest members as a group carrying the label is expected to hold (from the
     # share of groups carrying it; training/eagle.py).
-    aggregated_assignment: str = "closest"
+    aggregated_assignment: str = "expected"
     tree: dict[str, Any] = field(default_factory=dict)
 
     @classmethod

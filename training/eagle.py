@@ -33,7 +33,7 @@ class EagleImputer:
     member of one of its groups drawn with this seed.
     """
 
-    def __init__(self, iterations: int = 10, step: float = 0.5, seed: int = 0, assignment: str = "closest") -> None:
+    def __init__(self, iterations: int = 10, step: float = 0.5, seed: int = 0, assignment: str = "expected") -> None:
         if iterations < 0:
             raise ValueError(f"iterations must be >= 0, got {iterations}")
         if not 0.0 < step <= 1.0:

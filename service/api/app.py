@@ -92,7 +92,7 @@ def _new_app(state: ServiceState, title: str, lifespan: object = None) -> FastAP
                   description="Extreme multi-label label shortlisting: top-k labels for short texts.")
     app.state.service = state
     install_error_handlers(app)
-    app.add_middleware(RequestBodyMiddleware, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
+    app.add_middleware(RequestBodyMiddleware, max_bytes=settings.max_body_bytes)
     # Added last, so outermost: request ids, metrics and the access log cover every response.
     app.add_middleware(ObservabilityMiddleware, metrics=state.metrics, access_log_enabled=settings.access_log)
     return app

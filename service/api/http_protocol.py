@@ -9,8 +9,8 @@ long, was read to its end. Here, with the byte counting done before the parser s
 - more than `max_connections` open connections: the new one gets a 503 and is closed;
 - a request head (request line and headers) must be complete within `max_header_bytes` (431,
   closed, the rest never read) and within `header_timeout_s` of its first byte, or of the
-  connection for its first request (408 if some of it came, else closed silently).
-Bodies have their own deadline in service.api.request_body (an ASGI concern: the app reads them).
+  connection for its first request (408 if some of it came, else closed silently);
+- a body must be complete within `body_timeout_s` of its head (408, closed).
 """
 
 from __future__ import annotations
@@ -24,9 +24,12 @@ from service.api.errors import error_json
 
 _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large", 503: b"Service Unavailable"}
 _HEAD_END = b"\r\n\r\n"
+# Set in a request's scope state when its body timed out (the app then sees the client gone).
+BODY_TIMED_OUT = "body_timed_out"
 
 
-def guarded_protocol(max_connections: int, header_timeout_s: float, max_header_bytes: int) -> type[HttpToolsProtocol]:
+def guarded_protocol(max_connections: int, header_timeout_s: float, max_header_bytes: int,
+                     body_timeout_s: float) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol class with these limits (pass it as uvicorn.Config(http=...))."""
 
     class GuardedHttpToolsProtocol(HttpToolsProtocol):
@@ -35,50 +38,54 @@ def guarded_protocol(max_connections: int, header_timeout_s: float, max_header_b
             self._head_bytes = 0
             self._reading_head = True
             self._tail = b""
-            self._head_timer: asyncio.TimerHandle | None = None
+            self._timer: asyncio.TimerHandle | None = None
             if len(self.connections) > max_connections:
                 self._refuse(503, "too_many_connections", f"the server holds {max_connections} connections")
                 return
-            self._arm_head_timer()
+            self._timer = self.loop.call_later(header_timeout_s, self._head_timed_out)  # a first request
 
         def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm_head_timer()
+            self._disarm()
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
             if self._reading_head and not self.transport.is_closing():
-                if self._head_timer is None:
-                    self._arm_head_timer()
-                seen = self._tail + data
-                end = seen.find(_HEAD_END)
-                self._head_bytes += len(data) if end < 0 else end + len(_HEAD_END) - len(self._tail)
+                tail = self._tail
+                end = (tail + data).find(_HEAD_END) if tail else data.find(_HEAD_END)
+                self._head_bytes += len(data) if end < 0 else end + len(_HEAD_END) - len(tail)
                 if self._head_bytes > max_header_bytes:
                     self._refuse(431, "headers_too_large",
                                  f"the request line and headers exceed {max_header_bytes} bytes")
                     return
-                self._tail = seen[-(len(_HEAD_END) - 1):]
-            if not self.transport.is_closing():
-                super().data_received(data)
+                self._tail = (tail + data)[-(len(_HEAD_END) - 1):] if end < 0 else b""
+            if self.transport.is_closing():
+                return
+            super().data_received(data)
+            # Timers only for what is still incomplete once this data is parsed: a request that
+            # arrives whole (the usual case) costs none.
+            if self._timer is None and not self.transport.is_closing():
+                if self._reading_head and self._head_bytes:
+                    self._timer = self.loop.call_later(header_timeout_s, self._head_timed_out)
+                elif not self._reading_head:
+                    self._timer = self.loop.call_later(body_timeout_s, self._body_timed_out)
 
         def on_headers_complete(self) -> None:
             self._reading_head = False
-            self._disarm_head_timer()
+            self._disarm()
             super().on_headers_complete()
 
         def on_message_complete(self) -> None:
             super().on_message_complete()
+            self._disarm()
             self._reading_head, self._head_bytes, self._tail = True, 0, b""
 
-        def _arm_head_timer(self) -> None:
-            self._head_timer = self.loop.call_later(header_timeout_s, self._head_timed_out)
-
-        def _disarm_head_timer(self) -> None:
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
+        def _disarm(self) -> None:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
 
         def _head_timed_out(self) -> None:
-            self._head_timer = None
+            self._timer = None
             if self.transport.is_closing():
                 return
             if self._head_bytes:
@@ -86,10 +93,25 @@ def guarded_protocol(max_connections: int, header_timeout_s: float, max_header_b
             else:
                 self.transport.close()  # never sent anything: nothing to answer
 
-        def _refuse(self, status: int, code: str, message: str) -> None:
+        def _body_timed_out(self) -> None:
+            """A body trickling in would hold an engine slot and SIGTERM's drain as long as the
+            client likes. The app, waiting for the rest, sees the client gone; its request is
+            counted as this 408 (service.api.observability reads the mark)."""
+            self._timer = None
+            if self.transport.is_closing():
+                return
+            if self.cycle is None or self.cycle.response_complete:
+                self.transport.close()  # answered already (e.g. 413): the rest of the body is not wanted
+                return
+            state = self.scope.get("state", {})
+            state[BODY_TIMED_OUT] = True
+            self._refuse(408, "request_timeout", f"the body did not arrive within {body_timeout_s:g} s",
+                         state.get("request_id"))
+
+        def _refuse(self, status: int, code: str, message: str, request_id: str | None = None) -> None:
             """Answer with the one error body and close, whatever the parser was in the middle of."""
-            self._disarm_head_timer()
-            body = error_json(code, message, [], None)
+            self._disarm()
+            body = error_json(code, message, [], request_id)
             head = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS[status]),
                     *(name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers),
                     b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(body)]
@@ -102,6 +124,7 @@ def guarded_protocol(max_connections: int, header_timeout_s: float, max_header_b
 def protocol_kwargs(settings: Any) -> dict[str, Any]:
     """uvicorn.Config keyword arguments for the running settings' HTTP limits."""
     return {
-        "http": guarded_protocol(settings.max_connections, settings.header_timeout_s, settings.max_header_bytes),
+        "http": guarded_protocol(settings.max_connections, settings.header_timeout_s, settings.max_header_bytes,
+                                 settings.body_timeout_s),
         "timeout_keep_alive": settings.keep_alive_timeout_s,
     }

@@ -21,6 +21,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api.errors import error_json
+from service.api.http_protocol import BODY_TIMED_OUT
 
 access_log = logging.getLogger("shortlist.access")
 error_log = logging.getLogger("shortlist.error")
@@ -114,8 +115,9 @@ class ObservabilityMiddleware:
             await self.app(scope, receive, send_wrapper)
         except ClientDisconnect:
             # The client left mid-request: nothing to answer and no server fault. Counted as
-            # 499 (nginx's "client closed request"), apart from the 5xx an operator alerts on.
-            status = CLIENT_CLOSED
+            # 499 (nginx's "client closed request"), apart from the 5xx an operator alerts on;
+            # or the server closed it on a body that did not arrive in time (answered 408).
+            status = 408 if state.get(BODY_TIMED_OUT) else CLIENT_CLOSED
         except Exception as exc:
             status = 500
             error_log.error(json.dumps({

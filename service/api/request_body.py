@@ -1,6 +1,5 @@
 """Request bodies at the door: UTF-8 JSON only, uncompressed (415), at most `max_bytes` (413),
-arriving within `timeout_s` of the request head (408, connection closed), answered with the one
-error body.
+answered with the one error body. (How long a body may take: service.api.http_protocol.)
 
 A middleware rather than dependencies: Starlette's own limiter answers a declared oversize
 body with a plain-text 413 from outside the app's middleware (no error body, no request id),
@@ -10,8 +9,6 @@ dependency solver (5% of predict's req/s at one connection, bench/http_bench.py)
 
 from __future__ import annotations
 
-import asyncio
-
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -19,10 +16,9 @@ from service.api.errors import error_json
 
 
 class RequestBodyMiddleware:
-    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
         self.max_bytes = max_bytes
-        self.timeout_s = timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -38,18 +34,10 @@ class RequestBodyMiddleware:
             await _refuse(scope, send, *refusal)
             return
         received = 0
-        deadline = asyncio.get_running_loop().time() + self.timeout_s
 
         async def counted() -> Message:
             nonlocal received
-            try:
-                async with asyncio.timeout_at(deadline):
-                    message = await receive()
-            except TimeoutError:
-                # A body trickling in (a byte a second) would hold a worker slot and SIGTERM's
-                # drain for as long as the client likes; "connection: close" drops the rest.
-                raise HTTPException(408, f"the body did not arrive within {self.timeout_s:g} s",
-                                    headers={"connection": "close"}) from None
+            message = await receive()
             received += len(message.get("body", b""))
             if received > self.max_bytes:  # chunked uploads declare no length: stop at the limit
                 raise HTTPException(413, f"body exceeds the limit of {self.max_bytes} bytes")
