@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test install lint bench-latency clean image image-cuda lint-docker container-test load
+.PHONY: demo test install lint bench-latency clean image image-cuda lint-docker container-test load docs-test
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,13 @@ lint-docker: install
 # The CPU image end to end on a real engine (tests_container/); CI runs it after `make test`.
 container-test: install lint-docker image
 	$(BIN)/python -m pytest tests_container -q -p no:cacheprovider
+
+# /docs of the running container with every host but loopback blocked, in headless Chromium
+# (Debian's chromium and chromium-driver, installed here when missing): a prediction through the page.
+docs-test: install image
+	command -v chromedriver >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium chromium-driver)
+	$(BIN)/pip install -q -c constraints.txt -e '.[browser]'
+	$(BIN)/python -m pytest tests_container/test_docs_offline.py -q -p no:cacheprovider
 
 # A locust step ramp against URL (any deployed instance), or, without URL, against the container
 # on BUNDLE (default: the demo's bundle, built if missing) and beside it `shortlist serve` on the

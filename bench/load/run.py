@@ -30,6 +30,7 @@ import _common  # noqa: E402
 
 from shortlist.testing import free_port, serve  # noqa: E402
 
+CONTAINERS: dict[str, str] = {}  # base URL -> container name, while it runs
 ROUTES = ("/v1/predict", "/v1/predict [16]", "/v1/predict/tree", "/readyz", "Aggregated")
 
 
@@ -74,11 +75,15 @@ def paced(url: str, saturation: float, seconds: float, out: Path, tag: str, user
 
 
 @contextmanager
-def container(bundle: Path, image: str) -> Iterator[str]:
+def container(bundle: Path, image: str, **env: str) -> Iterator[str]:
+    """The image serving `bundle` (its root mounted read-only), healthy: its base URL (the
+    container's name is CONTAINERS[url] while it runs)."""
     name, port = f"shortlist-load-{uuid.uuid4().hex[:8]}", free_port()
-    subprocess.run(["docker", "run", "-d", "--name", name, "-p", f"127.0.0.1:{port}:8000", "-e",
-                    f"SHORTLIST_VERSION={bundle.name}", "-v", f"{bundle.parent.resolve()}:/bundles:ro", image],
-                   check=True, stdout=subprocess.DEVNULL)
+    env = {"SHORTLIST_VERSION": bundle.name, **env}
+    subprocess.run(["docker", "run", "-d", "--name", name, "-p", f"127.0.0.1:{port}:8000",
+                    *(arg for key, value in env.items() for arg in ("-e", f"{key}={value}")),
+                    "-v", f"{bundle.parent.resolve()}:/bundles:ro", image], check=True, stdout=subprocess.DEVNULL)
+    CONTAINERS[f"http://127.0.0.1:{port}"] = name
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:

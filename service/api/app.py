@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, FastAPI
+from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import JSONResponse, Response
 
@@ -88,8 +89,10 @@ def _probes() -> APIRouter:
 
 def _new_app(state: ServiceState, title: str, lifespan: object = None) -> FastAPI:
     settings = state.settings
-    app = FastAPI(title=title, version=VERSION, lifespan=lifespan,  # type: ignore[arg-type]
-                  description="Extreme multi-label label shortlisting: top-k labels for short texts.")
+    # FastAPIOffline: /docs (Swagger UI) and /redoc from assets packaged with the service instead
+    # of a CDN, so the interactive docs work where the host has no internet (air-gapped clusters).
+    app = FastAPIOffline(title=title, version=VERSION, lifespan=lifespan,  # type: ignore[arg-type]
+                         description="Extreme multi-label label shortlisting: top-k labels for short texts.")
     app.state.service = state
     install_error_handlers(app)
     app.add_middleware(RequestBodyMiddleware, max_bytes=settings.max_body_bytes)

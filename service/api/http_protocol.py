@@ -28,97 +28,107 @@ _HEAD_END = b"\r\n\r\n"
 BODY_TIMED_OUT = "body_timed_out"
 
 
+class GuardedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the limits above (a subclass per server sets them)."""
+
+    max_connections = 1000
+    header_timeout_s = 10.0
+    max_header_bytes = 32_768
+    body_timeout_s = 30.0
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._head_bytes = 0
+        self._reading_head = True
+        self._tail = b""
+        self._timer: asyncio.TimerHandle | None = None
+        if len(self.connections) > self.max_connections:
+            self._refuse(503, "too_many_connections", f"the server holds {self.max_connections} connections")
+            return
+        self._timer = self.loop.call_later(self.header_timeout_s, self._head_timed_out)  # a first request
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._reading_head and not self.transport.is_closing():
+            tail = self._tail
+            end = (tail + data).find(_HEAD_END) if tail else data.find(_HEAD_END)
+            self._head_bytes += len(data) if end < 0 else end + len(_HEAD_END) - len(tail)
+            if self._head_bytes > self.max_header_bytes:
+                self._refuse(431, "headers_too_large",
+                             f"the request line and headers exceed {self.max_header_bytes} bytes")
+                return
+            self._tail = (tail + data)[-(len(_HEAD_END) - 1):] if end < 0 else b""
+        if self.transport.is_closing():
+            return
+        super().data_received(data)
+        # Timers only for what is still incomplete once this data is parsed: a request that
+        # arrives whole (the usual case) costs none.
+        if self._timer is None and not self.transport.is_closing():
+            if self._reading_head and self._head_bytes:
+                self._timer = self.loop.call_later(self.header_timeout_s, self._head_timed_out)
+            elif not self._reading_head:
+                self._timer = self.loop.call_later(self.body_timeout_s, self._body_timed_out)
+
+    def on_headers_complete(self) -> None:
+        self._reading_head = False
+        self._disarm()
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._disarm()
+        self._reading_head, self._head_bytes, self._tail = True, 0, b""
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _head_timed_out(self) -> None:
+        self._timer = None
+        if self.transport.is_closing():
+            return
+        if self._head_bytes:
+            self._refuse(408, "request_timeout", f"the request head did not arrive within {self.header_timeout_s:g} s")
+        else:
+            self.transport.close()  # never sent anything: nothing to answer
+
+    def _body_timed_out(self) -> None:
+        """A body trickling in would hold an engine slot and SIGTERM's drain as long as the
+        client likes. The app, waiting for the rest, sees the client gone; its request is
+        counted as this 408 (service.api.observability reads the mark)."""
+        self._timer = None
+        if self.transport.is_closing():
+            return
+        if self.cycle is None or self.cycle.response_complete:
+            self.transport.close()  # answered already (e.g. 413): the rest of the body is not wanted
+            return
+        state = self.scope.get("state", {})
+        state[BODY_TIMED_OUT] = True
+        self._refuse(408, "request_timeout", f"the body did not arrive within {self.body_timeout_s:g} s",
+                     state.get("request_id"))
+
+    def _refuse(self, status: int, code: str, message: str, request_id: str | None = None) -> None:
+        """Answer with the one error body and close, whatever the parser was in the middle of."""
+        self._disarm()
+        body = error_json(code, message, [], request_id)
+        head = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS[status]),
+                *(name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers),
+                b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(body)]
+        self.transport.write(b"".join(head) + body)
+        self.transport.close()
+
+
+
 def guarded_protocol(max_connections: int, header_timeout_s: float, max_header_bytes: int,
                      body_timeout_s: float) -> type[HttpToolsProtocol]:
-    """uvicorn's httptools protocol class with these limits (pass it as uvicorn.Config(http=...))."""
-
-    class GuardedHttpToolsProtocol(HttpToolsProtocol):
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self._head_bytes = 0
-            self._reading_head = True
-            self._tail = b""
-            self._timer: asyncio.TimerHandle | None = None
-            if len(self.connections) > max_connections:
-                self._refuse(503, "too_many_connections", f"the server holds {max_connections} connections")
-                return
-            self._timer = self.loop.call_later(header_timeout_s, self._head_timed_out)  # a first request
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
-            super().connection_lost(exc)
-
-        def data_received(self, data: bytes) -> None:
-            if self._reading_head and not self.transport.is_closing():
-                tail = self._tail
-                end = (tail + data).find(_HEAD_END) if tail else data.find(_HEAD_END)
-                self._head_bytes += len(data) if end < 0 else end + len(_HEAD_END) - len(tail)
-                if self._head_bytes > max_header_bytes:
-                    self._refuse(431, "headers_too_large",
-                                 f"the request line and headers exceed {max_header_bytes} bytes")
-                    return
-                self._tail = (tail + data)[-(len(_HEAD_END) - 1):] if end < 0 else b""
-            if self.transport.is_closing():
-                return
-            super().data_received(data)
-            # Timers only for what is still incomplete once this data is parsed: a request that
-            # arrives whole (the usual case) costs none.
-            if self._timer is None and not self.transport.is_closing():
-                if self._reading_head and self._head_bytes:
-                    self._timer = self.loop.call_later(header_timeout_s, self._head_timed_out)
-                elif not self._reading_head:
-                    self._timer = self.loop.call_later(body_timeout_s, self._body_timed_out)
-
-        def on_headers_complete(self) -> None:
-            self._reading_head = False
-            self._disarm()
-            super().on_headers_complete()
-
-        def on_message_complete(self) -> None:
-            super().on_message_complete()
-            self._disarm()
-            self._reading_head, self._head_bytes, self._tail = True, 0, b""
-
-        def _disarm(self) -> None:
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
-
-        def _head_timed_out(self) -> None:
-            self._timer = None
-            if self.transport.is_closing():
-                return
-            if self._head_bytes:
-                self._refuse(408, "request_timeout", f"the request head did not arrive within {header_timeout_s:g} s")
-            else:
-                self.transport.close()  # never sent anything: nothing to answer
-
-        def _body_timed_out(self) -> None:
-            """A body trickling in would hold an engine slot and SIGTERM's drain as long as the
-            client likes. The app, waiting for the rest, sees the client gone; its request is
-            counted as this 408 (service.api.observability reads the mark)."""
-            self._timer = None
-            if self.transport.is_closing():
-                return
-            if self.cycle is None or self.cycle.response_complete:
-                self.transport.close()  # answered already (e.g. 413): the rest of the body is not wanted
-                return
-            state = self.scope.get("state", {})
-            state[BODY_TIMED_OUT] = True
-            self._refuse(408, "request_timeout", f"the body did not arrive within {body_timeout_s:g} s",
-                         state.get("request_id"))
-
-        def _refuse(self, status: int, code: str, message: str, request_id: str | None = None) -> None:
-            """Answer with the one error body and close, whatever the parser was in the middle of."""
-            self._disarm()
-            body = error_json(code, message, [], request_id)
-            head = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS[status]),
-                    *(name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers),
-                    b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(body)]
-            self.transport.write(b"".join(head) + body)
-            self.transport.close()
-
-    return GuardedHttpToolsProtocol
+    """The protocol class with these limits (pass it as uvicorn.Config(http=...))."""
+    limits = {"max_connections": max_connections, "header_timeout_s": header_timeout_s,
+              "max_header_bytes": max_header_bytes, "body_timeout_s": body_timeout_s}
+    return type("GuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,), limits)
 
 
 def protocol_kwargs(settings: Any) -> dict[str, Any]:

@@ -1,0 +1,127 @@
+"""A soak of the running container: load at a share of saturation for minutes, with an activation
+every minute (alternating two versions of the bundle, and a faulty one that must be refused).
+
+    python bench/load/soak.py --bundle DIR --rate REQ_PER_S [--minutes 10] [--publish]
+
+REQ_PER_S: 70% of the saturation `make load` measured (bench/RESULTS.md). Versions "a" and "b"
+are hard links of DIR (copies across devices) and "bad" a copy with a NaN written into its
+centroids (checksums recomputed: only the structural checks can refuse it). Per minute: req/s,
+p50/p99 and failures (locust, one run a minute), the activation's outcome, and the container's
+memory (docker stats every 5 s). Bars: no failed request; the last minute's p99 at most 1.5x the
+first's; memory in the last minute at most 5% above the second minute's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/_common
+import _common  # noqa: E402
+from run import CONTAINERS, container, locust  # noqa: E402
+
+from shortlist.bundle_fuzz import index_of, make_variant  # noqa: E402
+
+TOKEN = "soak-token"
+
+
+def _versions(bundle: Path, root: Path) -> None:
+    for version in ("a", "b"):
+        dst = root / version
+        dst.mkdir(parents=True)
+        for f in bundle.iterdir():
+            try:
+                os.link(f, dst / f.name)
+            except OSError:
+                shutil.copy2(f, dst / f.name)
+        manifest = json.loads((dst / "manifest.json").read_text())
+        (dst / "manifest.json").unlink()  # a hard link: write a file of this version's own
+        (dst / "manifest.json").write_text(json.dumps({**manifest, "version": version}))
+    make_variant(root / "a", root, 0, index_of(root / "a", "centroids.npy", "nan"), version="bad")
+    for path in (root, *root.rglob("*")):
+        path.chmod(0o755 if path.is_dir() else 0o644)
+
+
+def _memory_mib(name: str) -> float:
+    usage = subprocess.run(["docker", "stats", "--no-stream", "--format", "{{.MemUsage}}", name],
+                           capture_output=True, text=True).stdout.split("/")[0].strip()
+    value, unit = float(usage[:-3]), usage[-3:]
+    return value * {"KiB": 1 / 1024, "MiB": 1.0, "GiB": 1024.0}[unit]
+
+
+def soak(url: str, rate: float, minutes: int, out: Path) -> list[dict]:
+    name, stop, memory = CONTAINERS[url], threading.Event(), []
+
+    def sample() -> None:
+        while not stop.is_set():
+            memory.append((time.monotonic(), _memory_mib(name)))
+            stop.wait(5)
+
+    threading.Thread(target=sample, daemon=True).start()
+    plan, rows = ["b", "bad", "a"], []
+    with httpx.Client(base_url=url, headers={"authorization": f"Bearer {TOKEN}"}, timeout=600) as admin:
+        for minute in range(minutes):
+            started = time.monotonic()
+            version = plan[minute % len(plan)]
+            activation: dict = {}
+            t = threading.Thread(target=lambda v=version, a=activation: a.update(
+                status=admin.post("/admin/bundles/activate", json={"version": v}).status_code))
+            threading.Timer(20, t.start).start()  # mid-minute, under load
+            stats = locust(url, 16, 60, out / f"soak-minute{minute + 1}", rate=rate / 16)["Aggregated"]
+            t.join()
+            mem = [m for ts, m in memory if ts >= started]
+            rows.append({"minute": minute + 1, **stats, "activated": version, "status": activation.get("status"),
+                         "memory_mib": statistics.mean(mem) if mem else float("nan")})
+            print(json.dumps(rows[-1]), flush=True)
+    stop.set()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bundle", type=Path, required=True)
+    ap.add_argument("--rate", type=float, required=True, help="requests/s to offer (70%% of saturation)")
+    ap.add_argument("--minutes", type=int, default=10)
+    ap.add_argument("--image", default=os.environ.get("IMAGE", "shortlist:cpu"))
+    ap.add_argument("--out", type=Path, default=_common.OUT_DIR / "soak")
+    ap.add_argument("--publish", action="store_true")
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="soak-", dir=args.out) as tmp:
+        root = Path(tmp) / "bundles"
+        _versions(args.bundle.resolve(), root)
+        with container(root / "a", args.image, SHORTLIST_ADMIN_TOKEN=TOKEN) as url:
+            rows = soak(url, args.rate, args.minutes, args.out)
+    failed = sum(round(r["fail"] * r["rps"] * 60) for r in rows)
+    p99_ratio = rows[-1]["p99"] / max(rows[0]["p99"], 1e-9)
+    mem_ratio = rows[-1]["memory_mib"] / rows[min(1, len(rows) - 1)]["memory_mib"]
+    refused_ok = all(r["status"] == (422 if r["activated"] == "bad" else 200) for r in rows)
+    lines = ["## Soak: the container under load with an activation a minute", "",
+             f"Command: `{_common.command_line()}` (commit {_common.git_revision()}); locust on the same "
+             f"{os.cpu_count()} cores.", "",
+             "| minute | req/s | p50 (ms) | p99 (ms) | failures | activated | answer | memory (MiB) |",
+             "|---:|---:|---:|---:|---:|---|---:|---:|"]
+    lines += [f"| {r['minute']} | {r['rps']:.0f} | {r['p50']:.0f} | {r['p99']:.0f} | {100 * r['fail']:.2f}% | "
+              f"{r['activated']} | {r['status']} | {r['memory_mib']:.0f} |" for r in rows]
+    lines += ["", f"Failed requests {failed}; p99 last/first minute {p99_ratio:.2f} (bar <= 1.5); memory last/second "
+              f"minute {mem_ratio:.3f} (bar <= 1.05); activations answered as expected: {refused_ok}."]
+    body = "\n".join(lines)
+    print(body)
+    if args.publish:
+        _common.replace_section(_common.BENCH_DIR / "RESULTS.md", "soak", body)
+    return 0 if failed == 0 and p99_ratio <= 1.5 and mem_ratio <= 1.05 and refused_ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
