@@ -38,7 +38,7 @@ lint-docker: install
 
 # The CPU image end to end on a real engine (tests_container/); CI runs it after `make test`.
 container-test: install lint-docker image
-	$(BIN)/python -m pytest tests_container -q -p no:cacheprovider
+	$(BIN)/python -m pytest tests_container/test_container.py -q -p no:cacheprovider
 
 # /docs of the running container with every host but loopback blocked, in headless Chromium
 # (Debian's chromium and chromium-driver, installed here when missing): a prediction through the page.

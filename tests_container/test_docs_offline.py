@@ -1,7 +1,7 @@
 """The interactive docs of the running container work with no internet: headless Chromium (Debian's
 chromium + chromium-driver, selenium from the load extra) opens /docs with every host but
 loopback unresolvable, runs a prediction through the page, and no request leaves the machine.
-Skipped where no Chromium is installed (`make docs-test` installs it)."""
+Skipped where Chromium or selenium is missing (`make docs-test` installs both); not in CI's run."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 from test_container import container, volumes  # noqa: F401  (the fixture is used by name)
 
 pytestmark = pytest.mark.skipif(shutil.which("chromedriver") is None, reason="no chromium-driver")
+pytest.importorskip("selenium", reason="the browser extra is not installed")
 SCREENSHOT = Path(__file__).resolve().parent.parent / "bench" / "out" / "docs-offline.png"
 
 
