@@ -19,7 +19,8 @@ from service.api.schemas import ActivateRequest, ActivationResult, BundleInfo, B
 
 # 401 / 403: no or a wrong token; 404: no such bundle (or nothing to roll back to); 409: another
 # activation is running; 422: the bundle was refused (the serving one keeps serving).
-ACTIVATION_ERRORS = documented(401, 403, 404, 409, 422)
+# 429: too many wrong admin tokens from this address (dependencies.AuthFailures).
+ACTIVATION_ERRORS = documented(401, 403, 404, 409, 422, 429)
 
 
 async def _activate(state: State, fn: Callable[..., dict[str, Any]], *args: Any) -> ActivationResult:
@@ -43,7 +44,7 @@ async def _activate(state: State, fn: Callable[..., dict[str, Any]], *args: Any)
 def admin_router() -> APIRouter:
     router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)], tags=["admin"])
 
-    @router.get("/bundles", response_model=BundleList, responses=documented(401, 403))
+    @router.get("/bundles", response_model=BundleList, responses=documented(401, 403, 429))
     async def bundles(state: State) -> BundleList:
         rows = await asyncio.wrap_future(state.registry.in_loader(state.registry.list))
         return BundleList(active=state.registry.active_version, bundles=[
