@@ -97,9 +97,12 @@ def test_excluded_labels_are_left_out_and_the_next_ones_move_up(client, bundle_r
         assert not {d["uid"] for d in row} & set(uids)
     assert [d["uid"] for d in got[0]] == [d["uid"] for d in plain[0][2:6]]
     # a single text goes through the batcher, apart from texts with other exclusions
+    # (scores of one text and of a batch of three differ in float noise: BLAS blocks by shape)
     one = client.post(route, json={"text": texts[0], "k": 4, "exclude": uids})
-    assert one.status_code == 200 and one.json()["results"][0] == got[0]
-    assert client.post(route, json={"text": texts[0], "k": 6, "exclude": []}).json()["results"][0] == plain[0]
+    assert one.status_code == 200
+    assert_same_ranking(one.json()["results"][0], got[0])
+    alone = client.post(route, json={"text": texts[0], "k": 6, "exclude": []}).json()["results"][0]
+    assert_same_ranking(alone, plain[0])
 
 
 def test_tree_endpoint_matches_the_engine_tree_scorer(client, bundle_root, texts):

@@ -61,7 +61,11 @@ def _memory_mib(name: str) -> tuple[float, float]:
     usage = subprocess.run(["docker", "stats", "--no-stream", "--format", "{{.MemUsage}}", name],
                            capture_output=True, text=True).stdout.split("/")[0].strip()
     value, unit = float(usage[:-3]), usage[-3:]
-    status = subprocess.run(["docker", "exec", name, "cat", "/proc/1/status"], capture_output=True, text=True).stdout
+    # The server is the container's PID 1; read its status from the host (docker exec would
+    # start processes in the container every sample, load the soak measures).
+    pid = subprocess.run(["docker", "inspect", "--format", "{{.State.Pid}}", name], capture_output=True,
+                         text=True).stdout.strip()
+    status = Path(f"/proc/{pid}/status").read_text() if pid.isdigit() else ""
     anon = next((float(line.split()[1]) / 1024 for line in status.splitlines() if line.startswith("RssAnon:")), 0.0)
     return value * {"KiB": 1 / 1024, "MiB": 1.0, "GiB": 1024.0}[unit], anon
 
