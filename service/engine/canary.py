@@ -5,21 +5,35 @@ before it is served."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from service.engine.schema import BundleError, CanaryQuery
 
 if TYPE_CHECKING:
-    from service.engine.predictor import Predictor
+    from service.engine.bundle import Bundle
+
+
+class CanaryTarget(Protocol):
+    """What the canaries ask of a predictor (service.engine.predictor.Predictor, which calls
+    this module on load: a protocol here keeps the import one way)."""
+
+    bundle: Bundle
+
+    @property
+    def num_labels(self) -> int: ...
+
+    def predict_ids(self, texts: list[str], k: int, alpha: float | None = None) -> tuple[np.ndarray, np.ndarray]: ...
+
+    def predict_tree_ids(self, texts: list[str], k: int) -> tuple[np.ndarray, np.ndarray]: ...
 
 CANARY_K = 5
 # How far a reproduced top score may drift from export's (ONNX on another CPU, BLAS kernels).
 _SCORE_TOLERANCE = 1e-3
 
 
-def record(predictor: Predictor, texts: Sequence[str]) -> list[CanaryQuery]:
+def record(predictor: CanaryTarget, texts: Sequence[str]) -> list[CanaryQuery]:
     """The top CANARY_K answers of `texts` with the bundle's own scoring, to store in the manifest."""
     ids, scores = predictor.predict_ids(list(texts), k=CANARY_K)
     return [
@@ -28,7 +42,7 @@ def record(predictor: Predictor, texts: Sequence[str]) -> list[CanaryQuery]:
     ]
 
 
-def check(predictor: Predictor) -> None:
+def check(predictor: CanaryTarget) -> None:
     """Raise BundleError unless the bundle reproduces its canaries and every scorer path a
     request can select (alpha 0, between and 1, and the bundle's; each shortlist source, which
     every query searches; the tree) answers each text with finite scores and label ids."""
