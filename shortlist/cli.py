@@ -85,6 +85,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--state-dir", default=None, help="writable directory that remembers the active version")
     p.add_argument("--host", default=None)
     p.add_argument("--port", type=int, default=None)
+    p.add_argument("--processes", type=int, default=None,
+                   help="serving processes on the port (default 1; more need --state-dir)")
     p.set_defaults(handler="service.api.server:run_cli")
 
 

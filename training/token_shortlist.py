@@ -27,6 +27,7 @@ from service.engine.lexical import TokenShortlist
 from service.engine.schema import LEXICAL_FILES, TOKEN_SHORTLIST
 from training.config import TrainConfig
 from training.encoder import EncodedTexts
+from training.progress import Progress
 
 TABLE_FILE = "token_shortlist.npz"
 
@@ -119,10 +120,10 @@ def fit_token_logistic(
     opt = torch.optim.Adam([theta, bias], lr=lr)
     y = y.tocsr()
     losses: list[float] = []
-    for _ in range(epochs):
+    for epoch in range(epochs):
         order = torch.randperm(len(doc_tokens), generator=generator).numpy()
         total = 0.0
-        for start in range(0, len(order), batch_size):
+        for start in Progress(range(0, len(order), batch_size), f"lexical weights epoch {epoch + 1}/{epochs}"):
             batch = order[start : start + batch_size]
             cand, slot_token, slot_col, slot_x, inverse, target = _candidate_batch(
                 doc_tokens[batch], doc_weights[batch], y[batch], slots

@@ -3,19 +3,29 @@
 The bundle root may be read-only (a container mounts it so); SHORTLIST_STATE_DIR holds
 `active.json`, replaced atomically (a temporary file, fsync, rename, fsync of the directory)
 on every activation and rollback, so a crash leaves the old choice or the new one, never a
-torn file.
+torn file. With it, the versions served before (what a rollback returns to), and a lock that
+makes activations exclusive among the processes sharing the directory.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from service.engine.schema import BundleError, validate_version_name
 from service.engine.store import utc_now
 
 ACTIVE_FILE = "active.json"
+LOCK_FILE = ".activation.lock"
+HISTORY_LENGTH = 16
+
+
+class StateBusy(Exception):
+    """Another process holds the activation lock."""
 
 
 class ActiveVersionFile:
@@ -32,16 +42,42 @@ class ActiveVersionFile:
 
     def read(self) -> str | None:
         """The remembered version; None when nothing was recorded or the record is unreadable."""
-        try:
-            version = json.loads(self.path.read_text(encoding="utf-8"))["version"]
-            validate_version_name(version)
-            return version
-        except (OSError, ValueError, KeyError, TypeError, BundleError):
-            return None
+        return self._record()[0]
 
-    def write(self, version: str) -> None:
+    def history(self) -> list[str]:
+        """The versions served before the remembered one, most recent last."""
+        return self._record()[1]
+
+    def _record(self) -> tuple[str | None, list[str]]:
+        try:
+            record = json.loads(self.path.read_text(encoding="utf-8"))
+            version = record["version"]
+            validate_version_name(version)
+            history = [v for v in record.get("history", []) if isinstance(v, str)]
+            for v in history:
+                validate_version_name(v)
+            return version, history
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, BundleError):
+            return None, []
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Hold the activation lock of the directory; StateBusy at once if another process does.
+        (flock: released by the kernel when its holder dies, so a crash leaves no stale lock.)"""
+        fd = os.open(self.dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise StateBusy(f"another process is activating a bundle ({self.dir / LOCK_FILE})") from None
+            yield
+        finally:
+            os.close(fd)
+
+    def write(self, version: str, history: list[str] | None = None) -> None:
         tmp = self.dir / f".{ACTIVE_FILE}.{os.getpid()}.tmp"
-        data = json.dumps({"version": version, "activated_at": utc_now()}).encode()
+        data = json.dumps({"version": version, "activated_at": utc_now(),
+                           "history": (history or [])[-HISTORY_LENGTH:]}).encode()
         with tmp.open("wb") as f:
             f.write(data)
             f.flush()

@@ -14,13 +14,15 @@ from service.api.dependencies import State, require_admin
 from service.api.errors import ApiError
 from service.api.observability import error_log
 from service.api.predict import documented
+from service.api.processes import ProcessesDiverged
 from service.api.registry import ActivationFailed, ActivationInProgress, BundleNotFound
 from service.api.schemas import ActivateRequest, ActivationResult, BundleInfo, BundleList
 
 # 401 / 403: no or a wrong token; 404: no such bundle (or nothing to roll back to); 409: another
 # activation is running; 422: the bundle was refused (the serving one keeps serving).
-# 429: too many wrong admin tokens from this address (dependencies.AuthFailures).
-ACTIVATION_ERRORS = documented(401, 403, 404, 409, 422, 429)
+# 429: too many wrong admin tokens from this address (dependencies.AuthFailures). 503: with
+# several processes, one could not serve the version the others now serve (service.api.processes).
+ACTIVATION_ERRORS = documented(401, 403, 404, 409, 422, 429, 503)
 
 
 async def _activate(state: State, fn: Callable[..., dict[str, Any]], *args: Any) -> ActivationResult:
@@ -37,6 +39,10 @@ async def _activate(state: State, fn: Callable[..., dict[str, Any]], *args: Any)
         metrics.failed_activations.labels("invalid").inc()
         error_log.error(json.dumps({"event": "activation_failed", "message": str(exc)}))
         raise ApiError(422, "bundle_rejected", str(exc)) from None
+    except ProcessesDiverged as exc:
+        metrics.failed_activations.labels("diverged").inc()
+        error_log.error(json.dumps({"event": "processes_diverged", "message": str(exc)}))
+        raise ApiError(503, "processes_diverged", str(exc)) from None
     metrics.activation_seconds.observe(result["seconds"])
     return ActivationResult(**result)
 

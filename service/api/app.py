@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, FastAPI
 from fastapi_offline import FastAPIOffline
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import JSONResponse, Response
 
 from service.api.active_state import ActiveVersionFile
@@ -21,6 +21,7 @@ from service.api.dependencies import AuthFailures, ServiceState, State
 from service.api.errors import install_error_handlers
 from service.api.observability import ObservabilityMiddleware, ServiceMetrics, error_log, setup_logging
 from service.api.predict import predict_router
+from service.api.processes import ProcessGroup
 from service.api.registry import ActivationFailed, ActivationInProgress, BundleNotFound, BundleRegistry
 from service.api.request_body import RequestBodyMiddleware
 from service.api.schemas import Health, RequestModels
@@ -49,8 +50,12 @@ def build_state(settings: Settings) -> ServiceState:
         max_wait_s=settings.batch_max_wait_ms / 1000.0,
         on_batch=lambda scorer, n: metrics.batch_size.labels(scorer).observe(n),
     )
+    group = None
+    if settings.processes > 1 and settings.state_dir is not None:
+        group = ProcessGroup(settings.state_dir, registry, settings.process_sync_interval_s,
+                             converge_timeout_s=settings.load_check_timeout_s)
     return ServiceState(settings, registry, runner, metrics, RequestModels(settings),
-                        AuthFailures(settings.admin_auth_failures_per_minute))
+                        AuthFailures(settings.admin_auth_failures_per_minute), group)
 
 
 def _remembered(settings: Settings) -> ActiveVersionFile | None:
@@ -82,7 +87,7 @@ def _probes() -> APIRouter:
     @router.api_route("/metrics", methods=["GET", "HEAD"], response_class=Response, summary="Prometheus text format",
                       responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
     async def metrics(state: State) -> Response:
-        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     return router
 
@@ -172,8 +177,13 @@ async def initial_load(state: ServiceState) -> None:
         state.metrics.failed_activations.labels("startup").inc()
         error_log.error(json.dumps({"event": "startup_load_failed", "message": str(exc),
                                     "bundle_root": str(state.settings.bundle_root)}))
+    if state.group is not None:
+        # Only now: following another process's activation before the first load would race it.
+        state.group.start()
 
 
 async def shutdown(state: ServiceState) -> None:
+    if state.group is not None:
+        await asyncio.to_thread(state.group.stop)
     state.runner.shutdown()
     await asyncio.to_thread(state.registry.close)

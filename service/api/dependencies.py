@@ -15,6 +15,7 @@ from starlette.requests import Request
 from service.api.batching import EngineRunner
 from service.api.errors import ApiError
 from service.api.observability import ServiceMetrics
+from service.api.processes import ProcessGroup
 from service.api.registry import BundleRegistry, Engine, NoBundle
 from service.api.schemas import RequestModels
 from service.api.settings import Settings
@@ -58,6 +59,7 @@ class ServiceState:
     metrics: ServiceMetrics
     models: RequestModels
     auth_failures: AuthFailures
+    group: ProcessGroup | None = None  # with several serving processes (service.api.processes)
 
 
 def service_state(request: Request) -> ServiceState:

@@ -8,25 +8,30 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import sys
 import time
 import traceback
 import uuid
+from pathlib import Path
 from typing import Any
 
 import orjson
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api.errors import error_json
 from service.api.http_protocol import BODY_TIMED_OUT
+from service.api.processes import process_alive
 
 access_log = logging.getLogger("shortlist.access")
 error_log = logging.getLogger("shortlist.error")
 
 CLIENT_CLOSED = 499
+# Where prometheus-client keeps the values of several serving processes (its own variable).
+MULTIPROCESS_ENV = "PROMETHEUS_MULTIPROC_DIR"
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 0.5,
                     1.0, 2.5, 10.0)
@@ -34,9 +39,16 @@ _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
 class ServiceMetrics:
-    """One registry per app, so several apps in one process (tests, admin port) never collide."""
+    """One registry per app, so several apps in one process (tests, admin port) never collide.
+
+    With several serving processes (PROMETHEUS_MULTIPROC_DIR set by `shortlist serve` before
+    they start), prometheus-client keeps every value in a file per process and /metrics sums
+    counters and histograms over the live processes; the active bundle and the start-up
+    fallback are reported per process (a `pid` label), requests in flight summed.
+    """
 
     def __init__(self) -> None:
+        self.multiprocess = MULTIPROCESS_ENV in os.environ
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("shortlist_http_requests_total", "HTTP requests answered",
@@ -44,9 +56,9 @@ class ServiceMetrics:
         self.latency = Histogram("shortlist_http_request_duration_seconds", "HTTP request latency",
                                  ["route", "status"], buckets=_LATENCY_BUCKETS, registry=r)
         self.in_flight = Gauge("shortlist_http_requests_in_flight", "HTTP requests being served",
-                               registry=r)
+                               registry=r, multiprocess_mode="livesum")
         self.active_bundle = Gauge("shortlist_active_bundle", "1 for the bundle version now serving",
-                                   ["version"], registry=r)
+                                   ["version"], registry=r, multiprocess_mode="liveall")
         self.batch_size = Histogram("shortlist_engine_batch_size", "texts per engine call",
                                     ["scorer"], buckets=_BATCH_BUCKETS, registry=r)
         self.swaps = Counter("shortlist_bundle_swaps_total", "successful bundle activations", registry=r)
@@ -54,15 +66,33 @@ class ServiceMetrics:
                                           "activations refused", ["reason"], registry=r)
         self.startup_fallback = Gauge("shortlist_startup_fallback",
                                       "1 when start-up could not serve the wanted bundle and serves "
-                                      "the newest one that loads instead", ["wanted"], registry=r)
+                                      "the newest one that loads instead", ["wanted"], registry=r,
+                                      multiprocess_mode="liveall")
         self.activation_seconds = Histogram("shortlist_bundle_activation_seconds",
                                             "load + validate + swap time",
                                             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
                                             registry=r)
 
     def set_active(self, version: str) -> None:
-        self.active_bundle.clear()
+        if self.multiprocess:  # values live in files there: zero the old versions, no clear()
+            for (old,) in list(self.active_bundle._metrics):
+                self.active_bundle.labels(version=old).set(0)
+        else:
+            self.active_bundle.clear()
         self.active_bundle.labels(version=version).set(1)
+
+    def exposition(self) -> bytes:
+        """The Prometheus text of this process, or of every live serving process."""
+        if not self.multiprocess:
+            return generate_latest(self.registry)
+        directory = Path(os.environ[MULTIPROCESS_ENV])
+        for path in directory.glob("gauge_live*_*.db"):  # processes that died without saying so
+            pid = path.stem.rsplit("_", 1)[-1]
+            if pid.isdigit() and not process_alive(int(pid)):
+                multiprocess.mark_process_dead(int(pid), str(directory))
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry, path=str(directory))
+        return generate_latest(registry)
 
 
 def setup_logging(level: str = "info") -> None:

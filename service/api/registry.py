@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from service.api.active_state import ActiveVersionFile
+from service.api.active_state import HISTORY_LENGTH, ActiveVersionFile, StateBusy
 from service.engine import heap
 from service.engine.bundle import Bundle
 from service.engine.isolated import check_in_child
@@ -130,6 +130,8 @@ class BundleRegistry:
         self.quality_gate_min_p1 = quality_gate_min_p1
         self.drain_timeout_s = drain_timeout_s
         self.on_swap = on_swap
+        # Set by a ProcessGroup: waits until every process serves a version this one activated.
+        self.converge: Callable[[str], dict[str, object]] | None = None
         self._active: Engine | None = None
         self._history: list[str] = []  # previously active versions, most recent last
         self._activation_lock = threading.Lock()
@@ -181,44 +183,66 @@ class BundleRegistry:
         active = self.active_version
         return [(m, m.version == active) for m in list_bundles(self.root)]
 
+    @contextmanager
+    def _exclusive(self, *, shared_state: bool = True) -> Iterator[None]:
+        """This registry's activation lock and, with a state directory, the one the processes
+        sharing it hold (ActivationInProgress at once if either is taken)."""
+        if not self._activation_lock.acquire(blocking=False):
+            raise ActivationInProgress("another activation is in progress")
+        try:
+            if self.remembered is None or not shared_state:
+                yield
+                return
+            try:
+                with self.remembered.exclusive():
+                    # Other processes may have activated since: their record is the truth.
+                    self._history = self.remembered.history()
+                    yield
+            except StateBusy as exc:
+                raise ActivationInProgress(str(exc)) from None
+        finally:
+            self._activation_lock.release()
+
     def activate(self, version: str | None = None) -> dict[str, object]:
         """Load, validate and swap in `version` (default: the newest under the root).
 
         Raises ActivationInProgress, BundleNotFound or ActivationFailed; on any failure the
         active bundle is untouched.
         """
-        if not self._activation_lock.acquire(blocking=False):
-            raise ActivationInProgress("another activation is in progress")
-        try:
-            return self._activate_locked(version, record_history=True)
-        finally:
-            self._activation_lock.release()
+        with self._exclusive():
+            old = self.active_version
+            history = [*self._history, old][-HISTORY_LENGTH:] if old is not None else self._history
+            return self._converged(self._activate_locked(version, history=history))
 
     def rollback(self) -> dict[str, object]:
-        if not self._activation_lock.acquire(blocking=False):
-            raise ActivationInProgress("another activation is in progress")
-        try:
+        with self._exclusive():
             if not self._history:
                 raise BundleNotFound("no previously active bundle to roll back to")
-            target = self._history[-1]
-            result = self._activate_locked(target, record_history=False)
-            self._history.pop()
-            return result
-        finally:
-            self._activation_lock.release()
+            return self._converged(self._activate_locked(self._history[-1], history=self._history[:-1]))
 
-    def _activate_locked(self, version: str | None, *, record_history: bool) -> dict[str, object]:
+    def follow(self, version: str) -> dict[str, object]:
+        """Serve `version`, which another process sharing the state directory activated (it has
+        checked, gated and recorded it): load and swap only."""
+        with self._exclusive(shared_state=False):
+            return self._activate_locked(version, history=self._history, follow=True)
+
+    def _converged(self, result: dict[str, object]) -> dict[str, object]:
+        """The activation's result, once every process sharing the state directory serves it."""
+        if self.converge is None:
+            return result
+        return {**result, "processes": self.converge(str(result["active"]))}
+
+    def _activate_locked(self, version: str | None, *, history: list[str], follow: bool = False) -> dict[str, object]:
         t0 = time.perf_counter()
-        predictor = self._load(self._resolve(version))
-        quality = self._quality_gate(predictor)
-        self._remember(predictor)
+        predictor = self._load(self._resolve(version), check=not follow)
+        quality = {} if follow else self._quality_gate(predictor)
+        if not follow:
+            self._remember(predictor, history)
+        self._history = history
         new = Engine(predictor.bundle, predictor)
         old = self._active
         self._active = new  # the swap: one reference assignment
         if old is not None:
-            if record_history:
-                self._history.append(old.version)
-                del self._history[:-16]
             old._retire()
             threading.Thread(target=self._drain_and_close, args=(old,), daemon=True).start()
         else:
@@ -233,7 +257,19 @@ class BundleRegistry:
     def start(self, configured: str | None = None) -> dict[str, object]:
         """The first activation: the remembered version (the operator's last choice), else
         `configured`, else the newest bundle; if that one cannot be served, the newest bundle
-        that can (the result's "fallback_from" names what was wanted and "reason" why not)."""
+        that can (the result's "fallback_from" names what was wanted and "reason" why not).
+        Processes sharing a state directory start one after another, each serving what the
+        one before it chose."""
+        deadline = time.monotonic() + 2 * (self.check_timeout_s or 600.0)
+        while True:
+            try:
+                return self._start(configured)
+            except ActivationInProgress:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def _start(self, configured: str | None) -> dict[str, object]:
         wanted = (self.remembered.read() if self.remembered else None) or configured
         try:
             return self.activate(wanted)
@@ -253,12 +289,12 @@ class BundleRegistry:
             return {**result, "fallback_from": wanted or "(newest)", "reason": str(first_error)}
         raise first_error
 
-    def _remember(self, predictor: Predictor) -> None:
+    def _remember(self, predictor: Predictor, history: list[str]) -> None:
         """Record the version about to serve before it does: served is always remembered."""
         if self.remembered is None:
             return
         try:
-            self.remembered.write(predictor.bundle.version)
+            self.remembered.write(predictor.bundle.version, history)
         except OSError as exc:
             predictor.bundle.close()
             raise ActivationFailed(f"cannot record the active version in {self.remembered.dir}: {exc}") from exc
@@ -281,9 +317,9 @@ class BundleRegistry:
                 raise BundleNotFound(str(exc)) from exc
             raise ActivationFailed(str(exc)) from exc
 
-    def _load(self, path: Path) -> Predictor:
+    def _load(self, path: Path, *, check: bool = True) -> Predictor:
         try:
-            if self.check_timeout_s is not None:
+            if check and self.check_timeout_s is not None:
                 check_in_child(path, threads=self.engine_threads, timeout_s=self.check_timeout_s)
             return Predictor.load(path, PredictorOptions(threads=self.engine_threads))
         except BundleError as exc:

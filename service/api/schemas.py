@@ -143,3 +143,5 @@ class ActivationResult(BaseModel):
     previous: str | None
     seconds: float
     quality: dict[str, float] = Field(default_factory=dict)
+    # With several serving processes: what each serves (by pid) when the activation answered.
+    processes: dict[str, str | None] = Field(default_factory=dict)

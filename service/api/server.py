@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import tempfile
 
 import uvicorn
 
 from service.api.app import build_state, create_admin_app, create_app, initial_load, shutdown
 from service.api.http_protocol import protocol_kwargs
+from service.api.observability import MULTIPROCESS_ENV
 from service.api.settings import Settings
 
 
@@ -16,7 +19,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     """Environment (SHORTLIST_*) first, then any flag given on the command line wins."""
     overrides = {
         name: getattr(args, name)
-        for name in ("bundle_root", "version", "host", "port", "state_dir")
+        for name in ("bundle_root", "version", "host", "port", "state_dir", "processes")
         if getattr(args, name, None) is not None
     }
     return Settings(**overrides)
@@ -46,7 +49,27 @@ async def _serve_two(settings: Settings) -> None:
         await shutdown(state)
 
 
+def _run_processes(settings: Settings) -> None:
+    """`settings.processes` copies of the app on one listening socket, under uvicorn's supervisor.
+
+    Each process is started fresh (spawned) and builds its settings from the environment, so
+    the command line's settings are put there first; prometheus-client keeps each process's
+    metric values in files under a directory made for this run (service.api.observability).
+    """
+    os.environ.update(settings.environment())
+    with tempfile.TemporaryDirectory(prefix="shortlist-metrics-") as metrics_dir:
+        os.environ[MULTIPROCESS_ENV] = metrics_dir
+        uvicorn.run("service.api.app:create_app", factory=True, workers=settings.processes,
+                    host=settings.host, port=settings.port, access_log=False, log_level=settings.log_level,
+                    timeout_graceful_shutdown=int(settings.drain_timeout_s) or None,
+                    http="service.api.http_protocol:environment_protocol",
+                    timeout_keep_alive=settings.keep_alive_timeout_s)  # type: ignore[arg-type]
+
+
 def run(settings: Settings) -> None:
+    if settings.processes > 1:
+        _run_processes(settings)
+        return
     if settings.admin_token is not None and settings.admin_port is not None:
         # The same event loop uvicorn.Server.run would pick (uvloop when installed).
         loop_factory = _config(None, settings.host, settings.port, settings).get_loop_factory()

@@ -26,6 +26,13 @@ class Settings(BaseSettings):
     workers: int = Field(2, ge=1, le=256)
     engine_threads: int = Field(1, ge=1, le=256)
 
+    # Serving processes on one port (uvicorn's supervisor: a process that dies is restarted,
+    # SIGTERM drains them all). More than one needs `state_dir`, where they agree on the active
+    # version: an activation on any of them is followed by every other within
+    # `process_sync_interval_s` and answered once all serve it (README "Several processes").
+    processes: int = Field(1, ge=1, le=64)
+    process_sync_interval_s: float = Field(0.2, ge=0.01, le=60.0)
+
     # Dynamic batching of concurrent single-text requests: requests queue while every worker
     # is busy and leave together, up to batch_max_size; batch_max_wait_ms > 0 also holds a
     # lone request that long hoping for company (costs latency at low load).
@@ -93,6 +100,27 @@ class Settings(BaseSettings):
     fault_route: bool = False
     access_log: bool = True
     log_level: str = "info"
+
+    @model_validator(mode="after")
+    def _processes_need_state(self) -> Settings:
+        if self.processes > 1 and self.state_dir is None:
+            raise ValueError("processes > 1 needs state_dir (SHORTLIST_STATE_DIR): the processes agree on the "
+                             "active version there")
+        if self.processes > 1 and self.admin_port is not None:
+            raise ValueError("processes > 1 serves the admin routes on the main port: unset admin_port "
+                             "(SHORTLIST_ADMIN_PORT)")
+        return self
+
+    def environment(self) -> dict[str, str]:
+        """These settings as SHORTLIST_* variables, from which another process builds the same Settings."""
+        env = {}
+        for name, value in self.model_dump().items():
+            if value is None:
+                continue
+            if isinstance(value, SecretStr):
+                value = value.get_secret_value()
+            env[f"SHORTLIST_{name.upper()}"] = str(value).lower() if isinstance(value, bool) else str(value)
+        return env
 
     @model_validator(mode="after")
     def _no_unknown_variables(self) -> Settings:

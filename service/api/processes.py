@@ -1,0 +1,141 @@
+"""Several serving processes on one port (`SHORTLIST_PROCESSES` > 1): how they agree on the bundle.
+
+uvicorn's supervisor runs the processes (one listening socket; a process that dies is
+restarted; SIGTERM drains them all). Each loads the bundle itself: the .npy arrays are memory
+maps of the same files, so their pages are shared, not copied per process. They agree through
+the state directory: `active.json` (service.api.active_state) is the version to serve, and
+its lock makes activations exclusive among them. An activation lands on one process, which
+checks, records and swaps as a single process does; every other process sees the record
+within `process_sync_interval_s` and loads and swaps that version too (the bundle was checked
+already). Each process publishes what it serves in `processes/<pid>.json`; the activating
+process answers once every live process serves the new version (or said why it cannot).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from service.api.registry import ActivationFailed, ActivationInProgress, BundleNotFound, BundleRegistry
+
+log = logging.getLogger("shortlist.processes")
+PROCESSES_DIR = "processes"
+
+
+class ProcessesDiverged(Exception):
+    """Some process could not serve the version another one activated (HTTP 503)."""
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class ProcessGroup:
+    """This process among those sharing `state_dir`: follows their activations, reports its own."""
+
+    def __init__(self, state_dir: str | Path, registry: BundleRegistry, interval_s: float,
+                 converge_timeout_s: float) -> None:
+        if registry.remembered is None:
+            raise ValueError("a process group needs the registry to remember the active version")
+        self.dir = Path(state_dir) / PROCESSES_DIR
+        self.registry = registry
+        self.interval_s = interval_s
+        self.converge_timeout_s = converge_timeout_s
+        self.pid = os.getpid()
+        self._failed: tuple[str, str] | None = None  # (version, why): not retried until the record changes
+        self._published: dict[str, Any] | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.registry.converge = self.wait_for
+        self.members()  # drops the records of processes that died (the one this may replace)
+        self._publish()
+        self._thread = threading.Thread(target=self._run, name="process-sync", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self.registry.converge = None
+        (self.dir / f"{self.pid}.json").unlink(missing_ok=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.sync()
+            except Exception:  # the loop must outlive any one failure; the next tick retries
+                log.exception("process sync failed")
+
+    def sync(self) -> None:
+        """Serve the recorded version if this process does not yet, then publish what it serves."""
+        wanted = self.registry.remembered.read()  # type: ignore[union-attr]
+        failed_version = self._failed[0] if self._failed else None
+        if wanted is not None and wanted != self.registry.active_version and wanted != failed_version:
+            try:
+                self.registry.follow(wanted)
+                self._failed = None
+            except ActivationInProgress:
+                pass  # this process is activating itself: its own record decides next tick
+            except (ActivationFailed, BundleNotFound) as exc:
+                log.error("process %d cannot serve %s, activated by another process: %s", self.pid, wanted, exc)
+                self._failed = (wanted, str(exc))
+        self._publish()
+
+    def _publish(self) -> None:
+        record = {"pid": self.pid, "version": self.registry.active_version,
+                  "failed": {"version": self._failed[0], "error": self._failed[1]} if self._failed else None}
+        if record == self._published:
+            return
+        tmp = self.dir / f".{self.pid}.json.tmp"
+        tmp.write_text(json.dumps(record), encoding="utf-8")
+        os.replace(tmp, self.dir / f"{self.pid}.json")
+        self._published = record
+
+    def members(self) -> dict[int, dict[str, Any]]:
+        """What every live process sharing the directory last published, by pid (files of
+        processes that died are removed)."""
+        out = {}
+        for path in self.dir.glob("*.json"):
+            try:
+                pid = int(path.stem)
+                record = json.loads(path.read_text(encoding="utf-8"))
+            except (ValueError, OSError):
+                continue
+            if not process_alive(pid):
+                path.unlink(missing_ok=True)
+                continue
+            out[pid] = record
+        return out
+
+    def wait_for(self, version: str) -> dict[str, object]:
+        """Block until every live process serves `version`: {pid: version}. ProcessesDiverged
+        naming each process that cannot, or still does not after the timeout."""
+        self._publish()
+        deadline = time.monotonic() + self.converge_timeout_s
+        while True:
+            members = self.members()
+            behind = {pid: m for pid, m in members.items() if m.get("version") != version}
+            failed = {pid: m["failed"]["error"] for pid, m in behind.items()
+                      if (m.get("failed") or {}).get("version") == version}
+            if not behind:
+                return {str(pid): m.get("version") for pid, m in members.items()}
+            if failed or time.monotonic() > deadline:
+                reasons = "; ".join(f"process {pid}: {failed.get(pid, 'still serves ' + str(m.get('version')))}"
+                                    for pid, m in behind.items())
+                raise ProcessesDiverged(f"{version} serves on {len(members) - len(behind)} of {len(members)} "
+                                        f"processes; {reasons}")
+            time.sleep(min(self.interval_s, 0.05))

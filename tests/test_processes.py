@@ -1,0 +1,99 @@
+"""Several serving processes on one port (SHORTLIST_PROCESSES): every process serves what any of
+them activated, the metrics cover them all and say which process serves what, and a process
+that dies comes back serving the recorded version."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import httpx
+import pytest
+from pydantic import ValidationError
+from test_admin import AUTH, TOKEN
+
+from service.api.settings import Settings
+from shortlist.testing import serve
+
+ACTIVE = re.compile(r'^shortlist_active_bundle\{pid="(\d+)",version="([^"]+)"\} 1\.0$', re.M)
+
+
+def _env(state_dir) -> dict[str, str]:
+    return {"SHORTLIST_ADMIN_TOKEN": TOKEN, "SHORTLIST_STATE_DIR": str(state_dir), "SHORTLIST_PROCESSES": "2",
+            "SHORTLIST_ACCESS_LOG": "false"}
+
+
+def _serving(url: str) -> dict[str, str]:
+    """pid -> the version that process serves, from /metrics."""
+    return dict(ACTIVE.findall(httpx.get(f"{url}/metrics").text))
+
+
+def _wait_for(url: str, want: set[str], processes: int = 2, timeout: float = 90.0, gone: str = "") -> dict[str, str]:
+    deadline = time.monotonic() + timeout
+    while True:
+        serving = _serving(url)
+        if len(serving) == processes and set(serving.values()) == want and gone not in serving:
+            return serving
+        if time.monotonic() > deadline:
+            raise AssertionError(f"processes serve {serving}, wanted {processes} serving {want}")
+        time.sleep(0.2)
+
+
+def _versions_answering(url: str, n: int) -> set[str]:
+    """The versions in n answers, each on a new connection (so both processes take some)."""
+    seen = set()
+    for i in range(n):
+        with httpx.Client(base_url=url) as c:
+            r = c.post("/v1/predict", json={"text": f"query {i}", "k": 3})
+            assert r.status_code == 200, r.text
+            seen.add(r.json()["version"])
+    return seen
+
+
+def test_an_activation_on_one_process_is_served_by_every_process(bundle_root, tmp_path):
+    state = tmp_path / "state"
+    with serve(bundle_root, env=_env(state), log_dir=tmp_path, timeout=120) as s:
+        pids = _wait_for(s.url, {"v2"})
+        r = httpx.post(f"{s.url}/admin/bundles/activate", json={"version": "v1"}, headers=AUTH, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["processes"] == {pid: "v1" for pid in pids}  # answered once all serve it
+        assert _versions_answering(s.url, 40) == {"v1"}
+        metrics = httpx.get(f"{s.url}/metrics").text
+        assert _serving(s.url) == {pid: "v1" for pid in pids}
+        # Counters are summed over the processes: at least the 40 predictions above.
+        total = sum(float(v) for v in re.findall(
+            r'^shortlist_http_requests_total\{method="POST",route="/v1/predict",status="200"\} (\S+)$', metrics, re.M))
+        assert total >= 40
+        r = httpx.post(f"{s.url}/admin/bundles/rollback", headers=AUTH, timeout=120)
+        assert r.status_code == 200 and r.json()["active"] == "v2", r.text
+        assert set(r.json()["processes"].values()) == {"v2"}
+        assert _versions_answering(s.url, 20) == {"v2"}
+
+
+def test_a_process_that_dies_comes_back_serving_the_recorded_version(bundle_root, tmp_path):
+    state = tmp_path / "state"
+    with serve(bundle_root, env=_env(state), log_dir=tmp_path, timeout=120) as s:
+        _wait_for(s.url, {"v2"})
+        r = httpx.post(f"{s.url}/admin/bundles/activate", json={"version": "v1"}, headers=AUTH, timeout=120)
+        assert r.status_code == 200, r.text
+        victim = int(next(iter(r.json()["processes"])))
+        os.kill(victim, signal.SIGKILL)
+        # The supervisor starts another process; it serves v1, and the dead one leaves /metrics.
+        _wait_for(s.url, {"v1"}, gone=str(victim))
+        assert _versions_answering(s.url, 20) == {"v1"}
+    # A clean stop leaves no process record behind.
+    assert not list((state / "processes").glob("*.json"))
+
+
+def test_several_processes_need_a_state_directory_and_the_admin_routes_on_the_main_port(tmp_path):
+    with pytest.raises(ValidationError, match="needs state_dir"):
+        Settings(processes=2)
+    with pytest.raises(ValidationError, match="admin_port"):
+        Settings(processes=2, state_dir=tmp_path, admin_port=9000)
+    Settings(processes=2, state_dir=tmp_path)
+    with pytest.raises(ValidationError):
+        Settings(processes=65, state_dir=tmp_path)
+    with pytest.raises(ValidationError):
+        Settings(processes=0)
