@@ -7,9 +7,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+import onnx
 import torch
 
 from service.engine.encoder import ENCODER_INPUTS, ENCODER_OUTPUT, OnnxEncoder
+from service.engine.schema import ENCODER_DATA
 from service.engine.tokenizer import Tokenizer
 from training.encoder import SiameseEncoder
 
@@ -18,7 +20,9 @@ PARITY_TOLERANCE = 1e-5
 
 
 def export_encoder(encoder: SiameseEncoder, path: Path) -> None:
-    """Write the encoder with dynamic batch and token axes."""
+    """Write the encoder with dynamic batch and token axes; its initializers of 1 KiB and more
+    (the token embedding table) go to ENCODER_DATA beside it, which onnxruntime memory-maps
+    instead of copying: serving processes share those pages."""
     encoder = encoder.cpu().eval()
     ids = torch.ones((2, 3), dtype=torch.int64)
     weights = torch.full((2, 3), 0.5, dtype=torch.float32)
@@ -37,6 +41,9 @@ def export_encoder(encoder: SiameseEncoder, path: Path) -> None:
             opset_version=ONNX_OPSET,
             dynamo=False,
         )
+    model = onnx.load(str(path))
+    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=ENCODER_DATA, size_threshold=1024)
 
 
 def parity_texts(tokenizer: Tokenizer, sample: Sequence[str], n: int = 1000, seed: int = 0) -> list[str]:

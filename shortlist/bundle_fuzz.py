@@ -286,6 +286,14 @@ ONNX_FAULTS: dict[str, Mutation] = {
     "embedding_nan": _onnx_edit(lambda a, rng: _poke(a, rng, np.nan)),
     "embedding_short": _onnx_edit(lambda a, rng: a[: -1 - int(rng.integers(len(a) // 2))]),
 }
+
+
+def _external_nan(path: Path, rng: np.random.Generator) -> None:
+    """A NaN written over one float32 of the encoder's external initializers (raw, 4-aligned)."""
+    data = bytearray(path.read_bytes())
+    at = 4 * int(rng.integers(len(data) // 4))
+    data[at : at + 4] = np.float32(np.nan).tobytes()
+    path.write_bytes(bytes(data))
 BLIND: dict[str, tuple[Mutation, bool]] = {
     "flip": (_flip, False), "zero": (_zero, False), "truncate": (_truncate, True), "extend": (_extend, True),
 }
@@ -296,8 +304,9 @@ def catalogue(files: list[str]) -> list[tuple[str, str, Mutation, bool]]:
     out = []
     for name in sorted(files):
         for kind, (mutation, structural) in BLIND.items():
-            # Bytes after a zip's or protobuf's end, or a blank line: readers may ignore them.
-            must = structural and not (kind == "extend" and name.endswith((".onnx", ".npz")))
+            # Bytes after a zip's or protobuf's end, or after the external data's last tensor:
+            # readers may ignore them.
+            must = structural and not (kind == "extend" and name.endswith((".onnx", ".npz", ".onnx.data")))
             out.append((name, kind, mutation, must))
         targeted: dict[str, Mutation] = {}
         if name.endswith(".npy"):
@@ -308,6 +317,8 @@ def catalogue(files: list[str]) -> list[tuple[str, str, Mutation, bool]]:
             targeted = TREE_FAULTS
         elif name == "encoder.onnx":
             targeted = ONNX_FAULTS
+        elif name == "encoder.onnx.data":
+            targeted = {"nan": _external_nan}
         elif name == "labels.jsonl":
             targeted = {"drop_line": _lines_edit(_drop_line), "bad_row": _lines_edit(_bad_row)}
         elif name == "validation.jsonl":

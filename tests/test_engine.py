@@ -37,6 +37,30 @@ def test_valid_bundle_loads_and_memory_maps_its_arrays(bundle_root):
     assert isinstance(predictor.bundle.classifiers, np.memmap) and isinstance(predictor.bundle.centroids, np.memmap)
 
 
+def test_the_encoder_weights_are_memory_mapped_and_a_format_1_bundle_still_serves(bundle_root_copy):
+    """Format 2 keeps the embedding table in encoder.onnx.data, which onnxruntime maps (pages
+    shared by every process serving the bundle); a format 1 bundle keeps it inside encoder.onnx."""
+    import onnx  # the train extra's: the service itself never imports it
+
+    bundle_dir = bundle_root_copy / "v1"
+    embedding = max(onnx.load(str(bundle_dir / "encoder.onnx"), load_external_data=False).graph.initializer,
+                    key=lambda t: int(np.prod(t.dims)))
+    assert {e.key: e.value for e in embedding.external_data}["location"] == "encoder.onnx.data"
+    predictor = Predictor.load(bundle_dir)
+    assert str(bundle_dir / "encoder.onnx.data") in Path("/proc/self/maps").read_text()
+    texts = list(predictor.bundle.labels.titles[:5])
+    want = predictor.predict_ids(texts, k=5)
+    predictor.bundle.close()
+    onnx.save(onnx.load(str(bundle_dir / "encoder.onnx")), str(bundle_dir / "encoder.onnx"))  # inline again
+    os.remove(bundle_dir / "encoder.onnx.data")
+    manifest = rewrite_manifest(bundle_dir, format_version=1)
+    del manifest["files"]["encoder.onnx.data"]
+    manifest["files"]["encoder.onnx"] = sha256_file(bundle_dir / "encoder.onnx")
+    (bundle_dir / MANIFEST).write_text(json.dumps(manifest))
+    got = Predictor.load(bundle_dir).predict_ids(texts, k=5)
+    assert np.array_equal(got[0], want[0]) and np.allclose(got[1], want[1], atol=1e-6)
+
+
 def test_flipped_byte_is_rejected_naming_the_file(bundle_root_copy):
     target = bundle_root_copy / "v1" / "classifiers.npy"
     data = bytearray(target.read_bytes())
@@ -57,7 +81,7 @@ def test_missing_or_unknown_files_are_rejected(bundle_root_copy):
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    ({"format_version": 99}, "bundle format 99, this engine reads 1"),
+    ({"format_version": 99}, "bundle format 99, this engine reads 1, 2"),
     ({"new_field": 1}, "invalid manifest.*new_field"),
     ({"scoring": {"alpha": 1.5}}, "invalid manifest.*alpha"),
 ])

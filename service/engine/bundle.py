@@ -26,6 +26,7 @@ from service.engine.schema import (
     CLASSIFIER_BIAS,
     CLASSIFIERS,
     ENCODER,
+    ENCODER_DATA,
     HNSW_MU,
     HNSW_W,
     KNOWN_FILES,
@@ -246,11 +247,16 @@ class Bundle:
                 try:
                     encoder = OnnxEncoder(self.path / ENCODER, threads=threads)
                 except ValueError as exc:
-                    raise BundleError(str(exc)) from exc
+                    raise BundleError(f"{self._encoder_files()}: {exc}") from exc
                 if not self._encoders:
                     self._check_encoder(encoder)
                 self._encoders[threads] = encoder
             return self._encoders[threads]
+
+    def _encoder_files(self) -> str:
+        """The encoder's file(s), for messages: a fault in either is a fault of the encoder."""
+        external = self.path / ENCODER_DATA
+        return f"{self.path / ENCODER} with {external}" if external.exists() else str(self.path / ENCODER)
 
     def _check_encoder(self, encoder: OnnxEncoder) -> None:
         """Every token id the tokenizer can produce encodes (alone, and as an empty text) to a
@@ -266,13 +272,13 @@ class Bundle:
             try:
                 out = encoder.run(ids, weights)
             except Exception as exc:  # onnxruntime's own exception types
-                raise BundleError(f"{self.path / ENCODER}: token ids {ids[0, 0]}..{ids[-1, 0]}: {exc}") from exc
+                raise BundleError(f"{self._encoder_files()}: token ids {ids[0, 0]}..{ids[-1, 0]}: {exc}") from exc
             if out.shape != (len(ids), dim) or out.dtype != np.float32:
-                raise BundleError(f"{self.path / ENCODER}: embeddings {out.dtype} {out.shape}, expected float32 "
+                raise BundleError(f"{self._encoder_files()}: embeddings {out.dtype} {out.shape}, expected float32 "
                                   f"[{len(ids)}, {dim}]")
             bad = _first_non_finite(out)
             if bad is not None:
-                raise BundleError(f"{self.path / ENCODER}: token id {int(ids[bad // dim, 0])} encodes to a "
+                raise BundleError(f"{self._encoder_files()}: token id {int(ids[bad // dim, 0])} encodes to a "
                                   "non-finite vector")
 
     def validation_rows(self) -> list[dict[str, Any]]:

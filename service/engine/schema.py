@@ -6,6 +6,9 @@ Written by model_export, read by service.engine.bundle; training builds the mani
 A bundle is a directory BUNDLE_ROOT/VERSION, immutable once written:
   manifest.json          `Manifest`; its `files` maps every other file to its sha256
   encoder.onnx           padded token ids + weights [B, T] -> unit embeddings [B, D]
+  encoder.onnx.data      format 2: encoder.onnx's large initializers (the token embedding
+                         table) as ONNX external data, which onnxruntime memory-maps: the
+                         pages are the file's, shared by every process serving the bundle
   tokenizer.json         service.engine.tokenizer.Tokenizer
   labels.jsonl           service.engine.labels.LabelTable (row i = label i everywhere)
   classifiers.npy        [L, D] float32 w_l (memory-mapped)
@@ -48,11 +51,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-FORMAT_VERSION = 1
-READABLE_FORMATS = (1,)
+# 2: the encoder's initializers may live in encoder.onnx.data (format 1: inside encoder.onnx).
+FORMAT_VERSION = 2
+READABLE_FORMATS = (1, 2)
 
 MANIFEST = "manifest.json"
 ENCODER = "encoder.onnx"
+ENCODER_DATA = "encoder.onnx.data"
 TOKENIZER = "tokenizer.json"
 LABELS = "labels.jsonl"
 CLASSIFIERS = "classifiers.npy"
@@ -68,7 +73,8 @@ TOKEN_SHORTLIST_BIAS = "token_shortlist_bias.npy"
 VALIDATION = "validation.jsonl"
 REQUIRED_FILES = (ENCODER, TOKENIZER, LABELS, CLASSIFIERS, CLASSIFIER_BIAS, CENTROIDS, HNSW_W, HNSW_MU)
 OPTIONAL_FILES = (
-    TREE, VALIDATION, TOKEN_SHORTLIST, TOKEN_SHORTLIST_SHARES, TOKEN_SHORTLIST_WEIGHTS, TOKEN_SHORTLIST_BIAS
+    ENCODER_DATA, TREE, VALIDATION, TOKEN_SHORTLIST, TOKEN_SHORTLIST_SHARES, TOKEN_SHORTLIST_WEIGHTS,
+    TOKEN_SHORTLIST_BIAS,
 )
 KNOWN_FILES = frozenset((*REQUIRED_FILES, *OPTIONAL_FILES))
 
