@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -350,3 +352,13 @@ def test_importing_a_submodule_loads_no_native_engine():
             "print(sorted(m for m in ('onnxruntime', 'hnswlib') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_loading_the_encoder_sends_no_onnxruntime_telemetry(bundle_root, tmp_path):
+    """onnxruntime's Linux telemetry (on by default since 1.29) keeps a device id under the home
+    directory before it uploads: with the service's default there is none."""
+    env = {k: v for k, v in os.environ.items() if k != "ORT_DISABLE_TELEMETRY"}
+    env["HOME"] = str(tmp_path)
+    code = f"from service.engine import Predictor; Predictor.load({str(bundle_root / 'v1')!r})"
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
+    assert not list(tmp_path.rglob("*")), list(tmp_path.rglob("*"))

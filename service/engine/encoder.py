@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
+
+# onnxruntime >= 1.29 sends usage telemetry from Linux too, and writes a device id under the
+# user's home: a serving process must not talk to hosts its operator did not name. Read when
+# onnxruntime loads, so set first; an operator who wants it sets ORT_DISABLE_TELEMETRY=0.
+os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
+import onnxruntime as ort  # noqa: E402
 
 log = logging.getLogger("shortlist.engine")
 ENCODER_INPUTS = ("ids", "weights")
