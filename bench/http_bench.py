@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -38,9 +39,18 @@ from typing import Any
 
 import httpx
 import numpy as np
-from _common import BENCH_DIR, OUT_DIR, command_line, git_revision, latency_summary, read_jsonl, replace_section
+from _common import (
+    BENCH_DIR,
+    OUT_DIR,
+    command_line,
+    git_revision,
+    latency_summary,
+    read_jsonl,
+    replace_section,
+    time_calls,
+)
 
-from shortlist.testing import serve
+from shortlist.testing import free_port, serve
 
 
 def query_texts(bundle_dir: Path, data: str | None, n: int, seed: int = 0) -> list[str]:
@@ -263,7 +273,6 @@ def failure_note(rs: Sequence[dict[str, Any]]) -> str:
     return "; ".join(f"round {rnd}: {note}" for rnd, r in enumerate(rs, 1) if (note := sample_failure(r)))
 
 
-ISSUE_BAR = {"connections": 16, "min_ratio": 0.8, "max_p99_ms": 15.0}
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -284,11 +293,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--access-log", action="store_true",
                     help="keep the service's JSON access log on (off by default: both routes pay it alike)")
     ap.add_argument("--skip-batching-modes", action="store_true")
+    ap.add_argument("--processes", type=int, default=1,
+                    help="also measure predict on a server with this many processes (SHORTLIST_PROCESSES), "
+                         "and each process's memory")
+    ap.add_argument("--peer-run", type=Path, default=None,
+                    help="a bench/peers.py run directory with napkinXC trained: measure the peer service "
+                         "(bench/peer_service.py) beside Shortlist; needs --data")
     ap.add_argument("--results", type=Path, default=BENCH_DIR / "RESULTS.md",
                     help="markdown file whose 'http' section is replaced with these figures")
     args = ap.parse_args(argv)
     if args.rounds < 1 or args.seconds <= 0 or args.queries < args.batch or min(args.connections) < 1:
         ap.error("--rounds and --connections must be >= 1, --seconds > 0 and --queries >= --batch")
+    if args.processes < 1:
+        ap.error("--processes must be >= 1")
+    if args.peer_run is not None and (args.data is None or not (args.peer_run / "models" / "napkinxc").is_dir()):
+        ap.error(f"--peer-run {args.peer_run}: needs --data and napkinXC trained there "
+                 "(python bench/peers.py --systems napkinxc --out DIR)")
     if args.client is None:
         args.client = "wrk" if shutil.which("wrk") else "httpx"
         if args.client == "httpx":
@@ -330,7 +350,60 @@ def server_modes(args: argparse.Namespace) -> tuple[dict[str, str], dict[str, di
     if not args.skip_batching_modes:
         modes["no batching"] = {"SHORTLIST_BATCHING": "false"}
         modes["batching, 1 ms wait"] = {"SHORTLIST_BATCH_MAX_WAIT_MS": "1"}
+    if args.processes > 1:
+        modes[f"{args.processes} processes"] = {"SHORTLIST_PROCESSES": str(args.processes),
+                                                "SHORTLIST_STATE_DIR": str(OUT_DIR / "http-state")}
     return base_env, modes
+
+
+PEER = "peer: napkinXC PLT + FastAPI"
+
+
+@contextlib.contextmanager
+def serve_peer(args: argparse.Namespace, log_dir: Path) -> Any:
+    """bench/peer_service.py under uvicorn (uvloop, httptools) on a free loopback port: its URL."""
+    port = free_port()
+    env = {**os.environ, "PEER_RUN": str(args.peer_run), "PEER_DATA": str(args.data)}
+    cmd = [sys.executable, "-m", "uvicorn", "peer_service:create_app", "--factory", "--app-dir", str(BENCH_DIR),
+           "--host", "127.0.0.1", "--port", str(port), "--loop", "uvloop", "--http", "httptools",
+           "--no-access-log", "--log-level", "warning"]
+    with (log_dir / "peer.log").open("wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the peer service did not start; see {log_dir / 'peer.log'}")
+            time.sleep(0.2)
+        yield url, proc.pid
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)
+
+
+def process_memory_mib(pid: int) -> dict[str, float]:
+    """PSS and USS (private clean + dirty) of a process, MiB (Linux smaps_rollup)."""
+    text = Path(f"/proc/{pid}/smaps_rollup").read_text()
+
+    def kib(key: str) -> float:
+        m = re.search(rf"^{key}:\s+(\d+)", text, re.M)
+        return float(m.group(1)) if m else 0.0
+
+    return {"pss": kib("Pss") / 1024, "uss": (kib("Private_Clean") + kib("Private_Dirty")) / 1024,
+            "rss": kib("Rss") / 1024}
+
+
+def server_memory(name: str, server: Any, env: dict[str, str]) -> list[dict[str, float]]:
+    """Each serving process's memory: the server itself, or the processes it supervises."""
+    state = env.get("SHORTLIST_STATE_DIR")
+    pids = sorted(int(p.stem) for p in (Path(state) / "processes").glob("*.json")) if state else [server.proc.pid]
+    return [{"pid": pid, **process_memory_mib(pid)} for pid in pids]
 
 
 def _measure(args: argparse.Namespace, scripts: dict[str, Path], bodies: dict[str, list[dict[str, Any]]],
@@ -356,8 +429,10 @@ def run_points(args: argparse.Namespace, bodies: dict[str, list[dict[str, Any]]]
         scripts = {route: script_dir / f"{route}.lua" for route in bodies}
         for route, path in scripts.items():
             path.write_text(wrk_script(bodies[route]), encoding="utf-8")
-        urls = {name: stack.enter_context(serve(args.root, version=args.version, env={**base_env, **env},
-                                                log_dir=log_dir, timeout=300)).url for name, env in modes.items()}
+        servers = {name: stack.enter_context(serve(args.root, version=args.version, env={**base_env, **env},
+                                                   log_dir=log_dir, timeout=300)) for name, env in modes.items()}
+        urls = {name: server.url for name, server in servers.items()}
+        peer = stack.enter_context(serve_peer(args, log_dir)) if args.peer_run else None
         print(f"serving {args.bundle_dir}; modes: {', '.join(modes)}; client: {client_desc}", flush=True)
         main_url = urls["batching (default)"]
         if args.client == "wrk":  # wrk has no warm-up phase: one untimed second per server and route first
@@ -368,6 +443,7 @@ def run_points(args: argparse.Namespace, bodies: dict[str, list[dict[str, Any]]]
         for conns in args.connections:
             plan.append(("echo (framework floor)", main_url, "echo", conns, 1))
             plan += [(f"predict, {name}", url, "predict", conns, 1) for name, url in urls.items()]
+            plan += [(PEER, peer[0], "predict", conns, 1)] if peer else []
         plan += [(f"predict, {args.batch} texts/request", main_url, "batch", conns, args.batch) for conns in (1, 2)]
         samples: dict[tuple[str, int], list[dict[str, Any]]] = {}
         for rnd in range(args.rounds):
@@ -379,6 +455,10 @@ def run_points(args: argparse.Namespace, bodies: dict[str, list[dict[str, Any]]]
                     print(f"FAILED: {name} at {conns} connections, round {rnd + 1}: {note}", flush=True)
             print(f"round {rnd + 1}/{args.rounds} done", flush=True)
         results["batch_sizes_default"] = scrape_batch_sizes(main_url)
+        results["memory"] = {name: server_memory(name, server, {**base_env, **modes[name]})
+                             for name, server in servers.items()}
+        if peer:
+            results["memory"][PEER] = [{"pid": peer[1], **process_memory_mib(peer[1])}]
         # One connection only: with many, predict waits for engine workers that echo never queues
         # for, so mean latencies stop estimating a throughput ratio. wrk's Lua API has no
         # per-request clock, so this one exists only with the httpx client.
@@ -419,9 +499,9 @@ def point_table(samples: dict[tuple[str, int], list[dict[str, Any]]], results: d
 
 
 def ratio_lines(args: argparse.Namespace, samples: dict[tuple[str, int], list[dict[str, Any]]],
-                failed: dict[tuple[str, int], str], results: dict[str, Any]) -> tuple[list[str], list[str]]:
-    """Predict / echo req/s per mode and connection count (median of the rounds' ratios), and the bar."""
-    lines, bar_lines = [], []
+                failed: dict[tuple[str, int], str], results: dict[str, Any]) -> list[str]:
+    """Predict / echo req/s per mode and connection count (median of the rounds' ratios)."""
+    lines = []
     echo_name = "echo (framework floor)"
     for conns in args.connections:
         for name in server_modes(args)[1]:
@@ -435,16 +515,66 @@ def ratio_lines(args: argparse.Namespace, samples: dict[tuple[str, int], list[di
             results[f"ratio predict ({name}) / echo @{conns}"] = ratio
             lines.append(f"ratio predict ({name}) / echo at {conns} connections: median {ratio:.2f} "
                          f"(rounds: {', '.join(f'{x:.2f}' for x in ratios)})")
-            if conns == ISSUE_BAR["connections"]:
-                p99 = results["points"][f"{pred_name} @{conns}"]["p99_ms_median"]
-                met = ratio >= ISSUE_BAR["min_ratio"] and p99 <= ISSUE_BAR["max_p99_ms"]
-                results[f"issue bar met ({name})"] = met
-                bar_lines.append(f"issue 4 bar (predict req/s >= {ISSUE_BAR['min_ratio']} x echo at {conns} "
-                                 f"connections, p99 <= {ISSUE_BAR['max_p99_ms']:g} ms), {name}: ratio {ratio:.2f}, "
-                                 f"p99 {p99:.2f} ms: {'met' if met else 'NOT met'}")
-    for line in lines + bar_lines:
+    for line in lines:
         print(line)
-    return [f"- {line}" for line in lines], [f"- {line}" for line in bar_lines]
+    return [f"- {line}" for line in lines]
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "NOT met"
+
+
+def bar_lines(args: argparse.Namespace, results: dict[str, Any]) -> list[str]:
+    """Issue 22's bars, from this run's medians (a bar whose points failed or were not measured is skipped)."""
+    points, lines = results["points"], []
+
+    def get(name: str, conns: int, key: str) -> float | None:
+        return points.get(f"{name} @{conns}", {}).get(key)
+
+    main, echo = "predict, batching (default)", "echo (framework floor)"
+    pred1, echo1, peer1 = (get(n, 1, "p50_ms_median") for n in (main, echo, PEER))
+    engine = results["engine_p50_ms"]
+    if pred1 is not None and echo1 is not None:
+        limit = echo1 + engine + 0.15
+        ok = pred1 <= limit and (peer1 is None or pred1 <= peer1)
+        lines.append(f"bar, 1 connection: predict p50 {pred1:.3f} ms <= echo p50 {echo1:.3f} + in-process engine p50 "
+                     f"{engine:.3f} + 0.15 = {limit:.3f} ms" + (f", and <= the peer's {peer1:.3f} ms" if peer1 else "")
+                     + f": {_met(ok)}")
+    ratio = results.get(f"ratio predict (batching (default)) / echo @{max(args.connections)}")
+    conns = max(args.connections)
+    req, p99, peer_req, peer_p99 = (get(main, conns, "req_s_median"), get(main, conns, "p99_ms_median"),
+                                    get(PEER, conns, "req_s_median"), get(PEER, conns, "p99_ms_median"))
+    if ratio is not None and req is not None and p99 is not None:
+        ok = ratio >= 0.7 and (peer_req is None or (req >= peer_req and p99 <= (peer_p99 or 0.0)))
+        peer_text = f"; req/s {req:.0f} >= the peer's {peer_req:.0f}, p99 {p99:.2f} <= the peer's {peer_p99:.2f} ms" \
+            if peer_req is not None else ""
+        lines.append(f"bar, {conns} connections: predict/echo req/s {ratio:.2f} >= 0.7{peer_text}: {_met(ok)}")
+    many = results.get("memory", {}).get(f"{args.processes} processes", [])
+    if len(many) >= 2:
+        ratio = many[1]["uss"] / many[0]["pss"]
+        lines.append(f"bar, {len(many)} processes: the second's USS {many[1]['uss']:.0f} MiB / the first's PSS "
+                     f"{many[0]['pss']:.0f} MiB = {ratio:.2f} <= 0.40: {_met(ratio <= 0.40)}")
+    for line in lines:
+        print(line)
+    return [f"- {line}" for line in lines]
+
+
+def memory_lines(results: dict[str, Any]) -> list[str]:
+    lines = []
+    for name, procs in results.get("memory", {}).items():
+        each = "; ".join(f"pid {m['pid']}: RSS {m['rss']:.0f}, PSS {m['pss']:.0f}, USS {m['uss']:.0f}" for m in procs)
+        lines.append(f"- memory after the run, {name} (MiB): {each}")
+    return lines
+
+
+def engine_p50_ms(bundle_dir: Path, texts: Sequence[str], k: int) -> float:
+    """In-process single-query p50 of the engine the server runs (one thread, the bundle's scoring)."""
+    from service.engine.predictor import Predictor
+
+    predictor = Predictor.load(bundle_dir)
+    seconds, _ = time_calls(lambda t: predictor.predict([t], k=k), list(texts)[:2000])
+    predictor.bundle.close()
+    return latency_summary(seconds)["p50_ms"]
 
 
 def paired_lines(results: dict[str, Any]) -> list[str]:
@@ -512,14 +642,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                                "distinct_bodies": {k: len(v) for k, v in bodies.items()},
                                "server_env": {name: {**base_env, **env} for name, env in modes.items()},
                                "points": {}, "failed_points": {}}
+    results["engine_p50_ms"] = engine_p50_ms(args.bundle_dir, [b["text"] for b in bodies["predict"]], args.k)
     samples = run_points(args, bodies, client_desc, results)
     table, failed = point_table(samples, results)
-    ratios, bars = ratio_lines(args, samples, failed, results)
+    ratios = ratio_lines(args, samples, failed, results)
+    bars = bar_lines(args, results) + memory_lines(results)
     paired = paired_lines(results)
     print(f"engine calls on the default server: {results['batch_sizes_default']}")
     out = OUT_DIR / "http.json"
     out.write_text(json.dumps(results, indent=2))
-    lines = [*table, "", *ratios, "", *([*bars, ""] if bars else []), *([*paired, ""] if paired else [])]
+    engine = (f"- in-process engine p50 (service.engine.Predictor, one text, k={args.k}, one thread): "
+              f"{results['engine_p50_ms']:.3f} ms")
+    peer = (f"- {PEER}: bench/peer_service.py on {args.peer_run} (uvicorn, uvloop, httptools, orjson; the "
+            "model called inline in the route)") if args.peer_run else ""
+    lines = [*table, "", engine, *([peer] if peer else []), *ratios, "", *([*bars, ""] if bars else []),
+             *([*paired, ""] if paired else [])]
     replace_section(args.results, "http", section_text(args, bodies, client_desc, results, lines))
     print(f"wrote {out} and the 'http' section of {args.results}")
     if failed:
