@@ -13,7 +13,7 @@ import scipy.sparse as sp
 from shortlist.cli import main as cli
 from training import data as xc_data
 from training.aggregate_data import aggregate, clustered_groups, random_groups
-from training.aggregated import impute, tfidf_features
+from training.aggregated import impute, tfidf_features, tfidf_spaces
 from training.config import TrainConfig
 from training.eagle import EagleImputer, _normalize
 from training.grouped import load_grouped
@@ -48,6 +48,54 @@ def test_the_papers_toy_example(sparse: bool) -> None:
             assert label in imputed[owner]
 
 
+def _generic_heavy(seed: int = 0) -> tuple[sp.csr_matrix, sp.csr_matrix, sp.csr_matrix, np.ndarray]:
+    """Random groups of 4 whose documents all share token 0 at weights from 0.2 to 3 (a word
+    every title has); a document has one of 10 labels (token 1 + label) or none, and 2 of 50
+    noise tokens. Returns features, members, group labels and each document's label (-1: none)."""
+    rng = np.random.default_rng(seed)
+    n, labels = 2000, 10
+    label_of = np.where(rng.random(n) < 0.5, rng.integers(0, labels, n), -1)
+    rows = np.repeat(np.arange(n), 4)
+    cols = np.stack([np.zeros(n, int), 1 + np.maximum(label_of, 0), *(11 + rng.integers(0, 50, (2, n)))], 1).ravel()
+    vals = np.stack([rng.uniform(0.2, 3.0, n), (label_of >= 0).astype(float), np.ones(n), np.ones(n)], 1).ravel()
+    x = sp.csr_matrix((vals, (rows, cols)), shape=(n, 61))
+    group_of = random_groups(n, 4, seed)
+    members = sp.csr_matrix((np.ones(n), (group_of, np.arange(n))))
+    has = label_of >= 0
+    group_labels = sp.csr_matrix((np.ones(has.sum()), (group_of[has], label_of[has])), shape=(members.shape[0], labels))
+    group_labels.data[:] = 1.0
+    return x, members, group_labels, label_of
+
+
+def _pick_precision(imputed: list[list[int]], label_of: np.ndarray) -> float:
+    picks = [(doc, label) for doc, found in enumerate(imputed) for label in found]
+    return float(np.mean([label_of[doc] == label for doc, label in picks]))
+
+
+def test_centring_stops_frequent_labels_going_to_the_most_generic_member() -> None:
+    x, members, group_labels, label_of = _generic_heavy()
+    precision = {center: _pick_precision(EagleImputer(assignment="closest", center=center).fit(
+        x, members, group_labels).impute(), label_of) for center in (False, True)}
+    # Uncentred, each label's vector is mostly the shared token: the member heaviest in it wins.
+    assert precision[True] > 0.9 and precision[False] < 0.6, precision
+
+
+def test_a_label_text_anchors_a_label_carried_by_a_single_group() -> None:
+    """Eight groups of 4 (features: one-hot tokens), each carrying one label no other group has:
+    the members alone cannot say which holds it; the label's text (its holder's token) can."""
+    n = 32
+    x = sp.identity(n, format="csr", dtype=np.float32)
+    members = sp.csr_matrix((np.ones(n), (np.arange(n) // 4, np.arange(n))))
+    holder = np.arange(8) * 4 + np.array([3, 1, 2, 0, 3, 2, 1, 0])
+    group_labels = sp.identity(8, format="csr", dtype=np.float32)
+    texts = x[holder]
+    with_text = EagleImputer(assignment="closest", center=True).fit(x, members, group_labels, texts).impute()
+    assert all(with_text[d] == [label] for label, d in enumerate(holder))
+    assert sum(map(len, with_text)) == 8  # the texts shaped the vectors; only documents get labels
+    alone = EagleImputer(assignment="closest", center=True).fit(x, members, group_labels).impute()
+    assert sum(label in alone[d] for label, d in enumerate(holder)) < 8
+
+
 @pytest.fixture(scope="module")
 def planted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("aggregated")
@@ -61,7 +109,8 @@ def test_imputation_recovers_planted_labels_far_above_chance(planted: dict[str, 
     labels = xc_data.load_labels(planted["data"])
     truth = xc_data.load_split(planted["data"], "trn", "title", len(labels)).targets
     grouped = load_grouped(planted[grouping], "title", len(labels))
-    imputed = impute(grouped, tfidf_features(grouped.texts, labels.texts, TrainConfig()), len(labels), TrainConfig())
+    x, z = tfidf_spaces(grouped.texts, labels.texts, TrainConfig())
+    imputed = impute(grouped, x, len(labels), TrainConfig(), z)
     naive = [grouped.group_targets[g] for g in grouped.group_of]
 
     def precision(guess: list[list[int]]) -> float:
@@ -71,9 +120,22 @@ def test_imputation_recovers_planted_labels_far_above_chance(planted: dict[str, 
     assert precision(imputed) >= max(0.7, 2 * precision(naive)), (precision(imputed), precision(naive))
     # Dense features (a second round's embeddings) take the same path to the same answer, but
     # for near-ties that float32 sums in another order break the other way.
-    x = tfidf_features(grouped.texts, labels.texts, TrainConfig())
-    dense = impute(grouped, x.toarray(), len(labels), TrainConfig())
-    assert np.mean([a == b for a, b in zip(dense, impute(grouped, x, len(labels), TrainConfig()), strict=True)]) > 0.98
+    for cfg in (TrainConfig(), TrainConfig(aggregated_center=False, aggregated_label_texts=False)):
+        dense = impute(grouped, x.toarray(), len(labels), cfg, z.toarray())
+        assert np.mean([a == b for a, b in zip(dense, impute(grouped, x, len(labels), cfg, z), strict=True)]) > 0.98
+
+
+def test_label_scores_agree_between_sparse_and_dense_centred_features(planted: dict[str, Path]) -> None:
+    labels = xc_data.load_labels(planted["data"])
+    grouped = load_grouped(planted["random"], "title", len(labels))
+    x, z = tfidf_spaces(grouped.texts, labels.texts, TrainConfig())
+    members, group_labels = grouped.members(), grouped.group_labels(len(labels))
+    docs = np.arange(0, len(grouped), 7)
+    sparse_scores = EagleImputer(iterations=2, center=True).fit(x, members, group_labels, z).scores(docs)
+    dense_scores = EagleImputer(iterations=2, center=True).fit(x.toarray(), members, group_labels,
+                                                               z.toarray()).scores(docs)
+    assert sparse_scores.shape == (len(docs), len(labels))
+    assert np.allclose(sparse_scores, dense_scores, atol=1e-4)
 
 
 def test_expected_counts_give_frequent_labels_to_more_members(planted: dict[str, Path]) -> None:

@@ -28,18 +28,31 @@ log = logging.getLogger("shortlist.training")
 def tfidf_features(texts: list[str], label_texts: list[str], cfg: TrainConfig) -> sp.csr_matrix:
     """The documents as the tokenizer's L2-normalised TF-IDF rows [N, V], a tokenizer fitted on
     the documents and the label texts (the space the served tokenizer also uses)."""
+    return tfidf_spaces(texts, label_texts, cfg)[0]
+
+
+def tfidf_spaces(texts: list[str], label_texts: list[str], cfg: TrainConfig) -> tuple[sp.csr_matrix, sp.csr_matrix]:
+    """(documents [N, V], label texts [L, V]) as TF-IDF rows of one tokenizer fitted on both."""
     tokenizer = Tokenizer.fit([*texts, *label_texts], min_df=cfg.min_df, max_vocab=cfg.max_vocab,
                               max_tokens=cfg.max_tokens)
+    return _rows(tokenizer, texts), _rows(tokenizer, label_texts)
+
+
+def _rows(tokenizer: Tokenizer, texts: list[str]) -> sp.csr_matrix:
     ids, weights = tokenizer.encode_batch(texts)
     keep = weights != 0
     indptr = np.r_[0, np.cumsum(keep.sum(axis=1))]
     return sp.csr_matrix((weights[keep], ids[keep], indptr), shape=(len(texts), tokenizer.vocab_size))
 
 
-def impute(grouped: GroupedSplit, features: sp.csr_matrix | np.ndarray, num_labels: int,
-           cfg: TrainConfig) -> list[list[int]]:
-    imputer = EagleImputer(cfg.aggregated_iterations, cfg.aggregated_step, cfg.seed, cfg.aggregated_assignment)
-    imputer.fit(features, grouped.members(), grouped.group_labels(num_labels))
+def impute(grouped: GroupedSplit, features: sp.csr_matrix | np.ndarray, num_labels: int, cfg: TrainConfig,
+           label_features: sp.csr_matrix | np.ndarray | None = None) -> list[list[int]]:
+    """Per-document labels; label_features (the label texts in the documents' space) join as
+    groups of one when cfg.aggregated_label_texts."""
+    imputer = EagleImputer(cfg.aggregated_iterations, cfg.aggregated_step, cfg.seed, cfg.aggregated_assignment,
+                           cfg.aggregated_center)
+    imputer.fit(features, grouped.members(), grouped.group_labels(num_labels),
+                label_features if cfg.aggregated_label_texts else None)
     return imputer.impute()
 
 
@@ -51,21 +64,41 @@ def train_aggregated(data_dir: str | Path, config: TrainConfig | None = None, te
     labels = xc_data.load_labels(data_dir, text_field)
     grouped = load_grouped(data_dir, text_field, len(labels))
     started = time.monotonic()
-    targets = impute(grouped, tfidf_features(grouped.texts, labels.texts, cfg), len(labels), cfg)
-    seconds = [time.monotonic() - started]
+    docs_tfidf, labels_tfidf = tfidf_spaces(grouped.texts, labels.texts, cfg)
+    targets = impute(grouped, docs_tfidf, len(labels), cfg, labels_tfidf)
+    seconds = time.monotonic() - started
     log.info("aggregated: %d documents in %d groups, labels imputed in %.1f s (TF-IDF)",
-             len(grouped), len(grouped.group_uids), seconds[0])
+             len(grouped), len(grouped.group_uids), seconds)
     ckpt = train(data_dir, cfg, text_field, trn=xc_data.Split(grouped.uids, grouped.texts, targets))
-    training_s = [ckpt.metrics.get("times", {}).get("total_s")]
-    for round_number in range(2, cfg.aggregated_rounds + 1):
-        started = time.monotonic()
-        with torch.no_grad():
-            emb = embed(ckpt.encoder, EncodedTexts.of(ckpt.tokenizer, grouped.texts), torch.device("cpu"))
-        targets = impute(grouped, emb, len(labels), cfg)
-        seconds.append(time.monotonic() - started)
-        log.info("aggregated round %d: labels imputed in %.1f s (encoder embeddings)", round_number, seconds[-1])
-        ckpt = train(data_dir, cfg, text_field, trn=xc_data.Split(grouped.uids, grouped.texts, targets))
-        training_s.append(ckpt.metrics.get("times", {}).get("total_s"))
-    ckpt.metrics["aggregated"] = {"groups": len(grouped.group_uids), "documents": len(grouped),
-                                  "rounds": cfg.aggregated_rounds, "imputation_s": seconds, "training_s": training_s}
+    _record_round(ckpt, grouped, seconds, None)
+    for _ in range(2, cfg.aggregated_rounds + 1):
+        ckpt = next_round(data_dir, ckpt, cfg, text_field)
     return ckpt
+
+
+def next_round(data_dir: str | Path, ckpt: Checkpoint, config: TrainConfig, text_field: str = "title") -> Checkpoint:
+    """One more round on a grouped dataset after `ckpt` (trained on it): labels imputed again in
+    ckpt's encoder space (documents and label texts embedded), then trained again."""
+    labels = xc_data.load_labels(data_dir, text_field)
+    grouped = load_grouped(data_dir, text_field, len(labels))
+    started = time.monotonic()
+    with torch.no_grad():
+        emb, label_emb = (embed(ckpt.encoder, EncodedTexts.of(ckpt.tokenizer, t), torch.device("cpu"))
+                          for t in (grouped.texts, labels.texts))
+    targets = impute(grouped, emb, len(labels), config, label_emb)
+    seconds = time.monotonic() - started
+    rounds = ckpt.metrics.get("aggregated", {})
+    log.info("aggregated round %d: labels imputed in %.1f s (encoder embeddings)", rounds.get("rounds", 1) + 1,
+             seconds)
+    new = train(data_dir, config, text_field, trn=xc_data.Split(grouped.uids, grouped.texts, targets))
+    _record_round(new, grouped, seconds, rounds)
+    return new
+
+
+def _record_round(ckpt: Checkpoint, grouped: GroupedSplit, imputation_s: float, before: dict | None) -> None:
+    """ckpt.metrics["aggregated"]: the rounds so far with each one's imputation and training seconds."""
+    before = before or {"rounds": 0, "imputation_s": [], "training_s": []}
+    ckpt.metrics["aggregated"] = {
+        "groups": len(grouped.group_uids), "documents": len(grouped), "rounds": before["rounds"] + 1,
+        "imputation_s": [*before["imputation_s"], imputation_s],
+        "training_s": [*before["training_s"], ckpt.metrics.get("times", {}).get("total_s")]}

@@ -7,13 +7,28 @@ lambda and is renormalised. Members that do not have the label pull less and les
 settles on what the label's true members share.
 Algorithm 2: each (group, label) pair goes to the group's member closest to the label's vector.
 
+Two choices beyond the paper, both off gives the paper's method (training/config.py says which
+are on by default and bench/RESULTS.md what each is worth):
+- center: the features are centred on the documents' mean before the rows are normalised. TF-IDF
+  rows are non-negative, so every document shares a large common direction; a frequent label's
+  sum of members is mostly that direction, and its "closest" member is then the most generic
+  document, not the one that carries the label. Centring removes what all documents share (a
+  statistic of the documents alone, no labels).
+- label_features: each label's own text, where the data has one, joins as one more group that
+  carries the label, with the text as its only member: a known positive that anchors labels
+  carried by one or two groups, whose members alone cannot say which of them has the label.
+
 Features are rows of a matrix fixed before training: sparse TF-IDF (the first round) or the
 trained encoder's embeddings (a second round). Everything is vectorised over the (group,
 label) pairs: scores of every pair's members in one pass (sparse lookups or chunked dense
-products), picks by one sort, updates by one sparse product.
+products), picks by one sort, updates by one sparse product. Centred sparse features stay
+sparse: a row is a_i (x_i - m) and a label vector S_l - c_l m, so every product is a sparse one
+plus rank-one corrections.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import scipy.sparse as sp
@@ -30,10 +45,12 @@ class EagleImputer:
 
     iterations (T) and step (lambda): Algorithm 1's. seed: the start of a label whose initial
     sum is zero (its groups' members cancel out, as in the paper's +x / -x example): then a
-    member of one of its groups drawn with this seed.
+    member of one of its groups drawn with this seed. center: centre the features on the
+    documents' mean (module docstring).
     """
 
-    def __init__(self, iterations: int = 10, step: float = 0.5, seed: int = 0, assignment: str = "expected") -> None:
+    def __init__(self, iterations: int = 10, step: float = 0.5, seed: int = 0, assignment: str = "expected",
+                 center: bool = False) -> None:
         if iterations < 0:
             raise ValueError(f"iterations must be >= 0, got {iterations}")
         if not 0.0 < step <= 1.0:
@@ -44,20 +61,31 @@ class EagleImputer:
         self.step = float(step)
         self.seed = int(seed)
         self.assignment = assignment
+        self.center = bool(center)
 
-    def fit(self, features: Features, members: sp.csr_matrix, group_labels: sp.csr_matrix) -> EagleImputer:
-        x = _normalize(features)
+    def fit(self, features: Features, members: sp.csr_matrix, group_labels: sp.csr_matrix,
+            label_features: Features | None = None) -> EagleImputer:
+        """label_features [L, F] (optional, same space as features): each label's text, added as
+        a group of one that carries the label (labels that no group carries are left out)."""
         members, group_labels = sp.csr_matrix(members), sp.csr_matrix(group_labels)
+        num_docs, num_groups = features.shape[0], members.shape[0]
+        if label_features is not None:
+            features, members, group_labels = _with_label_groups(features, members, group_labels, label_features)
+        space = _space(features, num_docs, self.center)
         self.pair_group_, self.pair_label_ = _pairs(group_labels)
         self.pair_members_ = _pair_members(members, self.pair_group_)
-        v = _normalize(_as_features(sp.csr_matrix(group_labels.T) @ members @ x, x))
-        v = self._seed_empty(v, x, members, group_labels)
+        v = space.normalize(space.pool(sp.csr_matrix(group_labels.T) @ members))
+        v = self._seed_empty(space, v, group_labels)
         for _ in range(self.iterations):
-            picks, _ = self._closest(x, v)
-            u = _normalize(_as_features(_label_by_doc(self.pair_label_, picks, v.shape[0], x.shape[0]) @ x, x))
-            v = _normalize(_as_features((1.0 - self.step) * v + self.step * u, x))
+            picks, _ = self._closest(space, v)
+            u = space.normalize(space.pool(_label_by_doc(self.pair_label_, picks, group_labels.shape[1],
+                                                         space.num_rows)))
+            v = space.normalize(space.mix(1.0 - self.step, v, self.step, u))
+        real = self.pair_group_ < num_groups  # the labels' own texts shaped the vectors; documents get labels
+        self.pair_group_, self.pair_label_ = self.pair_group_[real], self.pair_label_[real]
+        self.pair_members_ = _pair_members(members[:num_groups], self.pair_group_)
         self.label_vectors_ = v
-        self._features, self._members = x, members
+        self._space, self._members, self._num_docs = space, members[:num_groups], num_docs
         return self
 
     def impute(self) -> list[list[int]]:
@@ -65,19 +93,24 @@ class EagleImputer:
         ("closest", the paper's Algorithm 2), or to as many of its closest members as a group
         holding the label is expected to have ("expected")."""
         counts = self._expected_counts() if self.assignment == "expected" else None
-        picks, labels = self._closest(self._features, self.label_vectors_, counts)
-        n = self._features.shape[0]
+        picks, labels = self._closest(self._space, self.label_vectors_, counts)
+        n = self._num_docs
         assigned = sp.csr_matrix((np.ones(len(picks), np.float32), (picks, labels)),
                                  shape=(n, self.label_vectors_.shape[0]))
         assigned.sum_duplicates()
         return [assigned.indices[assigned.indptr[i] : assigned.indptr[i + 1]].tolist() for i in range(n)]
 
-    def _closest(self, x: Features, v: Features, counts: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def scores(self, docs: np.ndarray) -> np.ndarray:
+        """[len(docs), L]: each document's inner product with every label vector (a group-level
+        validation ranks a held-out group's labels by its members' best score)."""
+        return self._space.all_dots(np.asarray(docs, dtype=np.int64), self.label_vectors_)
+
+    def _closest(self, space: _Space, v: Vectors, counts: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Per pair, the member of its group with the largest inner product with its label's vector
         (the first such member on ties), or its `counts[pair]` closest: (documents, their labels)."""
         starts, docs = self.pair_members_
         pair_of = np.repeat(np.arange(len(self.pair_label_)), np.diff(starts))
-        scores = _row_dots(x, docs, v, self.pair_label_[pair_of])
+        scores = space.dots(docs, v, self.pair_label_[pair_of])
         order = np.lexsort((np.arange(len(docs)), -scores, pair_of))
         rank = np.arange(len(order)) - starts[pair_of[order]]  # 0 = the pair's closest member
         keep = rank < (1 if counts is None else counts[pair_of[order]])
@@ -95,9 +128,8 @@ class EagleImputer:
         expected = sizes * p_pair / (1.0 - (1.0 - p_pair) ** sizes)
         return np.clip(np.rint(expected), 1, sizes).astype(np.int64)
 
-    def _seed_empty(self, v: Features, x: Features, members: sp.csr_matrix, group_labels: sp.csr_matrix) -> Features:
-        norms = _row_norms(v)
-        empty = np.flatnonzero((norms < 1e-12) & (np.diff(sp.csc_matrix(group_labels).indptr) > 0))
+    def _seed_empty(self, space: _Space, v: Vectors, group_labels: sp.csr_matrix) -> Vectors:
+        empty = np.flatnonzero((space.norms(v) < 1e-6) & (np.diff(sp.csc_matrix(group_labels).indptr) > 0))
         if not len(empty):
             return v
         rng = np.random.default_rng(self.seed)
@@ -107,10 +139,147 @@ class EagleImputer:
             pairs = np.flatnonzero(self.pair_label_ == label)
             pair = pairs[rng.integers(len(pairs))]
             chosen.append(docs[starts[pair] + rng.integers(starts[pair + 1] - starts[pair])])
-        fix = _label_by_doc(empty, np.asarray(chosen), v.shape[0], x.shape[0]) @ x
         keep = np.ones(v.shape[0], np.float32)
         keep[empty] = 0.0
-        return _normalize(_as_features(sp.diags(keep) @ v + fix, x))
+        fix = space.pool(_label_by_doc(empty, np.asarray(chosen), v.shape[0], space.num_rows))
+        return space.normalize(space.mix(keep, v, 1.0, fix))
+
+
+@dataclass
+class CenteredVectors:
+    """Rows S_l - c_l m: sparse S [L, F], c [L], the documents' mean m [F]."""
+
+    sparse: sp.csr_matrix
+    coef: np.ndarray
+    mean: np.ndarray
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.sparse.shape
+
+    def toarray(self) -> np.ndarray:
+        return self.sparse.toarray() - self.coef[:, None] * self.mean[None, :]
+
+
+Vectors = np.ndarray | CenteredVectors
+
+
+class _Space:
+    """The feature rows the imputer compares (unit norm, centred or not) and label vectors in their
+    span: pool (a weighted sum of rows per label), mix, normalize, norms, dots."""
+
+    num_rows: int
+
+    def pool(self, weights: sp.csr_matrix) -> Vectors: ...
+    def mix(self, a: float | np.ndarray, v: Vectors, b: float, u: Vectors) -> Vectors: ...
+    def norms(self, v: Vectors) -> np.ndarray: ...
+    def dots(self, docs: np.ndarray, v: Vectors, labels: np.ndarray) -> np.ndarray: ...
+    def all_dots(self, docs: np.ndarray, v: Vectors) -> np.ndarray: ...
+
+    def normalize(self, v: Vectors) -> Vectors:
+        """Rows scaled to unit norm (zero rows stay zero)."""
+        norms = self.norms(v)
+        return self.mix(np.where(norms > 1e-12, 1.0 / np.maximum(norms, 1e-30), 0.0), v, 0.0, v)
+
+
+def _space(features: Features, num_docs: int, center: bool) -> _Space:
+    if isinstance(features, np.ndarray):
+        return _DenseSpace(features, num_docs, center)
+    return _SparseSpace(sp.csr_matrix(features, dtype=np.float32), num_docs, center)
+
+
+class _DenseSpace(_Space):
+    def __init__(self, x: np.ndarray, num_docs: int, center: bool) -> None:
+        x = np.asarray(x, dtype=np.float32)
+        if center:
+            x = x - x[:num_docs].mean(axis=0, keepdims=True)
+        norms = np.linalg.norm(x, axis=1, keepdims=True)
+        self.x = (x / np.where(norms > 0, norms, 1.0)).astype(np.float32)
+        self.num_rows = x.shape[0]
+
+    def pool(self, weights: sp.csr_matrix) -> np.ndarray:
+        return np.asarray(weights @ self.x, dtype=np.float32)
+
+    def mix(self, a: float | np.ndarray, v: np.ndarray, b: float, u: np.ndarray) -> np.ndarray:
+        return (np.asarray(a, np.float32).reshape(-1, 1) * v + np.float32(b) * u).astype(np.float32)
+
+    def norms(self, v: np.ndarray) -> np.ndarray:
+        return np.linalg.norm(v, axis=1)
+
+    def dots(self, docs: np.ndarray, v: np.ndarray, labels: np.ndarray) -> np.ndarray:
+        out = np.empty(len(docs), np.float32)
+        for s in range(0, len(docs), _DENSE_CHUNK):
+            e = s + _DENSE_CHUNK
+            out[s:e] = np.einsum("ij,ij->i", self.x[docs[s:e]], v[labels[s:e]])
+        return out
+
+    def all_dots(self, docs: np.ndarray, v: np.ndarray) -> np.ndarray:
+        return self.x[docs] @ v.T
+
+
+class _SparseSpace(_Space):
+    """Rows a_i (x_i - m) of unit-norm sparse x_i (m = 0 and a_i = 1 uncentred)."""
+
+    def __init__(self, x: sp.csr_matrix, num_docs: int, center: bool) -> None:
+        self.x = sp.csr_matrix(sp.diags(1.0 / np.maximum(_row_norms(x), 1e-30)) @ x, dtype=np.float32)
+        self.x.sort_indices()
+        self.num_rows = x.shape[0]
+        self.mean = (np.asarray(self.x[:num_docs].mean(axis=0)).ravel() if center
+                     else np.zeros(x.shape[1])).astype(np.float64)
+        self.x_mean = np.asarray(self.x @ self.mean).ravel()
+        self.mean_sq = float(self.mean @ self.mean)
+        # ||x_i - m||^2 = ||x_i||^2 - 2 x_i.m + m.m, rows of zero norm stay zero
+        centred = np.sqrt(np.maximum(_row_norms(self.x) ** 2 - 2 * self.x_mean + self.mean_sq, 0.0))
+        self.scale = np.where(centred > 1e-12, 1.0 / np.maximum(centred, 1e-30), 0.0)
+
+    def pool(self, weights: sp.csr_matrix) -> CenteredVectors:
+        w = sp.csr_matrix(weights) @ sp.diags(self.scale)
+        return CenteredVectors(sp.csr_matrix(w @ self.x, dtype=np.float32), np.asarray(w.sum(axis=1)).ravel(),
+                               self.mean)
+
+    def mix(self, a: float | np.ndarray, v: CenteredVectors, b: float, u: CenteredVectors) -> CenteredVectors:
+        a_rows = np.broadcast_to(np.asarray(a, np.float64), v.coef.shape)
+        s = sp.diags(a_rows) @ v.sparse
+        if b != 0.0:
+            s = s + b * u.sparse
+        return CenteredVectors(sp.csr_matrix(s, dtype=np.float32), a_rows * v.coef + b * u.coef, self.mean)
+
+    def norms(self, v: CenteredVectors) -> np.ndarray:
+        s_mean = np.asarray(v.sparse @ self.mean).ravel()
+        sq = _row_norms(v.sparse) ** 2 - 2 * v.coef * s_mean + v.coef**2 * self.mean_sq
+        return np.sqrt(np.maximum(sq, 0.0))
+
+    def dots(self, docs: np.ndarray, v: CenteredVectors, labels: np.ndarray) -> np.ndarray:
+        """a_i <x_i - m, S_l - c_l m> = a_i (x_i.S_l - c_l x_i.m - m.S_l + c_l m.m)."""
+        raw = _sparse_row_dots(self.x, docs, v.sparse, labels)
+        if not self.mean_sq:
+            return (self.scale[docs] * raw).astype(np.float32)
+        s_mean = np.asarray(v.sparse @ self.mean).ravel()[labels]
+        c = v.coef[labels]
+        return (self.scale[docs] * (raw - c * self.x_mean[docs] - s_mean + c * self.mean_sq)).astype(np.float32)
+
+    def all_dots(self, docs: np.ndarray, v: CenteredVectors) -> np.ndarray:
+        raw = np.asarray((self.x[docs] @ v.sparse.T).todense(), dtype=np.float64)
+        s_mean = np.asarray(v.sparse @ self.mean).ravel()
+        raw -= np.outer(self.x_mean[docs], v.coef) + s_mean[None, :] - v.coef[None, :] * self.mean_sq
+        return (self.scale[docs, None] * raw).astype(np.float32)
+
+
+def _with_label_groups(features: Features, members: sp.csr_matrix, group_labels: sp.csr_matrix,
+                       label_features: Features) -> tuple[Features, sp.csr_matrix, sp.csr_matrix]:
+    """The data plus, per label some group carries, a group of one: the label's text, carrying it."""
+    num_docs, num_labels = features.shape[0], group_labels.shape[1]
+    carried = np.flatnonzero(np.diff(sp.csc_matrix(group_labels).indptr) > 0)
+    k = len(carried)
+    if isinstance(features, np.ndarray):
+        stacked: Features = np.vstack([features, np.asarray(label_features, dtype=features.dtype)[carried]])
+    else:
+        stacked = sp.vstack([features, sp.csr_matrix(label_features)[carried]]).tocsr()
+    ones = np.ones(k, np.float32)
+    text_members = sp.csr_matrix((ones, (np.arange(k), num_docs + np.arange(k))), shape=(k, num_docs + k))
+    wide = sp.csr_matrix((members.data, members.indices, members.indptr), shape=(members.shape[0], num_docs + k))
+    text_labels = sp.csr_matrix((ones, (np.arange(k), carried)), shape=(k, num_labels))
+    return stacked, sp.vstack([wide, text_members]).tocsr(), sp.vstack([group_labels, text_labels]).tocsr()
 
 
 def _pairs(group_labels: sp.csr_matrix) -> tuple[np.ndarray, np.ndarray]:
@@ -133,32 +302,21 @@ def _label_by_doc(labels: np.ndarray, docs: np.ndarray, num_labels: int, num_doc
     return sp.csr_matrix((np.ones(len(docs), np.float32), (labels, docs)), shape=(num_labels, num_docs))
 
 
-def _row_dots(x: Features, docs: np.ndarray, v: Features, labels: np.ndarray) -> np.ndarray:
-    """<x[docs[i]], v[labels[i]]> for every i."""
-    if isinstance(x, np.ndarray):
-        out = np.empty(len(docs), np.float32)
-        for s in range(0, len(docs), _DENSE_CHUNK):
-            e = s + _DENSE_CHUNK
-            out[s:e] = np.einsum("ij,ij->i", x[docs[s:e]], v[labels[s:e]])
-        return out
-    # Sparse: look each of x's nonzeros up in v by the key row * F + column (v's keys are sorted).
+def _sparse_row_dots(x: sp.csr_matrix, docs: np.ndarray, v: sp.csr_matrix, labels: np.ndarray) -> np.ndarray:
+    """<x[docs[i]], v[labels[i]]> for every i: each of x's nonzeros looked up in v by the key
+    row * F + column (v's keys are sorted)."""
     rows = x[docs]
     width = x.shape[1]
     keys = np.repeat(labels, np.diff(rows.indptr)) * width + rows.indices
     v = sp.csr_matrix(v)
     v.sort_indices()
     v_keys = np.repeat(np.arange(v.shape[0], dtype=np.int64), np.diff(v.indptr)) * width + v.indices
-    at = np.minimum(np.searchsorted(v_keys, keys), max(0, len(v_keys) - 1))
-    hit = v_keys[at] == keys if len(v_keys) else np.zeros(len(keys), bool)
-    products = np.where(hit, v.data[at] if len(v_keys) else 0.0, 0.0) * rows.data
+    if not len(v_keys):
+        return np.zeros(len(docs), np.float64)
+    at = np.minimum(np.searchsorted(v_keys, keys), len(v_keys) - 1)
+    products = np.where(v_keys[at] == keys, v.data[at], 0.0) * rows.data
     entry_row = np.repeat(np.arange(len(docs)), np.diff(rows.indptr))
-    return np.bincount(entry_row, weights=products, minlength=len(docs)).astype(np.float32)
-
-
-def _as_features(m: Features, like: Features) -> Features:
-    if isinstance(like, np.ndarray):
-        return np.asarray(m.todense() if sp.issparse(m) else m, dtype=np.float32)
-    return sp.csr_matrix(m, dtype=np.float32)
+    return np.bincount(entry_row, weights=products, minlength=len(docs))
 
 
 def _row_norms(m: Features) -> np.ndarray:
