@@ -41,16 +41,19 @@ NAMES = ("P@1", "P@5", "PSP@5")
 SYSTEMS = ("naive", "eagle-paper", "eagle", "eagle-2")
 # The paper's method: Algorithm 1 with T = 10, lambda = 0.5 (set before any measurement) on raw
 # (uncentred) TF-IDF without label texts, Algorithm 2's single closest member.
-PAPER = {"aggregated_iterations": 10, "aggregated_step": 0.5, "aggregated_assignment": "closest",
-         "aggregated_center": False, "aggregated_label_texts": False}
+PAPER = {"aggregated_iterations": 10, "aggregated_step": 0.5, "aggregated_validation": 0.0,
+         "aggregated_assignment": "closest", "aggregated_center": False, "aggregated_label_texts": False}
 
 
-def _bundle(out: Path, name: str, build: Callable) -> tuple[Path, dict]:
-    """out/name/bundle (trained by `build() -> Checkpoint` unless it exists) and its training metrics."""
+def _bundle(out: Path, name: str, build: Callable | None) -> tuple[Path, dict] | None:
+    """out/name/bundle (trained by `build() -> Checkpoint` unless it exists; None when it does not
+    and build is None) and its training metrics."""
     from model_export.export import export_checkpoint
 
     bundle, info = out / name / "bundle" / "b", out / name / "metrics.json"
-    if not bundle.is_dir():
+    if not info.is_file():
+        if build is None:
+            return None
         logging.info("training %s", name)
         ckpt = build()
         export_checkpoint(ckpt.save(out / name / "ckpt"), bundle.parent, "b", n_parity=50)
@@ -110,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", type=Path, default=None, help="training config JSON (default: the defaults)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--publish", action="store_true", help="write the table into bench/RESULTS.md and the plot")
+    ap.add_argument("--no-train", action="store_true",
+                    help="score the bundles already trained under --out, list the others as not run")
     args = ap.parse_args(argv)
     if "eagle-2" in args.systems and "eagle" not in args.systems:
         ap.error("eagle-2 continues eagle's model: list eagle too")
@@ -117,7 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or _common.OUT_DIR / f"aggregated-{args.data.name}"
     cfg = TrainConfig.from_json(args.config) if args.config else TrainConfig()
     rows, table = [], {}
-    true_bundle, true_info = _bundle(out, "true", lambda: _train(args.data, cfg))
+    found = _bundle(out, "true", None if args.no_train else lambda: _train(args.data, cfg))
+    if found is None:
+        ap.error(f"{out}/true: the true labels' model is not trained yet (run without --no-train)")
+    true_bundle, true_info = found
     table["true"] = _terms(true_bundle, args.data, args.protocol)
     for size in args.group_sizes:
         for grouping in args.groupings:
@@ -153,24 +161,37 @@ def _setting(args, cfg: TrainConfig, out: Path, size: int, grouping: str, table:
               "eagle-paper": lambda: _train(grouped, replace(cfg, **PAPER), aggregated=True),
               "eagle": lambda: _train(grouped, cfg, aggregated=True),
               "eagle-2": lambda: _next_round(grouped, out / f"eagle-{tag}" / "ckpt", cfg)}
-    row = {"setting": tag, "true_train_s": true_info["times"]["total_s"], "systems": args.systems,
-           "imputed": _imputation_quality(args.data, grouped, cfg, out / f"eagle-{tag}" / "ckpt")}
+    row = {"setting": tag, "true_train_s": true_info["times"]["total_s"], "systems": [],
+           "imputed": _imputation_quality(args.data, grouped, cfg, out / f"eagle-{tag}" / "ckpt",
+                                          out / f"imputed-{tag}.json")}
     for name in args.systems:
-        bundle, info = _bundle(out, f"{name}-{tag}", builds[name])
+        found = _bundle(out, f"{name}-{tag}", None if args.no_train else builds[name])
+        if found is None:
+            continue
+        bundle, info = found
+        row["systems"].append(name)
         table[(name, tag)] = _terms(bundle, args.data, args.protocol)
         if "aggregated" in info:
             row[f"{name}_imputation_s"] = sum(info["aggregated"]["imputation_s"])
+            row[f"{name}_iterations"] = info["aggregated"].get("iterations")
             row[f"{name}_train_s"] = sum(t or 0 for t in info["aggregated"]["training_s"])
         else:
             row[f"{name}_train_s"] = info["times"]["total_s"]
-    for name in args.systems:
-        if name != "naive" and "naive" in args.systems:
+    for name in row["systems"]:
+        if name != "naive" and "naive" in row["systems"]:
             row[f"{name}_gap"] = _gap_recovered(table[(name, tag)], table[("naive", tag)], table["true"])
     return row
 
 
-def _imputation_quality(data: Path, grouped_dir: Path, cfg: TrainConfig, eagle_ckpt: Path) -> dict[str, tuple]:
-    """Precision and recall of each system's imputed training labels against the true ones."""
+def _imputation_quality(data: Path, grouped_dir: Path, cfg: TrainConfig, eagle_ckpt: Path,
+                        cache: Path) -> dict[str, tuple]:
+    """Precision and recall of each system's imputed training labels against the true ones (kept
+    in `cache`; eagle-2's once eagle's model exists)."""
+    has_eagle = (eagle_ckpt / "checkpoint.json").exists()
+    if cache.is_file():
+        quality = json.loads(cache.read_text(encoding="utf-8"))
+        if "eagle-2" in quality or not has_eagle:
+            return quality
     import torch
 
     from training.aggregated import impute, tfidf_spaces
@@ -185,7 +206,7 @@ def _imputation_quality(data: Path, grouped_dir: Path, cfg: TrainConfig, eagle_c
     imputed = {"naive": [grouped.group_targets[g] for g in grouped.group_of],
                "eagle-paper": impute(grouped, x, len(labels), replace(cfg, **PAPER), z),
                "eagle": impute(grouped, x, len(labels), cfg, z)}
-    if (eagle_ckpt / "checkpoint.json").exists():
+    if has_eagle:
         ckpt = Checkpoint.load(eagle_ckpt)
         with torch.no_grad():
             emb, label_emb = (embed(ckpt.encoder, EncodedTexts.of(ckpt.tokenizer, t), torch.device("cpu"))
@@ -195,6 +216,7 @@ def _imputation_quality(data: Path, grouped_dir: Path, cfg: TrainConfig, eagle_c
     for name, rows in imputed.items():
         hits = sum(len(truth[u] & set(r)) for u, r in zip(grouped.uids, rows, strict=True))
         quality[name] = (hits / max(1, sum(map(len, rows))), hits / max(1, sum(map(len, truth.values()))))
+    cache.write_text(json.dumps(quality), encoding="utf-8")
     return quality
 
 
@@ -207,12 +229,13 @@ def _report(args, rows: list[dict], table: dict, cfg: TrainConfig) -> str:
     true = aggregate(table["true"], names=NAMES)
     lines = [f"## Aggregated labels (EAGLE) on {args.data.name}, protocol {args.protocol}",
              "", f"Command: `{_common.command_line()}` (commit {_common.git_revision()}); "
-             f"eagle: T = {cfg.aggregated_iterations}, lambda = {cfg.aggregated_step}; eagle-paper: T = "
+             f"eagle: T in 0..{cfg.aggregated_iterations} chosen on {100 * cfg.aggregated_validation:.0f}% of the "
+             f"groups held out (column T), lambda = {cfg.aggregated_step}; eagle-paper: T = "
              f"{PAPER['aggregated_iterations']}, lambda = {PAPER['aggregated_step']}.", "",
-             "| setting | system | P@1 | P@5 | PSP@5 | P@1 gap recovered (95% CI) | imputed P / R | "
+             "| setting | system | P@1 | P@5 | PSP@5 | P@1 gap recovered (95% CI) | imputed P / R | T | "
              "imputation / training (s) |",
-             "|---|---|---:|---:|---:|---|---|---|",
-             f"| - | true labels | {true['P@1']:.2f} | {true['P@5']:.2f} | {true['PSP@5']:.2f} | | 1.00 / 1.00 | |"]
+             "|---|---|---:|---:|---:|---|---|---|---|",
+             f"| - | true labels | {true['P@1']:.2f} | {true['P@5']:.2f} | {true['PSP@5']:.2f} | | 1.00 / 1.00 | | |"]
     for row in rows:
         tag = row["setting"]
         for name in row["systems"]:
@@ -224,8 +247,9 @@ def _report(args, rows: list[dict], table: dict, cfg: TrainConfig) -> str:
             times = (f"{row[f'{name}_imputation_s']:.1f} / {row[f'{name}_train_s']:.0f} "
                      f"({100 * row[f'{name}_imputation_s'] / row[f'{name}_train_s']:.1f}%)"
                      if f"{name}_imputation_s" in row else "")
+            iterations = ", ".join(map(str, row.get(f"{name}_iterations") or []))
             lines.append(f"| {tag} | {name} | {m['P@1']:.2f} | {m['P@5']:.2f} | {m['PSP@5']:.2f} | {gap_s} | "
-                         f"{quality_s} | {times} |")
+                         f"{quality_s} | {iterations} | {times} |")
     return "\n".join(lines)
 
 

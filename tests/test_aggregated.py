@@ -138,6 +138,24 @@ def test_label_scores_agree_between_sparse_and_dense_centred_features(planted: d
     assert np.allclose(sparse_scores, dense_scores, atol=1e-4)
 
 
+def test_iterations_are_chosen_on_held_out_groups(planted: dict[str, Path]) -> None:
+    labels = xc_data.load_labels(planted["data"])
+    grouped = load_grouped(planted["clustered"], "title", len(labels))
+    x, z = tfidf_spaces(grouped.texts, labels.texts, TrainConfig())
+    members, group_labels = grouped.members(), grouped.group_labels(len(labels))
+    imputer = EagleImputer(iterations=3, center=True, validation=0.2).fit(x, members, group_labels, z)
+    scores = imputer.validation_scores_
+    assert 1 <= len(scores) <= 4 and imputer.iterations_ == int(np.argmax(scores))
+    assert min(scores) > 0.2  # held-out groups' labels found far above chance (1 in 200)
+    imputed = imputer.impute()  # ... and then every group's labels go to its members, none held out
+    assert sum(map(len, imputed)) >= group_labels.nnz
+    assert set().union(*map(set, imputed)) == set(group_labels.indices.tolist())
+    paper = EagleImputer(iterations=3).fit(x, members, group_labels)
+    assert paper.iterations_ == 3 and paper.validation_scores_ == []
+    with pytest.raises(ValueError, match="validation must be in"):
+        EagleImputer(validation=1.0)
+
+
 def test_expected_counts_give_frequent_labels_to_more_members(planted: dict[str, Path]) -> None:
     labels = xc_data.load_labels(planted["data"])
     truth = xc_data.load_split(planted["data"], "trn", "title", len(labels)).targets

@@ -166,6 +166,8 @@ def test_config_errors_are_clear(tmp_path: Path) -> None:
         ({"m3_softmax_weight": -1.0}, "m3_softmax_weight"),
         ({"index_m": 1}, "index_m must be >= 2"),
         ({"index_ef_search": 0}, "index_ef_search must be >= 1"),
+        ({"aggregated_validation": 1.0}, r"aggregated_validation must be in \[0, 1\)"),
+        ({"aggregated_step": 0.0}, r"aggregated_step must be in \(0, 1\]"),
     ]:
         with pytest.raises(ValueError, match=message):
             TrainConfig.from_dict(change)

@@ -49,11 +49,19 @@ def impute(grouped: GroupedSplit, features: sp.csr_matrix | np.ndarray, num_labe
            label_features: sp.csr_matrix | np.ndarray | None = None) -> list[list[int]]:
     """Per-document labels; label_features (the label texts in the documents' space) join as
     groups of one when cfg.aggregated_label_texts."""
+    return fit_imputer(grouped, features, num_labels, cfg, label_features).impute()
+
+
+def fit_imputer(grouped: GroupedSplit, features: sp.csr_matrix | np.ndarray, num_labels: int, cfg: TrainConfig,
+                label_features: sp.csr_matrix | np.ndarray | None = None) -> EagleImputer:
     imputer = EagleImputer(cfg.aggregated_iterations, cfg.aggregated_step, cfg.seed, cfg.aggregated_assignment,
-                           cfg.aggregated_center)
+                           cfg.aggregated_center, cfg.aggregated_validation)
     imputer.fit(features, grouped.members(), grouped.group_labels(num_labels),
                 label_features if cfg.aggregated_label_texts else None)
-    return imputer.impute()
+    if imputer.validation_scores_:
+        log.info("aggregated: %d iterations chosen on held-out groups (group P@1 by iterations: %s)",
+                 imputer.iterations_, " ".join(f"{100 * p:.1f}" for p in imputer.validation_scores_))
+    return imputer
 
 
 def train_aggregated(data_dir: str | Path, config: TrainConfig | None = None, text_field: str = "title",
@@ -65,12 +73,13 @@ def train_aggregated(data_dir: str | Path, config: TrainConfig | None = None, te
     grouped = load_grouped(data_dir, text_field, len(labels))
     started = time.monotonic()
     docs_tfidf, labels_tfidf = tfidf_spaces(grouped.texts, labels.texts, cfg)
-    targets = impute(grouped, docs_tfidf, len(labels), cfg, labels_tfidf)
+    imputer = fit_imputer(grouped, docs_tfidf, len(labels), cfg, labels_tfidf)
+    targets = imputer.impute()
     seconds = time.monotonic() - started
     log.info("aggregated: %d documents in %d groups, labels imputed in %.1f s (TF-IDF)",
              len(grouped), len(grouped.group_uids), seconds)
     ckpt = train(data_dir, cfg, text_field, trn=xc_data.Split(grouped.uids, grouped.texts, targets))
-    _record_round(ckpt, grouped, seconds, None)
+    _record_round(ckpt, grouped, seconds, imputer, None)
     for _ in range(2, cfg.aggregated_rounds + 1):
         ckpt = next_round(data_dir, ckpt, cfg, text_field)
     return ckpt
@@ -85,20 +94,24 @@ def next_round(data_dir: str | Path, ckpt: Checkpoint, config: TrainConfig, text
     with torch.no_grad():
         emb, label_emb = (embed(ckpt.encoder, EncodedTexts.of(ckpt.tokenizer, t), torch.device("cpu"))
                           for t in (grouped.texts, labels.texts))
-    targets = impute(grouped, emb, len(labels), config, label_emb)
+    imputer = fit_imputer(grouped, emb, len(labels), config, label_emb)
+    targets = imputer.impute()
     seconds = time.monotonic() - started
     rounds = ckpt.metrics.get("aggregated", {})
     log.info("aggregated round %d: labels imputed in %.1f s (encoder embeddings)", rounds.get("rounds", 1) + 1,
              seconds)
     new = train(data_dir, config, text_field, trn=xc_data.Split(grouped.uids, grouped.texts, targets))
-    _record_round(new, grouped, seconds, rounds)
+    _record_round(new, grouped, seconds, imputer, rounds)
     return new
 
 
-def _record_round(ckpt: Checkpoint, grouped: GroupedSplit, imputation_s: float, before: dict | None) -> None:
-    """ckpt.metrics["aggregated"]: the rounds so far with each one's imputation and training seconds."""
-    before = before or {"rounds": 0, "imputation_s": [], "training_s": []}
+def _record_round(ckpt: Checkpoint, grouped: GroupedSplit, imputation_s: float, imputer: EagleImputer,
+                  before: dict | None) -> None:
+    """ckpt.metrics["aggregated"]: the rounds so far with each one's imputation and training seconds
+    and the iterations it ran."""
+    before = before or {"rounds": 0, "imputation_s": [], "training_s": [], "iterations": []}
     ckpt.metrics["aggregated"] = {
         "groups": len(grouped.group_uids), "documents": len(grouped), "rounds": before["rounds"] + 1,
         "imputation_s": [*before["imputation_s"], imputation_s],
+        "iterations": [*before.get("iterations", []), imputer.iterations_],
         "training_s": [*before["training_s"], ckpt.metrics.get("times", {}).get("total_s")]}

@@ -7,8 +7,8 @@ lambda and is renormalised. Members that do not have the label pull less and les
 settles on what the label's true members share.
 Algorithm 2: each (group, label) pair goes to the group's member closest to the label's vector.
 
-Two choices beyond the paper, both off gives the paper's method (training/config.py says which
-are on by default and bench/RESULTS.md what each is worth):
+Three choices beyond the paper (all off, with T given, is the paper's method; training/config.py
+says which are on by default and bench/RESULTS.md what each is worth):
 - center: the features are centred on the documents' mean before the rows are normalised. TF-IDF
   rows are non-negative, so every document shares a large common direction; a frequent label's
   sum of members is mostly that direction, and its "closest" member is then the most generic
@@ -17,6 +17,11 @@ are on by default and bench/RESULTS.md what each is worth):
 - label_features: each label's own text, where the data has one, joins as one more group that
   carries the label, with the text as its only member: a known positive that anchors labels
   carried by one or two groups, whose members alone cannot say which of them has the label.
+- validation (the number of iterations): a share of the groups is held out, the vectors are
+  learnt without their labels, and the number of iterations in 0..T kept is the one whose
+  vectors rank the held-out groups' labels best by their members' best scores (group-level
+  P@1): tuned on a group-level split, not on per-document labels. The best number differs:
+  centred, random groups peak at 0 and clustered groups later (bench/RESULTS.md).
 
 Features are rows of a matrix fixed before training: sparse TF-IDF (the first round) or the
 trained encoder's embeddings (a second round). Everything is vectorised over the (group,
@@ -28,6 +33,7 @@ plus rank-one corrections.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,6 +43,8 @@ Features = sp.csr_matrix | np.ndarray
 # Algorithm 2 as in the paper ("closest"), or beyond it ("expected"): see EagleImputer.impute.
 ASSIGNMENTS = ("closest", "expected")
 _DENSE_CHUNK = 1 << 16
+_VALIDATION_CHUNK = 256  # held-out groups scored against every label at once
+_PATIENCE = 3  # iterations without a better group-level P@1 before the validation stops
 
 
 class EagleImputer:
@@ -46,11 +54,12 @@ class EagleImputer:
     iterations (T) and step (lambda): Algorithm 1's. seed: the start of a label whose initial
     sum is zero (its groups' members cancel out, as in the paper's +x / -x example): then a
     member of one of its groups drawn with this seed. center: centre the features on the
-    documents' mean (module docstring).
+    documents' mean (module docstring). validation: the share of groups held out to choose the
+    number of iterations iterations_ in 0..T by group-level P@1 (0: T as given, the paper's).
     """
 
     def __init__(self, iterations: int = 10, step: float = 0.5, seed: int = 0, assignment: str = "expected",
-                 center: bool = False) -> None:
+                 center: bool = False, validation: float = 0.0) -> None:
         if iterations < 0:
             raise ValueError(f"iterations must be >= 0, got {iterations}")
         if not 0.0 < step <= 1.0:
@@ -62,31 +71,79 @@ class EagleImputer:
         self.seed = int(seed)
         self.assignment = assignment
         self.center = bool(center)
+        if not 0.0 <= validation < 1.0:
+            raise ValueError(f"validation must be in [0, 1), got {validation}")
+        self.validation = float(validation)
 
     def fit(self, features: Features, members: sp.csr_matrix, group_labels: sp.csr_matrix,
             label_features: Features | None = None) -> EagleImputer:
         """label_features [L, F] (optional, same space as features): each label's text, added as
-        a group of one that carries the label (labels that no group carries are left out)."""
+        a group of one that carries the label (labels that no group carries are left out).
+        With validation > 0, iterations_ (<= iterations) is chosen first on held-out groups."""
         members, group_labels = sp.csr_matrix(members), sp.csr_matrix(group_labels)
         num_docs, num_groups = features.shape[0], members.shape[0]
         if label_features is not None:
             features, members, group_labels = _with_label_groups(features, members, group_labels, label_features)
         space = _space(features, num_docs, self.center)
-        self.pair_group_, self.pair_label_ = _pairs(group_labels)
-        self.pair_members_ = _pair_members(members, self.pair_group_)
-        v = space.normalize(space.pool(sp.csr_matrix(group_labels.T) @ members))
-        v = self._seed_empty(space, v, group_labels)
-        for _ in range(self.iterations):
-            picks, _ = self._closest(space, v)
-            u = space.normalize(space.pool(_label_by_doc(self.pair_label_, picks, group_labels.shape[1],
-                                                         space.num_rows)))
-            v = space.normalize(space.mix(1.0 - self.step, v, self.step, u))
+        self.iterations_, self.validation_scores_ = self.iterations, []
+        if self.validation > 0 and self.iterations > 0:
+            self.validation_scores_ = self._validate(space, members, group_labels, num_groups)
+            self.iterations_ = int(np.argmax(self.validation_scores_))  # the fewest iterations on ties
+        v = self._group_robust(space, members, group_labels, self.iterations_)
         real = self.pair_group_ < num_groups  # the labels' own texts shaped the vectors; documents get labels
         self.pair_group_, self.pair_label_ = self.pair_group_[real], self.pair_label_[real]
         self.pair_members_ = _pair_members(members[:num_groups], self.pair_group_)
         self.label_vectors_ = v
         self._space, self._members, self._num_docs = space, members[:num_groups], num_docs
         return self
+
+    def _group_robust(self, space: _Space, members: sp.csr_matrix, group_labels: sp.csr_matrix, iterations: int,
+                      after_step: Callable[[Vectors], bool] | None = None) -> Vectors:
+        """Algorithm 1 for every label at once; after_step(v) sees the start and each iteration
+        and stops them by returning True."""
+        self.pair_group_, self.pair_label_ = _pairs(group_labels)
+        self.pair_members_ = _pair_members(members, self.pair_group_)
+        v = space.normalize(space.pool(sp.csr_matrix(group_labels.T) @ members))
+        v = self._seed_empty(space, v, group_labels)
+        for step in range(iterations + 1):
+            if (after_step is not None and after_step(v)) or step == iterations:
+                break
+            picks, _ = self._closest(space, v)
+            u = space.normalize(space.pool(_label_by_doc(self.pair_label_, picks, group_labels.shape[1],
+                                                         space.num_rows)))
+            v = space.normalize(space.mix(1.0 - self.step, v, self.step, u))
+        return v
+
+    def _validate(self, space: _Space, members: sp.csr_matrix, group_labels: sp.csr_matrix,
+                  num_groups: int) -> list[float]:
+        """Group-level P@1 after 0..T iterations: the labels of a held-out share of the groups are
+        hidden while the vectors are learnt, then each held-out group's labels are ranked by the
+        best score among its members (no per-document label is needed). Iterations stop once
+        _PATIENCE of them in a row have not beaten the best."""
+        rng = np.random.default_rng(self.seed)
+        held = np.sort(rng.choice(num_groups, max(1, int(round(self.validation * num_groups))), replace=False))
+        keep = np.ones(group_labels.shape[0], np.float32)
+        keep[held] = 0.0
+        visible = sp.csr_matrix(sp.diags(keep) @ group_labels)
+        visible.eliminate_zeros()
+        unknown = np.diff(sp.csc_matrix(visible).indptr) == 0
+        truth, held_members = group_labels[held], members[held]
+        scores: list[float] = []
+
+        def score(v: Vectors) -> bool:
+            hits = 0
+            for s in range(0, len(held), _VALIDATION_CHUNK):
+                chunk = held_members[s : s + _VALIDATION_CHUNK]
+                best = np.maximum.reduceat(space.all_dots(chunk.indices.astype(np.int64), v), chunk.indptr[:-1],
+                                           axis=0)  # every group has a member: no empty slice
+                best[:, unknown] = -np.inf
+                top = np.argmax(best, axis=1)
+                hits += int(np.asarray(truth[s : s + _VALIDATION_CHUNK][np.arange(len(top)), top]).sum())
+            scores.append(hits / len(held))
+            return len(scores) - 1 - int(np.argmax(scores)) >= _PATIENCE
+
+        self._group_robust(space, members, visible, self.iterations, score)
+        return scores
 
     def impute(self) -> list[list[int]]:
         """Each document's labels: every (group, label) pair given to the group's closest member
