@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -44,6 +45,9 @@ def export_encoder(encoder: SiameseEncoder, path: Path) -> None:
     model = onnx.load(str(path))
     onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                     location=ENCODER_DATA, size_threshold=1024)
+    # onnx creates the data file private to its writer (0600); a bundle is read by the serving
+    # user, often another one (a container's read-only volume): the same mode as the graph file.
+    shutil.copymode(path, path.parent / ENCODER_DATA)
 
 
 def parity_texts(tokenizer: Tokenizer, sample: Sequence[str], n: int = 1000, seed: int = 0) -> list[str]:

@@ -53,6 +53,16 @@ def test_manifest_lists_every_file_with_its_sha256(bundle_root):
     assert np.load(bundle_dir / "classifiers.npy", mmap_mode="r").shape == (manifest["num_labels"], manifest["dim"])
 
 
+def test_every_bundle_file_is_as_readable_as_the_manifest(bundle_root):
+    """A container reads the bundle volume as another user: no file may be private to the exporter
+    (onnx writes its external data file 0600)."""
+    bundle_dir = bundle_root / "v1"
+    manifest_mode = (bundle_dir / MANIFEST).stat().st_mode & 0o777
+    assert manifest_mode & 0o044, "the test needs a umask that lets others read"
+    assert {p.name: p.stat().st_mode & 0o777 for p in bundle_dir.iterdir()} == {
+        p.name: manifest_mode for p in bundle_dir.iterdir()}
+
+
 def test_export_refuses_to_overwrite_an_existing_version(checkpoints, bundle_root_copy):
     before = sha256_file(bundle_root_copy / "v1" / MANIFEST)
     with pytest.raises(BundleError, match="already exists"):

@@ -50,8 +50,9 @@ def volumes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         export_checkpoint(ckpt, work / "bundles", version)
     state = work / "state"
     state.mkdir()
-    for path in (work, work / "bundles", state, *(work / "bundles").rglob("*")):
-        path.chmod(0o777 if path == state else (0o755 if path.is_dir() else 0o644))
+    # The state volume is the image user's to write; the bundles keep the modes export gave
+    # them (the image's user, another uid, must be able to read them as they are).
+    state.chmod(0o777)
     return {"bundles": work / "bundles", "state": state, "data": work / "data"}
 
 
