@@ -15,7 +15,21 @@ Errors are JSON {"error", "message", "details": [{"field", "message"}], "request
 response carries X-Request-ID. Settings: service/api/settings.py (environment SHORTLIST_*).
 """
 
-from service.api.app import create_admin_app, create_app
-from service.api.settings import Settings
+from typing import Any
 
 __all__ = ["Settings", "create_admin_app", "create_app"]
+
+
+def __getattr__(name: str) -> Any:
+    # Imported on first use, not with the package: `shortlist serve` reads its settings and,
+    # for several processes, sets prometheus-client's multiprocess directory before anything
+    # imports prometheus-client (it picks its mode once, at import; service.api.server).
+    if name == "Settings":
+        from service.api.settings import Settings
+
+        return Settings
+    if name in ("create_app", "create_admin_app"):
+        from service.api import app
+
+        return getattr(app, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,7 +16,6 @@ long, was read to its end. Here, with the byte counting done before the parser s
 from __future__ import annotations
 
 import asyncio
-import functools
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -130,19 +129,6 @@ def guarded_protocol(max_connections: int, header_timeout_s: float, max_header_b
     limits = {"max_connections": max_connections, "header_timeout_s": header_timeout_s,
               "max_header_bytes": max_header_bytes, "body_timeout_s": body_timeout_s}
     return type("GuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,), limits)
-
-
-@functools.cache
-def _environment_protocol() -> type[HttpToolsProtocol]:
-    from service.api.settings import Settings
-
-    return protocol_kwargs(Settings())["http"]
-
-
-def environment_protocol(**kwargs: Any) -> HttpToolsProtocol:
-    """The protocol with the limits of the SHORTLIST_* environment, made by name: what each of
-    several serving processes runs (uvicorn starts them fresh and imports this by its path)."""
-    return _environment_protocol()(**kwargs)
 
 
 def protocol_kwargs(settings: Any) -> dict[str, Any]:

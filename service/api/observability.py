@@ -24,14 +24,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api.errors import error_json
 from service.api.http_protocol import BODY_TIMED_OUT
-from service.api.processes import process_alive
+from service.api.processes import MULTIPROCESS_ENV, process_alive
 
 access_log = logging.getLogger("shortlist.access")
 error_log = logging.getLogger("shortlist.error")
 
 CLIENT_CLOSED = 499
-# Where prometheus-client keeps the values of several serving processes (its own variable).
-MULTIPROCESS_ENV = "PROMETHEUS_MULTIPROC_DIR"
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 0.5,
                     1.0, 2.5, 10.0)

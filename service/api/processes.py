@@ -1,6 +1,6 @@
 """Several serving processes on one port (`SHORTLIST_PROCESSES` > 1): how they agree on the bundle.
 
-uvicorn's supervisor runs the processes (one listening socket; a process that dies is
+gunicorn's arbiter runs the processes (service.api.supervisor: one listening socket; a process that dies is
 restarted; SIGTERM drains them all). Each loads the bundle itself: the .npy arrays are memory
 maps of the same files, so their pages are shared, not copied per process. They agree through
 the state directory: `active.json` (service.api.active_state) is the version to serve, and
@@ -25,6 +25,8 @@ from service.api.registry import ActivationFailed, ActivationInProgress, BundleN
 
 log = logging.getLogger("shortlist.processes")
 PROCESSES_DIR = "processes"
+# prometheus-client's directory for the processes' metric files (service.api.observability)
+MULTIPROCESS_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
 class ProcessesDiverged(Exception):

@@ -1,4 +1,10 @@
-"""`shortlist serve`: uvicorn over `create_app`, plus the admin app on its own port if configured."""
+"""`shortlist serve`: uvicorn over `create_app`, plus the admin app on its own port if configured;
+several processes under gunicorn's arbiter (service.api.supervisor).
+
+The app is imported inside the functions that run it, not here: with several processes,
+prometheus-client's multiprocess directory must be in the environment before anything
+imports prometheus-client, which picks its mode once, at import.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +15,8 @@ import tempfile
 
 import uvicorn
 
-from service.api.app import build_state, create_admin_app, create_app, initial_load, shutdown
 from service.api.http_protocol import protocol_kwargs
-from service.api.observability import MULTIPROCESS_ENV
+from service.api.processes import MULTIPROCESS_ENV
 from service.api.settings import Settings
 
 
@@ -32,6 +37,8 @@ def _config(app: object, host: str, port: int, settings: Settings) -> uvicorn.Co
 
 
 async def _serve_two(settings: Settings) -> None:
+    from service.api.app import build_state, create_admin_app, create_app, initial_load, shutdown
+
     state = build_state(settings)
     main = uvicorn.Server(_config(create_app(settings, state=state, admin=False),
                                   settings.host, settings.port, settings))
@@ -50,20 +57,19 @@ async def _serve_two(settings: Settings) -> None:
 
 
 def _run_processes(settings: Settings) -> None:
-    """`settings.processes` copies of the app on one listening socket, under uvicorn's supervisor.
+    """`settings.processes` copies of the app on one listening socket, forked by gunicorn's
+    arbiter from this process (service.api.supervisor).
 
-    Each process is started fresh (spawned) and builds its settings from the environment, so
-    the command line's settings are put there first; prometheus-client keeps each process's
-    metric values in files under a directory made for this run (service.api.observability).
+    Each process builds its settings from the environment, so the command line's settings are
+    put there first; prometheus-client keeps each process's metric values in files under a
+    directory made for this run (service.api.observability).
     """
     os.environ.update(settings.environment())
     with tempfile.TemporaryDirectory(prefix="shortlist-metrics-") as metrics_dir:
         os.environ[MULTIPROCESS_ENV] = metrics_dir
-        uvicorn.run("service.api.app:create_app", factory=True, workers=settings.processes,
-                    host=settings.host, port=settings.port, access_log=False, log_level=settings.log_level,
-                    timeout_graceful_shutdown=int(settings.drain_timeout_s) or None,
-                    http="service.api.http_protocol:environment_protocol",
-                    timeout_keep_alive=settings.keep_alive_timeout_s)  # type: ignore[arg-type]
+        from service.api.supervisor import ServingProcesses
+
+        ServingProcesses(settings).run()
 
 
 def run(settings: Settings) -> None:
@@ -76,6 +82,8 @@ def run(settings: Settings) -> None:
         with asyncio.Runner(loop_factory=loop_factory) as runner:
             runner.run(_serve_two(settings))
         return
+    from service.api.app import create_app
+
     uvicorn.Server(_config(create_app(settings), settings.host, settings.port, settings)).run()
 
 

@@ -26,7 +26,7 @@ class Settings(BaseSettings):
     workers: int = Field(2, ge=1, le=256)
     engine_threads: int = Field(1, ge=1, le=256)
 
-    # Serving processes on one port (uvicorn's supervisor: a process that dies is restarted,
+    # Serving processes on one port (gunicorn's arbiter: a process that dies is restarted,
     # SIGTERM drains them all). More than one needs `state_dir`, where they agree on the active
     # version: an activation on any of them is followed by every other within
     # `process_sync_interval_s` and answered once all serve it (README "Several processes").
