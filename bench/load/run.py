@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import os
 import subprocess
 import sys
@@ -36,6 +37,8 @@ ROUTES = ("/v1/predict", "/v1/predict [16]", "/v1/predict/tree", "/readyz", "Agg
 
 def locust(url: str, users: int, seconds: float, prefix: Path, rate: float | None = None) -> dict[str, dict]:
     """One headless locust run; per route: req/s, p50/p95/p99 (ms), failure share."""
+    if importlib.util.find_spec("locust") is None:
+        raise SystemExit(f"locust is not installed in {sys.prefix}: `make load` installs it (the load extra)")
     env = {**os.environ, **({"SHORTLIST_LOAD_RATE": str(rate)} if rate else {})}
     cmd = [sys.executable, "-m", "locust", "-f", str(HERE / "locustfile.py"), "--headless", "--host", url,
            "--users", str(users), "--spawn-rate", str(users), "--run-time", f"{int(seconds)}s",
