@@ -60,6 +60,14 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler="model_export.export:run_cli")
 
 
+def _add_shard(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("shard", help="split a bundle's labels into N shard bundles, each a bundle of its own")
+    p.add_argument("bundle", help="bundle folder")
+    p.add_argument("--shards", type=int, required=True, help="number of shards N")
+    p.add_argument("--out", required=True, help="root to write OUT/VERSION/shard-I-of-N into (VERSION: the bundle's)")
+    p.set_defaults(handler="model_export.shard:run_cli")
+
+
 def _add_eval(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("eval", help="evaluate a bundle through the serving engine")
     p.add_argument("bundle", help="bundle folder")
@@ -104,7 +112,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shortlist", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_train, _add_generate, _add_data, _add_export, _add_eval, _add_serve, _add_demo):
+    for add in (_add_train, _add_generate, _add_data, _add_export, _add_shard, _add_eval, _add_serve, _add_demo):
         add(sub)
     return parser
 

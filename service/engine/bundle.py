@@ -34,6 +34,7 @@ from service.engine.schema import (
     LEXICAL_FILES,
     MANIFEST,
     REQUIRED_FILES,
+    SHARD_LABELS,
     TOKEN_SHORTLIST,
     TOKEN_SHORTLIST_BIAS,
     TOKEN_SHORTLIST_SHARES,
@@ -63,6 +64,8 @@ class Bundle:
         self.classifier_bias: np.ndarray
         self.centroids: np.ndarray
         self.tree: TreeScorer | None = None
+        # A shard's parent label id of each row (manifest `shard`); None in a whole bundle.
+        self.shard_labels: np.ndarray | None = None
         self._indices: dict[tuple[str, int], VectorIndex] = {}
         self._table: TokenShortlist | None = None
         self._encoders: dict[int, OnnxEncoder] = {}
@@ -92,9 +95,27 @@ class Bundle:
         bundle._check_files(verify_checksums)
         bundle._open_tables()
         bundle._check_lexical_files()
+        bundle.shard_labels = bundle._open_shard_labels()
         if manifest.has_tree:
             bundle.tree = bundle._open_tree()
         bundle.validation_rows()
+        return bundle
+
+    @classmethod
+    def open_query_side(cls, path: str | Path) -> Bundle:
+        """Only what turns texts into encoded queries: the manifest, and the tokenizer and
+        encoder files checked (checksums, vocabulary size; every token id encodes when the
+        encoder is first made). No label array is opened: a router that encodes a query once
+        for every shard of a sharded bundle (service.api.ray_app) holds no label of its own."""
+        path = Path(path)
+        manifest = read_manifest(path)
+        if manifest.version != path.name:
+            raise BundleError(f"{path / MANIFEST}: version {manifest.version!r} does not match directory name")
+        bundle = cls(path, manifest)
+        for name in (TOKENIZER, ENCODER, ENCODER_DATA):
+            if name in manifest.files and sha256_file(path / name) != manifest.files[name]:
+                raise BundleError(f"{path / name}: sha256 mismatch (file corrupted or modified)")
+        bundle.tokenizer = bundle._open_tokenizer()
         return bundle
 
     def _check_files(self, verify_checksums: bool) -> None:
@@ -137,17 +158,24 @@ class Bundle:
                 raise BundleError(f"{self.path / name}: non-finite value at flat index {bad}")
         return arr
 
+    def _open_tokenizer(self) -> Tokenizer:
+        try:
+            tokenizer = Tokenizer.load(self.path / TOKENIZER)
+        except (OSError, ValueError) as exc:
+            raise BundleError(str(exc)) from exc
+        if tokenizer.vocab_size != self.manifest.vocab_size:
+            raise BundleError(
+                f"{self.path / TOKENIZER}: vocab size {tokenizer.vocab_size}, manifest says {self.manifest.vocab_size}"
+            )
+        return tokenizer
+
     def _open_tables(self) -> None:
         m = self.manifest
+        self.tokenizer = self._open_tokenizer()
         try:
-            self.tokenizer = Tokenizer.load(self.path / TOKENIZER)
             self.labels = LabelTable.load(self.path / LABELS)
         except (OSError, ValueError) as exc:
             raise BundleError(str(exc)) from exc
-        if self.tokenizer.vocab_size != m.vocab_size:
-            raise BundleError(
-                f"{self.path / TOKENIZER}: vocab size {self.tokenizer.vocab_size}, manifest says {m.vocab_size}"
-            )
         if len(self.labels) != m.num_labels:
             raise BundleError(f"{self.path / LABELS}: {len(self.labels)} labels, manifest says {m.num_labels}")
         self.classifiers = self._array(CLASSIFIERS, (m.num_labels, m.dim))
@@ -172,6 +200,23 @@ class Bundle:
             raise BundleError(f"{manifest_path}: lexical_form {form!r} needs {missing[0]}")
         if m.scoring.lexical_weight and not listed:
             raise BundleError(f"{manifest_path}: lexical_weight > 0 but {LEXICAL_FILES[form][0]} is not listed")
+
+    def _open_shard_labels(self) -> np.ndarray | None:
+        """A shard's parent label ids (increasing, in the parent's range), or None in a whole
+        bundle; the file and the manifest's `shard` come together or not at all."""
+        shard, listed = self.manifest.shard, SHARD_LABELS in self.manifest.files
+        if shard is None or not listed:
+            if shard is not None or listed:
+                raise BundleError(f"{self.path / MANIFEST}: a shard has both `shard` and {SHARD_LABELS}, or neither")
+            return None
+        if self.manifest.format_version < 2:
+            raise BundleError(f"{self.path / MANIFEST}: a shard is a format 2 bundle, this one says format "
+                              f"{self.manifest.format_version}")
+        ids = np.asarray(self._array(SHARD_LABELS, (self.manifest.num_labels,), np.int64))
+        if ids[0] < 0 or ids[-1] >= shard.parent_num_labels or np.any(np.diff(ids) <= 0):
+            raise BundleError(f"{self.path / SHARD_LABELS}: parent label ids must increase within "
+                              f"[0, {shard.parent_num_labels})")
+        return ids
 
     def _open_tree(self) -> TreeScorer:
         try:

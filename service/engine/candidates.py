@@ -54,10 +54,11 @@ class CandidateSources:
         self.head = np.argsort(-np.asarray(bias), kind="stable")[: spec.k_head].astype(np.int64)
 
     def __call__(
-        self, tokens: np.ndarray, token_weights: np.ndarray, q: np.ndarray
+        self, tokens: np.ndarray, token_weights: np.ndarray, q: np.ndarray, head: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray | None]:
         """Label ids [B, C] of each query's S (sorted, distinct, -1 padded at the end; C = the
-        longest row) and, with `lexical`, their lexical scores [B, C]."""
+        longest row) and, with `lexical`, their lexical scores [B, C]. head (bool [B]): the rows
+        the head joins under "fallback", instead of the rows whose tokens found no label."""
         spec = self.spec
         searched = []
         if self.index_w is not None:
@@ -69,8 +70,8 @@ class CandidateSources:
         if self.table is not None:
             # Row 0 (padding) is all -1, so padded token slots add nothing.
             labels, terms = self.table.entries(tokens, spec.k_tok, token_weights if self.lexical else None)
-        head = self.head if len(self.head) else None
-        cands, sums = union_shortlist(len(q), searched, head, spec.head, labels, terms, self.num_labels)
+        cands, sums = union_shortlist(len(q), searched, self.head if len(self.head) else None, spec.head, labels,
+                                      terms, self.num_labels, unmatched=head)
         return cands, None if sums is None else self.table.scores(cands, sums)
 
 
@@ -82,15 +83,18 @@ def union_shortlist(
     token_labels: np.ndarray | None,
     token_terms: np.ndarray | None,
     num_labels: int,
+    unmatched: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """S of each of `rows` queries: the searched ids [rows, k] U the head ids [H] (in every row,
-    or with head_mode "fallback" only in rows whose token labels are all -1) U the token
-    shortlist's labels [rows, T * k], merged by merge_shortlists with the token terms summed."""
+    or with head_mode "fallback" only in rows whose token labels are all -1, or those `unmatched`
+    says, bool [rows]) U the token shortlist's labels [rows, T * k], merged by merge_shortlists
+    with the token terms summed."""
     parts = list(searched)
     if head is not None:
         head = head[None, :]
         if token_labels is not None and head_mode == "fallback":
-            unmatched = token_labels.max(axis=1) < 0  # no query token has a label in its row
+            if unmatched is None:
+                unmatched = token_labels.max(axis=1) < 0  # no query token has a label in its row
             if rows == 1:
                 if unmatched[0]:
                     parts.append(head)

@@ -12,6 +12,7 @@ import numpy as np
 from service.engine import canary
 from service.engine.bundle import Bundle
 from service.engine.candidates import CandidateSources
+from service.engine.query import EncodedQueries, QueryEncoder
 from service.engine.schema import BundleError, HeadMode, Scoring
 from service.engine.scorers import LabelScorer, top_k
 
@@ -81,6 +82,7 @@ class Predictor:
         )
         self.scorer = LabelScorer.of(bundle.classifiers, bundle.classifier_bias, bundle.centroids, self.scoring)
         self.encoder = bundle.encoder(self.options.threads)
+        self.queries = QueryEncoder(bundle.tokenizer, self.encoder)
 
     @classmethod
     def load(cls, path: str | Path, options: PredictorOptions | None = None) -> Predictor:
@@ -124,10 +126,9 @@ class Predictor:
     def encode(self, texts: Sequence[str]) -> np.ndarray:
         return self._encode(texts)[2]
 
-    def _encode(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _encode(self, texts: Sequence[str]) -> EncodedQueries:
         """Padded token ids [B, T], their weights [B, T] and unit embeddings [B, D]."""
-        ids, weights = self.bundle.tokenizer.encode_batch(list(texts))
-        return ids, weights, self.encoder.run(ids, weights)
+        return self.queries(texts)
 
     def shortlist(self, texts: Sequence[str]) -> list[np.ndarray]:
         """The candidate labels S of each text (sorted label ids)."""
@@ -148,11 +149,24 @@ class Predictor:
         exclude: per text, label ids never to return (the text's own label when texts and labels
         are the same kind of thing, items a user has already); the rest of S is ranked as usual.
         """
+        return self.predict_encoded_ids(self._encode(texts), k, alpha, exclude)
+
+    def predict_encoded_ids(
+        self, queries: EncodedQueries, k: int = 10, alpha: float | None = None, exclude: Exclusions | None = None,
+        head: np.ndarray | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """predict_ids of queries encoded already (QueryEncoder of a bundle with this one's
+        tokenizer and encoder: the shards of one parent share them).
+
+        head: bool [B], whether the head joins each query's shortlist, overriding the "fallback"
+        rule's own test (no query token has a label in its row), which a shard cannot make for
+        its parent: its rows hold only its own labels (service.engine.sharding).
+        """
         _check_k(k)
         a = self._check_alpha(alpha)
-        excluded = self._check_exclude(exclude, len(texts))
-        tokens, weights, q = self._encode(texts)
-        cands, lexical = self.sources(tokens, weights, q)
+        excluded = self._check_exclude(exclude, len(queries.q))
+        tokens, weights, q = queries
+        cands, lexical = self.sources(tokens, weights, q, head)
         scores = self.scorer.score(q, cands, a, lexical)
         if excluded is not None:
             scores[_excluded_mask(cands, excluded)] = -np.inf

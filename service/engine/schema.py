@@ -25,6 +25,9 @@ A bundle is a directory BUNDLE_ROOT/VERSION, immutable once written:
   token_shortlist_bias.npy     optional: [L] float32, the logistic form's per-label bias
   tree.npz               optional: the adversarial tree scorer's arrays (service.engine.tree)
   validation.jsonl       optional: held-out {"text", "target_ind"} rows for a quality gate
+  shard_labels.npy       format 2, a shard's (manifest `shard`): [L] int64, the parent bundle's
+                         id of each label row, increasing (service.engine.sharding; written by
+                         model_export/shard.py)
 
 Versioning policy (what a reader does with a bundle from another writer):
 - `format_version` is the layout's version. A reader reads every version in
@@ -38,6 +41,10 @@ Versioning policy (what a reader does with a bundle from another writer):
 - Fields retired from the writer stay readable (LEGACY below) and are ignored.
 - A new optional file is refused by readers that do not know it (`KNOWN_FILES`): serving a
   bundle without a file its writer thought it needed could change answers.
+- Format 2 may also be a shard (a bundle over a subset of its parent's labels): `shard` in the
+  manifest and shard_labels.npy, both or neither; a format-1 manifest with them is refused.
+  Readers that know neither refuse a shard by the two rules above; a bundle without them reads
+  as before.
 - Array dtypes are fixed per file (float32 vectors, int32 token table); a reader refuses any
   other. Another dtype (float16 vectors) comes with a format bump that says where it applies.
 """
@@ -51,7 +58,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-# 2: the encoder's initializers may live in encoder.onnx.data (format 1: inside encoder.onnx).
+# 2: the encoder's initializers may live in encoder.onnx.data (format 1: inside encoder.onnx);
+# a bundle may be a shard of another (`shard`, shard_labels.npy).
 FORMAT_VERSION = 2
 READABLE_FORMATS = (1, 2)
 
@@ -71,10 +79,11 @@ TOKEN_SHORTLIST_SHARES = "token_shortlist_shares.npy"
 TOKEN_SHORTLIST_WEIGHTS = "token_shortlist_weights.npy"
 TOKEN_SHORTLIST_BIAS = "token_shortlist_bias.npy"
 VALIDATION = "validation.jsonl"
+SHARD_LABELS = "shard_labels.npy"
 REQUIRED_FILES = (ENCODER, TOKENIZER, LABELS, CLASSIFIERS, CLASSIFIER_BIAS, CENTROIDS, HNSW_W, HNSW_MU)
 OPTIONAL_FILES = (
     ENCODER_DATA, TREE, VALIDATION, TOKEN_SHORTLIST, TOKEN_SHORTLIST_SHARES, TOKEN_SHORTLIST_WEIGHTS,
-    TOKEN_SHORTLIST_BIAS,
+    TOKEN_SHORTLIST_BIAS, SHARD_LABELS,
 )
 KNOWN_FILES = frozenset((*REQUIRED_FILES, *OPTIONAL_FILES))
 
@@ -180,6 +189,25 @@ class CanaryQuery(_Strict):
     top_scores: list[float]
 
 
+class ShardOf(_Strict):
+    """What a shard bundle is a part of: shard `index` of `count` over the labels of the parent
+    bundle (its own rows' parent ids in shard_labels.npy)."""
+
+    parent_version: str
+    # sha256 of the parent's manifest.json, which holds the sha256 of every parent file: shards
+    # of one parent, and only those, agree on it.
+    parent_fingerprint: str = Field(pattern=r"^[0-9a-f]{64}$")
+    parent_num_labels: int = Field(ge=1)
+    index: int = Field(ge=0)
+    count: int = Field(ge=1)
+
+    @model_validator(mode="after")
+    def _index_in_range(self) -> ShardOf:
+        if self.index >= self.count:
+            raise ValueError(f"shard index {self.index} of {self.count}")
+        return self
+
+
 class Manifest(_Strict):
     format_version: int
     version: str
@@ -188,6 +216,8 @@ class Manifest(_Strict):
     num_labels: int = Field(ge=1)
     vocab_size: int = Field(ge=1)
     text_field: str = "title"
+    # Set in a shard bundle (model_export/shard.py); None in a whole one.
+    shard: ShardOf | None = None
     scoring: Scoring
     hnsw: HnswParams
     data_fingerprint: dict[str, Any] = Field(default_factory=dict)

@@ -1,0 +1,144 @@
+"""`shortlist shard`: a bundle's labels split into N shard bundles (service.engine.sharding).
+
+Label l goes to shard l mod N (every shard gets its share of the head and of the tail), in
+increasing order. Each shard is a complete, checksummed bundle over its labels: its rows of the
+label table, classifiers, biases and centroids, HNSW indices built over them with the parent's
+parameters and seed, the token shortlist with the parent's slots (another shard's label leaves
+its slot empty), the parent's scoring with k_head the number of the parent's head labels it
+holds, canaries answered by the shard itself, `shard` in the manifest (parent version, parent
+fingerprint = sha256 of its manifest.json, index, count) and shard_labels.npy (each row's parent
+label id). The tokenizer and encoder files are the parent's, byte for byte (hard links where the
+filesystem allows). The tree scorer is not sharded (the tree's beam search runs over one tree of
+all labels): shards carry no tree.npz, and no validation.jsonl (its targets are parent ids).
+
+The shards are written into a staging directory renamed to ROOT/VERSION when all are written and
+load as served, so a crash never leaves a partial shard set under its final name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from service.engine import canary, schema, store
+from service.engine.bundle import Bundle
+from service.engine.index import build_label_indices
+from service.engine.labels import LabelTable
+from service.engine.predictor import Predictor
+from service.engine.sharding import ShardedPredictor, shard_dir_name
+
+log = logging.getLogger("shortlist.shard")
+# The parent's files every shard holds unchanged.
+SHARED_FILES = (schema.ENCODER, schema.ENCODER_DATA, schema.TOKENIZER)
+
+
+def shard_bundle(bundle_dir: str | Path, count: int, root: str | Path) -> Path:
+    """Write ROOT/VERSION/shard-I-of-N for I < count from the bundle at `bundle_dir` (VERSION:
+    the parent's); returns ROOT/VERSION once every shard loads as served."""
+    if count < 1:
+        raise ValueError(f"--shards must be >= 1, got {count}")
+    t0 = time.perf_counter()
+    parent = Predictor.load(bundle_dir).bundle  # every check the service runs, canaries included
+    if parent.manifest.shard is not None:
+        raise ValueError(f"{parent.path} is a shard already")
+    if count > parent.manifest.num_labels:
+        raise ValueError(f"{count} shards for {parent.manifest.num_labels} labels")
+    version = parent.version
+    staging = store.staging_dir(Path(root), version)
+    try:
+        for index in range(count):
+            _write_shard(parent, index, count, staging / shard_dir_name(index, count))
+            log.info("shard %d of %d written (%.1fs)", index + 1, count, time.perf_counter() - t0)
+        final = store.finalize_bundle(staging, Path(root), version)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    finally:
+        parent.close()
+    ShardedPredictor.load(final)  # what was written must load as the sharded service loads it
+    log.info("%d shards of %s written to %s and checked in %.1fs", count, version, final, time.perf_counter() - t0)
+    return final
+
+
+def _write_shard(parent: Bundle, index: int, count: int, out: Path) -> None:
+    m = parent.manifest
+    ids = np.arange(index, m.num_labels, count, dtype=np.int64)
+    out.mkdir()
+    for name in SHARED_FILES:
+        if name in m.files:
+            _link_or_copy(parent.path / name, out / name)
+    labels = parent.labels
+    LabelTable([labels.uids[i] for i in ids], [labels.titles[i] for i in ids]).save(out / schema.LABELS)
+    w, b, mu = (np.ascontiguousarray(a[ids]) for a in (parent.classifiers, parent.classifier_bias, parent.centroids))
+    for name, array in ((schema.CLASSIFIERS, w), (schema.CLASSIFIER_BIAS, b), (schema.CENTROIDS, mu),
+                        (schema.SHARD_LABELS, ids)):
+        np.save(out / name, array)
+    seed = int(m.training_config.get("seed", 0))
+    index_w, index_mu = build_label_indices(w, b, mu, m.hnsw, seed)
+    index_w.save(out / schema.HNSW_W)
+    index_mu.save(out / schema.HNSW_MU)
+    _write_token_table(parent, ids, out)
+    fields = _manifest_fields(parent, ids, index, count, out.name)
+    store.write_manifest(out, fields)
+    staged = Bundle.open(out, staged=True)
+    try:
+        texts = [c.text for c in m.canary] or [labels.titles[i] for i in ids[:3]]
+        fields["canary"] = [c.model_dump() for c in canary.record(Predictor(staged), texts)]
+    finally:
+        staged.close()
+    store.write_manifest(out, fields)
+
+
+def _write_token_table(parent: Bundle, ids: np.ndarray, out: Path) -> None:
+    """The parent's token rows with its slots kept: a label of this shard by its row here, any
+    other label's slot empty (-1, weight 0)."""
+    table = parent.token_table()
+    if table is None:
+        return
+    local = np.full(parent.manifest.num_labels, -1, dtype=np.int32)
+    local[ids] = np.arange(len(ids), dtype=np.int32)
+    rows = np.where(table.labels >= 0, local[np.maximum(table.labels, 0)], -1).astype(np.int32)
+    np.save(out / schema.TOKEN_SHORTLIST, rows)
+    files = parent.manifest.files
+    form_files = schema.LEXICAL_FILES[parent.manifest.scoring.lexical_form]
+    if table.weights is not None and form_files[0] in files:
+        np.save(out / form_files[0], np.where(rows >= 0, table.weights, 0.0).astype(np.float32))
+    if table.bias is not None and len(form_files) > 1 and form_files[1] in files:
+        np.save(out / form_files[1], np.ascontiguousarray(table.bias[ids], dtype=np.float32))
+
+
+def _manifest_fields(parent: Bundle, ids: np.ndarray, index: int, count: int, name: str) -> dict[str, Any]:
+    """The parent's manifest for this shard: its labels, the parent's head labels among them, and
+    what it is a shard of."""
+    m = parent.manifest
+    fields = m.model_dump(exclude={"format_version", "created_at", "files", "canary"})
+    head = np.argsort(-np.asarray(parent.classifier_bias), kind="stable")[: m.scoring.shortlist.k_head]
+    fields["scoring"]["shortlist"]["k_head"] = int(np.isin(head, ids).sum())
+    fields.update(
+        version=name, num_labels=len(ids), metrics={"parent": m.metrics},
+        shard=schema.ShardOf(parent_version=m.version, parent_fingerprint=schema.sha256_file(parent.path /
+                             schema.MANIFEST), parent_num_labels=m.num_labels, index=index, count=count).model_dump(),
+    )
+    return fields
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    """A hard link (shards share the parent's pages and disk blocks), a copy across filesystems."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    final = shard_bundle(args.bundle, args.shards, args.out)
+    print(final)
+    return 0

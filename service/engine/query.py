@@ -1,0 +1,42 @@
+"""Texts -> encoded queries: the tokens and their tf-idf weights (which the token shortlist and the
+lexical score read) and the unit embedding q (which the vectors score). One definition, used by
+the Predictor and by a router that encodes a query once for every shard of a sharded bundle."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from service.engine.bundle import Bundle
+from service.engine.encoder import OnnxEncoder
+from service.engine.tokenizer import Tokenizer
+
+
+class EncodedQueries(NamedTuple):
+    """tokens int64 [B, T] (0-padded), weights float32 [B, T], q float32 [B, D]."""
+
+    tokens: np.ndarray
+    weights: np.ndarray
+    q: np.ndarray
+
+
+class QueryEncoder:
+    """A bundle's tokenizer and ONNX encoder. Safe to call from several threads at once."""
+
+    def __init__(self, tokenizer: Tokenizer, encoder: OnnxEncoder) -> None:
+        self.tokenizer = tokenizer
+        self.encoder = encoder
+
+    @classmethod
+    def open(cls, path: str | Path, threads: int = 1) -> QueryEncoder:
+        """The encoder of the bundle at `path`, checked (Bundle.open_query_side) without opening
+        its label arrays; raises BundleError naming what is wrong."""
+        bundle = Bundle.open_query_side(path)
+        return cls(bundle.tokenizer, bundle.encoder(threads))
+
+    def __call__(self, texts: Sequence[str]) -> EncodedQueries:
+        ids, weights = self.tokenizer.encode_batch(list(texts))
+        return EncodedQueries(ids, weights, self.encoder.run(ids, weights))

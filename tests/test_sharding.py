@@ -1,0 +1,114 @@
+"""`shortlist shard` and the sharded engine in one process: each shard a bundle of its own, and the
+shards' merged answers the parent's (service.engine.sharding; the Ray Serve application that
+distributes the same objects is tested in test_ray_serve.py)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from sharding_helpers import assert_same_answers, held_out, p_at_5
+
+from model_export.shard import shard_bundle
+from service.engine import BundleError, Predictor, PredictorOptions
+from service.engine.sharding import ShardedPredictor, check_shard_set, shard_dirs
+from shortlist.cli import main
+
+
+@pytest.fixture(scope="module")
+def sharded_root(bundle_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("sharded")
+    assert main(["shard", str(bundle_root / "v1"), "--shards", "3", "--out", str(root)]) == 0
+    return root
+
+
+def test_each_shard_is_a_bundle_over_its_labels(bundle_root: Path, sharded_root: Path):
+    parent = Predictor.load(bundle_root / "v1")
+    dirs = shard_dirs(sharded_root / "v1")
+    assert [d.name for d in dirs] == ["shard-0-of-3", "shard-1-of-3", "shard-2-of-3"]
+    held = []
+    for index, d in enumerate(dirs):
+        shard = Predictor.load(d)  # independently loadable: every check, its own canaries
+        m = shard.bundle.manifest
+        assert (m.shard.index, m.shard.count, m.shard.parent_version) == (index, 3, "v1")
+        assert m.shard.parent_num_labels == parent.num_labels
+        assert not m.has_tree and "validation.jsonl" not in m.files
+        ids = shard.bundle.shard_labels
+        held.append(ids)
+        assert [shard.bundle.labels.uids[i] for i in range(3)] == [parent.bundle.labels.uids[j] for j in ids[:3]]
+        np.testing.assert_array_equal(shard.bundle.classifiers, parent.bundle.classifiers[ids])
+        for name in ("encoder.onnx", "encoder.onnx.data", "tokenizer.json"):
+            assert (d / name).read_bytes() == (bundle_root / "v1" / name).read_bytes()
+    assert np.array_equal(np.sort(np.concatenate(held)), np.arange(parent.num_labels))
+    assert len({Predictor.load(d).bundle.manifest.shard.parent_fingerprint for d in dirs}) == 1
+
+
+def test_shards_answer_as_their_parent(bundle_root: Path, sharded_root: Path, synthetic_data: Path):
+    texts, truths = held_out(synthetic_data)
+    texts += ["qqqq zzzz", texts[0]]  # words no token row knows: the head's fallback
+    L = Predictor.load(bundle_root / "v1").num_labels
+    # Every label a candidate; then each source of the bundle's own shortlist but HNSW (token rows, head,
+    # lexical score), which a shard keeps exactly; then the bundle's defaults.
+    for options in (PredictorOptions(k_head=L, head="always"), PredictorOptions(k_w=0, k_mu=0), None):
+        parent = Predictor.load(bundle_root / "v1", options)
+        sharded = ShardedPredictor.load(sharded_root / "v1", options)
+        for alpha in (None, 0.0, 1.0):
+            want = parent.predict(texts, k=10, alpha=alpha)
+            got = sharded.predict(texts, k=10, alpha=alpha)
+            if options is None:  # HNSW searches one graph per shard: approximately the parent's
+                n = len(truths)
+                assert abs(p_at_5(got[:n], truths) - p_at_5(want[:n], truths)) <= 0.5
+                continue
+            assert_same_answers([[(p.id, p.uid, p.score) for p in row] for row in got], want)
+
+
+def test_exclude_by_uid_across_shards(bundle_root: Path, sharded_root: Path):
+    parent = Predictor.load(bundle_root / "v1")
+    sharded = ShardedPredictor.load(sharded_root / "v1")
+    text = parent.bundle.labels.titles[7]
+    top = [p.uid for p in parent.predict([text], k=3)[0]]
+    want = parent.predict([text], k=5, exclude=[parent.bundle.labels.ids_of(top)])[0]
+    got = sharded.predict([text], k=5, exclude=top)[0]
+    assert [p.id for p in got] == [p.id for p in want] and not set(top) & {p.uid for p in got}
+    with pytest.raises(KeyError, match="no-such-label"):
+        sharded.predict([text], exclude=["no-such-label"])
+
+
+def test_shards_of_other_parents_or_counts_are_refused(bundle_root: Path, sharded_root: Path, tmp_path: Path):
+    other = shard_bundle(bundle_root / "v2", 3, tmp_path / "other")
+    mixed = [ShardedPredictor.load(sharded_root / "v1").shards[i].info() for i in range(3)]
+    mixed[1] = ShardedPredictor.load(other).shards[1].info()
+    with pytest.raises(BundleError, match="not of v1"):
+        check_shard_set(mixed)
+    with pytest.raises(BundleError, match="shard 0 of 3, expected 0 of 2"):
+        check_shard_set(mixed[:1] + mixed[2:])
+    partial = tmp_path / "partial" / "v1"
+    shutil.copytree(sharded_root / "v1", partial)
+    shutil.rmtree(partial / "shard-1-of-3")
+    with pytest.raises(BundleError, match="expected shard-0-of-N"):
+        shard_dirs(partial)
+
+
+def test_a_shard_without_its_label_ids_or_in_format_1_is_refused(sharded_root: Path, tmp_path: Path):
+    shard = tmp_path / "shard-0-of-3"
+    shutil.copytree(sharded_root / "v1" / "shard-0-of-3", shard)
+    manifest = json.loads((shard / "manifest.json").read_text())
+    (shard / "manifest.json").write_text(json.dumps({**manifest, "format_version": 1}))
+    with pytest.raises(BundleError, match="a shard is a format 2 bundle"):
+        Predictor.load(shard)
+    del manifest["files"]["shard_labels.npy"]
+    (shard / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match="both `shard` and shard_labels.npy"):
+        Predictor.load(shard)
+
+
+def test_sharding_refuses_bad_requests(bundle_root: Path, sharded_root: Path, tmp_path: Path):
+    with pytest.raises(ValueError, match="shards must be >= 1"):
+        shard_bundle(bundle_root / "v1", 0, tmp_path)
+    with pytest.raises(BundleError, match="already exists"):
+        shard_bundle(bundle_root / "v1", 2, sharded_root)
+    with pytest.raises(ValueError, match="is a shard already"):
+        shard_bundle(sharded_root / "v1" / "shard-0-of-3", 2, tmp_path)
