@@ -11,9 +11,9 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 # torch is pinned to the CPU build that installs locally (a looser pin pulls gigabytes of CUDA).
-# constraints.txt: the same pinned versions the images install.
+# constraints.txt: the same pinned versions the images install. The ray extra: tests/test_ray_serve.py.
 install: $(BIN)/python
-	$(BIN)/pip install -q -c constraints.txt -e '.[train,dev]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[train,dev,ray]'
 
 demo: install
 	$(BIN)/shortlist demo --workdir .demo

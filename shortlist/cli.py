@@ -61,7 +61,7 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_shard(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("shard", help="split a bundle's labels into N shard bundles, each a bundle of its own")
+    p = sub.add_parser("shard", help="split a bundle's labels into N shard bundles (for `shortlist serve-ray`)")
     p.add_argument("bundle", help="bundle folder")
     p.add_argument("--shards", type=int, required=True, help="number of shards N")
     p.add_argument("--out", required=True, help="root to write OUT/VERSION/shard-I-of-N into (VERSION: the bundle's)")
@@ -98,6 +98,25 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler="service.api.server:run_cli")
 
 
+def _add_serve_ray(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve-ray", help="serve sharded bundles (`shortlist shard`) on Ray Serve (the ray extra)")
+    p.add_argument("--bundle-root", required=True, help="ROOT of ROOT/VERSION/shard-I-of-N")
+    p.add_argument("--shards", type=int, required=True, help="shards per version (N)")
+    p.add_argument("--replicas", type=int, default=1, help="replicas of each shard")
+    p.add_argument("--version", default=None,
+                   help="default: the version last activated (with a state dir), else the newest")
+    p.add_argument("--state-dir", default=None, help="writable directory that remembers the active version")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--address", default=None,
+                   help="a running Ray cluster (ray.init's address, e.g. auto); default: start a local one")
+    p.add_argument("--num-cpus", type=float, default=None,
+                   help="CPUs of the local Ray instance (default: the machine's)")
+    p.add_argument("--shard-num-cpus", type=float, default=None, help="Ray's CPU reservation per shard replica")
+    p.add_argument("--ingress-num-cpus", type=float, default=None, help="Ray's CPU reservation for the ingress")
+    p.set_defaults(handler="service.api.ray_app:run_cli")
+
+
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="build the demo bundle if missing, then serve it")
     p.add_argument("--workdir", default=".demo")
@@ -112,7 +131,8 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shortlist", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_train, _add_generate, _add_data, _add_export, _add_shard, _add_eval, _add_serve, _add_demo):
+    for add in (_add_train, _add_generate, _add_data, _add_export, _add_shard, _add_eval, _add_serve, _add_serve_ray,
+                _add_demo):
         add(sub)
     return parser
 

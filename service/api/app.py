@@ -20,7 +20,7 @@ from service.api.batching import EngineRunner
 from service.api.dependencies import AuthFailures, ServiceState, State
 from service.api.errors import install_error_handlers
 from service.api.observability import ObservabilityMiddleware, ServiceMetrics, error_log, setup_logging
-from service.api.predict import predict_router
+from service.api.predict import Answer, answer_here, predict_router
 from service.api.processes import ProcessGroup
 from service.api.registry import ActivationFailed, ActivationInProgress, BundleNotFound, BundleRegistry
 from service.api.request_body import RequestBodyMiddleware
@@ -107,12 +107,13 @@ def _new_app(state: ServiceState, title: str, lifespan: object = None) -> FastAP
 
 
 def create_app(settings: Settings | None = None, *, state: ServiceState | None = None,
-               admin: bool | None = None) -> FastAPI:
+               admin: bool | None = None, answer: Answer = answer_here) -> FastAPI:
     """The service app. With `state` given (a shared registry), the caller owns loading and
     shutdown; otherwise the app loads the configured bundle at startup without blocking
     /healthz, and /readyz turns 200 once it is validated and serving.
 
     `admin` None: admin routes are mounted here when a token is set and no admin port is.
+    `answer`: how the prediction routes answer (a sharded service fans out, service.api.ray_app).
     """
     settings = settings or Settings()
     owns_state = state is None
@@ -136,7 +137,7 @@ def create_app(settings: Settings | None = None, *, state: ServiceState | None =
 
     app = _new_app(state, "Shortlist", lifespan)
     # The prediction routes first: routes are matched in order, and they take the traffic.
-    app.include_router(predict_router(state.models, settings))
+    app.include_router(predict_router(state.models, settings, answer))
     app.include_router(_probes())
     if admin and settings.admin_token is not None:
         app.include_router(admin_router())

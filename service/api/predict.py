@@ -4,6 +4,7 @@ No `from __future__ import annotations` here: the request models are made per ap
 settings, and FastAPI reads a route's body type from its evaluated annotation.
 """
 
+from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
 
@@ -29,15 +30,23 @@ def documented(*statuses: int) -> dict[int | str, dict[str, Any]]:
 PREDICT_ERRORS = documented(400, 413, 415, 422, 503)
 
 
-def _json(body: dict[str, Any]) -> Response:
+def json_response(body: dict[str, Any]) -> Response:
     """The routes' answers, serialized directly: `response_model` documents the shape (and the
     fuzzer checks answers against it), but having FastAPI validate and serialize each answer
     through the model cost ~20% of predict's req/s at one connection."""
     return Response(orjson.dumps(body), media_type="application/json")
 
 
-def _labels(engine: Engine, preds: list[Any]) -> list[dict[str, Any]]:
+def label_rows(preds: list[Any]) -> list[dict[str, Any]]:
+    """A text's predictions (service.engine.predictor.Prediction) as the response's Label objects."""
     return [{"id": p.id, "uid": p.uid, "title": p.title, "score": p.score} for p in preds]
+
+
+# How a prediction route answers: (request, scorer "alpha" or "tree", the validated body, the
+# scorer's parameters) -> the response. The routes' paths and schemas are defined once
+# (predict_router); this service answers from its own engine (answer_here), a sharded one by
+# fanning out to its shards (service.api.ray_app).
+Answer = Callable[[Request, str, Any, dict[str, Any]], Awaitable[Response]]
 
 
 def _excluded_ids(uids: list[str] | None, engine: Engine) -> tuple[int, ...]:
@@ -66,34 +75,38 @@ async def _answer(state: ServiceState, engine: Engine, scorer: str, req: Any, **
         results = [await state.runner.submit_one(key, scorer, fn, req.text)]
     else:
         results = list(await state.runner.run_batch(scorer, fn, req.texts))
-    return _json({"version": engine.version, "results": [_labels(engine, r) for r in results]})
+    return json_response({"version": engine.version, "results": [label_rows(r) for r in results]})
 
 
-def predict_router(models: RequestModels, settings: Settings) -> APIRouter:
+async def answer_here(request: Request, scorer: str, req: Any, params: dict[str, Any]) -> Response:
+    """The answer of this process's engine, leased for the request."""
+    with lease_engine(request) as engine:
+        if scorer == "tree" and not engine.bundle.has_tree:
+            raise ApiError(409, "no_tree_scorer", f"the active bundle {engine.version} has no tree scorer; "
+                           "use /v1/predict")
+        return await _answer(service_state(request), engine, scorer, req, **params)
+
+
+def predict_router(models: RequestModels, settings: Settings, answer: Answer = answer_here) -> APIRouter:
     router = APIRouter()
     PredictRequest, TreePredictRequest = models.predict, models.tree_predict  # noqa: N806
 
     @router.post("/v1/predict", response_model=PredictResponse, responses=PREDICT_ERRORS,
                  summary="top-k labels per text: alpha * f(classifier) + (1 - alpha) * g(centroid) + lexical")
     async def predict(req: PredictRequest, request: Request) -> Response:
-        with lease_engine(request) as engine:
-            return await _answer(service_state(request), engine, "alpha", req, alpha=req.alpha)
+        return await answer(request, "alpha", req, {"alpha": req.alpha})
 
     @router.post("/v1/predict/tree", response_model=PredictResponse, responses={**PREDICT_ERRORS, **documented(409)},
                  summary="top-k labels per text from the bias-corrected tree scorer (409: the bundle has no tree)")
     async def predict_tree(req: TreePredictRequest, request: Request) -> Response:
-        with lease_engine(request) as engine:
-            if not engine.bundle.has_tree:
-                raise ApiError(409, "no_tree_scorer", f"the active bundle {engine.version} has no tree scorer; "
-                               "use /v1/predict")
-            return await _answer(service_state(request), engine, "tree", req, beam=req.beam)
+        return await answer(request, "tree", req, {"beam": req.beam})
 
     if settings.echo_route:
         EchoRequest = models.echo  # noqa: N806
 
         @router.post("/v1/echo", response_model=EchoResponse, responses=documented(400, 413, 415, 422))
         async def echo(req: EchoRequest) -> Response:
-            return _json({"text": req.text})
+            return json_response({"text": req.text})
 
     if settings.fault_route:
         @router.post("/v1/fault", responses=documented(500))

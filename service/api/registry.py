@@ -13,9 +13,9 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -47,21 +47,20 @@ class NoBundle(Exception):
     """Nothing is serving yet (HTTP 503)."""
 
 
-@dataclass(eq=False)
-class Engine:
-    """One loaded bundle and its predictor, with a count of requests using it."""
+class Leased:
+    """What serves requests for a while: counts the requests using it, so that once retired
+    (another took its place) it is released when the last of them is done."""
 
-    bundle: Bundle
-    predictor: Predictor
-    _leases: int = 0
-    _retired: bool = False
-    _closed: bool = False
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-    _drained: threading.Event = field(default_factory=threading.Event)
+    def __init__(self) -> None:
+        self._leases = 0
+        self._retired = False
+        self._closed = False
+        self._lock = threading.Lock()
+        self._drained = threading.Event()
 
     @property
     def version(self) -> str:
-        return self.bundle.version
+        raise NotImplementedError
 
     def _acquire(self) -> bool:
         with self._lock:
@@ -87,6 +86,44 @@ class Engine:
             if self._closed:
                 return
             self._closed = True
+        self._release_resources()
+
+    def _release_resources(self) -> None:
+        """What closing frees (once, after the drain)."""
+
+
+L = TypeVar("L", bound=Leased)
+
+
+@contextmanager
+def lease(current: Callable[[], L | None]) -> Iterator[L]:
+    """current(), guaranteed not to be closed until the block exits; NoBundle while it is None."""
+    while True:
+        leased = current()
+        if leased is None:
+            raise NoBundle("no bundle is loaded yet")
+        # A swap may retire it between the read and the acquire; then take the new one.
+        if leased._acquire():
+            break
+    try:
+        yield leased
+    finally:
+        leased._release()
+
+
+class Engine(Leased):
+    """One loaded bundle and its predictor, with a count of requests using it."""
+
+    def __init__(self, bundle: Bundle, predictor: Predictor) -> None:
+        super().__init__()
+        self.bundle = bundle
+        self.predictor = predictor
+
+    @property
+    def version(self) -> str:
+        return self.bundle.version
+
+    def _release_resources(self) -> None:
         self.bundle.close()
 
 
@@ -161,20 +198,9 @@ class BundleRegistry:
         engine = self._active
         return engine.version if engine is not None else None
 
-    @contextmanager
-    def lease(self) -> Iterator[Engine]:
+    def lease(self) -> AbstractContextManager[Engine]:
         """The active engine, guaranteed not to be closed until the block exits."""
-        while True:
-            engine = self._active
-            if engine is None:
-                raise NoBundle("no bundle is loaded yet")
-            # A swap may retire `engine` between the read and the acquire; then take the new one.
-            if engine._acquire():
-                break
-        try:
-            yield engine
-        finally:
-            engine._release()
+        return lease(lambda: self._active)
 
     # -- admin side ---------------------------------------------------------------------
 

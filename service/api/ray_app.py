@@ -1,0 +1,498 @@
+"""Label-sharded serving on Ray Serve: one ingress deployment, one deployment per shard.
+
+The ingress serves the same FastAPI app as `shortlist serve` (service.api.app.create_app: routes,
+schemas, errors, metrics, admin), answering predictions by fanning out: it encodes each query
+once (service.engine.query), sends the encoded query (q, token ids and weights) to every shard
+deployment through deployment handles, and merges the shards' top k by score
+(service.engine.sharding). A shard deployment is a Predictor over a shard bundle; its replicas
+are Ray Serve's (placed, restarted and routed to by Serve).
+
+Activation is all-or-nothing, in two phases: (1) the new version's shards are deployed beside the
+serving ones, as Serve applications of their own (one per shard), and Serve starts every replica,
+each loading and checking its shard bundle in its constructor (Predictor.load: checksums,
+structure, canaries); a replica that fails is retried by Serve and leaves its application
+DEPLOY_FAILED; the ingress then checks that the shards belong together (one parent, indices
+0..N-1, every label once); (2) only when every shard of the new version is RUNNING and fits, the
+ingress switches to it, in one reference assignment, and the old version's applications are
+deleted once their requests have drained. Any failure in (1) deletes what (1) started: the old
+version keeps serving on every shard.
+
+The ingress is one replica: it is where a version becomes the served one. The shards scale by
+replicas. The tree scorer is not sharded: /v1/predict/tree answers 409.
+
+Only this module imports Ray (the `ray` extra): `shortlist serve` runs without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+from ray import serve
+from ray.exceptions import RayActorError
+from ray.serve.handle import DeploymentHandle
+from ray.serve.schema import ApplicationStatus
+from starlette.requests import Request
+from starlette.responses import Response
+
+from service.api.active_state import HISTORY_LENGTH, ActiveVersionFile, StateBusy
+from service.api.app import apply_runtime_tuning, create_app
+from service.api.dependencies import AuthFailures, ServiceState, lease_engine
+from service.api.errors import ApiError, invalid
+from service.api.observability import ServiceMetrics, error_log
+from service.api.predict import json_response, label_rows
+from service.api.registry import (
+    ActivationFailed,
+    ActivationInProgress,
+    BundleNotFound,
+    Leased,
+    lease,
+)
+from service.api.schemas import RequestModels
+from service.api.settings import Settings
+from service.engine.predictor import PredictorOptions
+from service.engine.query import QueryEncoder
+from service.engine.schema import BundleError, Manifest, ShardOf, validate_version_name
+from service.engine.sharding import (
+    ShardAnswer,
+    ShardPredictor,
+    check_shard_set,
+    head_rows,
+    merge_answers,
+    shard_dirs,
+    sharded_versions,
+    union_token_rows,
+    unknown_excluded,
+)
+from service.engine.store import read_manifest
+
+log = logging.getLogger("shortlist.ray")
+SHARD_DEPLOYMENT = "shard"
+_POLL_S = 0.25
+
+
+class RayServing(BaseModel):
+    """How the application is laid out on Ray (the builder's arguments; `serve-ray` flags).
+
+    num_cpus are Ray's scheduling reservations, not limits: with fractions, the ingress and every
+    shard replica of two versions (an activation holds both for a while) fit on a small machine.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    bundle_root: str
+    version: str | None = None
+    state_dir: str | None = None
+    shards: int = Field(ge=1, le=4096)
+    replicas: int = Field(1, ge=1, le=1024, description="replicas of each shard deployment")
+    shard_num_cpus: float = Field(0.1, gt=0.0, le=64.0)
+    ingress_num_cpus: float = Field(0.2, gt=0.0, le=64.0)
+    # Requests a shard replica works on at once (its engine calls run on Serve's thread pool).
+    shard_max_ongoing_requests: int = Field(8, ge=1, le=1024)
+    # How long phase 1 may take: every replica of every shard loaded and checked.
+    load_timeout_s: float = Field(600.0, gt=0.0)
+    # A shard call that fails because its replica died is sent again (Serve routes it to a live
+    # replica) this many times: reads are safe to repeat.
+    shard_retries: int = Field(2, ge=0, le=10)
+
+
+@serve.deployment(name=SHARD_DEPLOYMENT)
+class ShardReplica:
+    """A Predictor over one shard bundle (service.engine.sharding.ShardPredictor). The constructor
+    loads and checks the bundle: a replica that cannot serve it never starts."""
+
+    def __init__(self, path: str, threads: int = 1) -> None:
+        self.shard = ShardPredictor.load(path, PredictorOptions(threads=threads))
+
+    def info(self) -> Any:
+        return self.shard.info()
+
+    def token_rows(self) -> np.ndarray | None:
+        return self.shard.token_rows()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def predict(self, queries: Any, k: int, alpha: float | None, exclude: list[str],
+                head: np.ndarray | None) -> ShardAnswer:
+        return self.shard.predict(queries, k, alpha, exclude, head)
+
+
+class ShardedEngine(Leased):
+    """One version served by its shard deployments: the query encoder, a handle per shard, and the
+    parent's token rows (for the head's fallback rule)."""
+
+    def __init__(self, version: str, encoder: QueryEncoder, handles: list[DeploymentHandle], apps: list[str],
+                 parent: ShardOf, token_rows: np.ndarray | None, retries: int) -> None:
+        super().__init__()
+        self._version = version
+        self.encoder = encoder
+        self.handles = handles
+        self.apps = apps
+        self.parent = parent
+        self.token_rows = token_rows
+        self.retries = retries
+
+    @property
+    def version(self) -> str:
+        return self._version
+
+    async def _ask(self, handle: DeploymentHandle, *args: Any) -> ShardAnswer:
+        for attempt in itertools.count():
+            try:
+                return await handle.predict.remote(*args)
+            except RayActorError as exc:  # the replica died under the call: Serve routes the retry elsewhere
+                if attempt >= self.retries:
+                    raise
+                log.warning("shard call failed (%s), retrying", type(exc).__name__)
+        raise AssertionError("unreachable")
+
+    async def answer(self, req: Any, alpha: float | None) -> Response:
+        queries = self.encoder(req.all_texts)
+        head = head_rows(self.token_rows, queries.tokens)
+        exclude = list(req.exclude or ())
+        answers = await asyncio.gather(*(self._ask(h, queries, req.k, alpha, exclude, head) for h in self.handles))
+        missing = unknown_excluded(exclude, answers)
+        if missing:
+            i = missing[0]
+            raise invalid(f"body.exclude[{i}]", f"unknown label uid {exclude[i]!r} in bundle {self.version}")
+        results = merge_answers(answers, req.k)
+        return json_response({"version": self.version, "results": [label_rows(r) for r in results]})
+
+
+async def answer_sharded(request: Request, scorer: str, req: Any, params: dict[str, Any]) -> Response:
+    """service.api.predict.Answer of the sharded service."""
+    if scorer == "tree":
+        raise ApiError(409, "no_tree_scorer", "the sharded service has no tree scorer (the tree is not sharded); "
+                       "use /v1/predict")
+    with lease_engine(request) as engine:
+        return await engine.answer(req, params.get("alpha"))
+
+
+class ShardedRegistry:
+    """Which sharded version serves, with the admin interface of service.api.registry.BundleRegistry
+    (activate, rollback, list, lease), over Ray Serve applications."""
+
+    def __init__(self, layout: RayServing, settings: Settings, app_prefix: str,
+                 on_swap: Callable[[str | None, str], None] | None = None) -> None:
+        self.root = Path(layout.bundle_root)
+        self.layout = layout
+        self.settings = settings
+        self.app_prefix = app_prefix
+        self.on_swap = on_swap
+        self.remembered = ActiveVersionFile(layout.state_dir) if layout.state_dir else None
+        if self.remembered is not None:
+            self.remembered.prepare()
+        self._active: ShardedEngine | None = None
+        self._history: list[str] = []
+        self._activation_lock = threading.Lock()
+        self._loader = ThreadPoolExecutor(max_workers=4, thread_name_prefix="shard-loader")
+
+    def in_loader(self, fn: Callable[..., object], *args: object) -> Future:
+        return self._loader.submit(fn, *args)
+
+    @property
+    def active_version(self) -> str | None:
+        engine = self._active
+        return engine.version if engine is not None else None
+
+    def lease(self) -> AbstractContextManager[ShardedEngine]:
+        return lease(lambda: self._active)
+
+    def list(self) -> list[tuple[Manifest, bool]]:
+        """(the version's manifest, as shard 0 describes its parent; is active), oldest first."""
+        out = []
+        for version, _ in sharded_versions(self.root):
+            try:
+                m = read_manifest(shard_dirs(self.root / version)[0])
+            except BundleError:
+                continue
+            if m.shard is not None:
+                parent = m.model_copy(update={"version": version, "num_labels": m.shard.parent_num_labels})
+                out.append((parent, version == self.active_version))
+        return sorted(out, key=lambda item: (item[0].created_at, item[0].version))
+
+    @contextmanager
+    def _exclusive(self) -> Any:
+        if not self._activation_lock.acquire(blocking=False):
+            raise ActivationInProgress("another activation is in progress")
+        try:
+            if self.remembered is None:
+                yield
+                return
+            try:
+                with self.remembered.exclusive():
+                    self._history = self.remembered.history()
+                    yield
+            except StateBusy as exc:
+                raise ActivationInProgress(str(exc)) from None
+        finally:
+            self._activation_lock.release()
+
+    def activate(self, version: str | None = None) -> dict[str, object]:
+        with self._exclusive():
+            old = self.active_version
+            history = [*self._history, old][-HISTORY_LENGTH:] if old is not None else self._history
+            return self._activate_locked(version, history)
+
+    def rollback(self) -> dict[str, object]:
+        with self._exclusive():
+            if not self._history:
+                raise BundleNotFound("no previously active bundle to roll back to")
+            return self._activate_locked(self._history[-1], self._history[:-1])
+
+    def start(self, configured: str | None = None) -> dict[str, object]:
+        """The remembered version, else `configured`, else the newest; if that one cannot serve,
+        the newest that can (with "fallback_from" and "reason")."""
+        wanted = (self.remembered.read() if self.remembered else None) or configured
+        try:
+            return self.activate(wanted)
+        except (ActivationFailed, BundleNotFound) as exc:
+            first_error: Exception = exc
+        log.error("cannot serve %s: %s; falling back to the newest version that loads", wanted or "(newest)",
+                  first_error)
+        for version, _ in reversed(sharded_versions(self.root)):
+            if version == wanted:
+                continue
+            try:
+                result = self.activate(version)
+            except (ActivationFailed, BundleNotFound) as exc:
+                log.error("fallback version %s cannot be served either: %s", version, exc)
+                continue
+            return {**result, "fallback_from": wanted or "(newest)", "reason": str(first_error)}
+        raise first_error
+
+    def _activate_locked(self, version: str | None, history: list[str]) -> dict[str, object]:
+        t0 = time.perf_counter()
+        engine = self._deploy(self._resolve(version))  # phase 1: every shard loaded and checked
+        if self.remembered is not None:
+            try:
+                self.remembered.write(engine.version, history)
+            except OSError as exc:
+                self._delete_apps(engine.apps)
+                raise ActivationFailed(f"cannot record the active version in {self.remembered.dir}: {exc}") from exc
+        self._history = history
+        old, self._active = self._active, engine  # phase 2: the switch
+        if old is not None:
+            old._retire()
+            threading.Thread(target=self._drain_and_delete, args=(old,), daemon=True).start()
+        seconds = time.perf_counter() - t0
+        if self.on_swap is not None:
+            self.on_swap(old.version if old else None, engine.version)
+        log.info("activated sharded version %s (previous %s) in %.1fs", engine.version,
+                 old.version if old else None, seconds)
+        return {"active": engine.version, "previous": old.version if old else None, "seconds": seconds,
+                "quality": {}}
+
+    def _resolve(self, version: str | None) -> str:
+        if version is None:
+            versions = sharded_versions(self.root)
+            if not versions:
+                raise BundleNotFound(f"no sharded version under {self.root.resolve()}")
+            return max(self.list(), key=lambda item: (item[0].created_at, item[0].version))[0].version
+        try:
+            validate_version_name(version)
+        except BundleError as exc:
+            raise ActivationFailed(str(exc)) from exc
+        if not (self.root / version).is_dir():
+            raise BundleNotFound(f"no sharded version {version!r} under {self.root.resolve()}")
+        return version
+
+    def _deploy(self, version: str) -> ShardedEngine:
+        """Phase 1: the shard applications of `version` started and RUNNING, their shards checked
+        to belong together; ActivationFailed (and the applications deleted) otherwise."""
+        layout = self.layout
+        try:
+            dirs = shard_dirs(self.root / version)
+            if len(dirs) != layout.shards:
+                raise BundleError(f"{self.root / version}: {len(dirs)} shards, this service serves {layout.shards}")
+            encoder = QueryEncoder.open(dirs[0], self.settings.engine_threads)
+        except BundleError as exc:
+            raise ActivationFailed(str(exc)) from exc
+        nonce = uuid.uuid4().hex[:8]
+        apps = [f"{self.app_prefix}.{version}.{nonce}.shard-{i}" for i in range(len(dirs))]
+        deployment = ShardReplica.options(
+            num_replicas=layout.replicas, max_ongoing_requests=layout.shard_max_ongoing_requests,
+            ray_actor_options={"num_cpus": layout.shard_num_cpus})
+        try:
+            targets = [serve.RunTarget(deployment.bind(str(d), self.settings.engine_threads), name=name,
+                                       route_prefix=None) for d, name in zip(dirs, apps, strict=True)]
+            serve.run_many(targets, wait_for_ingress_deployment_creation=False,
+                           wait_for_applications_running=False)
+            self._wait_running(apps)
+            handles = [serve.get_deployment_handle(SHARD_DEPLOYMENT, app_name=name) for name in apps]
+            infos = [h.info.remote().result(timeout_s=layout.load_timeout_s) for h in handles]
+            parent = check_shard_set(infos)
+            if parent.parent_version != version:
+                raise BundleError(f"{self.root / version}: its shards are of {parent.parent_version}")
+            rows = [h.token_rows.remote().result(timeout_s=layout.load_timeout_s) for h in handles]
+            token_rows = union_token_rows(rows, encoder.tokenizer.vocab_size)
+        except Exception as exc:
+            self._delete_apps(apps)
+            if isinstance(exc, ActivationFailed):
+                raise
+            raise ActivationFailed(f"{version}: {type(exc).__name__}: {exc}") from exc
+        return ShardedEngine(version, encoder, handles, apps, parent, token_rows, layout.shard_retries)
+
+    def _wait_running(self, apps: list[str]) -> None:
+        deadline = time.monotonic() + self.layout.load_timeout_s
+        seen: set[str] = set()
+        while True:
+            statuses = serve.status().applications
+            for name in apps:
+                app = statuses.get(name)
+                if (app is None and name in seen) or (app is not None and app.status == ApplicationStatus.DELETING):
+                    raise ActivationFailed(f"shard application {name} was deleted while it started")
+                if app is None:
+                    continue
+                seen.add(name)
+                if app.status in (ApplicationStatus.DEPLOY_FAILED, ApplicationStatus.UNHEALTHY):
+                    raise ActivationFailed(f"shard application {name} is {app.status.value}: "
+                                           f"{_last_line(app.message)}")
+            if all(name in statuses and statuses[name].status == ApplicationStatus.RUNNING for name in apps):
+                return
+            if time.monotonic() > deadline:
+                raise ActivationFailed(f"the shards were not all running after {self.layout.load_timeout_s:.0f}s "
+                                       "(not enough resources for a second copy of every shard?)")
+            time.sleep(_POLL_S)
+
+    def _delete_apps(self, apps: list[str]) -> None:
+        live = serve.status().applications
+        for name in apps:
+            if name in live:
+                serve.delete(name, _blocking=False)
+
+    def _drain_and_delete(self, engine: ShardedEngine) -> None:
+        if not engine._drained.wait(self.settings.drain_timeout_s):
+            log.warning("version %s still had requests after %.0fs; deleting its shards", engine.version,
+                        self.settings.drain_timeout_s)
+        self._delete_apps(engine.apps)
+
+    def left_behind(self) -> list[str]:
+        """This prefix's shard applications now: before this replica deploys any (the nonce in
+        every name it deploys is new), those of an ingress replica before it."""
+        return [name for name in serve.status().applications if name.startswith(f"{self.app_prefix}.")]
+
+    def delete_stale(self, stale: list[str]) -> None:
+        """Delete `stale` (left_behind() before this replica's start) after the drain time their
+        requests may still need."""
+        time.sleep(self.settings.drain_timeout_s)
+        self._delete_apps(stale)
+
+    def close(self) -> None:
+        """Stop serving; the active version's shard applications are deleted with this replica
+        (`serve delete` of the application leaves none behind)."""
+        engine, self._active = self._active, None
+        if engine is not None:
+            engine._retire()
+            try:
+                self._delete_apps(engine.apps)
+            except Exception as exc:  # noqa: BLE001  Serve itself may be shutting down: nothing left to delete
+                log.warning("could not delete the shard applications of %s: %s", engine.version, exc)
+        self._loader.shutdown(wait=False, cancel_futures=True)
+
+
+def _last_line(message: str) -> str:
+    """The last non-empty line of a Serve status message (a replica's traceback ends with the error)."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    return lines[-1] if lines else message
+
+
+@serve.ingress()
+class ShardedIngress:
+    """The HTTP face: service.api.app's app over a ShardedRegistry. Its constructor serves the
+    remembered / configured / newest version before the replica reports ready."""
+
+    async def __init__(self, layout: dict[str, Any]) -> None:
+        self.layout = RayServing.model_validate(layout)
+        overrides = {"bundle_root": self.layout.bundle_root, "version": self.layout.version,
+                     "state_dir": self.layout.state_dir}
+        self.settings = Settings(**{k: v for k, v in overrides.items() if v is not None})
+        metrics = ServiceMetrics()
+
+        def on_swap(_old: str | None, new: str) -> None:
+            metrics.swaps.inc()
+            metrics.set_active(new)
+
+        prefix = serve.get_replica_context().app_name
+        self.registry = ShardedRegistry(self.layout, self.settings, prefix, on_swap)
+        # No EngineRunner: the sharded answer awaits its shards on the event loop.
+        self.state = ServiceState(self.settings, self.registry, None, metrics,  # type: ignore[arg-type]
+                                  RequestModels(self.settings),
+                                  AuthFailures(self.settings.admin_auth_failures_per_minute))
+        apply_runtime_tuning(self.settings)
+        await self._start(metrics)
+
+    async def _start(self, metrics: ServiceMetrics) -> None:
+        registry = self.registry
+        stale = await asyncio.wrap_future(registry.in_loader(registry.left_behind))
+        try:
+            result = await asyncio.wrap_future(registry.in_loader(registry.start, self.settings.version))
+            if "fallback_from" in result:
+                metrics.startup_fallback.labels(wanted=result["fallback_from"]).set(1)
+        except (ActivationFailed, BundleNotFound, ActivationInProgress) as exc:
+            metrics.failed_activations.labels("startup").inc()
+            error_log.error(json.dumps({"event": "startup_load_failed", "message": str(exc),
+                                        "bundle_root": str(self.settings.bundle_root)}))
+        if stale:
+            registry.in_loader(registry.delete_stale, stale)
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return create_app(self.settings, state=self.state, answer=answer_sharded)
+
+    def __del__(self) -> None:
+        self.registry.close()
+
+
+def build_app(args: dict[str, Any]) -> serve.Application:
+    """The application: `serve run service.api.ray_app:build_app bundle_root=ROOT shards=N`, or a
+    Serve config's import_path with `args` (RayServing's fields)."""
+    layout = RayServing.model_validate(args)
+    ingress = serve.deployment(ShardedIngress, name="ingress", num_replicas=1,
+                               ray_actor_options={"num_cpus": layout.ingress_num_cpus})
+    return ingress.bind(layout.model_dump())
+
+
+def run_cli(args: Any) -> int:
+    """`shortlist serve-ray`: the application on a local Ray instance (or the cluster at --address),
+    HTTP on --host:--port, until interrupted; then Serve and the local instance are shut down."""
+    import signal
+
+    import ray
+
+    fields = {"bundle_root": args.bundle_root, "shards": args.shards, "replicas": args.replicas,
+              "version": args.version, "state_dir": args.state_dir, "shard_num_cpus": args.shard_num_cpus,
+              "ingress_num_cpus": args.ingress_num_cpus}
+    layout = RayServing.model_validate({k: v for k, v in fields.items() if v is not None})
+    if not Path(layout.bundle_root).is_dir():
+        raise FileNotFoundError(f"bundle root {layout.bundle_root} is not a directory")
+    # Ray reports usage to its makers unless told not to: a serving process talks to the hosts its
+    # operator names only (RAY_USAGE_STATS_ENABLED=1 allows it).
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    local = {} if args.address else {"num_cpus": args.num_cpus, "include_dashboard": False}
+    ray.init(address=args.address, **local)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(build_app(layout.model_dump()), name="shortlist", route_prefix="/")
+        log.warning("serving on http://%s:%d (Ctrl-C stops)", args.host, args.port)
+        stop.wait()
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0

@@ -1,0 +1,254 @@
+"""The sharded service on a local Ray instance this module starts (2 shards, 2 replicas each, the
+generated bundles of conftest): answers equal to the unsharded bundle's, all-or-nothing activation
+under load, a killed replica replaced without a failed request. Over HTTP, through Ray Serve's
+proxy. Skipped when the `ray` extra is not installed; `make install` installs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("ray.serve", reason="the ray extra is not installed (pip install '.[ray]')")
+
+import ray  # noqa: E402
+from ray import serve  # noqa: E402
+from sharding_helpers import assert_same_answers, held_out, p_at_5, rescored_copy  # noqa: E402
+
+from model_export.shard import shard_bundle  # noqa: E402
+from service.api.ray_app import build_app  # noqa: E402
+from service.engine import Predictor  # noqa: E402
+from shortlist.testing import free_port  # noqa: E402
+
+TOKEN = "ray-test-token"
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def call(url: str, body: dict[str, Any] | None = None, token: str | None = None) -> tuple[int, dict[str, Any]]:
+    headers = {"content-type": "application/json"}
+    if token:
+        headers["authorization"] = f"Bearer {token}"
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers=headers)
+    try:
+        with _OPENER.open(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+@dataclass
+class Service:
+    url: str
+    root: Path
+    parents: dict[str, Path]
+    texts: list[str]
+    truths: list[set[int]]
+
+    def predict(self, texts: list[str], **params: Any) -> dict[str, Any]:
+        status, body = call(f"{self.url}/v1/predict", {"texts": texts, **params})
+        assert status == 200, body
+        return body
+
+    def admin(self, path: str) -> tuple[int, dict[str, Any]]:
+        return call(f"{self.url}/admin/bundles/{path}", {} if path == "rollback" else None, TOKEN)
+
+    def activate(self, version: str) -> tuple[int, dict[str, Any]]:
+        return call(f"{self.url}/admin/bundles/activate", {"version": version}, TOKEN)
+
+
+@dataclass
+class Load:
+    """Threads sending single-text predictions until stopped: every answer's status and version."""
+
+    url: str
+    texts: list[str]
+    threads: int = 2
+    answers: list[tuple[int, str | None]] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def _run(self, offset: int) -> None:
+        i = offset
+        while not self._stop.is_set():
+            try:
+                status, body = call(f"{self.url}/v1/predict", {"text": self.texts[i % len(self.texts)], "k": 5})
+                self.answers.append((status, body.get("version")))
+            except Exception as exc:  # a refused or dropped connection is a failed request too
+                self.errors.append(f"{type(exc).__name__}: {exc}")
+            i += self.threads
+
+    def __enter__(self) -> Load:
+        self._workers = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(self.threads)]
+        for t in self._workers:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._workers:
+            t.join(timeout=120)
+
+    @property
+    def failed(self) -> list[str]:
+        return self.errors + [f"HTTP {status}" for status, _ in self.answers if status != 200]
+
+    def wait_for(self, condition: Any, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert condition(), f"timed out; answers so far: {self.answers[-5:]}, failed: {self.failed[:5]}"
+
+
+@pytest.fixture(scope="module")
+def service(bundle_root: Path, synthetic_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    work = tmp_path_factory.mktemp("ray")
+    # "full": v1 with every label in every shortlist (the head, always, as large as the label set).
+    full = rescored_copy(bundle_root / "v1", work / "parents", "full", k_head=10**6, head="always")
+    root = work / "sharded"
+    for parent in (full, bundle_root / "v1", bundle_root / "v2"):
+        shard_bundle(parent, 2, root)
+    env = {"RAY_USAGE_STATS_ENABLED": "0", "SHORTLIST_ADMIN_TOKEN": TOKEN, "SHORTLIST_ACCESS_LOG": "false",
+           "SHORTLIST_DRAIN_TIMEOUT_S": "1",
+           # Serve retries a replica whose constructor failed 3 times by default: once is enough here.
+           "RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT": "1"}
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)  # Ray's processes, started below, inherit them
+    try:
+        ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20, log_to_driver=False,
+                 configure_logging=False)
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app({"bundle_root": str(root), "shards": 2, "replicas": 2, "version": "full"}),
+                  name="shortlist", route_prefix="/")
+        texts, truths = held_out(synthetic_data)
+        parents = {"full": full, "v1": bundle_root / "v1", "v2": bundle_root / "v2"}
+        yield Service(f"http://127.0.0.1:{port}", root, parents, texts, truths)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _shard_apps(version: str) -> list[str]:
+    return sorted(name for name in serve.status().applications if f".{version}." in name)
+
+
+def test_full_shortlists_answer_exactly_as_the_unsharded_bundle(service: Service):
+    texts = service.texts[:100] + ["qqqq zzzz"]
+    parent = Predictor.load(service.parents["full"])
+    body = service.predict(texts, k=10)
+    assert body["version"] == "full"
+    want = parent.predict(texts, k=10)
+    assert_same_answers([[(x["id"], x["uid"], x["score"]) for x in row] for row in body["results"]], want)
+    # exclude by uid, over the shards; an unknown uid is a 422 naming it; the tree is not sharded
+    top = [label["uid"] for label in body["results"][0][:2]]
+    excluded = service.predict(texts[:1], k=10, exclude=top)["results"][0]
+    assert [label["uid"] for label in excluded] == [label["uid"] for label in body["results"][0][2:]] + \
+        [p.uid for p in parent.predict(texts[:1], k=12)[0][10:]]
+    status, error = call(f"{service.url}/v1/predict", {"text": "x", "exclude": ["no-such-uid"]})
+    assert status == 422 and error["details"][0]["field"] == "body.exclude[0]"
+    assert call(f"{service.url}/v1/predict/tree", {"text": "x"})[0] == 409
+    assert call(f"{service.url}/readyz") == (200, {"status": "ready", "version": "full"})
+    status, error = call(f"{service.url}/v1/predict", {"text": "x", "k": 0})
+    assert status == 422 and error["error"] == "invalid_request"
+
+
+def test_activation_under_load_fails_no_request_and_keeps_accuracy(service: Service):
+    with Load(service.url, service.texts) as load:
+        load.wait_for(lambda: len(load.answers) >= 5)
+        status, result = service.activate("v1")
+        assert status == 200, result
+        assert (result["active"], result["previous"]) == ("v1", "full")
+        load.wait_for(lambda: sum(version == "v1" for _, version in load.answers) >= 5)
+    assert load.failed == []
+    versions = [version for _, version in load.answers]
+    assert versions.index("v1") > 0 and "full" not in versions[versions.index("v1"):]
+    got = [service.predict(service.texts[i:i + 100], k=5)["results"] for i in range(0, len(service.texts), 100)]
+    sharded = [[label["id"] for label in row] for rows in got for row in rows]
+    parent = Predictor.load(service.parents["v1"])
+    want = [[p.id for p in row] for row in parent.predict(service.texts, k=5)]
+    assert abs(p_at_5(sharded, service.truths) - p_at_5(want, service.truths)) <= 0.5
+    _wait(lambda: _shard_apps("full") == [], "the old version's shards deleted")
+
+
+def test_a_shard_that_fails_its_checks_blocks_activation(service: Service):
+    damaged = service.root / "v2" / "shard-1-of-2" / "classifiers.npy"
+    original = damaged.read_bytes()
+    damaged.write_bytes(original[:-4] + b"\x00\x00\xc0\x7f")  # the last float turned into NaN
+    try:
+        status, error = service.activate("v2")
+    finally:
+        damaged.write_bytes(original)
+    assert status == 422 and error["error"] == "bundle_rejected"
+    assert "shard-1" in error["message"]
+    assert {service.predict([text], k=3)["version"] for text in service.texts[:5]} == {"v1"}
+    _wait(lambda: _shard_apps("v2") == [], "the refused version's shards deleted")
+    status, listing = call(f"{service.url}/admin/bundles", token=TOKEN)
+    assert status == 200 and listing["active"] == "v1"
+    assert {b["version"] for b in listing["bundles"]} == {"full", "v1", "v2"}
+
+
+def test_a_killed_replica_is_replaced_without_a_failed_request(service: Service):
+    app = _shard_apps("v1")[0]
+    handle = serve.get_deployment_handle("shard", app_name=app)
+    seen: set[int] = set()
+    _wait(lambda: len(_sample_pids(handle, seen)) == 2, "both replicas answering")
+    killed = min(seen)
+    with Load(service.url, service.texts) as load:
+        load.wait_for(lambda: len(load.answers) >= 5)
+        os.kill(killed, signal.SIGKILL)
+        # Ray starts a replica in another process: a third pid answers beside the survivor.
+        _wait(lambda: len(_sample_pids(handle, seen) - {killed}) == 2, "the replica replaced")
+        served = len(load.answers)
+        load.wait_for(lambda: len(load.answers) >= served + 5)
+    assert load.failed == []
+    assert _running_replicas(app) == 2
+
+
+def _running_replicas(app: str) -> int:
+    status = serve.status().applications.get(app)
+    return 0 if status is None else int(status.deployments["shard"].replica_states.get("RUNNING", 0))
+
+
+def _sample_pids(handle: Any, seen: set[int]) -> set[int]:
+    """`seen` with the pids of the replicas that answer a few calls (a dead one raises: skipped)."""
+    for _ in range(6):
+        try:
+            seen.add(handle.pid.remote().result(timeout_s=30))
+        except Exception:  # noqa: BLE001  a call routed to the killed replica fails; the next goes elsewhere
+            continue
+    return seen
+
+
+def _wait(condition: Any, what: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.25)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_serve_config_deploys_the_application():
+    from ray.serve.schema import ServeDeploySchema
+
+    config = ServeDeploySchema.model_validate(
+        __import__("yaml").safe_load((Path(__file__).parents[1] / "deploy" / "ray-serve.yaml").read_text()))
+    app = config.applications[0]
+    assert app.import_path == "service.api.ray_app:build_app"
+    build_app(app.args)  # the arguments are the builder's
