@@ -33,7 +33,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
@@ -48,7 +48,7 @@ from ray.serve.schema import ApplicationStatus
 from starlette.requests import Request
 from starlette.responses import Response
 
-from service.api.active_state import HISTORY_LENGTH, ActiveVersionFile, StateBusy
+from service.api.active_state import HISTORY_LENGTH, ActiveVersionFile
 from service.api.app import apply_runtime_tuning, create_app
 from service.api.dependencies import AuthFailures, ServiceState, lease_engine
 from service.api.errors import ApiError, invalid
@@ -59,6 +59,7 @@ from service.api.registry import (
     ActivationInProgress,
     BundleNotFound,
     Leased,
+    exclusive_activation,
     lease,
 )
 from service.api.schemas import RequestModels
@@ -226,21 +227,11 @@ class ShardedRegistry:
         return sorted(out, key=lambda item: (item[0].created_at, item[0].version))
 
     @contextmanager
-    def _exclusive(self) -> Any:
-        if not self._activation_lock.acquire(blocking=False):
-            raise ActivationInProgress("another activation is in progress")
-        try:
-            if self.remembered is None:
-                yield
-                return
-            try:
-                with self.remembered.exclusive():
-                    self._history = self.remembered.history()
-                    yield
-            except StateBusy as exc:
-                raise ActivationInProgress(str(exc)) from None
-        finally:
-            self._activation_lock.release()
+    def _exclusive(self) -> Iterator[None]:
+        with exclusive_activation(self._activation_lock, self.remembered) as history:
+            if history is not None:
+                self._history = history
+            yield
 
     def activate(self, version: str | None = None) -> dict[str, object]:
         with self._exclusive():

@@ -111,6 +111,27 @@ def lease(current: Callable[[], L | None]) -> Iterator[L]:
         leased._release()
 
 
+@contextmanager
+def exclusive_activation(lock: threading.Lock, remembered: ActiveVersionFile | None) -> Iterator[list[str] | None]:
+    """`lock` (a registry's activation lock) and, with a state directory, the one the processes
+    sharing it hold (ActivationInProgress at once if either is taken); yields the recorded
+    history of versions (other processes may have activated since: their record is the truth),
+    None without a state directory."""
+    if not lock.acquire(blocking=False):
+        raise ActivationInProgress("another activation is in progress")
+    try:
+        if remembered is None:
+            yield None
+            return
+        try:
+            with remembered.exclusive():
+                yield remembered.history()
+        except StateBusy as exc:
+            raise ActivationInProgress(str(exc)) from None
+    finally:
+        lock.release()
+
+
 class Engine(Leased):
     """One loaded bundle and its predictor, with a count of requests using it."""
 
@@ -211,23 +232,10 @@ class BundleRegistry:
 
     @contextmanager
     def _exclusive(self, *, shared_state: bool = True) -> Iterator[None]:
-        """This registry's activation lock and, with a state directory, the one the processes
-        sharing it hold (ActivationInProgress at once if either is taken)."""
-        if not self._activation_lock.acquire(blocking=False):
-            raise ActivationInProgress("another activation is in progress")
-        try:
-            if self.remembered is None or not shared_state:
-                yield
-                return
-            try:
-                with self.remembered.exclusive():
-                    # Other processes may have activated since: their record is the truth.
-                    self._history = self.remembered.history()
-                    yield
-            except StateBusy as exc:
-                raise ActivationInProgress(str(exc)) from None
-        finally:
-            self._activation_lock.release()
+        with exclusive_activation(self._activation_lock, self.remembered if shared_state else None) as history:
+            if history is not None:
+                self._history = history
+            yield
 
     def activate(self, version: str | None = None) -> dict[str, object]:
         """Load, validate and swap in `version` (default: the newest under the root).
