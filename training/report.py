@@ -29,12 +29,19 @@ class Report:
 
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:
+        """Times the stage and, where Linux says, the process's peak resident memory during it."""
+        reset = _reset_peak_rss()
         t0 = time.perf_counter()
         yield
         seconds = time.perf_counter() - t0
         self.metrics["times"][f"{name}_s"] = round(seconds, 2)
         self.metrics["times"]["total_s"] = round(time.perf_counter() - self._start, 2)
-        log.info("%s done in %.1fs", name, seconds)
+        peak = _peak_rss_mib()
+        if peak is not None:
+            # Without a reset (an older kernel) the peak is the process's so far, not the stage's.
+            key = "peak_rss_mib" if reset else "peak_rss_mib_so_far"
+            self.metrics.setdefault(key, {})[name] = round(peak, 1)
+        log.info("%s done in %.1fs%s", name, seconds, "" if peak is None else f", peak RSS {peak:.0f} MiB")
 
     def test_module1(self, data: TrainingSet, encoder: SiameseEncoder, label_emb: np.ndarray, mu: np.ndarray,
                      device: torch.device) -> None:
@@ -71,3 +78,25 @@ class Report:
                                   "module3": [round(x, 5) for x in module3]}
         if lexical is not None:
             self.metrics["losses_lexical"] = [round(x, 5) for x in lexical]
+
+
+def _reset_peak_rss() -> bool:
+    """Restart the kernel's peak-RSS count of this process (Linux >= 4.0: clear_refs 5)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss_mib() -> float | None:
+    """VmHWM of /proc/self/status (the peak resident set since the last reset), in MiB."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return None
