@@ -17,26 +17,36 @@ import torch
 import torch.nn.functional as F
 
 from training.config import TrainConfig
-from training.encoder import EncodedTexts, SiameseEncoder, siamese_nll
+from training.encoder import EncodedTexts, SiameseEncoder, encoder_optimizer, siamese_nll
 from training.epochs import run_epoch
 
 WEIGHTS_FILE, BIAS_FILE = "classifiers.npy", "classifier_bias.npy"
 
 
 class _Classifiers(torch.nn.Module):
-    """w_l = base_l + eta_l (paper: normalised) and b_l (trained for scaled_bias only)."""
+    """w_l = base_l + eta_l (paper: normalised) and b_l (trained for scaled_bias only).
 
-    def __init__(self, base: np.ndarray, form: str, prior_logit: np.ndarray | None) -> None:
+    With `sparse`, `rows` gives eta's and b's gradients as sparse tensors over the rows used, for
+    SparseAdam: a step then costs the batch's labels, not L x D (shortlisted negatives)."""
+
+    def __init__(self, base: np.ndarray, form: str, prior_logit: np.ndarray | None, sparse: bool = False) -> None:
         super().__init__()
-        self.form = form
+        self.form, self.sparse = form, sparse
         self.register_buffer("base", torch.from_numpy(base.astype(np.float32)))
         self.eta = torch.nn.Parameter(torch.zeros_like(self.base))
         bias = np.zeros(len(base), dtype=np.float32) if prior_logit is None else prior_logit.astype(np.float32)
-        self.bias = torch.nn.Parameter(torch.from_numpy(bias), requires_grad=form == "scaled_bias")
+        # [L, 1]: a table of rows, like eta, so a sparse gradient can address it
+        self.bias = torch.nn.Parameter(torch.from_numpy(bias)[:, None], requires_grad=form == "scaled_bias")
 
-    def weight(self, rows: torch.Tensor | None = None) -> torch.Tensor:
-        w = self.base + self.eta if rows is None else self.base[rows] + self.eta[rows]
+    def weight(self) -> torch.Tensor:
+        w = self.base + self.eta
         return F.normalize(w, dim=-1) if self.form == "paper" else w
+
+    def rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """w and b of label ids `rows` (any shape): [*rows.shape, D] and [*rows.shape]."""
+        w = self.base[rows] + F.embedding(rows, self.eta, sparse=self.sparse)
+        b = F.embedding(rows, self.bias, sparse=self.sparse)[..., 0]
+        return (F.normalize(w, dim=-1) if self.form == "paper" else w), b
 
 
 class OneVsAll:
@@ -45,16 +55,17 @@ class OneVsAll:
     def __init__(self, form: str = "scaled_bias", negatives: str = "all", epochs: int = 8, batch_size: int = 256,
                  lr: float = 0.02, c: float = 0.75, d: float = 3.0, train_encoder: bool = True,
                  encoder_lr: float = 0.005, weight_decay: float = 1e-5, softmax_weight: float = 0.0,
-                 progress: bool = True) -> None:
+                 progress: bool = True, lazy: bool = False) -> None:
         self.form, self.negatives, self.epochs, self.batch_size, self.lr = form, negatives, epochs, batch_size, lr
         self.c, self.d, self.train_encoder, self.encoder_lr = c, d, train_encoder, encoder_lr
         self.weight_decay, self.softmax_weight, self.progress = weight_decay, softmax_weight, progress
+        self.lazy = lazy  # the encoder's token embedding by SparseAdam (encoder_optimizer)
 
     @classmethod
-    def of(cls, cfg: TrainConfig) -> OneVsAll:
-        return cls(cfg.classifier_form, cfg.m3_negatives, cfg.m3_epochs, cfg.m3_batch_size, cfg.m3_lr, cfg.m3_c,
-                   cfg.m3_d, cfg.m3_train_encoder, cfg.m3_encoder_lr, cfg.m3_weight_decay, cfg.m3_softmax_weight,
-                   cfg.progress)
+    def of(cls, cfg: TrainConfig, num_labels: int) -> OneVsAll:
+        return cls(cfg.classifier_form, cfg.module3_negatives(num_labels), cfg.m3_epochs, cfg.m3_batch_size,
+                   cfg.m3_lr, cfg.m3_c, cfg.m3_d, cfg.m3_train_encoder, cfg.m3_encoder_lr, cfg.m3_weight_decay,
+                   cfg.m3_softmax_weight, cfg.progress, cfg.lazy_embedding)
 
     def fit(self, encoder: SiameseEncoder, label_emb: np.ndarray, docs: EncodedTexts, y: sp.csr_matrix,
             shortlist: np.ndarray | None, device: torch.device, rng: np.random.Generator) -> OneVsAll:
@@ -66,13 +77,17 @@ class OneVsAll:
             freq = np.bincount(y.indices, minlength=y.shape[1])  # documents per label
             p = np.clip(freq / y.shape[0], 1e-6, 1 - 1e-6)
             prior = np.log(p / (1 - p))
-        clf = _Classifiers(label_emb, self.form, prior).to(device)
-        params = [{"params": [p for p in clf.parameters() if p.requires_grad], "lr": self.lr,
-                   "weight_decay": self.weight_decay}]
+        sparse = self.negatives == "shortlist"
+        clf = _Classifiers(label_emb, self.form, prior, sparse).to(device)
+        trained = [p for p in clf.parameters() if p.requires_grad]
+        # Shortlisted negatives touch a batch's rows only: SparseAdam steps those (weight decay
+        # then comes as an L2 term on the rows used, _loss); all negatives touch every row.
+        opts: list[torch.optim.Optimizer] = [
+            torch.optim.SparseAdam(trained, lr=self.lr) if sparse
+            else torch.optim.Adam(trained, lr=self.lr, weight_decay=self.weight_decay)]
         encoder.requires_grad_(self.train_encoder)
         if self.train_encoder:
-            params.append({"params": list(encoder.parameters()), "lr": self.encoder_lr})
-        opt = torch.optim.Adam(params)
+            opts += encoder_optimizer(encoder, self.encoder_lr, self.lazy)
         trainable = np.flatnonzero(np.diff(y.indptr) > 0)
         self.losses_: list[float] = []
         encoder.train(self.train_encoder)
@@ -80,12 +95,13 @@ class OneVsAll:
             order = rng.permutation(trainable)
             self.losses_.append(run_epoch(
                 order, self.batch_size, lambda batch: self._loss(encoder, clf, docs, y, batch, shortlist, device),
-                opt, f"Module III epoch {epoch + 1}/{self.epochs}", self.progress))
+                opts, f"Module III epoch {epoch + 1}/{self.epochs}", self.progress))
         encoder.requires_grad_(True)
+        encoder.sparse_grad = False
         encoder.eval()
         with torch.no_grad():
             self.weights_ = clf.weight().float().cpu().numpy()
-            self.bias_ = clf.bias.detach().float().cpu().numpy()
+            self.bias_ = clf.bias.detach()[:, 0].float().cpu().numpy()
         return self
 
     def _loss(self, encoder: SiameseEncoder, clf: _Classifiers, docs: EncodedTexts, y: sp.csr_matrix,
@@ -95,15 +111,20 @@ class OneVsAll:
             q = encoder(ids, w)
         yb = y[batch]
         valid = None
+        decay = None
         if self.negatives == "all":
             target = torch.from_numpy(yb.toarray()).to(device)
-            logits = q @ clf.weight().T + clf.bias
+            logits = q @ clf.weight().T + clf.bias[:, 0]
         else:
             cols, tgt = _positives_and_negatives(yb, shortlist[batch])
             cols_t = torch.from_numpy(cols).to(device)
             valid, safe = cols_t >= 0, cols_t.clamp(min=0)
             target = torch.from_numpy(tgt).to(device)
-            logits = torch.einsum("bd,bkd->bk", q, clf.weight(safe)) + clf.bias[safe]
+            w, b = clf.rows(safe)
+            logits = torch.einsum("bd,bkd->bk", q, w) + b
+            if self.weight_decay:
+                used = torch.unique(safe)
+                decay = 0.5 * self.weight_decay * F.embedding(used, clf.eta, sparse=True).pow(2).sum()
         if self.form == "paper":
             pos_t = siamese_nll(logits, self.c, self.d, positive=True)
             per = target * pos_t + (1 - target) * siamese_nll(logits, self.c, self.d, positive=False)
@@ -112,6 +133,8 @@ class OneVsAll:
         if valid is not None:
             per = per * valid
         loss = per.sum(dim=1).mean()
+        if decay is not None:
+            loss = loss + decay
         if self.softmax_weight > 0 and self.negatives == "all":
             npos = target.sum(dim=1).clamp(min=1.0)
             ce = -(target * F.log_softmax(logits, dim=1)).sum(dim=1) / npos

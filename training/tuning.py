@@ -45,32 +45,48 @@ def _scoring(form: str, alpha: float, f: Calibration, g: Calibration, lexical_we
                    calibration=Calibrations(classifier=f.spec(), centroid=g.spec()), shortlist=sources.spec)
 
 
+def source_cost(sources: CandidateSources) -> tuple[int, int]:
+    """How much a shortlist spec costs to serve, for ordering: HNSW searches (each a search per
+    query and its index in memory), then the token rows looked up per query token."""
+    spec = sources.spec
+    return int(spec.k_w > 0) + int(spec.k_mu > 0), spec.k_tok
+
+
 class ScoringTuner:
-    """Grid search maximising `objective` (metric -> weight) on validation documents; after
-    fit: `scoring_` (a manifest's schema.Scoring), `sources_` (the candidate sources it was
-    tuned on, of those given), `metrics_` and `value_`."""
+    """Grid search maximising `objective` (metric -> weight) on validation documents, over each
+    of the candidate sources given; serves the cheapest sources (source_cost) whose best value
+    is within `margin` of the best of all. After fit: `scoring_` (a manifest's schema.Scoring),
+    `sources_` (the candidate sources chosen), `metrics_`, `value_` and `tried_` (each sources'
+    spec, lexical form and value)."""
 
     def __init__(self, classifier_form: str = "scaled_bias", objective: dict[str, float] | None = None,
-                 alphas: Sequence[float] = ALPHAS, lexical_weights: Sequence[float] = LEXICAL_WEIGHTS) -> None:
+                 alphas: Sequence[float] = ALPHAS, lexical_weights: Sequence[float] = LEXICAL_WEIGHTS,
+                 margin: float = 0.0) -> None:
         self.classifier_form = classifier_form
         self.objective = dict(objective or DEFAULT_OBJECTIVE)
         check_objective(self.objective)
-        self.alphas, self.lexical_weights = tuple(alphas), tuple(lexical_weights)
+        self.alphas, self.lexical_weights, self.margin = tuple(alphas), tuple(lexical_weights), float(margin)
 
     def fit(self, q: np.ndarray, tokens: np.ndarray, token_weights: np.ndarray, truths: Truths,
             candidates: Sequence[CandidateSources], scorer: LabelScorer, own: np.ndarray | None = None) -> ScoringTuner:
         """q [N, D], tokens / token_weights [N, T]: the validation documents as served; truths
-        built with inverse propensities; candidates: one per lexical form to choose from (the
-        first wins ties); own: per document a label id never predicted (-1: none)."""
-        self.value_ = -np.inf
+        built with inverse propensities; candidates: the sources (shortlist specs, lexical forms)
+        to choose from (the first wins ties); own: per document a label id never predicted (-1: none)."""
+        results = []
         for sources in candidates:
             cands, lexical = sources(tokens, token_weights, q)
             scoring, metrics, value = self._grid(q, cands, lexical, truths, sources, scorer, own)
             form = sources.table.form if sources.table is not None else "none"
-            log.info("lexical form %s: validation %s = %.3f", form, self.objective, value)
-            if value > self.value_:
-                self.scoring_, self.metrics_, self.value_, self.sources_ = scoring, metrics, value, sources
-                self.mean_candidates_ = float(np.mean((cands >= 0).sum(axis=1)))
+            spec = sources.spec
+            log.info("k_w=%d k_mu=%d k_tok=%d, lexical form %s: validation %s = %.3f", spec.k_w, spec.k_mu,
+                     spec.k_tok, form, self.objective, value)
+            results.append((value, scoring, metrics, sources, float(np.mean((cands >= 0).sum(axis=1)))))
+        best = max(r[0] for r in results)
+        within = [r for r in results if r[0] >= best - self.margin]
+        chosen = min(within, key=lambda r: (source_cost(r[3]), -r[0]))
+        self.value_, self.scoring_, self.metrics_, self.sources_, self.mean_candidates_ = chosen
+        self.tried_ = [{**r[3].spec.model_dump(), "lexical_form": r[3].table.form if r[3].table is not None else None,
+                        "value": round(r[0], 3)} for r in results]
         return self
 
     def _grid(self, q: np.ndarray, cands: np.ndarray, lexical: np.ndarray | None, truths: Truths,
