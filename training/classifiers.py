@@ -24,29 +24,69 @@ WEIGHTS_FILE, BIAS_FILE = "classifiers.npy", "classifier_bias.npy"
 
 
 class _Classifiers(torch.nn.Module):
-    """w_l = base_l + eta_l (paper: normalised) and b_l (trained for scaled_bias only).
+    """w_l = base_l + eta_l (paper: normalised) and b_l (trained for scaled_bias only)."""
 
-    With `sparse`, `rows` gives eta's and b's gradients as sparse tensors over the rows used, for
-    SparseAdam: a step then costs the batch's labels, not L x D (shortlisted negatives)."""
-
-    def __init__(self, base: np.ndarray, form: str, prior_logit: np.ndarray | None, sparse: bool = False) -> None:
+    def __init__(self, base: np.ndarray, form: str, prior_logit: np.ndarray | None) -> None:
         super().__init__()
-        self.form, self.sparse = form, sparse
+        self.form = form
         self.register_buffer("base", torch.from_numpy(base.astype(np.float32)))
         self.eta = torch.nn.Parameter(torch.zeros_like(self.base))
         bias = np.zeros(len(base), dtype=np.float32) if prior_logit is None else prior_logit.astype(np.float32)
-        # [L, 1]: a table of rows, like eta, so a sparse gradient can address it
-        self.bias = torch.nn.Parameter(torch.from_numpy(bias)[:, None], requires_grad=form == "scaled_bias")
+        self.bias = torch.nn.Parameter(torch.from_numpy(bias), requires_grad=form == "scaled_bias")
 
     def weight(self) -> torch.Tensor:
         w = self.base + self.eta
         return F.normalize(w, dim=-1) if self.form == "paper" else w
 
-    def rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """w and b of label ids `rows` (any shape): [*rows.shape, D] and [*rows.shape]."""
-        w = self.base[rows] + F.embedding(rows, self.eta, sparse=self.sparse)
-        b = F.embedding(rows, self.bias, sparse=self.sparse)[..., 0]
-        return (F.normalize(w, dim=-1) if self.form == "paper" else w), b
+
+class _RowAdam:
+    """Adam on the rows of eta and the bias that a step uses, the others untouched (lazy Adam, the
+    rule of torch's SparseAdam, without its sparse-tensor bookkeeping). Weight decay is L2 on the
+    rows used.
+
+    `rows(labels)` gives leaf tensors of the batch's distinct rows for the loss; `step()` moves
+    them by their gradients after backward."""
+
+    def __init__(self, clf: _Classifiers, lr: float, weight_decay: float, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8) -> None:
+        self.clf, self.lr, self.weight_decay, self.betas, self.eps = clf, lr, weight_decay, betas, eps
+        self.train_bias = clf.bias.requires_grad
+        self.moments = [(torch.zeros_like(p), torch.zeros_like(p)) for p in (clf.eta, clf.bias)]
+        self.t = 0
+        self._used: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def rows(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """w [*labels.shape, D] and b [*labels.shape] of label ids `labels`, differentiable
+        through the batch's distinct rows."""
+        used, inverse = torch.unique(labels, return_inverse=True)
+        eta = self.clf.eta.detach().index_select(0, used).requires_grad_()
+        bias = self.clf.bias.detach().index_select(0, used).requires_grad_(self.train_bias)
+        self._used = (used, eta, bias)
+        w = self.clf.base.index_select(0, used) + eta
+        if self.clf.form == "paper":
+            w = F.normalize(w, dim=-1)
+        return w[inverse], bias[inverse]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass  # the leaves are made fresh by each rows() call
+
+    def step(self) -> None:
+        assert self._used is not None
+        used, eta, bias = self._used
+        self._used = None
+        (b1, b2), self.t = self.betas, self.t + 1
+        size = self.lr * (1 - b2**self.t) ** 0.5 / (1 - b1**self.t)
+        pairs = [(self.clf.eta, eta, self.moments[0])]
+        if self.train_bias:
+            pairs.append((self.clf.bias, bias, self.moments[1]))
+        with torch.no_grad():
+            for table, leaf, (m_all, v_all) in pairs:
+                grad = leaf.grad if not self.weight_decay else leaf.grad.add(leaf.detach(), alpha=self.weight_decay)
+                m = m_all.index_select(0, used).mul_(b1).add_(grad, alpha=1 - b1)
+                v = v_all.index_select(0, used).mul_(b2).addcmul_(grad, grad, value=1 - b2)
+                m_all.index_copy_(0, used, m)
+                v_all.index_copy_(0, used, v)
+                table.index_copy_(0, used, leaf.detach().addcdiv_(m, v.sqrt_().add_(self.eps), value=-size))
 
 
 class OneVsAll:
@@ -77,14 +117,17 @@ class OneVsAll:
             freq = np.bincount(y.indices, minlength=y.shape[1])  # documents per label
             p = np.clip(freq / y.shape[0], 1e-6, 1 - 1e-6)
             prior = np.log(p / (1 - p))
-        sparse = self.negatives == "shortlist"
-        clf = _Classifiers(label_emb, self.form, prior, sparse).to(device)
-        trained = [p for p in clf.parameters() if p.requires_grad]
-        # Shortlisted negatives touch a batch's rows only: SparseAdam steps those (weight decay
-        # then comes as an L2 term on the rows used, _loss); all negatives touch every row.
-        opts: list[torch.optim.Optimizer] = [
-            torch.optim.SparseAdam(trained, lr=self.lr) if sparse
-            else torch.optim.Adam(trained, lr=self.lr, weight_decay=self.weight_decay)]
+        clf = _Classifiers(label_emb, self.form, prior).to(device)
+        # Shortlisted negatives touch a batch's rows only: Adam steps those (_RowAdam); all
+        # negatives touch every row.
+        rows: _RowAdam | None = None
+        opts: list = []
+        if self.negatives == "shortlist":
+            rows = _RowAdam(clf, self.lr, self.weight_decay)
+            opts.append(rows)
+        else:
+            opts.append(torch.optim.Adam([p for p in clf.parameters() if p.requires_grad], lr=self.lr,
+                                         weight_decay=self.weight_decay))
         encoder.requires_grad_(self.train_encoder)
         if self.train_encoder:
             opts += encoder_optimizer(encoder, self.encoder_lr, self.lazy)
@@ -94,37 +137,33 @@ class OneVsAll:
         for epoch in range(self.epochs):
             order = rng.permutation(trainable)
             self.losses_.append(run_epoch(
-                order, self.batch_size, lambda batch: self._loss(encoder, clf, docs, y, batch, shortlist, device),
+                order, self.batch_size, lambda batch: self._loss(encoder, clf, rows, docs, y, batch, shortlist, device),
                 opts, f"Module III epoch {epoch + 1}/{self.epochs}", self.progress))
         encoder.requires_grad_(True)
         encoder.sparse_grad = False
         encoder.eval()
         with torch.no_grad():
             self.weights_ = clf.weight().float().cpu().numpy()
-            self.bias_ = clf.bias.detach()[:, 0].float().cpu().numpy()
+            self.bias_ = clf.bias.detach().float().cpu().numpy()
         return self
 
-    def _loss(self, encoder: SiameseEncoder, clf: _Classifiers, docs: EncodedTexts, y: sp.csr_matrix,
-              batch: np.ndarray, shortlist: np.ndarray | None, device: torch.device) -> torch.Tensor:
+    def _loss(self, encoder: SiameseEncoder, clf: _Classifiers, rows: _RowAdam | None, docs: EncodedTexts,
+              y: sp.csr_matrix, batch: np.ndarray, shortlist: np.ndarray | None, device: torch.device) -> torch.Tensor:
         ids, w = docs.rows(batch, device)
         with torch.set_grad_enabled(self.train_encoder):
             q = encoder(ids, w)
         yb = y[batch]
         valid = None
-        decay = None
-        if self.negatives == "all":
+        if rows is None:
             target = torch.from_numpy(yb.toarray()).to(device)
-            logits = q @ clf.weight().T + clf.bias[:, 0]
+            logits = q @ clf.weight().T + clf.bias
         else:
             cols, tgt = _positives_and_negatives(yb, shortlist[batch])
             cols_t = torch.from_numpy(cols).to(device)
             valid, safe = cols_t >= 0, cols_t.clamp(min=0)
             target = torch.from_numpy(tgt).to(device)
-            w, b = clf.rows(safe)
+            w, b = rows.rows(safe)
             logits = torch.einsum("bd,bkd->bk", q, w) + b
-            if self.weight_decay:
-                used = torch.unique(safe)
-                decay = 0.5 * self.weight_decay * F.embedding(used, clf.eta, sparse=True).pow(2).sum()
         if self.form == "paper":
             pos_t = siamese_nll(logits, self.c, self.d, positive=True)
             per = target * pos_t + (1 - target) * siamese_nll(logits, self.c, self.d, positive=False)
@@ -133,8 +172,6 @@ class OneVsAll:
         if valid is not None:
             per = per * valid
         loss = per.sum(dim=1).mean()
-        if decay is not None:
-            loss = loss + decay
         if self.softmax_weight > 0 and self.negatives == "all":
             npos = target.sum(dim=1).clamp(min=1.0)
             ce = -(target * F.log_softmax(logits, dim=1)).sum(dim=1) / npos

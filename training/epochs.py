@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -10,8 +11,16 @@ import torch
 from training.progress import Progress
 
 
+class Stepper(Protocol):
+    """What run_epoch asks of an optimizer (torch's, or training.classifiers' row-wise Adam)."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None: ...
+
+    def step(self) -> None: ...
+
+
 def run_epoch(order: np.ndarray, batch_size: int, loss_of: Callable[[np.ndarray], torch.Tensor],
-              opts: Sequence[torch.optim.Optimizer], desc: str, progress: bool = True) -> float:
+              opts: Sequence[Stepper], desc: str, progress: bool = True) -> float:
     """A step of every optimizer in `opts` on `loss_of(batch)` for each run of `batch_size` rows
     of `order`; the epoch's mean loss per row (weighted by batch size)."""
     total, count = 0.0, 0
