@@ -46,6 +46,8 @@ STAGES = ("data", "train", "export", "serve", "sources", "http", "swap")
 CLI = [sys.executable, "-m", "shortlist.cli"]
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 K = 5
+# The commit measured: a run from a snapshot of the tree (no .git) names it in BENCH_REVISION.
+REVISION = os.environ.get("BENCH_REVISION") or git_revision()
 
 
 class BenchError(RuntimeError):
@@ -279,7 +281,7 @@ def run_level(args: argparse.Namespace, labels: int) -> dict[str, Any]:
            "config": str(Path(args.config).resolve()) if args.config else ""}
     results: dict[str, Any] = {}
     for stage in STAGES:
-        if stage == "swap" and not args.swap:
+        if (stage == "swap" and not args.swap) or (args.stages and stage not in args.stages):
             continue
         path = run_dir / f"{stage}.json"
         if path.is_file() and stage not in args.redo:
@@ -287,7 +289,7 @@ def run_level(args: argparse.Namespace, labels: int) -> dict[str, Any]:
             continue
         print(f"L={labels}: {stage} ...", flush=True)
         t0 = time.perf_counter()
-        result = {**RUNNERS[stage](ctx), "revision": git_revision(), "finished": time.strftime("%Y-%m-%d %H:%M")}
+        result = {**RUNNERS[stage](ctx), "revision": REVISION, "finished": time.strftime("%Y-%m-%d %H:%M")}
         path.write_text(json.dumps(result, indent=1))
         results[stage] = result
         print(f"L={labels}: {stage} done in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -447,6 +449,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--sample", type=int, default=1000, help="test documents served and scored exactly")
     ap.add_argument("--probe", type=int, default=50, help="HNSW size when a source is not served")
     ap.add_argument("--redo", default="", help=f"comma-separated stages to run again ({', '.join(STAGES)})")
+    ap.add_argument("--stages", default="", help=f"comma-separated stages to run (default: all of {', '.join(STAGES)})")
     ap.add_argument("--swap", action="store_true", help="also run bench/swap.py on each bundle")
     ap.add_argument("--no-publish", action="store_true", help="do not write bench/RESULTS.md and bench/scale.png")
     args = ap.parse_args(argv)
@@ -455,9 +458,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     except ValueError:
         ap.error(f"--labels {args.labels!r}: expected comma-separated integers")
     args.redo = {s for s in args.redo.split(",") if s}
-    unknown = args.redo - set(STAGES)
+    args.stages = {s for s in args.stages.split(",") if s}
+    unknown = (args.redo | args.stages) - set(STAGES)
     if unknown:
-        ap.error(f"--redo: unknown stages {sorted(unknown)}; known: {', '.join(STAGES)}")
+        ap.error(f"unknown stages {sorted(unknown)}; known: {', '.join(STAGES)}")
     return args
 
 
