@@ -159,6 +159,7 @@ class Bundle:
             bad = _first_non_finite(arr)
             if bad is not None:
                 raise BundleError(f"{self.path / name}: non-finite value at flat index {bad}")
+            self._maps.release()  # at once: the peak while opening holds one array, not all
         return arr
 
     def _open_tables(self) -> None:
@@ -206,6 +207,7 @@ class Bundle:
                                  f"{self.vector_dtype}")
             tree = TreeScorer.from_arrays(arrays)
             tree.validate(self.manifest.num_labels, self.manifest.dim)
+            self._maps.release()
         except Exception as exc:  # a damaged zip raises zipfile's, zlib's or numpy's own errors
             raise BundleError(f"{self.path / TREE}: {type(exc).__name__}: {exc}") from exc
         return tree
