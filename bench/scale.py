@@ -235,6 +235,7 @@ def worker_sources(ctx: dict[str, Any]) -> dict[str, Any]:
     choices = {"token_rows": {"k_w": 0, "k_mu": 0, "k_tok": spec.k_tok or 10, "k_head": 0},
                "hnsw_w": {"k_w": spec.k_w or probe, "k_mu": 0, "k_tok": 0, "k_head": 0},
                "hnsw_mu": {"k_w": 0, "k_mu": spec.k_mu or probe, "k_tok": 0, "k_head": 0}}
+    out["index_recall@50"] = _index_recall(bundle, union, texts[:200], probe)
     for name, sizes in choices.items():
         if name == "token_rows" and bundle.token_table() is None:
             continue
@@ -242,6 +243,19 @@ def worker_sources(ctx: dict[str, Any]) -> dict[str, Any]:
         cands = Predictor(bundle, PredictorOptions(lexical_weight=0.0, **sizes)).shortlist(texts)
         out[name] = {**_recall(cands, exact), "sizes": sizes, "s_per_query": round((time.perf_counter() - t0)
                                                                                    / len(texts), 5)}
+    return out
+
+
+def _index_recall(bundle: Any, predictor: Any, texts: Sequence[str], k: int) -> dict[str, float]:
+    """Each HNSW index's own recall: its top k against the exact top k by inner product."""
+    q = predictor.encode(texts)
+    out = {}
+    for name, vectors, queries in (("hnsw_w", np.hstack([bundle.classifiers, bundle.classifier_bias[:, None]]),
+                                    np.hstack([q, np.ones((len(q), 1), np.float32)])),
+                                   ("hnsw_mu", bundle.centroids, q)):
+        found = bundle.index(name.removeprefix("hnsw_")).search(queries, k)
+        exact = np.argsort(-(queries @ np.asarray(vectors, dtype=np.float32).T), axis=1)[:, :k]
+        out[name] = round(float(np.mean([np.isin(e, f).mean() for e, f in zip(exact, found, strict=True)])), 4)
     return out
 
 
@@ -404,14 +418,16 @@ def serving_table(levels: dict[int, dict[str, Any]]) -> list[str]:
 
 def sources_table(levels: dict[int, dict[str, Any]]) -> list[str]:
     names = ("token_rows", "hnsw_w", "hnsw_mu", "head", "union")
-    rows = ["| L | served sizes | " + " | ".join(f"{n}: recall (mean size)" for n in names) + " |",
-            "|---|---|" + "---|" * len(names)]
+    rows = ["| L | served sizes | " + " | ".join(f"{n}: recall (mean size)" for n in names)
+            + " | HNSW's own recall@50, w / mu |", "|---|---|" + "---|" * (len(names) + 1)]
     for L, res in levels.items():
         src = res.get("sources", {})
         served = src.get("served", {})
         cells = [f"{fmt(_get(src, n, 'recall@exact5'), 3)} ({fmt(_get(src, n, 'mean_size'), 0)})" for n in names]
         sizes = ", ".join(f"{k}={served[k]}" for k in ("k_tok", "k_w", "k_mu", "k_head") if k in served)
-        rows.append(f"| {L:,} | {sizes or '-'} | " + " | ".join(cells) + " |")
+        own = src.get("index_recall@50", {})
+        rows.append(f"| {L:,} | {sizes or '-'} | " + " | ".join(cells)
+                    + f" | {fmt(own.get('hnsw_w'), 3)} / {fmt(own.get('hnsw_mu'), 3)} |")
     return rows
 
 
