@@ -287,7 +287,8 @@ def test_tuning_serves_the_cheapest_sources_within_the_margin(ckpt, tuning_input
     sources = [CandidateSources(Shortlist.served(w, mu, t, 32, True), b, index_w=index_w, index_mu=index_mu,
                                 table=table if t else None, lexical=bool(t)) for w, mu, t in choices]
     best = ScoringTuner(margin=0.0).fit(q, tokens, weights, truths, sources, scorer)
-    assert best.value_ == pytest.approx(max(t["value"] for t in best.tried_), abs=1e-3)
+    # each choice valued at its form's scoring tuned on the widest; the chosen one tuned in full
+    assert best.value_ >= max(t["value"] for t in best.tried_) - 1e-3
     assert len(best.tried_) == 8
     cheapest = ScoringTuner(margin=1e9).fit(q, tokens, weights, truths, sources, scorer)
     spec = cheapest.sources_.spec
