@@ -367,7 +367,7 @@ def plot(levels: dict[int, dict[str, Any]], path: Path) -> None:
     ax.legend(fontsize=7)
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, optimize=True)
+    fig.savefig(path)
     plt.close(fig)
 
 
