@@ -68,8 +68,10 @@ def _write_files(ckpt: Checkpoint, staging: Path, version: str, ef_search: int |
     ckpt.tokenizer.save(staging / schema.TOKENIZER)
     ckpt.labels.save(staging / schema.LABELS)
     w, b, mu = ckpt.classifiers.weights_, ckpt.classifiers.bias_, ckpt.centroids.vectors_
-    for name, array in ((schema.CLASSIFIERS, w), (schema.CLASSIFIER_BIAS, b), (schema.CENTROIDS, mu)):
-        np.save(staging / name, np.ascontiguousarray(array, dtype=np.float32))
+    vectors = np.dtype(ckpt.config.get("vector_dtype", "float32"))
+    for name, array, dtype in ((schema.CLASSIFIERS, w, vectors), (schema.CLASSIFIER_BIAS, b, np.float32),
+                               (schema.CENTROIDS, mu, vectors)):
+        np.save(staging / name, np.ascontiguousarray(array, dtype=dtype))
     index_w, index_mu = ckpt.indices or build_label_indices(w, b, mu, ckpt.hnsw, ckpt.seed)
     index_w.save(staging / schema.HNSW_W)
     index_mu.save(staging / schema.HNSW_MU)
@@ -77,7 +79,8 @@ def _write_files(ckpt: Checkpoint, staging: Path, version: str, ef_search: int |
         for name, array in lexical_files(ckpt.token_table).items():
             np.save(staging / name, array)
     if ckpt.tree is not None:
-        np.savez(staging / schema.TREE, **ckpt.tree.arrays_)
+        arrays = {**ckpt.tree.arrays_, "classifier_weights": ckpt.tree.arrays_["classifier_weights"].astype(vectors)}
+        np.savez(staging / schema.TREE, **arrays)  # stored, not compressed: the engine maps its big members
     if ckpt.validation:
         with (staging / schema.VALIDATION).open("w", encoding="utf-8") as f:
             f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in ckpt.validation)
@@ -87,6 +90,7 @@ def _write_files(ckpt: Checkpoint, staging: Path, version: str, ef_search: int |
         "vocab_size": ckpt.tokenizer.vocab_size, "text_field": ckpt.text_field,
         "scoring": ckpt.scoring.model_dump(), "hnsw": hnsw.model_dump(), "data_fingerprint": ckpt.fingerprint,
         "training_config": ckpt.config, "metrics": {"training": ckpt.metrics, "onnx_parity_max_abs": worst},
+        "vector_dtype": vectors.name,
     }
 
 

@@ -28,11 +28,14 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate-data", help="write a small seeded synthetic dataset in XC raw-text format")
+    p = sub.add_parser("generate-data", help="write a seeded synthetic dataset in XC raw-text format")
     p.add_argument("--out", required=True)
+    p.add_argument("--profile", default="small", choices=["small", "scale"],
+                   help="small: the demo's and tests' easy data; scale: XC-shaped data for 10^4..10^6+ labels "
+                        "(Zipf 1.1 label frequencies, clusters of related labels, training/synthetic_scale.py)")
     p.add_argument("--labels", type=int, default=2000)
-    p.add_argument("--train-docs", type=int, default=8000)
-    p.add_argument("--test-docs", type=int, default=2000)
+    p.add_argument("--train-docs", type=int, default=None, help="default: 8000 (small), as many as labels (scale)")
+    p.add_argument("--test-docs", type=int, default=None, help="default: 2000 (small), a tenth of trn (scale)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(handler="training.synthetic:run_cli")
 

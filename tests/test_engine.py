@@ -4,6 +4,7 @@ need; Predictor behaviour and its options."""
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import subprocess
 import sys
@@ -33,34 +34,20 @@ def refresh_checksum(bundle_dir: Path, name: str) -> None:
     rewrite_manifest(bundle_dir, files={name: sha256_file(bundle_dir / name)})
 
 
+def _mapped(arr: np.ndarray) -> bool:
+    """Is the array a view of a memory map (numpy's own, or a memoryview of an mmap)?"""
+    while isinstance(arr, np.ndarray) and not isinstance(arr, np.memmap):
+        arr = arr.base
+    return isinstance(arr, np.memmap | mmap.mmap) or (isinstance(arr, memoryview) and isinstance(arr.obj, mmap.mmap))
+
+
 def test_valid_bundle_loads_and_memory_maps_its_arrays(bundle_root):
     predictor = Predictor.load(bundle_root / "v1")
-    assert predictor.version == "v1" and predictor.bundle.has_tree
-    assert isinstance(predictor.bundle.classifiers, np.memmap) and isinstance(predictor.bundle.centroids, np.memmap)
-
-
-def test_the_encoder_weights_are_memory_mapped_and_a_format_1_bundle_still_serves(bundle_root_copy):
-    """Format 2 keeps the embedding table in encoder.onnx.data, which onnxruntime maps (pages
-    shared by every process serving the bundle); a format 1 bundle keeps it inside encoder.onnx."""
-    import onnx  # the train extra's: the service itself never imports it
-
-    bundle_dir = bundle_root_copy / "v1"
-    embedding = max(onnx.load(str(bundle_dir / "encoder.onnx"), load_external_data=False).graph.initializer,
-                    key=lambda t: int(np.prod(t.dims)))
-    assert {e.key: e.value for e in embedding.external_data}["location"] == "encoder.onnx.data"
-    predictor = Predictor.load(bundle_dir)
-    assert str(bundle_dir / "encoder.onnx.data") in Path("/proc/self/maps").read_text()
-    texts = list(predictor.bundle.labels.titles[:5])
-    want = predictor.predict_ids(texts, k=5)
-    predictor.bundle.close()
-    onnx.save(onnx.load(str(bundle_dir / "encoder.onnx")), str(bundle_dir / "encoder.onnx"))  # inline again
-    os.remove(bundle_dir / "encoder.onnx.data")
-    manifest = rewrite_manifest(bundle_dir, format_version=1)
-    del manifest["files"]["encoder.onnx.data"]
-    manifest["files"]["encoder.onnx"] = sha256_file(bundle_dir / "encoder.onnx")
-    (bundle_dir / MANIFEST).write_text(json.dumps(manifest))
-    got = Predictor.load(bundle_dir).predict_ids(texts, k=5)
-    assert np.array_equal(got[0], want[0]) and np.allclose(got[1], want[1], atol=1e-6)
+    bundle = predictor.bundle
+    assert predictor.version == "v1" and bundle.has_tree and bundle.manifest.vector_dtype == "float16"
+    assert bundle.classifiers.dtype == bundle.centroids.dtype == np.float16
+    assert _mapped(bundle.classifiers) and _mapped(bundle.centroids) and _mapped(bundle.classifier_bias)
+    assert _mapped(bundle.tree.classifier_weights)  # a stored member of tree.npz, mapped where it lies
 
 
 def test_flipped_byte_is_rejected_naming_the_file(bundle_root_copy):
@@ -103,7 +90,7 @@ def test_array_shape_disagreeing_with_manifest_is_rejected(bundle_root_copy):
     mu = np.load(bundle_dir / "centroids.npy")
     np.save(bundle_dir / "centroids.npy", mu[:, :-1])
     refresh_checksum(bundle_dir, "centroids.npy")
-    with pytest.raises(BundleError, match=r"centroids\.npy: expected float32"):
+    with pytest.raises(BundleError, match=r"centroids\.npy: expected float16 \(300, 32\)"):
         Predictor.load(bundle_dir)
 
 

@@ -16,18 +16,19 @@ import torch
 
 from service.engine.candidates import CandidateSources
 from service.engine.metrics import Truths, label_frequencies, propensities, ranking_metrics
+from service.engine.schema import Shortlist
 from service.engine.scorers import Calibration, LabelScorer
 from shortlist.cli import main as cli_main
 from training.checkpoint import Checkpoint
 from training.classifiers import OneVsAll
-from training.config import DEFAULT_OBJECTIVE, TrainConfig
+from training.config import DEFAULT_OBJECTIVE, M3_ALL_MAX_LABELS, TrainConfig
 from training.data import load_split
 from training.dataset import target_matrix
 from training.encoder import EncodedTexts, embed
 from training.pipeline import train
 from training.progress import Progress
 from training.token_shortlist import TokenTable
-from training.tuning import LEXICAL_WEIGHTS, ScoringTuner, objective_value
+from training.tuning import LEXICAL_WEIGHTS, ScoringTuner, objective_value, source_cost
 
 CPU = torch.device("cpu")
 IDENTITY = Calibration("identity")
@@ -81,6 +82,8 @@ def test_checkpoint_holds_every_part_of_the_model(ckpt):
     assert all(set(row) == {"text", "target_ind"} and row["target_ind"] for row in ckpt.validation)
     for part in ("module1", "module3", "validation", "times", "losses", "losses_lexical"):
         assert part in ckpt.metrics
+    if Path("/proc/self/clear_refs").exists():  # each stage's peak resident memory, where Linux says it
+        assert set(ckpt.metrics["peak_rss_mib"]) >= {"data", "module1", "module3", "tuning", "tree"}
     assert ckpt.fingerprint["counts"]["lbl"] == L
 
 
@@ -118,6 +121,34 @@ def test_paper_classifiers_on_shortlisted_negatives_are_unit_vectors_without_bia
     assert _p1(clf, test_split[2], test_split[3]) > 30.0
 
 
+def test_scaled_bias_classifiers_on_shortlisted_negatives_step_only_the_rows_they_use(ckpt, module3_inputs,
+                                                                                     test_split):
+    docs, y, label_emb = module3_inputs
+    negatives = np.tile(np.arange(20), (len(docs), 1))
+    rows = np.flatnonzero(np.diff(y.indptr) > 0)
+    touched = np.zeros(y.shape[1], bool)
+    touched[y[rows].indices] = True
+    touched[:20] = True
+    clf = OneVsAll("scaled_bias", "shortlist", epochs=2, batch_size=128, train_encoder=False, progress=False).fit(
+        ckpt.encoder, label_emb, docs, y, negatives, CPU, np.random.default_rng(0))
+    prior = OneVsAll("scaled_bias", "shortlist", epochs=0, progress=False).fit(
+        ckpt.encoder, label_emb, docs, y, negatives, CPU, np.random.default_rng(0))
+    # lazily stepped (SparseAdam): a label no document used keeps its text embedding and prior
+    np.testing.assert_array_equal(clf.weights_[~touched], prior.weights_[~touched])
+    np.testing.assert_array_equal(clf.bias_[~touched], prior.bias_[~touched])
+    assert not np.allclose(clf.weights_[touched], prior.weights_[touched])
+    assert _p1(clf, test_split[2], test_split[3]) > _p1(prior, test_split[2], test_split[3])
+
+
+def test_module3_negatives_follow_the_number_of_labels():
+    cfg = TrainConfig()
+    assert cfg.m3_negatives == "auto"
+    assert cfg.module3_negatives(M3_ALL_MAX_LABELS) == "all"
+    assert cfg.module3_negatives(M3_ALL_MAX_LABELS + 1) == "shortlist"
+    assert TrainConfig(m3_negatives="all").module3_negatives(10**6) == "all"
+    assert OneVsAll.of(cfg, 10**6).negatives == "shortlist"
+
+
 def test_a_softmax_term_trains_a_different_model_of_the_same_quality(ckpt, module3_inputs, test_split):
     docs, y, label_emb = module3_inputs
     fitted = {}
@@ -128,6 +159,17 @@ def test_a_softmax_term_trains_a_different_model_of_the_same_quality(ckpt, modul
     assert not np.allclose(fitted[0.0].weights_, fitted[1.0].weights_)
     q, truths = test_split[2], test_split[3]
     assert _p1(fitted[1.0], q, truths) > _p1(fitted[0.0], q, truths) - 10.0
+
+
+def test_the_logistic_form_takes_whole_epochs_up_to_its_step_budget(ckpt, module3_inputs):
+    docs, y, _ = module3_inputs
+    labels = EncodedTexts.of(ckpt.tokenizer, list(ckpt.labels.titles))
+    steps_per_epoch = -(-len(docs) // 256)
+    for max_steps, epochs in ((10**6, 30), (3 * steps_per_epoch + 1, 3), (1, 1)):
+        cfg = TrainConfig.from_dict({"lexical_form": "logistic", "lexical_epochs": 30, "lexical_batch_size": 256,
+                                     "lexical_max_steps": max_steps}, TrainConfig.tiny())
+        table = TokenTable.of(cfg).fit(docs, y, labels, ckpt.tokenizer.vocab_size, CPU)
+        assert len(table.losses_) == epochs
 
 
 def test_the_shares_form_on_request(ckpt, module3_inputs):
@@ -233,6 +275,25 @@ def test_tuning_maximises_the_configured_objective(tuning_inputs):
     for other in (head, tail):
         assert objective_value(default.metrics_, DEFAULT_OBJECTIVE) >= objective_value(
             other.metrics_, DEFAULT_OBJECTIVE)
+
+
+def test_tuning_serves_the_cheapest_sources_within_the_margin(ckpt, tuning_inputs):
+    q, tokens, weights, truths, _, scorer = tuning_inputs
+    b, (index_w, index_mu), table = ckpt.classifiers.bias_, ckpt.indices, ckpt.token_table
+    cfg = TrainConfig.from_dict({"tune_sources": True, "serve_k_w": 0, "serve_k_mu": 0, "tune_k_hnsw": 30},
+                                TrainConfig.tiny())
+    choices = cfg.shortlist_choices(has_table=True)
+    assert choices[0] == (0, 0, 10) and len(choices) == 8 and (30, 30, 20) in choices
+    sources = [CandidateSources(Shortlist.served(w, mu, t, 32, True), b, index_w=index_w, index_mu=index_mu,
+                                table=table if t else None, lexical=bool(t)) for w, mu, t in choices]
+    best = ScoringTuner(margin=0.0).fit(q, tokens, weights, truths, sources, scorer)
+    # each choice valued at its form's scoring tuned on the widest; the chosen one tuned in full
+    assert best.value_ >= max(t["value"] for t in best.tried_) - 1e-3
+    assert len(best.tried_) == 8
+    cheapest = ScoringTuner(margin=1e9).fit(q, tokens, weights, truths, sources, scorer)
+    spec = cheapest.sources_.spec
+    assert (spec.k_w, spec.k_mu, spec.k_tok) == (0, 0, 10)
+    assert source_cost(best.sources_) >= source_cost(cheapest.sources_)
 
 
 def test_tuning_without_own_labels_scores_what_exclusion_serves(ckpt, tuning_inputs, test_split):

@@ -55,9 +55,7 @@ def hard_negative_shortlists(doc_emb: np.ndarray, label_emb: np.ndarray, mu: np.
         parts.append(ann.nearest(ann.build(label_emb, seed + 101), doc_emb, k_w))
     if k_mu > 0:
         parts.append(ann.nearest(ann.build(mu, seed + 102), doc_emb, k_mu))
-    both = np.concatenate(parts, axis=1)
-    out = np.full_like(both, -1)
-    for i, row in enumerate(both):
-        uniq = np.unique(row)
-        out[i, : len(uniq)] = uniq
-    return out
+    both = np.sort(np.concatenate(parts, axis=1).astype(np.int32), axis=1)
+    # Each label once per row (a repeat becomes -1; the order within a row does not matter).
+    both[:, 1:][both[:, 1:] == both[:, :-1]] = -1
+    return both

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from training.config import TrainConfig
-from training.encoder import EncodedTexts, SiameseEncoder, siamese_nll
+from training.encoder import EncodedTexts, SiameseEncoder, encoder_optimizer, siamese_nll
 from training.epochs import run_epoch
 
 WEIGHTS_FILE, BIAS_FILE = "classifiers.npy", "classifier_bias.npy"
@@ -34,9 +34,59 @@ class _Classifiers(torch.nn.Module):
         bias = np.zeros(len(base), dtype=np.float32) if prior_logit is None else prior_logit.astype(np.float32)
         self.bias = torch.nn.Parameter(torch.from_numpy(bias), requires_grad=form == "scaled_bias")
 
-    def weight(self, rows: torch.Tensor | None = None) -> torch.Tensor:
-        w = self.base + self.eta if rows is None else self.base[rows] + self.eta[rows]
+    def weight(self) -> torch.Tensor:
+        w = self.base + self.eta
         return F.normalize(w, dim=-1) if self.form == "paper" else w
+
+
+class _RowAdam:
+    """Adam on the rows of eta and the bias that a step uses, the others untouched (lazy Adam, the
+    rule of torch's SparseAdam, without its sparse-tensor bookkeeping). Weight decay is L2 on the
+    rows used.
+
+    `rows(labels)` gives leaf tensors of the batch's distinct rows for the loss; `step()` moves
+    them by their gradients after backward."""
+
+    def __init__(self, clf: _Classifiers, lr: float, weight_decay: float, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8) -> None:
+        self.clf, self.lr, self.weight_decay, self.betas, self.eps = clf, lr, weight_decay, betas, eps
+        self.train_bias = clf.bias.requires_grad
+        self.moments = [(torch.zeros_like(p), torch.zeros_like(p)) for p in (clf.eta, clf.bias)]
+        self.t = 0
+        self._used: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def rows(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """w [*labels.shape, D] and b [*labels.shape] of label ids `labels`, differentiable
+        through the batch's distinct rows."""
+        used, inverse = torch.unique(labels, return_inverse=True)
+        eta = self.clf.eta.detach().index_select(0, used).requires_grad_()
+        bias = self.clf.bias.detach().index_select(0, used).requires_grad_(self.train_bias)
+        self._used = (used, eta, bias)
+        w = self.clf.base.index_select(0, used) + eta
+        if self.clf.form == "paper":
+            w = F.normalize(w, dim=-1)
+        return w[inverse], bias[inverse]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass  # the leaves are made fresh by each rows() call
+
+    def step(self) -> None:
+        assert self._used is not None
+        used, eta, bias = self._used
+        self._used = None
+        (b1, b2), self.t = self.betas, self.t + 1
+        size = self.lr * (1 - b2**self.t) ** 0.5 / (1 - b1**self.t)
+        pairs = [(self.clf.eta, eta, self.moments[0])]
+        if self.train_bias:
+            pairs.append((self.clf.bias, bias, self.moments[1]))
+        with torch.no_grad():
+            for table, leaf, (m_all, v_all) in pairs:
+                grad = leaf.grad if not self.weight_decay else leaf.grad.add(leaf.detach(), alpha=self.weight_decay)
+                m = m_all.index_select(0, used).mul_(b1).add_(grad, alpha=1 - b1)
+                v = v_all.index_select(0, used).mul_(b2).addcmul_(grad, grad, value=1 - b2)
+                m_all.index_copy_(0, used, m)
+                v_all.index_copy_(0, used, v)
+                table.index_copy_(0, used, leaf.detach().addcdiv_(m, v.sqrt_().add_(self.eps), value=-size))
 
 
 class OneVsAll:
@@ -45,16 +95,17 @@ class OneVsAll:
     def __init__(self, form: str = "scaled_bias", negatives: str = "all", epochs: int = 8, batch_size: int = 256,
                  lr: float = 0.02, c: float = 0.75, d: float = 3.0, train_encoder: bool = True,
                  encoder_lr: float = 0.005, weight_decay: float = 1e-5, softmax_weight: float = 0.0,
-                 progress: bool = True) -> None:
+                 progress: bool = True, lazy: bool = False) -> None:
         self.form, self.negatives, self.epochs, self.batch_size, self.lr = form, negatives, epochs, batch_size, lr
         self.c, self.d, self.train_encoder, self.encoder_lr = c, d, train_encoder, encoder_lr
         self.weight_decay, self.softmax_weight, self.progress = weight_decay, softmax_weight, progress
+        self.lazy = lazy  # the encoder's token embedding by SparseAdam (encoder_optimizer)
 
     @classmethod
-    def of(cls, cfg: TrainConfig) -> OneVsAll:
-        return cls(cfg.classifier_form, cfg.m3_negatives, cfg.m3_epochs, cfg.m3_batch_size, cfg.m3_lr, cfg.m3_c,
-                   cfg.m3_d, cfg.m3_train_encoder, cfg.m3_encoder_lr, cfg.m3_weight_decay, cfg.m3_softmax_weight,
-                   cfg.progress)
+    def of(cls, cfg: TrainConfig, num_labels: int) -> OneVsAll:
+        return cls(cfg.classifier_form, cfg.module3_negatives(num_labels), cfg.m3_epochs, cfg.m3_batch_size,
+                   cfg.m3_lr, cfg.m3_c, cfg.m3_d, cfg.m3_train_encoder, cfg.m3_encoder_lr, cfg.m3_weight_decay,
+                   cfg.m3_softmax_weight, cfg.progress, cfg.lazy_embedding)
 
     def fit(self, encoder: SiameseEncoder, label_emb: np.ndarray, docs: EncodedTexts, y: sp.csr_matrix,
             shortlist: np.ndarray | None, device: torch.device, rng: np.random.Generator) -> OneVsAll:
@@ -67,35 +118,43 @@ class OneVsAll:
             p = np.clip(freq / y.shape[0], 1e-6, 1 - 1e-6)
             prior = np.log(p / (1 - p))
         clf = _Classifiers(label_emb, self.form, prior).to(device)
-        params = [{"params": [p for p in clf.parameters() if p.requires_grad], "lr": self.lr,
-                   "weight_decay": self.weight_decay}]
+        # Shortlisted negatives touch a batch's rows only: Adam steps those (_RowAdam); all
+        # negatives touch every row.
+        rows: _RowAdam | None = None
+        opts: list = []
+        if self.negatives == "shortlist":
+            rows = _RowAdam(clf, self.lr, self.weight_decay)
+            opts.append(rows)
+        else:
+            opts.append(torch.optim.Adam([p for p in clf.parameters() if p.requires_grad], lr=self.lr,
+                                         weight_decay=self.weight_decay))
         encoder.requires_grad_(self.train_encoder)
         if self.train_encoder:
-            params.append({"params": list(encoder.parameters()), "lr": self.encoder_lr})
-        opt = torch.optim.Adam(params)
+            opts += encoder_optimizer(encoder, self.encoder_lr, self.lazy)
         trainable = np.flatnonzero(np.diff(y.indptr) > 0)
         self.losses_: list[float] = []
         encoder.train(self.train_encoder)
         for epoch in range(self.epochs):
             order = rng.permutation(trainable)
             self.losses_.append(run_epoch(
-                order, self.batch_size, lambda batch: self._loss(encoder, clf, docs, y, batch, shortlist, device),
-                opt, f"Module III epoch {epoch + 1}/{self.epochs}", self.progress))
+                order, self.batch_size, lambda batch: self._loss(encoder, clf, rows, docs, y, batch, shortlist, device),
+                opts, f"Module III epoch {epoch + 1}/{self.epochs}", self.progress))
         encoder.requires_grad_(True)
+        encoder.sparse_grad = False
         encoder.eval()
         with torch.no_grad():
             self.weights_ = clf.weight().float().cpu().numpy()
             self.bias_ = clf.bias.detach().float().cpu().numpy()
         return self
 
-    def _loss(self, encoder: SiameseEncoder, clf: _Classifiers, docs: EncodedTexts, y: sp.csr_matrix,
-              batch: np.ndarray, shortlist: np.ndarray | None, device: torch.device) -> torch.Tensor:
+    def _loss(self, encoder: SiameseEncoder, clf: _Classifiers, rows: _RowAdam | None, docs: EncodedTexts,
+              y: sp.csr_matrix, batch: np.ndarray, shortlist: np.ndarray | None, device: torch.device) -> torch.Tensor:
         ids, w = docs.rows(batch, device)
         with torch.set_grad_enabled(self.train_encoder):
             q = encoder(ids, w)
         yb = y[batch]
         valid = None
-        if self.negatives == "all":
+        if rows is None:
             target = torch.from_numpy(yb.toarray()).to(device)
             logits = q @ clf.weight().T + clf.bias
         else:
@@ -103,7 +162,8 @@ class OneVsAll:
             cols_t = torch.from_numpy(cols).to(device)
             valid, safe = cols_t >= 0, cols_t.clamp(min=0)
             target = torch.from_numpy(tgt).to(device)
-            logits = torch.einsum("bd,bkd->bk", q, clf.weight(safe)) + clf.bias[safe]
+            w, b = rows.rows(safe)
+            logits = torch.einsum("bd,bkd->bk", q, w) + b
         if self.form == "paper":
             pos_t = siamese_nll(logits, self.c, self.d, positive=True)
             per = target * pos_t + (1 - target) * siamese_nll(logits, self.c, self.d, positive=False)

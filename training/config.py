@@ -12,12 +12,14 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from service.engine.schema import LEXICAL_FORMS
+from service.engine.schema import LEXICAL_FORMS, VECTOR_DTYPES
 
 CLASSIFIER_FORMS = ("paper", "scaled_bias")
 # Metrics the validation tuning can weigh: ranking_metrics at ks (1, 5) with propensities.
 TUNABLE_METRICS = ("P@1", "P@5", "nDCG@1", "nDCG@5", "PSP@1", "PSP@5", "PSnDCG@1", "PSnDCG@5")
 DEFAULT_OBJECTIVE = {"P@1": 1.0, "P@5": 1.0, "PSP@5": 1.0}
+# m3_negatives "auto": all labels as negatives up to this many labels, the shortlist beyond.
+M3_ALL_MAX_LABELS = 50_000
 
 
 @dataclass
@@ -60,7 +62,10 @@ class TrainConfig:
     centroid_label_weight: float = 1.0
     # Module III: per-label classifiers
     classifier_form: str = "scaled_bias"
-    m3_negatives: str = "all"  # all | shortlist (large L)
+    # Negatives of each document in Module III: "all" L labels (O(N L D) an epoch), its Module II
+    # "shortlist" (hard negatives, O(N k D); the classifiers' rows then step sparsely), or "auto":
+    # all up to M3_ALL_MAX_LABELS labels, the shortlist beyond (bench/scale.py measured both).
+    m3_negatives: str = "auto"
     m3_epochs: int = 8
     m3_batch_size: int = 256
     m3_lr: float = 0.02
@@ -69,8 +74,15 @@ class TrainConfig:
     m3_train_encoder: bool = True  # fine-tune the encoder with the classifiers
     m3_encoder_lr: float = 0.005
     m3_weight_decay: float = 1e-5  # L2 on the classifiers; without it Module III overfits
+    # The encoder's token embedding stepped lazily (SparseAdam over the rows a batch uses) in
+    # Modules I and III: a dense Adam step costs V x D whatever the batch holds.
+    lazy_embedding: bool = True
     # weight of a softmax cross-entropy term added to the per-label BCE (m3_negatives "all")
     m3_softmax_weight: float = 0.0
+    # dtype of the bundle's [L, D] label vectors (classifiers, centroids, the tree's classifier):
+    # float16 halves what serving maps (10^6 labels: 3 x 1 GiB -> 3 x 0.5 GiB). Training rounds
+    # them to it before the indices and the tuning, so what is tuned is what is served.
+    vector_dtype: str = "float16"
     # The bundle's HNSW indices over [w_l, b_l] and mu_l: built before tuning, so the scoring
     # is tuned on the searches the bundle serves, and shipped as they are.
     index_m: int = 24
@@ -95,11 +107,22 @@ class TrainConfig:
     token_shortlist_width: int = 20
     serve_k_tok: int = 10
     serve_k_head: int = 32
+    # With tune_sources, tuning also chooses the sources: k_tok in {serve_k_tok,
+    # token_shortlist_width}, k_w and k_mu each in {serve value, 0, tune_k_hnsw}, and serves the
+    # cheapest choice (fewest HNSW searches, then the narrower token rows) whose validation
+    # objective is within tune_source_margin of the best: an HNSW index costs a search and ~1.2 KB
+    # of memory per label when served, so it is served only where it pays.
+    tune_sources: bool = True
+    tune_k_hnsw: int = 50
+    tune_source_margin: float = 0.5
     # The token table's lexical score (service/engine/lexical.py): "shares", "logistic" (fitted
     # by Adam with lexical_epochs, lexical_lr, L2 lexical_l2), or "auto": fit both and keep the
     # one whose tuned validation objective is higher.
     lexical_form: str = "auto"
     lexical_epochs: int = 100
+    # ...and at most this many steps (batches): 100 epochs of 10^6 documents were 100,000 steps;
+    # debian-deps (37 steps an epoch) and debian-tags reach neither cap before 100 epochs.
+    lexical_max_steps: int = 4000
     lexical_lr: float = 0.05
     lexical_l2: float = 1e-5
     lexical_batch_size: int = 1024
@@ -129,13 +152,29 @@ class TrainConfig:
     aggregated_label_texts: bool = True
     tree: dict[str, Any] = field(default_factory=dict)
 
+    def shortlist_choices(self, has_table: bool) -> list[tuple[int, int, int]]:
+        """(k_w, k_mu, k_tok) the tuning chooses among, the configured serve_* first."""
+        k_tok = self.serve_k_tok if has_table else 0
+        if not self.tune_sources:
+            return [(self.serve_k_w, self.serve_k_mu, k_tok)]
+        toks = dict.fromkeys([k_tok, self.token_shortlist_width] if has_table else [0])
+        ws = dict.fromkeys([self.serve_k_w, 0, self.tune_k_hnsw])
+        mus = dict.fromkeys([self.serve_k_mu, 0, self.tune_k_hnsw])
+        return [(w, mu, t) for w in ws for mu in mus for t in toks if w + mu + t > 0]
+
+    def module3_negatives(self, num_labels: int) -> str:
+        """m3_negatives with "auto" resolved for num_labels labels."""
+        if self.m3_negatives != "auto":
+            return self.m3_negatives
+        return "all" if num_labels <= M3_ALL_MAX_LABELS else "shortlist"
+
     @classmethod
     def tiny(cls) -> TrainConfig:
         """Trains in a few seconds on small generated data (test fixtures)."""
         return cls(
             dim=32, m1_epochs=4, m1_batch_size=128, m1_lr=0.02, m1_refresh_every=2, m3_epochs=4, m3_batch_size=128,
             m3_lr=0.02, val_max_docs=300, validation_rows=50, hnsw_ef=50, hnsw_ef_construction=50, m2_k_w=20,
-            m2_k_mu=20, serve_k_w=20, serve_k_mu=20,
+            m2_k_mu=20, serve_k_w=20, serve_k_mu=20, tune_sources=False,
             # one form, fitted once: the test fixtures' bundles hold the logistic table
             lexical_form="logistic", lexical_epochs=30, progress=False,
         )
@@ -162,19 +201,22 @@ class TrainConfig:
 
     def validate(self) -> None:
         _choice("classifier_form", self.classifier_form, CLASSIFIER_FORMS)
-        _choice("m3_negatives", self.m3_negatives, ("all", "shortlist"))
+        _choice("m3_negatives", self.m3_negatives, ("auto", "all", "shortlist"))
+        _choice("vector_dtype", self.vector_dtype, VECTOR_DTYPES)
         _choice("device", self.device, ("auto", "cpu", "cuda"))
         _choice("lexical_form", self.lexical_form, (*LEXICAL_FORMS, "auto"))
         _choice("aggregated_assignment", self.aggregated_assignment, ("closest", "expected"))
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
         for name in ("dim", "m1_batch_size", "m3_batch_size", "hnsw_m", "lexical_epochs", "lexical_batch_size",
+                     "lexical_max_steps",
                      "index_ef_construction", "index_ef_search"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.index_m < 2:
             raise ValueError("index_m must be >= 2")
-        for name in ("serve_k_w", "serve_k_mu", "serve_k_head", "token_shortlist_width"):
+        for name in ("serve_k_w", "serve_k_mu", "serve_k_head", "token_shortlist_width", "tune_k_hnsw",
+                     "tune_source_margin"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         if not 0 <= self.serve_k_tok <= self.token_shortlist_width:

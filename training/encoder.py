@@ -27,6 +27,9 @@ class SiameseEncoder(nn.Module):
         super().__init__()
         self.vocab_size = int(vocab_size)
         self.dim = int(dim)
+        # Row gradients of the token embedding as a sparse tensor (the rows a batch uses), for a
+        # lazy optimizer (encoder_optimizer): a dense Adam step touches all V x D values.
+        self.sparse_grad = False
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         emb = torch.randn(self.vocab_size, self.dim, generator=gen) / self.dim**0.5
         emb[0] = 0.0  # padding row
@@ -36,10 +39,21 @@ class SiameseEncoder(nn.Module):
         nn.init.zeros_(self.residual.weight)
 
     def forward(self, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        bag = (self.embedding[ids] * weights.unsqueeze(-1)).sum(dim=1)
+        bag = (F.embedding(ids, self.embedding, sparse=self.sparse_grad) * weights.unsqueeze(-1)).sum(dim=1)
         v = _unit(F.relu(bag))
         v = v + F.relu(self.residual(v))
         return _unit(v)
+
+
+def encoder_optimizer(encoder: SiameseEncoder, lr: float, lazy: bool) -> list[torch.optim.Optimizer]:
+    """Adam over the encoder; with `lazy`, the token embedding is updated only in the rows a
+    batch uses (SparseAdam: each step costs the batch's tokens, not V x D; a row's moments
+    advance only when it is used) and the residual block by Adam."""
+    encoder.sparse_grad = lazy
+    if not lazy:
+        return [torch.optim.Adam(encoder.parameters(), lr=lr)]
+    dense = [p for name, p in encoder.named_parameters() if name != "embedding"]
+    return [torch.optim.SparseAdam([encoder.embedding], lr=lr), torch.optim.Adam(dense, lr=lr)]
 
 
 def _unit(v: torch.Tensor) -> torch.Tensor:

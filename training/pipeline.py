@@ -14,8 +14,9 @@ import numpy as np
 import torch
 
 from service.engine.candidates import CandidateSources
-from service.engine.index import build_label_indices
+from service.engine.index import VectorIndex, build_label_indices
 from service.engine.labels import LabelTable
+from service.engine.lexical import TokenShortlist
 from service.engine.schema import HnswParams, Shortlist
 from service.engine.scorers import Calibration, LabelScorer
 from training.ann import AnnParams
@@ -60,13 +61,15 @@ def _train(data_dir: Path, cfg: TrainConfig, text_field: str, trn: Split | None 
         mu = Centroids(cfg.centroid_label_weight).fit(doc_emb, data.y, label_emb).vectors_
     report.test_module1(data, encoder, label_emb, mu, device)
     with report.stage("module3"):
+        m3 = OneVsAll.of(cfg, data.num_labels)
         negatives = None
-        if cfg.m3_negatives == "shortlist":
+        if m3.negatives == "shortlist":
             negatives = hard_negative_shortlists(doc_emb, label_emb, mu, cfg.m2_k_w, cfg.m2_k_mu, ann, cfg.seed)
-        clf = OneVsAll.of(cfg).fit(encoder, label_emb, data.docs, data.y, negatives, device, rng)
+        clf = m3.fit(encoder, label_emb, data.docs, data.y, negatives, device, rng)
         if cfg.m3_train_encoder:  # the encoder moved: the centroids live in the served encoder's space
             label_emb, doc_emb = embed(encoder, data.label_texts, device), embed(encoder, data.docs, device)
         centroids = Centroids(cfg.centroid_label_weight).fit(doc_emb, data.y, label_emb)
+        clf.weights_, centroids.vectors_ = _as_stored(clf.weights_, cfg), _as_stored(centroids.vectors_, cfg)
     with report.stage("token_shortlist"):
         lexical = (TokenTable.of(cfg).fit(data.docs, data.y, data.label_texts, data.tokenizer.vocab_size, device)
                    if cfg.token_shortlist_width else None)
@@ -75,19 +78,16 @@ def _train(data_dir: Path, cfg: TrainConfig, text_field: str, trn: Split | None 
         hnsw = HnswParams(M=cfg.index_m, ef_construction=cfg.index_ef_construction, ef_search=cfg.index_ef_search)
         indices = build_label_indices(clf.weights_, clf.bias_, centroids.vectors_, hnsw, cfg.seed)
     with report.stage("tuning"):
-        spec = Shortlist.served(cfg.serve_k_w, cfg.serve_k_mu, cfg.serve_k_tok if tables[0] is not None else 0,
-                                min(cfg.serve_k_head, data.num_labels), bool(np.any(clf.bias_ != 0)))
-        candidates = [CandidateSources(spec, clf.bias_, index_w=indices[0], index_mu=indices[1], table=t,
-                                       lexical=t is not None and t.weights is not None) for t in tables]
+        candidates = _candidate_sources(cfg, data.num_labels, clf.bias_, indices, tables)
         scorer = LabelScorer(clf.weights_, clf.bias_, centroids.vectors_, IDENTITY, IDENTITY)
         if cfg.tune:
-            tuner = ScoringTuner(cfg.classifier_form, cfg.tune_objective).fit(
+            tuner = ScoringTuner(cfg.classifier_form, cfg.tune_objective, margin=cfg.tune_source_margin).fit(
                 embed(encoder, data.val_texts, device), data.val_texts.ids.numpy(), data.val_texts.weights.numpy(),
                 data.truths(data.val), candidates, scorer, data.own_labels() if cfg.exclude_own_labels else None)
             scoring, table = tuner.scoring_, tuner.sources_.table
             report.validation(tuner)
         else:
-            table = tables[-1]
+            table = candidates[-1].table
             scoring = default_scoring(cfg.classifier_form, cfg.alpha, candidates[-1],
                                       table.form if table is not None else "shares")
     report.test_module3(data, encoder, LabelScorer.of(clf.weights_, clf.bias_, centroids.vectors_, scoring), device,
@@ -96,6 +96,7 @@ def _train(data_dir: Path, cfg: TrainConfig, text_field: str, trn: Split | None 
     if cfg.tree_enabled:
         with report.stage("tree"):
             tree = AdversarialTree(cfg.tree, cfg.seed).fit(doc_emb, data.trn.targets, data.num_labels)
+            tree.arrays_["classifier_weights"] = _as_stored(tree.arrays_["classifier_weights"], cfg)
     report.losses(m1.losses_, clf.losses_, getattr(lexical, "losses_", None))
     return Checkpoint(
         tokenizer=data.tokenizer, labels=LabelTable(data.labels.uids, data.labels.titles), encoder=encoder.cpu(),
@@ -118,6 +119,23 @@ def _torch_settings(cfg: TrainConfig) -> Iterator[None]:
     finally:
         torch.use_deterministic_algorithms(was_deterministic)
         torch.set_num_threads(threads)
+
+
+def _candidate_sources(cfg: TrainConfig, num_labels: int, bias: np.ndarray, indices: tuple[VectorIndex, VectorIndex],
+                       tables: list[TokenShortlist | None]) -> list[CandidateSources]:
+    """The shortlists the tuning chooses among (cfg.shortlist_choices), each with each lexical form."""
+    out = []
+    for k_w, k_mu, k_tok in cfg.shortlist_choices(tables[0] is not None):
+        spec = Shortlist.served(k_w, k_mu, k_tok, min(cfg.serve_k_head, num_labels), bool(np.any(bias != 0)))
+        for t in tables if k_tok else [None]:
+            out.append(CandidateSources(spec, bias, index_w=indices[0], index_mu=indices[1], table=t,
+                                        lexical=t is not None and t.weights is not None))
+    return out
+
+
+def _as_stored(vectors: np.ndarray, cfg: TrainConfig) -> np.ndarray:
+    """float32 vectors rounded to the bundle's vector_dtype (the values serving will read)."""
+    return np.ascontiguousarray(vectors, dtype=cfg.vector_dtype).astype(np.float32)
 
 
 def _device(cfg: TrainConfig) -> torch.device:

@@ -13,7 +13,7 @@ import torch
 
 from training.ann import AnnParams
 from training.config import TrainConfig
-from training.encoder import EncodedTexts, SiameseEncoder, embed, siamese_nll
+from training.encoder import EncodedTexts, SiameseEncoder, embed, encoder_optimizer, siamese_nll
 from training.epochs import run_epoch
 
 
@@ -22,20 +22,20 @@ class SiameseTrainer:
 
     def __init__(self, epochs: int = 2, batch_size: int = 256, lr: float = 0.01, c: float = 0.9, d: float = 1.5,
                  inbatch_negatives: int = 10, refresh_every: int = 2, ann_negatives: int = 20,
-                 ann: AnnParams | None = None, seed: int = 0, progress: bool = True) -> None:
+                 ann: AnnParams | None = None, seed: int = 0, progress: bool = True, lazy: bool = False) -> None:
         self.epochs, self.batch_size, self.lr, self.c, self.d = epochs, batch_size, lr, c, d
         self.inbatch_negatives, self.refresh_every, self.ann_negatives = inbatch_negatives, refresh_every, ann_negatives
         self.ann = ann or AnnParams(16, 100, 100, 1)
-        self.seed, self.progress = seed, progress
+        self.seed, self.progress, self.lazy = seed, progress, lazy
 
     @classmethod
     def of(cls, cfg: TrainConfig, ann: AnnParams) -> SiameseTrainer:
         return cls(cfg.m1_epochs, cfg.m1_batch_size, cfg.m1_lr, cfg.m1_c, cfg.m1_d, cfg.m1_inbatch_negatives,
-                   cfg.m1_refresh_every, cfg.m1_ann_negatives, ann, cfg.seed, cfg.progress)
+                   cfg.m1_refresh_every, cfg.m1_ann_negatives, ann, cfg.seed, cfg.progress, cfg.lazy_embedding)
 
     def fit(self, encoder: SiameseEncoder, docs: EncodedTexts, labels: EncodedTexts, y: sp.csr_matrix,
             device: torch.device, rng: np.random.Generator) -> SiameseTrainer:
-        opt = torch.optim.Adam(encoder.parameters(), lr=self.lr)
+        opts = encoder_optimizer(encoder, self.lr, self.lazy)
         trainable = np.flatnonzero(np.diff(y.indptr) > 0)
         ann_neg: np.ndarray | None = None
         self.losses_: list[float] = []
@@ -47,7 +47,8 @@ class SiameseTrainer:
             self.losses_.append(run_epoch(
                 order, self.batch_size,
                 lambda batch, negatives=ann_neg: self._loss(encoder, docs, labels, y, batch, negatives, device, rng),
-                opt, f"Module I epoch {epoch + 1}/{self.epochs}", self.progress))
+                opts, f"Module I epoch {epoch + 1}/{self.epochs}", self.progress))
+        encoder.sparse_grad = False
         encoder.eval()
         return self
 

@@ -98,8 +98,13 @@ def generate(
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    out = generate(args.out, args.labels, args.train_docs, args.test_docs, args.seed)
-    print(
-        f"wrote {args.labels} labels, {args.train_docs} training and {args.test_docs} test documents to {out}"
-    )
+    if args.profile == "scale":
+        from training.synthetic_scale import generate_scale
+
+        out = generate_scale(args.out, args.labels, args.train_docs, args.test_docs, args.seed)
+    else:
+        train_docs = 8000 if args.train_docs is None else args.train_docs
+        test_docs = 2000 if args.test_docs is None else args.test_docs
+        out = generate(args.out, args.labels, train_docs, test_docs, args.seed)
+    print(f"wrote a {args.profile} dataset of {args.labels} labels to {out}")
     return 0

@@ -89,6 +89,7 @@ def fit_token_logistic(
     k: int,
     *,
     epochs: int,
+    max_steps: int | None = None,
     lr: float,
     l2: float,
     batch_size: int,
@@ -120,6 +121,8 @@ def fit_token_logistic(
     opt = torch.optim.Adam([theta, bias], lr=lr)
     y = y.tocsr()
     losses: list[float] = []
+    if max_steps is not None:  # whole epochs, as many as max_steps steps allow (at least one)
+        epochs = min(epochs, max(1, max_steps // max(1, -(-len(doc_tokens) // batch_size))))
     for epoch in range(epochs):
         order = torch.randperm(len(doc_tokens), generator=generator).numpy()
         total = 0.0
@@ -174,15 +177,16 @@ class TokenTable:
     form is fitted on the first `served_k` columns, the ones served."""
 
     def __init__(self, width: int = 20, forms: tuple[str, ...] = ("shares", "logistic"), served_k: int = 10,
-                 epochs: int = 100, lr: float = 0.05, l2: float = 1e-5, batch_size: int = 1024, seed: int = 0) -> None:
-        self.width, self.forms, self.served_k = width, forms, served_k
+                 epochs: int = 100, lr: float = 0.05, l2: float = 1e-5, batch_size: int = 1024, seed: int = 0,
+                 max_steps: int | None = None) -> None:
+        self.width, self.forms, self.served_k, self.max_steps = width, forms, served_k, max_steps
         self.epochs, self.lr, self.l2, self.batch_size, self.seed = epochs, lr, l2, batch_size, seed
 
     @classmethod
     def of(cls, cfg: TrainConfig) -> TokenTable:
         forms = ("shares", "logistic") if cfg.lexical_form == "auto" else (cfg.lexical_form,)
         return cls(cfg.token_shortlist_width, forms, max(cfg.serve_k_tok, 1), cfg.lexical_epochs, cfg.lexical_lr,
-                   cfg.lexical_l2, cfg.lexical_batch_size, cfg.seed)
+                   cfg.lexical_l2, cfg.lexical_batch_size, cfg.seed, cfg.lexical_max_steps)
 
     def fit(self, docs: EncodedTexts, y: sp.csr_matrix, label_texts: EncodedTexts, vocab_size: int,
             device: torch.device) -> TokenTable:
@@ -192,8 +196,9 @@ class TokenTable:
             self.tables_.append(TokenShortlist(labels, shares))
         if "logistic" in self.forms:
             weights, bias, self.losses_ = fit_token_logistic(
-                docs.ids.numpy(), docs.weights.numpy(), y, labels, self.served_k, epochs=self.epochs, lr=self.lr,
-                l2=self.l2, batch_size=self.batch_size, seed=self.seed, device=device,
+                docs.ids.numpy(), docs.weights.numpy(), y, labels, self.served_k, epochs=self.epochs,
+                max_steps=self.max_steps, lr=self.lr, l2=self.l2, batch_size=self.batch_size, seed=self.seed,
+                device=device,
             )
             self.tables_.append(TokenShortlist(labels, weights, "logistic", bias))
         return self

@@ -1,11 +1,13 @@
 """A bundle directory opened for serving: files checked against the manifest (service.engine.schema),
 arrays memory-mapped, and the shortlist sources opened on first need.
 
-Opening checks every listed file's checksum, the manifest's shapes and the tokenizer, label
-table and vector arrays; the tree (served by its own route) is opened and checked too. The
-HNSW indices and the token table are opened, and checked, the first time a Predictor needs
-them: a bundle whose scoring searches no index never reads one. Answers through the whole path
-(the canary) are checked by service.engine.canary, which needs a Predictor.
+Opening checks that every listed file is there, the checksums of the files it reads, the
+manifest's shapes and the tokenizer, label table and vector arrays; the tree (served by its own
+route) is opened and checked too. The HNSW indices and the token table are opened, and checked
+(checksum included), the first time a Predictor needs them: a bundle whose scoring searches no
+index never reads one. The vector arrays are memory-mapped (service.engine.mapped), and the
+pages the checks read are handed back. Answers through the whole path (the canary) are checked
+by service.engine.canary, which needs a Predictor.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from service.engine.encoder import OnnxEncoder
 from service.engine.index import VectorIndex
 from service.engine.labels import LabelTable
 from service.engine.lexical import TokenShortlist
+from service.engine.mapped import MappedArrays
 from service.engine.schema import (
     CENTROIDS,
     CLASSIFIER_BIAS,
@@ -50,6 +53,8 @@ from service.engine.tokenizer import Tokenizer
 from service.engine.tree import TreeScorer
 
 IndexName = Literal["w", "mu"]
+# Files opened (and checksummed) on first need rather than at opening: the shortlist sources.
+ON_FIRST_NEED = frozenset((HNSW_W, HNSW_MU, TOKEN_SHORTLIST, *(n for names in LEXICAL_FILES.values() for n in names)))
 
 
 class Bundle:
@@ -69,6 +74,8 @@ class Bundle:
         self._indices: dict[tuple[str, int], VectorIndex] = {}
         self._table: TokenShortlist | None = None
         self._encoders: dict[int, OnnxEncoder] = {}
+        self._maps = MappedArrays()
+        self._unverified: set[str] = set()
         self._lock = threading.Lock()
 
     @property
@@ -99,6 +106,8 @@ class Bundle:
         if manifest.has_tree:
             bundle.tree = bundle._open_tree()
         bundle.validation_rows()
+        # The checks read every page of the maps: hand them back, serving touches a few rows.
+        bundle._maps.release()
         return bundle
 
     @classmethod
@@ -119,32 +128,47 @@ class Bundle:
         return bundle
 
     def _check_files(self, verify_checksums: bool) -> None:
+        """Every listed file is known and present; the checksums of the files read at opening
+        are verified now, those of the sources opened on first need (ON_FIRST_NEED) then: at
+        10^6 labels the HNSW indices are 2.6 GB that a bundle serving the token rows never reads."""
         files = self.manifest.files
         for name in REQUIRED_FILES:
             if name not in files:
                 raise BundleError(f"{self.path / MANIFEST}: required file {name} is not listed")
-        for name, digest in files.items():
+        for name in files:
             if name not in KNOWN_FILES:
                 raise BundleError(f"{self.path / MANIFEST}: unknown file {name} listed")
+            if not (self.path / name).is_file():
+                raise BundleError(f"{self.path / name}: listed in the manifest but missing")
+        self._unverified = set(files) if verify_checksums else set()
+        for name in sorted(set(files) - ON_FIRST_NEED):
+            self._verify(name)
+
+    def _verify(self, name: str) -> None:
+        """The file's sha256 against the manifest's, once (no-op without checksums)."""
+        if name in self._unverified:
             p = self.path / name
-            if not p.is_file():
-                raise BundleError(f"{p}: listed in the manifest but missing")
-            if verify_checksums and sha256_file(p) != digest:
+            if sha256_file(p) != self.manifest.files[name]:
                 raise BundleError(f"{p}: sha256 mismatch (file corrupted or modified)")
+            self._unverified.discard(name)
 
     def _load_array(self, name: str) -> np.ndarray:
+        """A memory map of the .npy file `name`, exactly as long as its header declares: bytes
+        past it mean the file is not what export wrote (appended to, or a header rewritten to
+        a smaller shape)."""
         p = self.path / name
         try:
-            arr = np.load(p, mmap_mode="r", allow_pickle=False)
+            return self._maps.npy(p)
         except Exception as exc:  # numpy parses a header with Python's tokenizer: any error type
             raise BundleError(f"{p}: unreadable array: {type(exc).__name__}: {exc}") from exc
-        # A map covers only what the header declares: bytes past it mean the file is not what
-        # export wrote (appended to, or a header rewritten to a smaller shape).
-        if isinstance(arr, np.memmap) and arr.offset + arr.nbytes != p.stat().st_size:
-            raise BundleError(f"{p}: {p.stat().st_size} bytes, the header declares {arr.offset + arr.nbytes}")
-        return arr
 
-    def _array(self, name: str, shape: tuple[int, ...], dtype: type = np.float32, of: str = MANIFEST) -> np.ndarray:
+    @property
+    def vector_dtype(self) -> np.dtype:
+        """dtype of the [L, D] label vectors (schema: the manifest's vector_dtype)."""
+        return np.dtype(self.manifest.vector_dtype)
+
+    def _array(self, name: str, shape: tuple[int, ...], dtype: type | np.dtype = np.float32,
+               of: str = MANIFEST) -> np.ndarray:
         """The array `name`, of the `shape` that file `of` implies; a float array is also checked
         finite: NaN in one row silently drops that label from every answer (a NaN score never
         ranks), Inf makes it win every one."""
@@ -156,6 +180,7 @@ class Bundle:
             bad = _first_non_finite(arr)
             if bad is not None:
                 raise BundleError(f"{self.path / name}: non-finite value at flat index {bad}")
+            self._maps.release()  # at once: the peak while opening holds one array, not all
         return arr
 
     def _open_tokenizer(self) -> Tokenizer:
@@ -178,9 +203,9 @@ class Bundle:
             raise BundleError(str(exc)) from exc
         if len(self.labels) != m.num_labels:
             raise BundleError(f"{self.path / LABELS}: {len(self.labels)} labels, manifest says {m.num_labels}")
-        self.classifiers = self._array(CLASSIFIERS, (m.num_labels, m.dim))
+        self.classifiers = self._array(CLASSIFIERS, (m.num_labels, m.dim), self.vector_dtype)
         self.classifier_bias = self._array(CLASSIFIER_BIAS, (m.num_labels,))
-        self.centroids = self._array(CENTROIDS, (m.num_labels, m.dim))
+        self.centroids = self._array(CENTROIDS, (m.num_labels, m.dim), self.vector_dtype)
 
     def _check_lexical_files(self) -> None:
         """The token table's files agree with the manifest's scoring (opened on first need)."""
@@ -220,9 +245,14 @@ class Bundle:
 
     def _open_tree(self) -> TreeScorer:
         try:
-            with np.load(self.path / TREE, allow_pickle=False) as z:
-                tree = TreeScorer.from_arrays({k: z[k] for k in z.files})
+            arrays = self._maps.npz(self.path / TREE)
+            weights = arrays.get("classifier_weights")
+            if weights is not None and weights.dtype != self.vector_dtype:
+                raise ValueError(f"classifier_weights are {weights.dtype}, the manifest's vector_dtype is "
+                                 f"{self.vector_dtype}")
+            tree = TreeScorer.from_arrays(arrays)
             tree.validate(self.manifest.num_labels, self.manifest.dim)
+            self._maps.release()
         except Exception as exc:  # a damaged zip raises zipfile's, zlib's or numpy's own errors
             raise BundleError(f"{self.path / TREE}: {type(exc).__name__}: {exc}") from exc
         return tree
@@ -239,6 +269,7 @@ class Bundle:
             index = self._indices.get((name, ef))
             if index is None:
                 file, dim = (HNSW_W, m.dim + 1) if name == "w" else (HNSW_MU, m.dim)
+                self._verify(file)
                 try:
                     index = VectorIndex.load(self.path / file, dim=dim, count=m.num_labels, ef_search=ef)
                 except ValueError as exc:
@@ -254,11 +285,15 @@ class Bundle:
         with self._lock:
             if self._table is None:
                 self._table = self._open_token_table()
+                self._maps.release()
         return self._table
 
     def _open_token_table(self) -> TokenShortlist:
         m = self.manifest
         p = self.path / TOKEN_SHORTLIST
+        for name in sorted(ON_FIRST_NEED - {HNSW_W, HNSW_MU}):
+            if name in m.files:
+                self._verify(name)
         labels = self._load_array(TOKEN_SHORTLIST)
         if labels.dtype != np.int32 or labels.ndim != 2 or labels.shape[0] != m.vocab_size:
             raise BundleError(f"{p}: expected int32 [{m.vocab_size}, M], found {labels.dtype} {labels.shape}")
@@ -348,6 +383,7 @@ class Bundle:
             self._indices.clear()
             self._table = None
             self._encoders.clear()
+            self._maps.clear()
 
 
 _CHUNK = 1 << 20

@@ -11,9 +11,9 @@ A bundle is a directory BUNDLE_ROOT/VERSION, immutable once written:
                          pages are the file's, shared by every process serving the bundle
   tokenizer.json         service.engine.tokenizer.Tokenizer
   labels.jsonl           service.engine.labels.LabelTable (row i = label i everywhere)
-  classifiers.npy        [L, D] float32 w_l (memory-mapped)
+  classifiers.npy        [L, D] w_l, the manifest's vector_dtype (memory-mapped)
   classifier_bias.npy    [L] float32 b_l (memory-mapped)
-  centroids.npy          [L, D] float32 mu_l (memory-mapped)
+  centroids.npy          [L, D] mu_l, the manifest's vector_dtype (memory-mapped)
   hnsw_w.bin             service.engine.index.VectorIndex over [w_l, b_l] (MIPS, rows centred, dim D + 1)
   hnsw_mu.bin            service.engine.index.VectorIndex over mu_l (MIPS, rows centred, dim D)
   token_shortlist.npy    optional: [vocab_size, M] int32, per token id the labels it co-occurred
@@ -23,7 +23,9 @@ A bundle is a directory BUNDLE_ROOT/VERSION, immutable once written:
   token_shortlist_weights.npy  optional: [vocab_size, M] float32, signed weights of the
                          (token, label) slots (lexical_form "logistic")
   token_shortlist_bias.npy     optional: [L] float32, the logistic form's per-label bias
-  tree.npz               optional: the adversarial tree scorer's arrays (service.engine.tree)
+  tree.npz               optional: the adversarial tree scorer's arrays (service.engine.tree);
+                         its classifier_weights in the manifest's vector_dtype, stored (not
+                         compressed) so that a reader can memory-map it
   validation.jsonl       optional: held-out {"text", "target_ind"} rows for a quality gate
   shard_labels.npy       format 2, a shard's (manifest `shard`): [L] int64, the parent bundle's
                          id of each label row, increasing (service.engine.sharding; written by
@@ -45,8 +47,11 @@ Versioning policy (what a reader does with a bundle from another writer):
   manifest and shard_labels.npy, both or neither; a format-1 manifest with them is refused.
   Readers that know neither refuse a shard by the two rules above; a bundle without them reads
   as before.
-- Array dtypes are fixed per file (float32 vectors, int32 token table); a reader refuses any
-  other. Another dtype (float16 vectors) comes with a format bump that says where it applies.
+- Array dtypes are fixed per file (int32 token table, float32 biases and lexical weights); a
+  reader refuses any other. The [L, D] label vectors (classifiers, centroids, the tree's
+  classifier weights) are the manifest's `vector_dtype`: format 2 added it, float16 halves what
+  a 10^6-label bundle maps (scores are computed in float32 from the stored values); format 1
+  bundles are float32 (the field's default) and stay readable.
 """
 
 from __future__ import annotations
@@ -58,10 +63,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-# 2: the encoder's initializers may live in encoder.onnx.data (format 1: inside encoder.onnx);
-# a bundle may be a shard of another (`shard`, shard_labels.npy).
+# 2: the encoder's initializers may live in encoder.onnx.data, the [L, D] label vectors may be
+# float16 (`Manifest.vector_dtype`), and a bundle may be a shard of another (`shard`,
+# shard_labels.npy); format 1: the encoder in encoder.onnx, float32, no shards.
 FORMAT_VERSION = 2
 READABLE_FORMATS = (1, 2)
+VectorDtype = Literal["float32", "float16"]
+VECTOR_DTYPES: tuple[str, ...] = ("float32", "float16")
 
 MANIFEST = "manifest.json"
 ENCODER = "encoder.onnx"
@@ -225,8 +233,16 @@ class Manifest(_Strict):
     training_config: dict[str, Any] = Field(default_factory=dict)
     canary: list[CanaryQuery] = Field(default_factory=list)
     files: dict[str, str]
+    # dtype of the [L, D] label vectors (format 2; format 1 is float32)
+    vector_dtype: VectorDtype = "float32"
     # LEGACY: written by exports before 2026-11-24 (the tree's beam is in tree.npz); ignored.
     tree_default_beam: int | None = Field(None, exclude=True)
+
+    @model_validator(mode="after")
+    def _dtype_of_format(self) -> Manifest:
+        if self.format_version < 2 and self.vector_dtype != "float32":
+            raise ValueError(f"vector_dtype {self.vector_dtype!r} needs format_version 2")
+        return self
 
     @property
     def has_tree(self) -> bool:

@@ -18,7 +18,10 @@ from service.engine.schema import CalibrationKind, CalibrationSpec, Scoring
 
 _SORT_WHOLE_ROWS = 256  # top_k sorts rows this short outright
 _GATHER_ROWS = 64  # queries whose candidate rows are gathered at once
-EXACT_CHUNK = 512  # queries scored against all labels at once
+EXACT_CHUNK = 512  # queries scored against all labels at once, at most
+# ...and at most this many (query, label) scores at once: [chunk, L] float32 arrays of 128 MiB
+# (a few live at a time), so exact scoring of 10^6 labels does not need gigabytes.
+EXACT_SCORES_AT_ONCE = 1 << 25
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,11 @@ def top_k(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return part[rows, order], part_scores[rows, order]
 
 
+def exact_chunk(num_labels: int) -> int:
+    """Queries scored against all num_labels labels at once."""
+    return max(1, min(EXACT_CHUNK, EXACT_SCORES_AT_ONCE // max(num_labels, 1)))
+
+
 class LabelScorer:
     """The combined score of labels for query embeddings, over a shortlist or over all labels.
 
@@ -136,9 +144,10 @@ class LabelScorer:
         return logits, sims
 
     def _dots(self, rows: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        # float16 vectors (a bundle's vector_dtype): the gathered rows are scored in float32.
         col = q[:, :, None]
-        return (np.matmul(self.w.take(rows, axis=0), col)[:, :, 0],
-                np.matmul(self.mu.take(rows, axis=0), col)[:, :, 0])
+        return (np.matmul(self.w.take(rows, axis=0).astype(np.float32, copy=False), col)[:, :, 0],
+                np.matmul(self.mu.take(rows, axis=0).astype(np.float32, copy=False), col)[:, :, 0])
 
     def score(self, q: np.ndarray, cands: np.ndarray, alpha: float, lexical: np.ndarray | None = None) -> np.ndarray:
         """Combined scores float32 [B, C] of candidate ids [B, C]; -1 entries score -inf."""
@@ -157,16 +166,17 @@ class LabelScorer:
         lexical: Callable[[slice], np.ndarray] | None = None,
         exclude: list[np.ndarray] | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Top k over ALL labels (brute force, EXACT_CHUNK queries at a time): ids int64 [B, k]
+        """Top k over ALL labels (brute force, exact_chunk(L) queries at a time): ids int64 [B, k]
         and scores float32 [B, k]. lexical(rows) gives the dense lexical scores [rows, L] of a
         slice of the queries; exclude, per query, label ids never returned (scored -inf)."""
         k = min(k, self.num_labels)
         ids = np.empty((len(q), k), dtype=np.int64)
         best = np.empty((len(q), k), dtype=np.float32)
-        for start in range(0, len(q), EXACT_CHUNK):
-            part = slice(start, start + EXACT_CHUNK)
-            logits = q[part] @ self.w.T + self.b
-            sims = q[part] @ self.mu.T
+        chunk = exact_chunk(self.num_labels)
+        for start in range(0, len(q), chunk):
+            part = slice(start, start + chunk)
+            logits = _times_rows(q[part], self.w) + self.b
+            sims = _times_rows(q[part], self.mu)
             lex = lexical(part) if lexical is not None and self.lexical_weight else None
             scores = combine_scores(logits, sims, alpha, self.f, self.g, lex, self.lexical_weight)
             scores = scores.astype(np.float32, copy=False)
@@ -174,3 +184,17 @@ class LabelScorer:
                 scores[row, drop] = -np.inf
             ids[part], best[part] = top_k(scores, k)
         return ids, best
+
+
+_ROWS_CAST_AT_ONCE = 1 << 16
+
+
+def _times_rows(q: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """q @ m.T in float32; rows of a float16 m are cast a block at a time, not all L at once."""
+    if m.dtype == np.float32:
+        return q @ m.T
+    out = np.empty((len(q), len(m)), dtype=np.float32)
+    for start in range(0, len(m), _ROWS_CAST_AT_ONCE):
+        block = m[start : start + _ROWS_CAST_AT_ONCE].astype(np.float32)
+        out[:, start : start + len(block)] = q @ block.T
+    return out

@@ -88,7 +88,10 @@ class TreeScorer:
         self.node_weights = np.asarray(node_weights, dtype=np.float32)
         self.node_bias = np.asarray(node_bias, dtype=np.float32)
         self.leaf_labels = np.asarray(leaf_labels, dtype=np.int64)
-        self.classifier_weights = np.asarray(classifier_weights, dtype=np.float32)
+        # float16 (a bundle's vector_dtype) stays float16: a float32 copy of [L, D] at 10^6 labels
+        # is a gigabyte; search() scores the beam's rows in float32.
+        weights = np.asarray(classifier_weights)
+        self.classifier_weights = weights if weights.dtype == np.float16 else weights.astype(np.float32, copy=False)
         self.classifier_bias = np.asarray(classifier_bias, dtype=np.float32)
         self.default_beam = int(default_beam)
         self._check_structure()
@@ -236,7 +239,8 @@ class TreeScorer:
         q = np.asarray(q, dtype=np.float32)
         labels, logp = self.beam_leaves(q, max(beam, k))
         safe = np.maximum(labels, 0)
-        xi = np.einsum("bcd,bd->bc", self.classifier_weights[safe], q) + self.classifier_bias[safe]
+        rows = self.classifier_weights[safe].astype(np.float32, copy=False)
+        xi = np.einsum("bcd,bd->bc", rows, q) + self.classifier_bias[safe]
         scores = np.where(labels >= 0, xi + logp, -np.inf)
         kk = min(k, scores.shape[1])
         order = np.argsort(-scores, axis=1, kind="stable")[:, :kk]

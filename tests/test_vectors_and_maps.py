@@ -1,0 +1,108 @@
+"""Label vectors stored as float16 (bundle format 2) answer as their float32 values do; format 1
+stays readable; a source the scoring does not search is checksummed when first opened."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _api_helpers import sample_titles
+
+from model_export.export import export_checkpoint
+from service.engine import BundleError, Predictor, PredictorOptions
+from service.engine.schema import CLASSIFIERS, ENCODER, ENCODER_DATA, MANIFEST, sha256_file
+
+
+@pytest.fixture(scope="module")
+def texts(synthetic_data: Path) -> list[str]:
+    return sample_titles(synthetic_data, 40)
+
+
+@pytest.fixture(scope="module")
+def float32_bundle(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """v1's checkpoint exported with float32 label vectors."""
+    ckpt = tmp_path_factory.mktemp("ckpt32") / "v1"
+    shutil.copytree(checkpoints["v1"], ckpt)
+    meta = json.loads((ckpt / "checkpoint.json").read_text())
+    meta["config"]["vector_dtype"] = "float32"
+    (ckpt / "checkpoint.json").write_text(json.dumps(meta))
+    root = tmp_path_factory.mktemp("bundles32")
+    return export_checkpoint(ckpt, root, "v1", n_parity=50)
+
+
+def test_float16_vectors_answer_as_the_float32_values_they_hold(bundle_root: Path, float32_bundle: Path,
+                                                                texts: list[str]) -> None:
+    half, single = Predictor.load(bundle_root / "v1"), Predictor.load(float32_bundle)
+    assert half.bundle.classifiers.dtype == np.float16 and single.bundle.classifiers.dtype == np.float32
+    assert (bundle_root / "v1" / CLASSIFIERS).stat().st_size < 0.6 * (float32_bundle / CLASSIFIERS).stat().st_size
+    # training rounded the vectors to float16 before tuning: the same values, the same answers
+    for call in ("predict_ids", "predict_exact_ids", "predict_tree_ids"):
+        ids_h, scores_h = getattr(half, call)(texts[:40], k=5)
+        ids_s, scores_s = getattr(single, call)(texts[:40], k=5)
+        np.testing.assert_array_equal(ids_h, ids_s)
+        np.testing.assert_allclose(scores_h, scores_s, rtol=1e-5, atol=1e-6)
+
+
+def _set_manifest(bundle: Path, **fields) -> None:
+    manifest = json.loads((bundle / MANIFEST).read_text())
+    manifest.update(fields)
+    (bundle / MANIFEST).write_text(json.dumps(manifest))
+
+
+def test_a_format_1_bundle_still_serves_as_its_format_2_export_and_float16_needs_format_2(
+        float32_bundle: Path, tmp_path: Path, texts: list[str]) -> None:
+    """Format 2 keeps the embedding table in encoder.onnx.data, which onnxruntime maps (pages
+    shared by every process serving the bundle), and may hold float16 vectors; a format 1 bundle
+    keeps the table inside encoder.onnx and float32 vectors, and answers the same."""
+    import onnx  # the train extra's: the service itself never imports it
+
+    old = tmp_path / "v1"
+    shutil.copytree(float32_bundle, old)
+    embedding = max(onnx.load(str(old / ENCODER), load_external_data=False).graph.initializer,
+                    key=lambda t: int(np.prod(t.dims)))
+    assert {e.key: e.value for e in embedding.external_data}["location"] == ENCODER_DATA
+    predictor = Predictor.load(old)
+    assert str(old / ENCODER_DATA) in Path("/proc/self/maps").read_text()
+    want = predictor.predict_ids(texts[:5], k=5)
+    predictor.bundle.close()
+    onnx.save(onnx.load(str(old / ENCODER)), str(old / ENCODER))  # inline again
+    (old / ENCODER_DATA).unlink()
+    manifest = json.loads((old / MANIFEST).read_text())
+    del manifest["vector_dtype"], manifest["files"][ENCODER_DATA]
+    manifest["files"][ENCODER] = sha256_file(old / ENCODER)
+    (old / MANIFEST).write_text(json.dumps({**manifest, "format_version": 1}))
+    got = Predictor.load(old)
+    assert got.bundle.classifiers.dtype == np.float32
+    ids, scores = got.predict_ids(texts[:5], k=5)
+    assert np.array_equal(ids, want[0]) and np.allclose(scores, want[1], atol=1e-6)
+    _set_manifest(old, vector_dtype="float16")
+    with pytest.raises(BundleError, match="vector_dtype 'float16' needs format_version 2"):
+        Predictor.load(old)
+
+
+def test_vectors_of_another_dtype_than_the_manifest_says_are_refused(float32_bundle: Path, tmp_path: Path) -> None:
+    bundle = tmp_path / "v1"
+    shutil.copytree(float32_bundle, bundle)
+    _set_manifest(bundle, vector_dtype="float16")  # the files hold float32
+    with pytest.raises(BundleError, match=r"classifiers\.npy: expected float16"):
+        Predictor.load(bundle)
+
+
+def test_an_index_the_scoring_does_not_search_is_checksummed_when_first_opened(
+        checkpoints: dict[str, Path], tmp_path: Path, texts: list[str]) -> None:
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(checkpoints["v1"], ckpt)
+    meta = json.loads((ckpt / "checkpoint.json").read_text())
+    meta["scoring"]["shortlist"].update(k_w=0, k_mu=0)  # served: the token rows and the head
+    (ckpt / "checkpoint.json").write_text(json.dumps(meta))
+    bundle = export_checkpoint(ckpt, tmp_path / "bundles", "v1", n_parity=50)
+    data = bytearray((bundle / "hnsw_w.bin").read_bytes())
+    data[-5] ^= 0xFF
+    (bundle / "hnsw_w.bin").write_bytes(bytes(data))
+    predictor = Predictor.load(bundle)  # never reads hnsw_w.bin
+    assert predictor.predict_ids(texts[:3], k=3)[0].shape == (3, 3)
+    with pytest.raises(BundleError, match=r"hnsw_w\.bin: sha256 mismatch"):
+        Predictor(predictor.bundle, PredictorOptions(k_w=10))
