@@ -234,9 +234,6 @@ class Bundle:
             if shard is not None or listed:
                 raise BundleError(f"{self.path / MANIFEST}: a shard has both `shard` and {SHARD_LABELS}, or neither")
             return None
-        if self.manifest.format_version < 2:
-            raise BundleError(f"{self.path / MANIFEST}: a shard is a format 2 bundle, this one says format "
-                              f"{self.manifest.format_version}")
         ids = np.asarray(self._array(SHARD_LABELS, (self.manifest.num_labels,), np.int64))
         if ids[0] < 0 or ids[-1] >= shard.parent_num_labels or np.any(np.diff(ids) <= 0):
             raise BundleError(f"{self.path / SHARD_LABELS}: parent label ids must increase within "

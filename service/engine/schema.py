@@ -239,7 +239,9 @@ class Manifest(_Strict):
     tree_default_beam: int | None = Field(None, exclude=True)
 
     @model_validator(mode="after")
-    def _dtype_of_format(self) -> Manifest:
+    def _fields_of_format(self) -> Manifest:
+        if self.format_version < 2 and self.shard is not None:
+            raise ValueError(f"a shard is a format 2 bundle, this one says format {self.format_version}")
         if self.format_version < 2 and self.vector_dtype != "float32":
             raise ValueError(f"vector_dtype {self.vector_dtype!r} needs format_version 2")
         return self
