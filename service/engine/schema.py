@@ -23,7 +23,15 @@ A bundle is a directory BUNDLE_ROOT/VERSION, immutable once written:
   token_shortlist_weights.npy  optional: [vocab_size, M] float32, signed weights of the
                          (token, label) slots (lexical_form "logistic")
   token_shortlist_bias.npy     optional: [L] float32, the logistic form's per-label bias
-  tree.npz               optional: the adversarial tree scorer's arrays (service.engine.tree)
+  token_overflow.npy     optional (format 2): [vocab_size, W] int32, per token id the labels added
+                         after training (service.engine.label_changes) whose text holds it, every
+                         slot served beside the first k_tok of token_shortlist.npy; -1 padded
+  token_overflow_weights.npy   optional (format 2): [vocab_size, W] float32, their slots' weights in
+                         the bundle's lexical form (0 in empty slots)
+  labels_retired.npy     optional (format 2): int32 [R], sorted distinct ids of retired labels: no
+                         scorer returns them (their rows stay, so label ids never move)
+  tree.npz               optional: the adversarial tree scorer's arrays (service.engine.tree), over
+                         labels 0..tree_labels-1 (`Lineage.tree_labels`; all L without a lineage)
   validation.jsonl       optional: held-out {"text", "target_ind"} rows for a quality gate
 
 Versioning policy (what a reader does with a bundle from another writer):
@@ -51,7 +59,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-# 2: the encoder's initializers may live in encoder.onnx.data (format 1: inside encoder.onnx).
+# 2: the encoder's initializers may live in encoder.onnx.data (format 1: inside encoder.onnx);
+# labels changed after training (Manifest.lineage, the token overflow, retired labels, a tree
+# over the first tree_labels labels). Every format-1 bundle reads as it did.
 FORMAT_VERSION = 2
 READABLE_FORMATS = (1, 2)
 
@@ -71,10 +81,13 @@ TOKEN_SHORTLIST_SHARES = "token_shortlist_shares.npy"
 TOKEN_SHORTLIST_WEIGHTS = "token_shortlist_weights.npy"
 TOKEN_SHORTLIST_BIAS = "token_shortlist_bias.npy"
 VALIDATION = "validation.jsonl"
+TOKEN_OVERFLOW = "token_overflow.npy"
+TOKEN_OVERFLOW_WEIGHTS = "token_overflow_weights.npy"
+RETIRED_LABELS = "labels_retired.npy"
 REQUIRED_FILES = (ENCODER, TOKENIZER, LABELS, CLASSIFIERS, CLASSIFIER_BIAS, CENTROIDS, HNSW_W, HNSW_MU)
 OPTIONAL_FILES = (
     ENCODER_DATA, TREE, VALIDATION, TOKEN_SHORTLIST, TOKEN_SHORTLIST_SHARES, TOKEN_SHORTLIST_WEIGHTS,
-    TOKEN_SHORTLIST_BIAS,
+    TOKEN_SHORTLIST_BIAS, TOKEN_OVERFLOW, TOKEN_OVERFLOW_WEIGHTS, RETIRED_LABELS,
 )
 KNOWN_FILES = frozenset((*REQUIRED_FILES, *OPTIONAL_FILES))
 
@@ -180,6 +193,18 @@ class CanaryQuery(_Strict):
     top_scores: list[float]
 
 
+class Lineage(_Strict):
+    """A bundle derived from another by label changes (service.engine.label_changes), not by training."""
+
+    parent: str  # the version it was derived from
+    base: str  # the trained bundle at the start of the chain (versions are named after it)
+    added: int = Field(ge=0)  # labels added by this change
+    retired: int = Field(ge=0)  # labels retired by this change
+    # Labels 0..tree_labels-1 are the trained ones the tree scorer covers; rows added later are
+    # not in the tree until the next training.
+    tree_labels: int = Field(ge=0)
+
+
 class Manifest(_Strict):
     format_version: int
     version: str
@@ -195,12 +220,24 @@ class Manifest(_Strict):
     training_config: dict[str, Any] = Field(default_factory=dict)
     canary: list[CanaryQuery] = Field(default_factory=list)
     files: dict[str, str]
+    lineage: Lineage | None = None
     # LEGACY: written by exports before 2026-11-24 (the tree's beam is in tree.npz); ignored.
     tree_default_beam: int | None = Field(None, exclude=True)
+
+    @model_validator(mode="after")
+    def _lineage_fits(self) -> Manifest:
+        if self.lineage is not None and self.lineage.tree_labels > self.num_labels:
+            raise ValueError(f"lineage.tree_labels {self.lineage.tree_labels} > num_labels {self.num_labels}")
+        return self
 
     @property
     def has_tree(self) -> bool:
         return TREE in self.files
+
+    @property
+    def tree_labels(self) -> int:
+        """How many labels (the first ones) the tree scorer covers."""
+        return self.num_labels if self.lineage is None else self.lineage.tree_labels
 
 
 def sha256_file(path: Path) -> str:
