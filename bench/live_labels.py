@@ -8,10 +8,11 @@ the served bundle, compare with the model (and omikuji) retrained with them.
    document's targets): the "held-out" model is trained and exported on the rest; the
    "retrained" model on everything, and omikuji (bench/peers.py's peer) on everything.
 2. With --tune, the added labels' priors (service.engine.label_changes.LabelEditor's
-   prior_quantile and lexical_quantile) are chosen on validation documents: a seeded sample of
-   the TRAINING documents, scored against their held-out labels (which the held-out model never
-   saw) and all the others; the objective is overall P@1 + P@5 + recall@10 on the held-out
-   labels. The test split is never looked at.
+   prior_quantile and lexical_quantile) are chosen on validation documents: the training
+   documents training itself held out for validation (training.dataset.TrainingSet's split,
+   reproduced from the held-out checkpoint's seed; neither model trained on them), scored
+   against their held-out labels and all the others; the objective is overall P@1 + P@5 +
+   recall@10 on the held-out labels. The test split is never looked at.
 3. Live: a real server serves the held-out model; under load (closed-loop clients), the
    held-out labels are added by their text in `batches` POST /admin/labels calls, then
    `retire_batches` batches of labels are retired. Failed requests, latency before and during
@@ -192,6 +193,15 @@ def new_labels(data_dir: Path, uids: Sequence[str]) -> list[NewLabel]:
 
     rows = {str(r["uid"]): r for r in read_jsonl(find_split_file(data_dir, "lbl"))}
     return [NewLabel(uid, rows[uid]["title"], rows[uid].get("content")) for uid in uids]
+
+
+def validation_documents(trn: list[dict[str, Any]], checkpoint: Path) -> list[dict[str, Any]]:
+    """The training documents a training run with the checkpoint's config held out for
+    validation (training.dataset.TrainingSet.load: the first draw of default_rng(seed))."""
+    cfg = json.loads((checkpoint / "checkpoint.json").read_text(encoding="utf-8"))["config"]
+    n_val = min(cfg["val_max_docs"], max(1, int(len(trn) * cfg["val_fraction"])))
+    perm = np.random.default_rng(cfg["seed"]).permutation(len(trn))
+    return [trn[i] for i in sorted(perm[:n_val].tolist())]
 
 
 def tune_priors(holdout: Path, added: list[NewLabel], val: Truth, own_excluded: bool, scratch: Path,
@@ -379,8 +389,8 @@ def render(result: dict[str, Any]) -> str:
                 "against the model that never saw them (bar: within 1).", ""]
     tune = result.get("tuning")
     if tune:
-        out += ["Priors chosen on validation documents (training documents, scored against every label; "
-                "objective P@1 + P@5 + held-out recall@10):", "",
+        out += [f"Priors chosen on validation documents ({tune[0]['docs']} training documents no model trained on, "
+                "scored against every label; objective P@1 + P@5 + held-out recall@10; best first):", "",
                 "| prior_quantile | lexical_quantile | objective | P@1 | P@5 | held R@10 |",
                 "|---|---|---|---|---|---|"]
         out += [f"| {r['prior_quantile']} | {r['lexical_quantile']} | {r['objective']:.2f} | {r['P@1']:.2f} | "
@@ -420,7 +430,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--config", default=None, help="training config (bench/tags-config.json for debian-tags)")
     p.add_argument("--tune", action=argparse.BooleanOptionalAction, default=False)
-    p.add_argument("--val-docs", type=int, default=2000)
     p.add_argument("--batches", type=int, default=10)
     p.add_argument("--retire-batches", type=int, default=5)
     p.add_argument("--retire", type=int, default=100, help="labels retired in all (trained, not held-out ones)")
@@ -446,7 +455,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result: dict[str, Any] = {"command": command_line(), "commit": git_revision(),
                               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     if args.tune:
-        val = Truth(data, held_uids, [trn[i] for i in rng.choice(len(trn), args.val_docs, replace=False)])
+        val = Truth(data, held_uids, validation_documents(trn, out / "ckpt-holdout"))
         grid = [(pq, lq) for pq in (0.25, 0.5, 0.75, 0.9) for lq in (0.25, 0.5, 0.9)]
         result["tuning"] = tune_priors(holdout, added, val, args.filter == "own", out / "tune-scratch", grid)
     truth = Truth(data, held_uids, tst)

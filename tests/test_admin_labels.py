@@ -10,7 +10,9 @@ import httpx
 import pytest
 from test_admin import AUTH, TOKEN
 from test_label_changes import _label_rows, _new_labels
+from test_processes import _wait_for
 
+from service.api.active_state import ActiveVersionFile
 from service.api.registry import BundleRegistry, TooManyPendingChanges
 from service.engine.label_changes import LabelChange, NewLabel
 from service.engine.store import BundleStore
@@ -103,12 +105,13 @@ def test_labels_added_and_retired_live_serve_at_once_survive_restarts_and_fail_n
             httpx.Client(base_url=s.url, headers=AUTH, timeout=120) as c:
         assert c.get("/readyz").json()["version"] == "v2.labels-4"
         assert _uids(c, [lab.title for lab in added]) == tops
+        # The versions served before are kept in the state directory: rollback undoes the retirement.
         r = c.post("/admin/bundles/rollback")
-        assert r.status_code == 404  # the history is the process's; the active version is what restarts keep
-        r = c.post("/admin/bundles/activate", json={"version": "v2.labels-3"})
-        assert r.status_code == 200
+        assert r.status_code == 200 and r.json()["active"] == "v2.labels-3", r.text
         assert added[1].uid in _uids(c, [added[1].title])[0]
-        assert c.post("/admin/bundles/rollback").json()["active"] == "v2.labels-4"
+        r = c.post("/admin/bundles/activate", json={"version": "v2.labels-4"})
+        assert r.status_code == 200
+        assert added[1].uid not in _uids(c, [added[1].title])[0]
 
 
 def test_changes_arriving_together_are_applied_in_order_and_none_is_lost(bundle_root, synthetic_data, tmp_path):
@@ -189,3 +192,51 @@ def test_a_full_queue_refuses_new_changes_and_loses_none_it_accepted(bundle_root
         assert registry.submit_label_change(LabelChange(retire=["a"])).result(timeout=120)["active"] == "v2.labels-2"
     finally:
         registry.close()
+
+
+def test_with_several_processes_changes_on_any_process_are_served_by_all_in_order(bundle_root, synthetic_data,
+                                                                                   tmp_path):
+    batches = [_new_labels(synthetic_data, 3, f"p{i}") for i in range(4)]
+    env = _env(tmp_path / "state", SHORTLIST_PROCESSES="2", SHORTLIST_ACCESS_LOG="false",
+               SHORTLIST_LOAD_CHECK_IN_CHILD="false")
+
+    def post(batch):  # a connection each, so the kernel spreads them over both processes
+        with httpx.Client(base_url=s.url, headers=AUTH, timeout=120) as c:
+            return c.post("/admin/labels", json=_body(batch))
+
+    with serve(bundle_root, env=env, log_dir=tmp_path, timeout=120) as s:
+        pids = _wait_for(s.url, {"v2"})
+        with ThreadPoolExecutor(len(batches)) as pool:
+            answers = list(pool.map(post, batches))
+        assert [r.status_code for r in answers] == [200] * 4, [r.text for r in answers if r.status_code != 200]
+        # One after another whichever process took them, each from the version before it: none lost.
+        assert sorted(r.json()["active"] for r in answers) == [f"v2.labels-{i}" for i in range(1, 5)]
+        assert sorted(r.json()["num_labels"] for r in answers) == [303, 306, 309, 312]
+        last = next(r.json() for r in answers if r.json()["active"] == "v2.labels-4")
+        assert last["processes"] == {pid: "v2.labels-4" for pid in pids}  # answered once every process serves it
+        added = [lab.uid for b in batches for lab in b]
+        for i in range(10):  # a new connection each: both processes know every added label
+            with httpx.Client(base_url=s.url) as c:
+                r = c.post("/v1/predict", json={"text": f"query {i}", "k": 3, "exclude": added})
+                assert r.status_code == 200 and r.json()["version"] == "v2.labels-4", r.text
+
+
+def test_a_change_on_a_process_behind_the_record_is_derived_from_the_recorded_version(bundle_root, tmp_path):
+    """Two registries sharing a state directory, as two serving processes do: a change on the one
+    that has not yet followed the other's change builds on it rather than undoing it."""
+    state = tmp_path / "state"
+    state.mkdir()
+    first, second = (BundleRegistry(BundleStore(bundle_root, state), check_timeout_s=None,
+                                    remembered=ActiveVersionFile(state)) for _ in range(2))
+    try:
+        first.activate("v2")
+        second.follow("v2")
+        assert first.change_labels(LabelChange(add=[NewLabel("a", "kama zani")]))["active"] == "v2.labels-1"
+        assert second.active_version == "v2"  # not followed yet
+        result = second.change_labels(LabelChange(add=[NewLabel("b", "kama zani")]))
+        assert result["active"] == "v2.labels-2" and result["change"].parent == "v2.labels-1"
+        assert result["change"].num_labels == 302
+        assert second.active.bundle.labels.ids_of(["a", "b"]) == [300, 301]
+    finally:
+        first.close()
+        second.close()

@@ -10,12 +10,12 @@ import asyncio
 import json
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Path
 
 from service.api.dependencies import State, require_admin
-from service.api.errors import ApiError, invalid
+from service.api.errors import ApiError
 from service.api.observability import error_log
 from service.api.predict import documented
 from service.api.processes import ProcessesDiverged
@@ -129,7 +129,7 @@ async def _change(state: State, change: LabelChange, single_uid: bool = False) -
 
 def admin_router(models: RequestModels) -> APIRouter:
     router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)], tags=["admin"])
-    AddLabels, RetireLabels = models.add_labels, models.retire_labels  # noqa: N806
+    AddLabels, RetireLabels, Uid = models.add_labels, models.retire_labels, models.uid  # noqa: N806
 
     @router.get("/bundles", response_model=BundleList, responses=documented(401, 403, 429))
     async def bundles(state: State) -> BundleList:
@@ -167,9 +167,8 @@ def admin_router(models: RequestModels) -> APIRouter:
 
     @router.delete("/labels/{uid}", response_model=LabelChangeResult, responses={**LABEL_ERRORS, **documented(404)},
                    summary="retire one label (404 if no live label has this uid)")
-    async def retire_label(uid: str, state: State) -> LabelChangeResult:
-        if not uid.strip() or len(uid) > state.settings.max_uid_chars:
-            raise invalid("path.uid", f"a uid is 1 to {state.settings.max_uid_chars} characters, not blank")
+    async def retire_label(uid: Annotated[Uid, Path(description="the uid of a live label")],
+                           state: State) -> LabelChangeResult:
         return await _change(state, LabelChange(retire=[uid]), single_uid=True)
 
     return router

@@ -83,11 +83,12 @@ class RequestModels:
             text: str
 
         self.predict, self.tree_predict, self.echo = PredictRequest, TreePredictRequest, EchoRequest
-        self.add_labels, self.retire_labels = _label_requests(settings, Text)
+        self.add_labels, self.retire_labels, self.uid = _label_requests(settings, Text)
 
 
-def _label_requests(settings: Settings, text: Any) -> tuple[type[BaseModel], type[BaseModel]]:
-    """The admin label-change bodies under the limits of `settings` (`text`: a request's text type)."""
+def _label_requests(settings: Settings, text: Any) -> tuple[type[BaseModel], type[BaseModel], Any]:
+    """The admin label-change bodies under the limits of `settings` (`text`: a request's text type),
+    and the type of a uid (a path parameter too)."""
     Uid = Annotated[str, StringConstraints(min_length=1, max_length=settings.max_uid_chars, pattern=NON_BLANK)]  # noqa: N806
 
     class NewLabel(_Request):
@@ -104,7 +105,7 @@ def _label_requests(settings: Settings, text: Any) -> tuple[type[BaseModel], typ
         uids: list[Uid] = Field(min_length=1, max_length=settings.max_label_batch,
                                 description="uids of live labels to retire, as one new bundle version")
 
-    return AddLabelsRequest, RetireLabelsRequest
+    return AddLabelsRequest, RetireLabelsRequest, Uid
 
 
 class Label(BaseModel):
