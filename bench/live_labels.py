@@ -355,9 +355,15 @@ def scale_run(out: Path, data_dir: Path, target: int) -> dict[str, Any]:
         LabelEditor().derive(parent, LabelChange(add=fill), root, "big")
         print(f"[scale] grew to {len(parent.labels) + len(fill)} labels in {time.perf_counter() - t0:.1f}s", flush=True)
         parent.close()
-    num_labels = Bundle.open(root / "big").manifest.num_labels
-    extra = [{"uid": f"scale-extra-{i}", "title": f"{lab}"} for i, lab in enumerate(
-        r["title"] for r in read_jsonl(out / "bundles" / "holdout" / "labels.jsonl", limit=1000))]
+    big = Bundle.open(root / "big")
+    num_labels = big.manifest.num_labels
+    # 1,000 texts the vocabulary can place: test document titles, from the end (the fill took the first ones).
+    from training.data import find_split_file
+
+    titles = [r["title"] for r in read_jsonl(find_split_file(data_dir, "tst"))][::-1]
+    extra = [{"uid": f"scale-extra-{i}", "title": t} for i, t in enumerate(
+        t for t in titles if big.tokenizer.encode(t)[0])][:1000]
+    big.close()
     state = out / "state-scale"
     shutil.rmtree(state, ignore_errors=True)
     env = {"SHORTLIST_ADMIN_TOKEN": TOKEN, "SHORTLIST_STATE_DIR": str(state)}
@@ -456,7 +462,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     if args.tune:
         val = Truth(data, held_uids, validation_documents(trn, out / "ckpt-holdout"))
-        grid = [(pq, lq) for pq in (0.25, 0.5, 0.75, 0.9) for lq in (0.25, 0.5, 0.9)]
+        grid = [(pq, lq) for pq in (0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0) for lq in (0.5, 0.9, 1.0)]
         result["tuning"] = tune_priors(holdout, added, val, args.filter == "own", out / "tune-scratch", grid)
     truth = Truth(data, held_uids, tst)
     held_set = set(held_uids)
