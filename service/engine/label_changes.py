@@ -145,9 +145,10 @@ class LabelEditor:
                 parent=parent.version, base=parent.manifest.lineage.base if parent.manifest.lineage else parent.version,
                 added=len(change.add), retired=len(retired), tree_labels=parent.manifest.tree_labels)
             fields = _manifest_fields(parent, version, len(parent.labels) + len(change.add), lineage)
-            store.write_manifest(staging, fields)
+            linked = {name: parent.manifest.files[name] for name, how in shared.items() if how == "link"}
+            written = store.write_manifest(staging, fields, known=linked)
             fields["canary"] = _canaries(staging, [c.text for c in parent.manifest.canary])
-            store.write_manifest(staging, fields)
+            store.write_manifest(staging, fields, known=written.files)
             store.finalize_bundle(staging, out_root, version)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)

@@ -105,9 +105,13 @@ def staging_dir(root: Path, version: str) -> Path:
     return staging
 
 
-def write_manifest(staging: Path, fields: dict[str, Any]) -> Manifest:
-    """Checksum every file in `staging` and write its manifest.json from `fields`."""
-    files = {p.name: sha256_file(p) for p in sorted(staging.iterdir()) if p.is_file() and p.name != MANIFEST}
+def write_manifest(staging: Path, fields: dict[str, Any], known: dict[str, str] | None = None) -> Manifest:
+    """Checksum every file in `staging` and write its manifest.json from `fields`. `known`: the
+    checksums of files already hashed (a manifest written a moment ago) or shared by hard link
+    with a bundle whose checksums were verified; loading the bundle verifies them all again."""
+    known = known or {}
+    files = {p.name: known.get(p.name) or sha256_file(p) for p in sorted(staging.iterdir())
+             if p.is_file() and p.name != MANIFEST}
     missing = [name for name in REQUIRED_FILES if name not in files]
     if missing:
         raise BundleError(f"{staging}: cannot write manifest, missing {', '.join(missing)}")
