@@ -50,7 +50,9 @@ def test_added_labels_are_found_by_their_text_and_the_parent_is_left_as_it_was(b
     parent_dir = bundle_root / "v1"
     before = {p.name: sha256_file(p) for p in parent_dir.iterdir()}
     added = _new_labels(synthetic_data, 30)
-    path = _derive(parent_dir, tmp_path, LabelChange(add=added))
+    # A typical label's prior (the median): how far an added label reaches into other queries is
+    # the prior's trade-off, chosen on real validation data (bench/live_labels.py), not the mechanism's.
+    path = _derive(parent_dir, tmp_path, LabelChange(add=added), prior_quantile=0.5, lexical_quantile=0.5)
     parent, derived = Predictor.load(parent_dir), Predictor.load(path)  # checksums, structure, canaries
     L = parent.num_labels
     assert derived.num_labels == L + 30
