@@ -103,6 +103,13 @@ NPY_ID_FAULTS: dict[str, Mutation] = {
     "dtype": _npy_rewrite(lambda a, rng: a.astype(np.int64)),
     "shape": _npy_rewrite(lambda a, rng: a[:, :-1]),
 }
+# labels_retired.npy: sorted distinct label ids.
+RETIRED_FAULTS: dict[str, Mutation] = {
+    "id_out_of_range": _npy_rewrite(_bad_id),
+    "dtype": _npy_rewrite(lambda a, rng: a.astype(np.int64)),
+    "shape": _npy_rewrite(lambda a, rng: a[None, :]),
+    "repeated_id": _npy_rewrite(lambda a, rng: np.sort(np.r_[a, a[int(rng.integers(len(a)))]]).astype(a.dtype)),
+}
 
 
 _HEADER_FIELDS = ("offset_level0", "max_elements", "count", "size", "label_offset", "offset_data", "max_level",
@@ -310,7 +317,8 @@ def catalogue(files: list[str]) -> list[tuple[str, str, Mutation, bool]]:
             out.append((name, kind, mutation, must))
         targeted: dict[str, Mutation] = {}
         if name.endswith(".npy"):
-            targeted = NPY_ID_FAULTS if name == "token_shortlist.npy" else NPY_FLOAT_FAULTS
+            targeted = {"token_shortlist.npy": NPY_ID_FAULTS, "token_overflow.npy": NPY_ID_FAULTS,
+                        "labels_retired.npy": RETIRED_FAULTS}.get(name, NPY_FLOAT_FAULTS)
         elif name.startswith("hnsw_"):
             targeted = HNSW_FAULTS
         elif name == "tree.npz":

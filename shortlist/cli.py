@@ -63,12 +63,31 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler="model_export.export:run_cli")
 
 
+def _add_labels(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("labels", help="add or retire labels of a bundle without retraining (a new bundle version)")
+    labels_sub = p.add_subparsers(dest="labels_command", required=True)
+    for name, text in (("add", "add labels by their text"), ("remove", "retire labels: never returned again")):
+        c = labels_sub.add_parser(name, help=text)
+        c.add_argument("bundle", help="the bundle folder to derive from (left unchanged)")
+        if name == "add":
+            c.add_argument("--labels", required=True,
+                           help='JSON lines {"uid", "title", "content"?} (an XC label file; .gz allowed)')
+        else:
+            c.add_argument("uids", nargs="*", help="uids of the labels to retire")
+            c.add_argument("--uids-file", help="more uids, one a line")
+        c.add_argument("--out", help="bundle root to write to (default: the bundle's own root)")
+        c.add_argument("--version", help="the new version's name (default: BASE.labels-N)")
+        c.set_defaults(handler="service.engine.label_changes:run_cli")
+
+
 def _add_shard(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("shard", help="split a bundle's labels into N shard bundles (for `shortlist serve-ray`)")
     p.add_argument("bundle", help="bundle folder")
     p.add_argument("--shards", type=int, required=True, help="number of shards N")
     p.add_argument("--out", required=True, help="root to write OUT/VERSION/shard-I-of-N into (VERSION: the bundle's)")
     p.set_defaults(handler="model_export.shard:run_cli")
+
+
 
 
 def _add_eval(sub: argparse._SubParsersAction) -> None:
@@ -134,8 +153,8 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shortlist", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_train, _add_generate, _add_data, _add_export, _add_shard, _add_eval, _add_serve, _add_serve_ray,
-                _add_demo):
+    for add in (_add_train, _add_generate, _add_data, _add_export, _add_labels, _add_shard, _add_eval, _add_serve,
+                _add_serve_ray, _add_demo):
         add(sub)
     return parser
 

@@ -1,28 +1,54 @@
-"""Admin routes (bearer token): list bundles, activate one, roll back. Loads run on the
-registry's loader threads, off the event loop."""
+"""Admin routes (bearer token): list bundles, activate one, roll back, add and retire labels.
+Loads run on the registry's loader threads and label changes on its change thread, off the
+event loop.
 
-from __future__ import annotations
+No `from __future__ import annotations` here: the label request models are made per app from
+its settings, and FastAPI reads a route's body type from its evaluated annotation.
+"""
 
 import asyncio
 import json
+import re
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Path
 
 from service.api.dependencies import State, require_admin
 from service.api.errors import ApiError
 from service.api.observability import error_log
 from service.api.predict import documented
 from service.api.processes import ProcessesDiverged
-from service.api.registry import ActivationFailed, ActivationInProgress, BundleNotFound
-from service.api.schemas import ActivateRequest, ActivationResult, BundleInfo, BundleList
+from service.api.registry import (
+    ActivationFailed,
+    ActivationInProgress,
+    BundleNotFound,
+    LabelChangesUnavailable,
+    NoBundle,
+    TooManyPendingChanges,
+)
+from service.api.schemas import (
+    ActivateRequest,
+    ActivationResult,
+    BundleInfo,
+    BundleLineage,
+    BundleList,
+    ErrorDetail,
+    LabelChangeResult,
+    RequestModels,
+)
+from service.engine.label_changes import LabelChange, LabelChangeRejected, NewLabel
 
 # 401 / 403: no or a wrong token; 404: no such bundle (or nothing to roll back to); 409: another
 # activation is running; 422: the bundle was refused (the serving one keeps serving).
-# 429: too many wrong admin tokens from this address (dependencies.AuthFailures). 503: with
+# 429: too many wrong admin tokens from this address (dependencies.MinuteBudget). 503: with
 # several processes, one could not serve the version the others now serve (service.api.processes).
 ACTIVATION_ERRORS = documented(401, 403, 404, 409, 422, 429, 503)
+# 409: no state directory to write to; 422: a label or uid that does not fit (named), or the new
+# bundle refused; 429: past label_changes_per_minute or max_pending_label_changes; 503: nothing
+# serves, or with several processes one could not serve the new version.
+LABEL_ERRORS = documented(400, 401, 403, 409, 413, 415, 422, 429, 503)
+_ENGINE_FIELD = re.compile(r"^(add|retire)(\[\d+\])?(\.\w+)?$")
 
 
 async def _activate(state: State, fn: Callable[..., dict[str, Any]], *args: Any) -> ActivationResult:
@@ -47,16 +73,73 @@ async def _activate(state: State, fn: Callable[..., dict[str, Any]], *args: Any)
     return ActivationResult(**result)
 
 
-def admin_router() -> APIRouter:
+def _request_field(engine_field: str, single_uid: bool) -> str:
+    """An engine problem's field ("add[3].uid", "retire[0]") as the request names it."""
+    if single_uid and engine_field.startswith("retire"):
+        return "path.uid"
+    m = _ENGINE_FIELD.match(engine_field)
+    if m is None:
+        return "body"
+    kind, index, attr = m.groups()
+    return ("body.labels" if kind == "add" else "body.uids") + (index or "") + (attr or "")
+
+
+async def _change(state: State, change: LabelChange, single_uid: bool = False) -> LabelChangeResult:
+    """Queue a label change, wait until it serves (or is refused) and answer with the new version."""
+    wait = state.label_changes.retry_after("all")
+    if wait is not None:
+        raise ApiError(429, "too_many_requests", f"more than {state.settings.label_changes_per_minute} label changes "
+                       f"this minute: retry in {wait} s", headers={"Retry-After": str(wait)})
+    try:
+        future = state.registry.submit_label_change(change)
+    except LabelChangesUnavailable as exc:
+        raise ApiError(409, "label_changes_unavailable", str(exc)) from None
+    except TooManyPendingChanges as exc:
+        raise ApiError(429, "too_many_requests", str(exc), headers={"Retry-After": "1"}) from None
+    except NoBundle as exc:
+        raise ApiError(503, "not_ready", str(exc)) from None
+    try:
+        # Shielded: a client that leaves does not cancel a change once accepted.
+        result = await asyncio.shield(asyncio.wrap_future(future))
+    except LabelChangeRejected as exc:
+        details = [ErrorDetail(field=_request_field(f, single_uid), message=m) for f, m in exc.problems]
+        if single_uid and any(m.startswith("no label") or "retired already" in m for _, m in exc.problems):
+            raise ApiError(404, "label_not_found", "; ".join(d.message for d in details), details) from None
+        raise ApiError(422, "invalid_request", "; ".join(f"{d.field}: {d.message}" for d in details[:10]),
+                       details[:10]) from None
+    except ActivationFailed as exc:
+        state.metrics.failed_activations.labels("invalid").inc()
+        error_log.error(json.dumps({"event": "label_change_refused", "message": str(exc)}))
+        raise ApiError(422, "bundle_rejected", str(exc)) from None
+    except ProcessesDiverged as exc:
+        state.metrics.failed_activations.labels("diverged").inc()
+        error_log.error(json.dumps({"event": "processes_diverged", "message": str(exc)}))
+        raise ApiError(503, "processes_diverged", str(exc)) from None
+    except NoBundle as exc:
+        raise ApiError(503, "not_ready", str(exc)) from None
+    report = result["change"]
+    state.label_changes.record("all")  # the budget counts versions made, not refusals
+    state.metrics.activation_seconds.observe(result["seconds"])
+    return LabelChangeResult(active=result["active"], previous=result["previous"],
+                             seconds=report.seconds + result["seconds"], derive_seconds=report.seconds,
+                             added=report.added, retired=report.retired, num_labels=report.num_labels,
+                             tree_labels=report.tree_labels, quality=result["quality"],
+                             processes=result.get("processes", {}))
+
+
+def admin_router(models: RequestModels) -> APIRouter:
     router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)], tags=["admin"])
+    AddLabels, RetireLabels, Uid = models.add_labels, models.retire_labels, models.uid  # noqa: N806
 
     @router.get("/bundles", response_model=BundleList, responses=documented(401, 403, 429))
     async def bundles(state: State) -> BundleList:
         rows = await asyncio.wrap_future(state.registry.in_loader(state.registry.list))
         return BundleList(active=state.registry.active_version, bundles=[
-            BundleInfo(version=m.version, created_at=m.created_at, active=active, has_tree=m.has_tree,
-                       metrics=m.metrics)
-            for m, active in rows
+            BundleInfo(version=b.version, created_at=b.manifest.created_at, active=active,
+                       has_tree=b.manifest.has_tree, place=b.place, num_labels=b.manifest.num_labels,
+                       lineage=BundleLineage(**b.manifest.lineage.model_dump()) if b.manifest.lineage else None,
+                       metrics=b.manifest.metrics)
+            for b, active in rows
         ])
 
     @router.post("/bundles/activate", response_model=ActivationResult,
@@ -69,5 +152,23 @@ def admin_router() -> APIRouter:
                  summary="swap back to the previously active bundle")
     async def rollback(state: State) -> ActivationResult:
         return await _activate(state, state.registry.rollback)
+
+    @router.post("/labels", response_model=LabelChangeResult, responses=LABEL_ERRORS,
+                 summary="add labels by their text: a new bundle version derived from the active one, activated; "
+                 "queued behind changes in progress")
+    async def add_labels(req: AddLabels, state: State) -> LabelChangeResult:
+        labels = [NewLabel(lab.uid, lab.title, lab.content) for lab in req.labels]
+        return await _change(state, LabelChange(add=labels))
+
+    @router.post("/labels/retire", response_model=LabelChangeResult, responses=LABEL_ERRORS,
+                 summary="retire labels: never returned again by any scorer (a new bundle version)")
+    async def retire_labels(req: RetireLabels, state: State) -> LabelChangeResult:
+        return await _change(state, LabelChange(retire=list(req.uids)))
+
+    @router.delete("/labels/{uid}", response_model=LabelChangeResult, responses={**LABEL_ERRORS, **documented(404)},
+                   summary="retire one label (404 if no live label has this uid)")
+    async def retire_label(uid: Annotated[Uid, Path(description="the uid of a live label")],
+                           state: State) -> LabelChangeResult:
+        return await _change(state, LabelChange(retire=[uid]), single_uid=True)
 
     return router

@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, Response
 from service.api.active_state import ActiveVersionFile
 from service.api.admin import admin_router
 from service.api.batching import EngineRunner
-from service.api.dependencies import AuthFailures, ServiceState, State
+from service.api.dependencies import MinuteBudget, ServiceState, State
 from service.api.errors import install_error_handlers
 from service.api.observability import ObservabilityMiddleware, ServiceMetrics, error_log, setup_logging
 from service.api.predict import Answer, answer_here, predict_router
@@ -27,6 +27,7 @@ from service.api.request_body import RequestBodyMiddleware
 from service.api.schemas import Health, RequestModels
 from service.api.settings import Settings
 from service.engine import heap
+from service.engine.store import BundleStore
 
 log = logging.getLogger("shortlist.api")
 VERSION = "0.1.0"
@@ -40,10 +41,11 @@ def build_state(settings: Settings) -> ServiceState:
         metrics.set_active(new)
 
     registry = BundleRegistry(
-        settings.bundle_root, engine_threads=settings.engine_threads,
+        BundleStore(settings.bundle_root, settings.state_dir), engine_threads=settings.engine_threads,
         quality_gate_min_p1=settings.quality_gate_min_p1, drain_timeout_s=settings.drain_timeout_s,
         on_swap=on_swap, loader_nice=settings.loader_nice, remembered=_remembered(settings),
         check_timeout_s=settings.load_check_timeout_s if settings.load_check_in_child else None,
+        max_pending_changes=settings.max_pending_label_changes,
     )
     runner = EngineRunner(
         settings.workers, batching=settings.batching, max_batch=settings.batch_max_size,
@@ -55,7 +57,8 @@ def build_state(settings: Settings) -> ServiceState:
         group = ProcessGroup(settings.state_dir, registry, settings.process_sync_interval_s,
                              converge_timeout_s=settings.load_check_timeout_s)
     return ServiceState(settings, registry, runner, metrics, RequestModels(settings),
-                        AuthFailures(settings.admin_auth_failures_per_minute), group)
+                        MinuteBudget(settings.admin_auth_failures_per_minute),
+                        MinuteBudget(settings.label_changes_per_minute), group)
 
 
 def _remembered(settings: Settings) -> ActiveVersionFile | None:
@@ -140,14 +143,14 @@ def create_app(settings: Settings | None = None, *, state: ServiceState | None =
     app.include_router(predict_router(state.models, settings, answer))
     app.include_router(_probes())
     if admin and settings.admin_token is not None:
-        app.include_router(admin_router())
+        app.include_router(admin_router(state.models))
     return app
 
 
 def create_admin_app(state: ServiceState) -> FastAPI:
     """Admin routes (and liveness) only, for a separate port; shares the serving app's registry."""
     app = _new_app(state, "Shortlist admin")
-    app.include_router(admin_router())
+    app.include_router(admin_router(state.models))
 
     @app.get("/healthz", response_model=Health)
     async def healthz() -> Health:

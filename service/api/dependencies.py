@@ -21,9 +21,10 @@ from service.api.schemas import RequestModels
 from service.api.settings import Settings
 
 
-class AuthFailures:
-    """Wrong admin tokens per client address in the current minute: past the budget, the
-    client's admin requests get 429 until the minute is over (guessing slowed to that rate)."""
+class MinuteBudget:
+    """Events per key in the current minute, and how long a key past `per_minute` must wait:
+    wrong admin tokens per client address (past the budget, the client's admin requests get 429
+    until the minute is over: guessing slowed to that rate), label changes accepted."""
 
     WINDOW_S = 60.0
 
@@ -58,7 +59,8 @@ class ServiceState:
     runner: EngineRunner
     metrics: ServiceMetrics
     models: RequestModels
-    auth_failures: AuthFailures
+    auth_failures: MinuteBudget
+    label_changes: MinuteBudget
     group: ProcessGroup | None = None  # with several serving processes (service.api.processes)
 
 

@@ -97,7 +97,9 @@ def predict_router(models: RequestModels, settings: Settings, answer: Answer = a
         return await answer(request, "alpha", req, {"alpha": req.alpha})
 
     @router.post("/v1/predict/tree", response_model=PredictResponse, responses={**PREDICT_ERRORS, **documented(409)},
-                 summary="top-k labels per text from the bias-corrected tree scorer (409: the bundle has no tree)")
+                 summary="top-k labels per text from the bias-corrected tree scorer (409: the bundle has no tree)",
+                 description="Serves the labels the tree was trained on: labels added since (POST /admin/labels) "
+                 "join it at the next training (GET /admin/bundles: lineage.tree_labels); retired labels never.")
     async def predict_tree(req: TreePredictRequest, request: Request) -> Response:
         return await answer(request, "tree", req, {"beam": req.beam})
 

@@ -3,6 +3,10 @@
 Every request takes a lease on the active `Engine` and keeps it until its answer is
 built, so a swap never changes the bundle under a request. The retired engine is closed
 once its last lease is returned (or after a drain timeout).
+
+Label changes (service.engine.label_changes) derive a new bundle from the active one into the
+state directory and activate it through the same path as any activation: one way for a new
+version to serve. They run one at a time, in the order they arrived, on their own thread.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from pathlib import Path
 from typing import TypeVar
 
@@ -23,10 +27,11 @@ from service.api.active_state import HISTORY_LENGTH, ActiveVersionFile, StateBus
 from service.engine import heap
 from service.engine.bundle import Bundle
 from service.engine.isolated import check_in_child
+from service.engine.label_changes import ChangeReport, LabelChange, LabelEditor, derived_version
 from service.engine.metrics import ranking_metrics
 from service.engine.predictor import Predictor, PredictorOptions
-from service.engine.schema import BundleError, Manifest, validate_version_name
-from service.engine.store import list_bundles, newest_version, resolve_bundle_dir
+from service.engine.schema import BundleError, validate_version_name
+from service.engine.store import BundleStore, StoredBundle
 
 log = logging.getLogger("shortlist.registry")
 
@@ -45,6 +50,14 @@ class ActivationFailed(Exception):
 
 class NoBundle(Exception):
     """Nothing is serving yet (HTTP 503)."""
+
+
+class LabelChangesUnavailable(Exception):
+    """No state directory to write derived bundles to (HTTP 409)."""
+
+
+class TooManyPendingChanges(Exception):
+    """The queue of label changes is full (HTTP 429)."""
 
 
 class Leased:
@@ -148,10 +161,10 @@ class Engine(Leased):
         self.bundle.close()
 
 
-def _newest_or_none(root: Path) -> str | None:
+def _newest_or_none(store: BundleStore) -> str | None:
     """The version `activate(None)` picks, or None when there is none."""
     try:
-        return newest_version(root)
+        return store.newest_version()
     except BundleError:
         return None
 
@@ -170,7 +183,7 @@ def _lower_priority(nice: int) -> None:
 class BundleRegistry:
     def __init__(
         self,
-        root: str | Path,
+        root: str | Path | BundleStore,
         *,
         engine_threads: int = 1,
         quality_gate_min_p1: float | None = None,
@@ -179,8 +192,17 @@ class BundleRegistry:
         loader_nice: int = 0,
         remembered: ActiveVersionFile | None = None,
         check_timeout_s: float | None = 600.0,
+        editor: LabelEditor | None = None,
+        max_pending_changes: int = 64,
     ) -> None:
-        self.root = Path(root)
+        self.store = root if isinstance(root, BundleStore) else BundleStore(root)
+        self.editor = editor or LabelEditor()
+        self.max_pending_changes = max_pending_changes
+        self._pending_changes = 0
+        self._pending_lock = threading.Lock()
+        # One thread: label changes apply one at a time, in the order they were submitted.
+        self._changes = ThreadPoolExecutor(max_workers=1, thread_name_prefix="label-changes",
+                                           initializer=_lower_priority, initargs=(loader_nice,))
         # None: bundles load into this process without a checking process first.
         self.check_timeout_s = check_timeout_s
         self.remembered = remembered
@@ -225,20 +247,88 @@ class BundleRegistry:
 
     # -- admin side ---------------------------------------------------------------------
 
-    def list(self) -> list[tuple[Manifest, bool]]:
-        """(manifest, is active) for every readable bundle under the root, oldest first."""
+    def list(self) -> list[tuple[StoredBundle, bool]]:
+        """(bundle, is active) for every readable bundle of every place, oldest first."""
         active = self.active_version
-        return [(m, m.version == active) for m in list_bundles(self.root)]
+        return [(b, b.version == active) for b in self.store.list()]
+
+    def submit_label_change(self, change: LabelChange) -> Future:
+        """Queue `change` behind those already waiting; the future gives change_labels' result.
+
+        Raises LabelChangesUnavailable without a state directory, TooManyPendingChanges when
+        max_pending_changes are waiting (a change is never dropped once accepted)."""
+        if self.store.derived_root is None:
+            raise LabelChangesUnavailable("label changes need a state directory (SHORTLIST_STATE_DIR) to write "
+                                          "the bundles they make")
+        with self._pending_lock:
+            if self._pending_changes >= self.max_pending_changes:
+                raise TooManyPendingChanges(f"{self._pending_changes} label changes are waiting; retry shortly")
+            self._pending_changes += 1
+        try:
+            future = self._changes.submit(self.change_labels, change)
+        except RuntimeError:  # shut down
+            self._change_done(None)
+            raise NoBundle("the service is shutting down") from None
+        future.add_done_callback(self._change_done)
+        return future
+
+    def _change_done(self, _future: Future | None) -> None:
+        with self._pending_lock:
+            self._pending_changes -= 1
+
+    def change_labels(self, change: LabelChange) -> dict[str, object]:
+        """Derive a bundle from the serving one with `change` applied, write it to the state
+        directory and activate it (waiting for an activation in progress, here or in another
+        process sharing the state directory, never refused for it). Raises LabelChangeRejected
+        (nothing written), ActivationFailed, ProcessesDiverged or NoBundle."""
+        derived_root = self.store.derived_root
+        if derived_root is None:
+            raise LabelChangesUnavailable("label changes need a state directory (SHORTLIST_STATE_DIR)")
+        with self._exclusive(wait=True):
+            self._catch_up()
+            with self.lease() as engine:
+                lineage = engine.bundle.manifest.lineage
+                version = derived_version(lineage.base if lineage else engine.version, self.store.exists)
+                report: ChangeReport = self.editor.derive(engine.bundle, change, derived_root, version)
+            log.info("label change: %s -> %s (+%d, -%d labels) written in %.3fs", report.parent, version,
+                     report.added, report.retired, report.seconds)
+            old = self.active_version
+            history = [*self._history, old][-HISTORY_LENGTH:] if old is not None else self._history
+            result = self._converged(self._activate_locked(version, history=history))
+        return {**result, "change": report}
+
+    def _catch_up(self) -> None:
+        """Serve the recorded version before deriving from it: another process sharing the state
+        directory may have activated (or changed labels) since this one last followed, and a
+        change derived from an older version would undo that one."""
+        recorded = self.remembered.read() if self.remembered is not None else None
+        if recorded is not None and recorded != self.active_version:
+            self._activate_locked(recorded, history=self._history, follow=True)
 
     @contextmanager
-    def _exclusive(self, *, shared_state: bool = True) -> Iterator[None]:
-        with exclusive_activation(self._activation_lock, self.remembered if shared_state else None) as history:
+    def _exclusive(self, *, shared_state: bool = True, wait: bool = False) -> Iterator[None]:
+        """This registry's activation lock and, with a state directory, the one the processes
+        sharing it hold (exclusive_activation): ActivationInProgress at once if either is taken,
+        or with `wait` once they stayed taken for twice the load-check timeout. Waiting polls
+        rather than blocks, so this process keeps following the activation it waits for (process
+        sync takes the lock between polls) and that activation's wait for every process ends."""
+        deadline = time.monotonic() + 2 * (self.check_timeout_s or 600.0)
+        with ExitStack() as held:
+            while True:
+                try:
+                    history = held.enter_context(
+                        exclusive_activation(self._activation_lock, self.remembered if shared_state else None))
+                    break
+                except ActivationInProgress:
+                    if not wait or time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
             if history is not None:
                 self._history = history
             yield
 
     def activate(self, version: str | None = None) -> dict[str, object]:
-        """Load, validate and swap in `version` (default: the newest under the root).
+        """Load, validate and swap in `version` (default: the newest bundle of any place).
 
         Raises ActivationInProgress, BundleNotFound or ActivationFailed; on any failure the
         active bundle is untouched.
@@ -311,14 +401,14 @@ class BundleRegistry:
             first_error: Exception = exc
         log.error("cannot serve bundle %s: %s; falling back to the newest bundle that loads",
                   wanted or "(newest)", first_error)
-        tried = wanted or _newest_or_none(self.root)
-        for manifest in reversed(list_bundles(self.root)):
-            if manifest.version == tried:
+        tried = wanted or _newest_or_none(self.store)
+        for stored in reversed(self.store.list()):
+            if stored.version == tried:
                 continue
             try:
-                result = self.activate(manifest.version)
+                result = self.activate(stored.version)
             except (ActivationFailed, BundleNotFound) as exc:
-                log.error("fallback bundle %s cannot be served either: %s", manifest.version, exc)
+                log.error("fallback bundle %s cannot be served either: %s", stored.version, exc)
                 continue
             return {**result, "fallback_from": wanted or "(newest)", "reason": str(first_error)}
         raise first_error
@@ -334,10 +424,10 @@ class BundleRegistry:
             raise ActivationFailed(f"cannot record the active version in {self.remembered.dir}: {exc}") from exc
 
     def _resolve(self, version: str | None) -> Path:
-        """The directory of `version` (default: the newest bundle under the root)."""
+        """The directory of `version` (default: the newest bundle of any place)."""
         if version is None:
             try:
-                version = newest_version(self.root)
+                version = self.store.newest_version()
             except BundleError as exc:
                 raise BundleNotFound(str(exc)) from exc
         try:
@@ -345,7 +435,7 @@ class BundleRegistry:
         except BundleError as exc:
             raise ActivationFailed(str(exc)) from exc
         try:
-            return resolve_bundle_dir(self.root, version)
+            return self.store.resolve(version)
         except BundleError as exc:
             if "no bundle" in str(exc):
                 raise BundleNotFound(str(exc)) from exc
@@ -400,4 +490,5 @@ class BundleRegistry:
         if engine is not None:
             engine._retire()
             self._drain_and_close(engine)
+        self._changes.shutdown(wait=False, cancel_futures=True)
         self._loader.shutdown(wait=False, cancel_futures=True)

@@ -83,6 +83,29 @@ class RequestModels:
             text: str
 
         self.predict, self.tree_predict, self.echo = PredictRequest, TreePredictRequest, EchoRequest
+        self.add_labels, self.retire_labels, self.uid = _label_requests(settings, Text)
+
+
+def _label_requests(settings: Settings, text: Any) -> tuple[type[BaseModel], type[BaseModel], Any]:
+    """The admin label-change bodies under the limits of `settings` (`text`: a request's text type),
+    and the type of a uid (a path parameter too)."""
+    Uid = Annotated[str, StringConstraints(min_length=1, max_length=settings.max_uid_chars, pattern=NON_BLANK)]  # noqa: N806
+
+    class NewLabel(_Request):
+        uid: Uid = Field(description="the label's id, unique among the bundle's labels (live or retired)")
+        title: text = Field(description="the label's text, encoded as training encoded label titles")
+        content: str | None = Field(None, max_length=settings.max_text_chars,
+                                    description="more text (read where the bundle was trained on title+content)")
+
+    class AddLabelsRequest(_Request):
+        labels: list[NewLabel] = Field(min_length=1, max_length=settings.max_label_batch,
+                                       description="labels to add, as one new bundle version")
+
+    class RetireLabelsRequest(_Request):
+        uids: list[Uid] = Field(min_length=1, max_length=settings.max_label_batch,
+                                description="uids of live labels to retire, as one new bundle version")
+
+    return AddLabelsRequest, RetireLabelsRequest, Uid
 
 
 class Label(BaseModel):
@@ -125,11 +148,23 @@ class ActivateRequest(_Request):
     version: str = Field(pattern=VERSION_RE.pattern, description="a bundle directory name under the bundle root")
 
 
+class BundleLineage(BaseModel):
+    parent: str
+    base: str
+    added: int
+    retired: int
+    tree_labels: int = Field(description="labels the tree scorer (/v1/predict/tree) serves: those trained")
+
+
 class BundleInfo(BaseModel):
     version: str
     created_at: str
     active: bool
     has_tree: bool
+    place: str = Field(description="'root': the bundle root (exported); 'state': the state directory "
+                       "(derived by label changes)")
+    num_labels: int
+    lineage: BundleLineage | None = Field(None, description="for a bundle derived by label changes")
     metrics: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -144,4 +179,19 @@ class ActivationResult(BaseModel):
     seconds: float
     quality: dict[str, float] = Field(default_factory=dict)
     # With several serving processes: what each serves (by pid) when the activation answered.
+    processes: dict[str, str | None] = Field(default_factory=dict)
+
+
+class LabelChangeResult(BaseModel):
+    active: str = Field(description="the new version, now serving")
+    previous: str | None
+    seconds: float = Field(description="from the change's start (after those queued before it) to the swap")
+    derive_seconds: float = Field(description="writing the new bundle")
+    added: int
+    retired: int
+    num_labels: int = Field(description="label rows of the new version (retired ones included)")
+    tree_labels: int = Field(description="labels /v1/predict/tree serves: those trained; labels added later join "
+                             "the tree at the next training")
+    quality: dict[str, float] = Field(default_factory=dict)
+    # With several serving processes: what each serves (by pid) when the change answered.
     processes: dict[str, str | None] = Field(default_factory=dict)

@@ -76,6 +76,15 @@ class Settings(BaseSettings):
     # Wrong admin tokens a client (by address) may send per minute before its admin requests get
     # 429 for the rest of the minute: token guessing is slowed to this rate.
     admin_auth_failures_per_minute: int = Field(10, ge=1, le=100_000)
+    # Label changes (POST /admin/labels, DELETE /admin/labels/{uid}; service/engine/label_changes.py),
+    # which need state_dir to write the bundles they make: labels (or uids) per request,
+    # characters of a uid, changes applied per minute (each a new version; past it 429 with
+    # Retry-After) and
+    # changes waiting for the one before them (past it 429): a change once accepted is applied.
+    max_label_batch: int = Field(1000, ge=1, le=100_000)
+    max_uid_chars: int = Field(256, ge=1, le=10_000)
+    label_changes_per_minute: int = Field(120, ge=1, le=100_000)
+    max_pending_label_changes: int = Field(64, ge=1, le=10_000)
     # Platform tricks for hot swaps beside live traffic, both off by default (bench/swap.py
     # measures what they buy; README "Hot swap"). loader_nice: bundle loads (startup,
     # activation, rollback) run on threads this much nicer than the serving threads (0..19),

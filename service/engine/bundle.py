@@ -37,7 +37,10 @@ from service.engine.schema import (
     LEXICAL_FILES,
     MANIFEST,
     REQUIRED_FILES,
+    RETIRED_LABELS,
     SHARD_LABELS,
+    TOKEN_OVERFLOW,
+    TOKEN_OVERFLOW_WEIGHTS,
     TOKEN_SHORTLIST,
     TOKEN_SHORTLIST_BIAS,
     TOKEN_SHORTLIST_SHARES,
@@ -71,6 +74,8 @@ class Bundle:
         self.tree: TreeScorer | None = None
         # A shard's parent label id of each row (manifest `shard`); None in a whole bundle.
         self.shard_labels: np.ndarray | None = None
+        # True for retired labels (labels_retired.npy); None when none is.
+        self.retired: np.ndarray | None = None
         self._indices: dict[tuple[str, int], VectorIndex] = {}
         self._table: TokenShortlist | None = None
         self._encoders: dict[int, OnnxEncoder] = {}
@@ -101,6 +106,7 @@ class Bundle:
         bundle = cls(path, manifest)
         bundle._check_files(verify_checksums)
         bundle._open_tables()
+        bundle._open_retired()
         bundle._check_lexical_files()
         bundle.shard_labels = bundle._open_shard_labels()
         if manifest.has_tree:
@@ -207,6 +213,18 @@ class Bundle:
         self.classifier_bias = self._array(CLASSIFIER_BIAS, (m.num_labels,))
         self.centroids = self._array(CENTROIDS, (m.num_labels, m.dim), self.vector_dtype)
 
+    def _open_retired(self) -> None:
+        if RETIRED_LABELS not in self.manifest.files:
+            return
+        p, num_labels = self.path / RETIRED_LABELS, self.manifest.num_labels
+        ids = self._load_array(RETIRED_LABELS)
+        if ids.dtype != np.int32 or ids.ndim != 1:
+            raise BundleError(f"{p}: expected int32 [R], found {ids.dtype} {ids.shape}")
+        if ids.size and (int(ids[0]) < 0 or int(ids[-1]) >= num_labels or np.any(np.diff(ids) <= 0)):
+            raise BundleError(f"{p}: retired ids must be distinct, sorted and in [0, {num_labels})")
+        self.retired = np.zeros(num_labels, dtype=bool)
+        self.retired[ids] = True
+
     def _check_lexical_files(self) -> None:
         """The token table's files agree with the manifest's scoring (opened on first need)."""
         m, manifest_path = self.manifest, self.path / MANIFEST
@@ -225,6 +243,12 @@ class Bundle:
             raise BundleError(f"{manifest_path}: lexical_form {form!r} needs {missing[0]}")
         if m.scoring.lexical_weight and not listed:
             raise BundleError(f"{manifest_path}: lexical_weight > 0 but {LEXICAL_FILES[form][0]} is not listed")
+        if TOKEN_OVERFLOW_WEIGHTS in m.files and TOKEN_OVERFLOW not in m.files:
+            raise BundleError(f"{manifest_path}: {TOKEN_OVERFLOW_WEIGHTS} without {TOKEN_OVERFLOW}")
+        if TOKEN_OVERFLOW in m.files and (TOKEN_SHORTLIST not in m.files
+                                          or (TOKEN_OVERFLOW_WEIGHTS in m.files) != bool(listed)):
+            raise BundleError(f"{manifest_path}: {TOKEN_OVERFLOW} needs {TOKEN_SHORTLIST}, and "
+                              f"{TOKEN_OVERFLOW_WEIGHTS} exactly when the table has weights")
 
     def _open_shard_labels(self) -> np.ndarray | None:
         """A shard's parent label ids (increasing, in the parent's range), or None in a whole
@@ -248,7 +272,7 @@ class Bundle:
                 raise ValueError(f"classifier_weights are {weights.dtype}, the manifest's vector_dtype is "
                                  f"{self.vector_dtype}")
             tree = TreeScorer.from_arrays(arrays)
-            tree.validate(self.manifest.num_labels, self.manifest.dim)
+            tree.validate(self.manifest.tree_labels, self.manifest.dim)
             self._maps.release()
         except Exception as exc:  # a damaged zip raises zipfile's, zlib's or numpy's own errors
             raise BundleError(f"{self.path / TREE}: {type(exc).__name__}: {exc}") from exc
@@ -308,12 +332,32 @@ class Bundle:
                 raise BundleError(f"{self.path / TOKEN_SHORTLIST_SHARES}: shares must be in [0, 1]")
             if form == "logistic":
                 bias = self._array(TOKEN_SHORTLIST_BIAS, (m.num_labels,))
+        overflow, overflow_weights = self._open_overflow(weights is not None)
         try:
             # Plain ndarray views of the maps (same pages): np.memmap indexing costs a Python call per lookup.
-            return TokenShortlist(np.asarray(labels), None if weights is None else np.asarray(weights), form,
-                                  None if bias is None else np.asarray(bias))
+            return TokenShortlist(np.asarray(labels), _plain(weights), form, _plain(bias), _plain(overflow),
+                                  _plain(overflow_weights))
         except ValueError as exc:
             raise BundleError(f"{self.path / weights_file}: {exc}") from exc
+
+    def _open_overflow(self, weighted: bool) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """The token overflow (labels added after training) and its weights, checked like the table."""
+        m = self.manifest
+        if TOKEN_OVERFLOW not in m.files:
+            return None, None
+        p = self.path / TOKEN_OVERFLOW
+        labels = self._load_array(TOKEN_OVERFLOW)
+        if labels.dtype != np.int32 or labels.ndim != 2 or labels.shape[0] != m.vocab_size:
+            raise BundleError(f"{p}: expected int32 [{m.vocab_size}, W], found {labels.dtype} {labels.shape}")
+        if labels.size and (int(labels.min()) < -1 or int(labels.max()) >= m.num_labels):
+            raise BundleError(f"{p}: label ids outside [-1, {m.num_labels})")
+        if not weighted:
+            return labels, None
+        weights = self._array(TOKEN_OVERFLOW_WEIGHTS, labels.shape, of=TOKEN_OVERFLOW)
+        low, high = float(weights.min(initial=0.0)), float(weights.max(initial=0.0))
+        if m.scoring.lexical_form == "shares" and not (low >= 0.0 and high <= 1.0):
+            raise BundleError(f"{self.path / TOKEN_OVERFLOW_WEIGHTS}: shares must be in [0, 1]")
+        return labels, weights
 
     def encoder(self, threads: int = 1) -> OnnxEncoder:
         """The bundle's onnxruntime session with `threads` intra-op threads, made once and shared
@@ -384,6 +428,10 @@ class Bundle:
 
 
 _CHUNK = 1 << 20
+
+
+def _plain(arr: np.ndarray | None) -> np.ndarray | None:
+    return None if arr is None else np.asarray(arr)
 
 
 def _first_non_finite(arr: np.ndarray) -> int | None:

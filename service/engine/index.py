@@ -77,6 +77,20 @@ class VectorIndex:
             raise ValueError(f"{path}: cannot load hnsw index of dim {dim}: {exc}") from exc
         return cls(index, ef_search)
 
+    def add(self, vectors: np.ndarray, reference: np.ndarray) -> None:
+        """Append rows as ids count, count + 1, ... (labels added after training), centred as the
+        rows already indexed were. The index keeps only centred rows, so the mean they were
+        centred by is recovered from `reference`, the uncentred vectors of its first rows.
+        Never call this on an index that serves: searches may not run beside an insertion."""
+        n = min(len(reference), self.count, 256)
+        stored = np.asarray(self._index.get_items(np.arange(n)), dtype=np.float64)
+        mean = (np.asarray(reference[:n], dtype=np.float64) - stored).mean(axis=0)
+        centred = (np.asarray(vectors, dtype=np.float64) - mean).astype(np.float32)
+        self._index.resize_index(self.count + len(centred))
+        # One insertion thread: the same additions make the same graph.
+        self._index.add_items(centred, np.arange(self.count, self.count + len(centred)), num_threads=1)
+        self.count += len(centred)
+
     def save(self, path: str | Path) -> None:
         self._index.save_index(str(path))
 

@@ -8,6 +8,10 @@ shortlist S, and a weight per (token, label) slot gives a lexical score. Two for
               0 for a label the query's slots do not hold (the model is fitted on those only);
 in both, t runs over the query tokens with l among row t's first k labels (x_t: the token's
 tf-idf weight in the query). Fitted by training/token_shortlist.py.
+
+Labels added after training (service.engine.label_changes) have rows of their own beside the
+table, the overflow: per token, every label added since whose text holds it, each slot with a
+weight in the same form; a query's tokens' overflow rows join the first k of their table rows.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from service.engine.schema import LEXICAL_FORMS, LexicalForm
 
 class TokenShortlist:
     """labels int32 [V, W] (-1 padded, row 0 = padding token, all -1); weights float32 [V, W] or
-    None (no lexical score); bias float32 [L] for the logistic form."""
+    None (no lexical score); bias float32 [L] for the logistic form; overflow int32 [V, W'] and
+    overflow_weights float32 [V, W'] (with weights only): the labels added after training."""
 
     def __init__(
         self,
@@ -27,6 +32,8 @@ class TokenShortlist:
         weights: np.ndarray | None = None,
         form: LexicalForm = "shares",
         bias: np.ndarray | None = None,
+        overflow: np.ndarray | None = None,
+        overflow_weights: np.ndarray | None = None,
     ) -> None:
         if labels.ndim != 2:
             raise ValueError(f"labels must be [vocab, width], got shape {labels.shape}")
@@ -43,10 +50,16 @@ class TokenShortlist:
                 raise ValueError(f"label ids reach {int(labels.max())} but the bias covers {len(bias)} labels")
         elif bias is not None:
             raise ValueError("a bias belongs to the logistic form with weights")
+        if overflow is not None:
+            _check_overflow(labels, weights, bias, overflow, overflow_weights)
+        elif overflow_weights is not None:
+            raise ValueError("overflow weights without overflow rows")
         self.labels = labels
         self.weights = weights
         self.form = form
         self.bias = bias
+        self.overflow = overflow
+        self.overflow_weights = overflow_weights
 
     @property
     def width(self) -> int:
@@ -61,13 +74,19 @@ class TokenShortlist:
         Summed per label (service.engine.candidates merges them with the other sources) and passed
         to `scores`, the terms give lex_l; a -1 slot's term is 0 (checked at construction).
         """
-        labels = self.labels[tokens, :k].reshape(len(tokens), -1)
+        labels = self._slots(self.labels, self.overflow, tokens, k).reshape(len(tokens), -1)
         if token_weights is None:
             return labels, None
         if self.weights is None:
             raise LookupError("this token shortlist has no weights: no lexical scores")
-        terms = self.weights[tokens, :k] * token_weights[:, :, None]
+        terms = self._slots(self.weights, self.overflow_weights, tokens, k) * token_weights[:, :, None]
         return labels, terms.reshape(len(tokens), -1)
+
+    @staticmethod
+    def _slots(table: np.ndarray, overflow: np.ndarray | None, tokens: np.ndarray, k: int) -> np.ndarray:
+        """[B, T, k (+ W')]: the first k slots of each token's row, then its overflow row."""
+        rows = table[tokens, :k]
+        return rows if overflow is None else np.concatenate((rows, overflow[tokens]), axis=2)
 
     def scores(self, labels: np.ndarray, sums: np.ndarray) -> np.ndarray:
         """lex of label ids [B, C] (-1 slots: any value) from their summed terms [B, C].
@@ -86,10 +105,26 @@ class TokenShortlist:
         if self.weights is None:
             raise LookupError("this token shortlist has no weights: no lexical scores")
         b = len(tokens)
-        labels = self.labels[tokens, :k].reshape(b, -1)
-        values = (self.weights[tokens, :k] * token_weights[:, :, None]).reshape(b, -1)
+        labels = self._slots(self.labels, self.overflow, tokens, k).reshape(b, -1)
+        values = self._slots(self.weights, self.overflow_weights, tokens, k) * token_weights[:, :, None]
+        values = values.reshape(b, -1)
         out = np.zeros((b, num_labels), dtype=np.float32)
         rows = np.broadcast_to(np.arange(b)[:, None], labels.shape)
         keep = labels >= 0
         np.add.at(out, (rows[keep], labels[keep]), values[keep])
         return self.scores(np.broadcast_to(np.arange(num_labels), out.shape), out)
+
+
+def _check_overflow(labels: np.ndarray, weights: np.ndarray | None, bias: np.ndarray | None,
+                    overflow: np.ndarray, overflow_weights: np.ndarray | None) -> None:
+    if overflow.ndim != 2 or overflow.shape[0] != labels.shape[0]:
+        raise ValueError(f"overflow rows {overflow.shape} do not match the table's {labels.shape[0]} tokens")
+    if (weights is None) != (overflow_weights is None):
+        raise ValueError("the overflow has weights exactly when the table has")
+    if overflow_weights is not None:
+        if overflow_weights.shape != overflow.shape:
+            raise ValueError(f"overflow weights shape {overflow_weights.shape} differs from {overflow.shape}")
+        if np.any(overflow_weights[overflow < 0]):
+            raise ValueError("overflow weights must be 0 in the empty (-1) slots")
+    if bias is not None and overflow.size and int(overflow.max()) >= len(bias):
+        raise ValueError(f"overflow label ids reach {int(overflow.max())} but the bias covers {len(bias)} labels")

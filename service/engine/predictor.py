@@ -83,6 +83,8 @@ class Predictor:
         self.scorer = LabelScorer.of(bundle.classifiers, bundle.classifier_bias, bundle.centroids, self.scoring)
         self.encoder = bundle.encoder(self.options.threads)
         self.queries = QueryEncoder(bundle.tokenizer, self.encoder)
+        # Retired labels (service.engine.label_changes) are never returned, by any scorer.
+        self.retired = bundle.retired
 
     @classmethod
     def load(cls, path: str | Path, options: PredictorOptions | None = None) -> Predictor:
@@ -170,6 +172,8 @@ class Predictor:
         scores = self.scorer.score(q, cands, a, lexical)
         if excluded is not None:
             scores[_excluded_mask(cands, excluded)] = -np.inf
+        if self.retired is not None:
+            scores[self.retired[np.maximum(cands, 0)]] = -np.inf
         idx, best = top_k(scores, k)
         return _pad(cands[np.arange(len(cands))[:, None], idx], best, k)
 
@@ -186,6 +190,9 @@ class Predictor:
         def lexical(rows: slice) -> np.ndarray:
             return table.dense_scores(tokens[rows], weights[rows], self.num_labels, k_tok)
 
+        if self.retired is not None:
+            retired = np.flatnonzero(self.retired)
+            excluded = [np.concatenate((retired, row)) for row in excluded or [np.zeros(0, np.int64)] * len(texts)]
         ids, best = self.scorer.exact_top_k(q, k, a, lexical if table is not None else None, excluded)
         return _pad(ids, best, k)
 
@@ -200,10 +207,10 @@ class Predictor:
             raise ValueError(f"beam must be >= 1, got {beam}")
         excluded = self._check_exclude(exclude, len(texts))
         if excluded is None:
-            ids, scores = tree.search(self.encode(texts), k, beam)
+            ids, scores = tree.search(self.encode(texts), k, beam, self.retired)
             return _pad(ids, scores, k)
         # The best k + |exclusions| leaves hold the best k that are not excluded.
-        ids, scores = tree.search(self.encode(texts), k + max(len(x) for x in excluded), beam)
+        ids, scores = tree.search(self.encode(texts), k + max(len(x) for x in excluded), beam, self.retired)
         scores[_excluded_mask(ids, excluded)] = -np.inf
         idx, best = top_k(scores, k)
         return _pad(ids[np.arange(len(ids))[:, None], idx], best, k)

@@ -23,7 +23,15 @@ A bundle is a directory BUNDLE_ROOT/VERSION, immutable once written:
   token_shortlist_weights.npy  optional: [vocab_size, M] float32, signed weights of the
                          (token, label) slots (lexical_form "logistic")
   token_shortlist_bias.npy     optional: [L] float32, the logistic form's per-label bias
-  tree.npz               optional: the adversarial tree scorer's arrays (service.engine.tree);
+  token_overflow.npy     optional (format 2): [vocab_size, W] int32, per token id the labels added
+                         after training (service.engine.label_changes) whose text holds it, every
+                         slot served beside the first k_tok of token_shortlist.npy; -1 padded
+  token_overflow_weights.npy   optional (format 2): [vocab_size, W] float32, their slots' weights in
+                         the bundle's lexical form (0 in empty slots)
+  labels_retired.npy     optional (format 2): int32 [R], sorted distinct ids of retired labels: no
+                         scorer returns them (their rows stay, so label ids never move)
+  tree.npz               optional: the adversarial tree scorer's arrays (service.engine.tree), over
+                         labels 0..tree_labels-1 (`Lineage.tree_labels`; all L without a lineage);
                          its classifier_weights in the manifest's vector_dtype, stored (not
                          compressed) so that a reader can memory-map it
   validation.jsonl       optional: held-out {"text", "target_ind"} rows for a quality gate
@@ -64,8 +72,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # 2: the encoder's initializers may live in encoder.onnx.data, the [L, D] label vectors may be
-# float16 (`Manifest.vector_dtype`), and a bundle may be a shard of another (`shard`,
-# shard_labels.npy); format 1: the encoder in encoder.onnx, float32, no shards.
+# float16 (`Manifest.vector_dtype`), a bundle may be a shard of another (`shard`,
+# shard_labels.npy), and labels may have changed after training (Manifest.lineage, the token
+# overflow, retired labels, a tree over the first tree_labels labels); format 1: the encoder in
+# encoder.onnx, float32, none of the rest. Every format-1 bundle reads as it did.
 FORMAT_VERSION = 2
 READABLE_FORMATS = (1, 2)
 VectorDtype = Literal["float32", "float16"]
@@ -88,10 +98,13 @@ TOKEN_SHORTLIST_WEIGHTS = "token_shortlist_weights.npy"
 TOKEN_SHORTLIST_BIAS = "token_shortlist_bias.npy"
 VALIDATION = "validation.jsonl"
 SHARD_LABELS = "shard_labels.npy"
+TOKEN_OVERFLOW = "token_overflow.npy"
+TOKEN_OVERFLOW_WEIGHTS = "token_overflow_weights.npy"
+RETIRED_LABELS = "labels_retired.npy"
 REQUIRED_FILES = (ENCODER, TOKENIZER, LABELS, CLASSIFIERS, CLASSIFIER_BIAS, CENTROIDS, HNSW_W, HNSW_MU)
 OPTIONAL_FILES = (
     ENCODER_DATA, TREE, VALIDATION, TOKEN_SHORTLIST, TOKEN_SHORTLIST_SHARES, TOKEN_SHORTLIST_WEIGHTS,
-    TOKEN_SHORTLIST_BIAS, SHARD_LABELS,
+    TOKEN_SHORTLIST_BIAS, SHARD_LABELS, TOKEN_OVERFLOW, TOKEN_OVERFLOW_WEIGHTS, RETIRED_LABELS,
 )
 KNOWN_FILES = frozenset((*REQUIRED_FILES, *OPTIONAL_FILES))
 
@@ -216,6 +229,18 @@ class ShardOf(_Strict):
         return self
 
 
+class Lineage(_Strict):
+    """A bundle derived from another by label changes (service.engine.label_changes), not by training."""
+
+    parent: str  # the version it was derived from
+    base: str  # the trained bundle at the start of the chain (versions are named after it)
+    added: int = Field(ge=0)  # labels added by this change
+    retired: int = Field(ge=0)  # labels retired by this change
+    # Labels 0..tree_labels-1 are the trained ones the tree scorer covers; rows added later are
+    # not in the tree until the next training.
+    tree_labels: int = Field(ge=0)
+
+
 class Manifest(_Strict):
     format_version: int
     version: str
@@ -235,6 +260,7 @@ class Manifest(_Strict):
     files: dict[str, str]
     # dtype of the [L, D] label vectors (format 2; format 1 is float32)
     vector_dtype: VectorDtype = "float32"
+    lineage: Lineage | None = None
     # LEGACY: written by exports before 2026-11-24 (the tree's beam is in tree.npz); ignored.
     tree_default_beam: int | None = Field(None, exclude=True)
 
@@ -244,11 +270,18 @@ class Manifest(_Strict):
             raise ValueError(f"a shard is a format 2 bundle, this one says format {self.format_version}")
         if self.format_version < 2 and self.vector_dtype != "float32":
             raise ValueError(f"vector_dtype {self.vector_dtype!r} needs format_version 2")
+        if self.lineage is not None and self.lineage.tree_labels > self.num_labels:
+            raise ValueError(f"lineage.tree_labels {self.lineage.tree_labels} > num_labels {self.num_labels}")
         return self
 
     @property
     def has_tree(self) -> bool:
         return TREE in self.files
+
+    @property
+    def tree_labels(self) -> int:
+        """How many labels (the first ones) the tree scorer covers."""
+        return self.num_labels if self.lineage is None else self.lineage.tree_labels
 
 
 def sha256_file(path: Path) -> str:

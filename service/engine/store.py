@@ -1,15 +1,22 @@
-"""The bundle root on disk: reading manifests, listing and resolving versions, and writing a
-bundle through a staging directory renamed into place (so a crash never leaves a half bundle
-under its final name)."""
+"""Bundles on disk: reading manifests, listing and resolving versions, and writing a bundle
+through a staging directory renamed into place (so a crash never leaves a half bundle under
+its final name).
+
+Bundles live in two places (`BundleStore`): the bundle root (trained and exported; it may be
+read-only, as a container mounts it) and, with a state directory, STATE_DIR/bundles (bundles
+derived from another by label changes, service.engine.label_changes). A version names one
+bundle in one place: a name found in both is refused, never guessed.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import ValidationError
 
@@ -98,9 +105,13 @@ def staging_dir(root: Path, version: str) -> Path:
     return staging
 
 
-def write_manifest(staging: Path, fields: dict[str, Any]) -> Manifest:
-    """Checksum every file in `staging` and write its manifest.json from `fields`."""
-    files = {p.name: sha256_file(p) for p in sorted(staging.iterdir()) if p.is_file() and p.name != MANIFEST}
+def write_manifest(staging: Path, fields: dict[str, Any], known: dict[str, str] | None = None) -> Manifest:
+    """Checksum every file in `staging` and write its manifest.json from `fields`. `known`: the
+    checksums of files already hashed (a manifest written a moment ago) or shared by hard link
+    with a bundle whose checksums were verified; loading the bundle verifies them all again."""
+    known = known or {}
+    files = {p.name: known.get(p.name) or sha256_file(p) for p in sorted(staging.iterdir())
+             if p.is_file() and p.name != MANIFEST}
     missing = [name for name in REQUIRED_FILES if name not in files]
     if missing:
         raise BundleError(f"{staging}: cannot write manifest, missing {', '.join(missing)}")
@@ -121,6 +132,76 @@ def finalize_bundle(staging: Path, root: Path, version: str) -> Path:
     os.rename(staging, final)
     _fsync(final.parent)
     return final
+
+
+def share_file(src: Path, dst: Path) -> str:
+    """dst as the same file as src (a hard link: no copy, and src can never change through it,
+    since bundle files are only ever replaced, never written in place), or a copy where the
+    filesystem cannot link (another device, no link support). Returns "link" or "copy"."""
+    try:
+        os.link(src, dst)
+        return "link"
+    except OSError:
+        shutil.copyfile(src, dst)
+        return "copy"
+
+
+DERIVED_DIR = "bundles"
+Place = Literal["root", "state"]
+
+
+@dataclass(frozen=True)
+class StoredBundle:
+    manifest: Manifest
+    path: Path
+    place: Place
+
+    @property
+    def version(self) -> str:
+        return self.manifest.version
+
+
+class BundleStore:
+    """The places bundles are read from: `root` (exported bundles) and, when a state directory
+    is given, STATE_DIR/bundles (derived ones, written there by label changes)."""
+
+    def __init__(self, root: str | Path, state_dir: str | Path | None = None) -> None:
+        self.root = Path(root)
+        self.derived_root = Path(state_dir) / DERIVED_DIR if state_dir is not None else None
+
+    def places(self) -> list[tuple[Place, Path]]:
+        found: list[tuple[Place, Path]] = [("root", self.root)]
+        if self.derived_root is not None:
+            found.append(("state", self.derived_root))
+        return found
+
+    def list(self) -> list[StoredBundle]:
+        """Every activatable bundle of every place, oldest first."""
+        found = [StoredBundle(m, path / m.version, place) for place, path in self.places() for m in list_bundles(path)]
+        return sorted(found, key=lambda b: (b.manifest.created_at, b.version))
+
+    def newest_version(self) -> str:
+        bundles = self.list()
+        if not bundles:
+            where = " or ".join(str(path.resolve()) for _, path in self.places())
+            raise BundleError(f"no bundle under {where}")
+        return bundles[-1].version
+
+    def exists(self, version: str) -> bool:
+        return any((path / version).exists() for _, path in self.places())
+
+    def resolve(self, version: str) -> Path:
+        """The directory of `version`, from whichever place holds it; BundleError when none
+        does ("no bundle ...") or both do."""
+        validate_version_name(version)
+        held = [(place, path) for place, path in self.places() if (path / version).exists()]
+        if len(held) > 1:
+            where = " and ".join(f"{path.resolve() / version} ({place})" for place, path in held)
+            raise BundleError(f"bundle {version!r} exists twice: {where}; remove or rename one")
+        if not held:
+            where = " or ".join(str(path.resolve()) for _, path in self.places())
+            raise BundleError(f"no bundle {version!r} under {where}")
+        return resolve_bundle_dir(held[0][1], version)
 
 
 def utc_now() -> str:

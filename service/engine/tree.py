@@ -228,9 +228,10 @@ class TreeScorer:
         labels = np.where(np.isfinite(logp), labels, -1)
         return labels, logp
 
-    def search(self, q: np.ndarray, k: int, beam: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def search(self, q: np.ndarray, k: int, beam: int | None = None,
+               retired: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Top k of xi_y(x) + log p_n(y|x) among the beam's leaves: (ids int64 [B, k] (-1 pad),
-        scores float32 [B, k]), best first."""
+        scores float32 [B, k]), best first; `retired` (bool per label id) marks labels never returned."""
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         beam = self.default_beam if beam is None else int(beam)
@@ -241,7 +242,10 @@ class TreeScorer:
         safe = np.maximum(labels, 0)
         rows = self.classifier_weights[safe].astype(np.float32, copy=False)
         xi = np.einsum("bcd,bd->bc", rows, q) + self.classifier_bias[safe]
-        scores = np.where(labels >= 0, xi + logp, -np.inf)
+        live = labels >= 0
+        if retired is not None:
+            live &= ~retired[safe]
+        scores = np.where(live, xi + logp, -np.inf)
         kk = min(k, scores.shape[1])
         order = np.argsort(-scores, axis=1, kind="stable")[:, :kk]
         rows = np.arange(len(q))[:, None]

@@ -1,0 +1,398 @@
+"""Labels added and retired after training: a new bundle derived from a served one, no retraining.
+
+The encoder reads label text, so a label never seen in training has a meaningful vector the
+moment its text is known (SiameseXML's Module I: E(z_l) is where a label's classifier starts).
+An added label gets, from its text z (title, and content where the bundle was trained on
+title+content):
+- a classifier w = s E(z), s the median length of the trained classifiers (1 for the paper's
+  unit classifiers), and a bias b: the `prior_quantile` quantile of the trained labels' biases
+  (a label with no training data gets a typical prior, not the head's nor the tail's);
+- a centroid mu = E(z) (what training gives a label with no documents: centroid_label_weight
+  adds the label's own embedding to the mean of none);
+- a row in both HNSW indices (hnswlib insertion into a copy of the parent's graphs);
+- with a token table: a slot in the overflow row of every token of z. The table's rows are
+  fixed at training (20 labels, full for frequent words), so added labels get rows of their
+  own beside it, served in full beside the first k_tok of the table's rows: per token at most
+  `overflow_width` added labels, the ones whose texts weigh that token most. A slot's weight is
+  x_t s_lex (x_t: the token's tf-idf weight in z, s_lex: the `lexical_quantile` quantile of the
+  table's positive served weights), and the logistic form's bias for the label is the
+  `prior_quantile` quantile of the trained labels' lexical biases.
+The tree scorer (/v1/predict/tree) is not extended: it serves the labels it was trained on
+(manifest lineage.tree_labels) until the next training.
+
+A retired label keeps its row (label ids never move) and is listed in labels_retired.npy: no
+scorer returns it. Its uid is never reused for another label.
+
+Every change writes a whole new bundle through a staging directory renamed into place, files
+the change leaves alone shared with the parent by hard link (a copy where the filesystem
+cannot link), never written: the parent stays as it was, and the new bundle passes every check
+an exported one does, its canaries recorded again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from service.engine import canary, schema, store
+from service.engine.bundle import Bundle
+from service.engine.index import VectorIndex
+from service.engine.predictor import Predictor
+
+DERIVED_SUFFIX = ".labels-"
+OVERFLOW_FILES = (schema.TOKEN_OVERFLOW, schema.TOKEN_OVERFLOW_WEIGHTS)
+
+
+@dataclass(frozen=True)
+class NewLabel:
+    uid: str
+    title: str
+    content: str | None = None
+
+
+@dataclass(frozen=True)
+class LabelChange:
+    """Labels to add (by text) and to retire (by uid), applied together as one new version."""
+
+    add: Sequence[NewLabel] = ()
+    retire: Sequence[str] = ()
+
+
+class LabelChangeRejected(ValueError):
+    """A change that cannot be applied to its parent bundle: `problems` are (field, message)
+    pairs, the field as a request names it ("add[3].uid", "retire[0]")."""
+
+    def __init__(self, problems: list[tuple[str, str]]) -> None:
+        super().__init__("; ".join(f"{f}: {m}" for f, m in problems))
+        self.problems = problems
+
+
+@dataclass
+class ChangeReport:
+    version: str
+    parent: str
+    added: int
+    retired: int
+    num_labels: int
+    tree_labels: int
+    seconds: float
+    shared: dict[str, str] = field(default_factory=dict)  # file -> "link" | "copy"
+
+
+def derived_version(base: str, taken: Callable[[str], bool]) -> str:
+    """BASE.labels-N, the first N >= 1 not taken (BASE shortened to keep 64 characters)."""
+    n = 1
+    while True:
+        suffix = f"{DERIVED_SUFFIX}{n}"
+        name = base[: 64 - len(suffix)] + suffix
+        if not taken(name):
+            return name
+        n += 1
+
+
+class LabelEditor:
+    """Derives bundles with labels added and retired.
+
+    prior_quantile: the quantile of the trained labels' biases (classifier and lexical) an added
+    label gets; lexical_quantile: the quantile of the token table's positive served weights that
+    scales an added label's slots; overflow_width: added labels kept per token. The default
+    quantiles are the best of a grid on validation documents of debian-tags (10% of its labels
+    held out of training and added; bench/live_labels.py --tune, bench/RESULTS.md "labels"):
+    a label with no training data does best with a high prior, near the top of the trained
+    labels' (on validation, the median lost 9 points of held-out recall@10; the maximum, 14 of P@1).
+    """
+
+    def __init__(self, prior_quantile: float = 0.95, lexical_quantile: float = 0.9, overflow_width: int = 32) -> None:
+        for name, q in (("prior_quantile", prior_quantile), ("lexical_quantile", lexical_quantile)):
+            if not 0.0 <= q <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {q}")
+        if overflow_width < 1:
+            raise ValueError(f"overflow_width must be >= 1, got {overflow_width}")
+        self.prior_quantile = prior_quantile
+        self.lexical_quantile = lexical_quantile
+        self.overflow_width = overflow_width
+
+    def derive(self, parent: Bundle, change: LabelChange, out_root: str | Path, version: str) -> ChangeReport:
+        """Write OUT_ROOT/VERSION: `parent` with `change` applied. Raises LabelChangeRejected
+        (nothing written) when the change does not fit the parent."""
+        t0 = time.perf_counter()
+        retired = _check_change(parent, change)
+        ids, weights = _encode_new(parent, change.add)
+        out_root = Path(out_root)
+        staging = store.staging_dir(out_root, version)
+        try:
+            plan = _Plan(parent, staging)
+            if change.add:
+                self._write_added(plan, change.add, ids, weights)
+            if change.add or schema.TOKEN_OVERFLOW in parent.manifest.files:
+                self._write_overflow(plan, ids, weights, retired)
+            old = parent.retired if parent.retired is not None else np.zeros(len(parent.labels), bool)
+            all_retired = np.flatnonzero(np.concatenate((old | _mask(retired, len(old)),
+                                                         np.zeros(len(change.add), bool))))
+            if len(all_retired):
+                plan.save(schema.RETIRED_LABELS, all_retired.astype(np.int32))
+            shared = plan.share_the_rest()
+            lineage = schema.Lineage(
+                parent=parent.version, base=parent.manifest.lineage.base if parent.manifest.lineage else parent.version,
+                added=len(change.add), retired=len(retired), tree_labels=parent.manifest.tree_labels)
+            fields = _manifest_fields(parent, version, len(parent.labels) + len(change.add), lineage)
+            linked = {name: parent.manifest.files[name] for name, how in shared.items() if how == "link"}
+            written = store.write_manifest(staging, fields, known=linked)
+            fields["canary"] = _canaries(staging, [c.text for c in parent.manifest.canary])
+            store.write_manifest(staging, fields, known=written.files)
+            store.finalize_bundle(staging, out_root, version)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        return ChangeReport(version, parent.version, len(change.add), len(retired),
+                            len(parent.labels) + len(change.add), lineage.tree_labels, time.perf_counter() - t0,
+                            shared)
+
+    def _write_added(self, plan: _Plan, add: Sequence[NewLabel], ids: np.ndarray, weights: np.ndarray) -> None:
+        parent = plan.parent
+        emb = parent.encoder(1).run(ids, weights)
+        trained = parent.manifest.tree_labels
+        scale = float(np.median(np.linalg.norm(parent.classifiers[:trained], axis=1)))
+        prior = float(np.quantile(parent.classifier_bias[:trained], self.prior_quantile))
+        w = np.vstack((parent.classifiers, scale * emb)).astype(np.float32)
+        b = np.concatenate((parent.classifier_bias, np.full(len(add), prior, np.float32))).astype(np.float32)
+        mu = np.vstack((parent.centroids, emb)).astype(np.float32)
+        plan.save(schema.CLASSIFIERS, w)
+        plan.save(schema.CLASSIFIER_BIAS, b)
+        plan.save(schema.CENTROIDS, mu)
+        first, ref = len(parent.labels), slice(0, 256)
+        for file, added, reference in (
+            (schema.HNSW_W, np.hstack((w[first:], b[first:, None])),
+             np.hstack((parent.classifiers[ref], parent.classifier_bias[ref, None]))),
+            (schema.HNSW_MU, mu[first:], parent.centroids[ref]),
+        ):
+            index = VectorIndex.load(parent.path / file, dim=added.shape[1], count=first,
+                                     ef_search=parent.manifest.hnsw.ef_search)
+            index.add(added, reference)
+            index.save(plan.staging / file)
+            plan.written.add(file)
+        labels_path = plan.staging / schema.LABELS
+        shutil.copyfile(parent.path / schema.LABELS, labels_path)
+        with labels_path.open("a", encoding="utf-8") as f:
+            f.writelines(json.dumps({"uid": lab.uid, "title": lab.title}, ensure_ascii=False) + "\n" for lab in add)
+        plan.written.add(schema.LABELS)
+        if parent.manifest.scoring.lexical_form == "logistic" and schema.TOKEN_SHORTLIST_BIAS in parent.manifest.files:
+            c = np.load(parent.path / schema.TOKEN_SHORTLIST_BIAS)
+            prior_c = float(np.quantile(c[:trained], self.prior_quantile))
+            plan.save(schema.TOKEN_SHORTLIST_BIAS, np.concatenate((c, np.full(len(add), prior_c, np.float32))))
+
+    def _write_overflow(self, plan: _Plan, ids: np.ndarray, weights: np.ndarray, retired: np.ndarray) -> None:
+        """The overflow rows: the parent's entries (those of labels retired now dropped) and the
+        added labels', strongest first, at most overflow_width per token."""
+        parent = plan.parent
+        table = parent.token_table()
+        if table is None:
+            return
+        plan.overflow_rebuilt = True
+        first = len(parent.labels)
+        row, col = np.nonzero(ids > 0)  # added label `row`'s col-th token
+        entries = [(ids[row, col].astype(np.int64), (first + row).astype(np.int64),
+                    weights[row, col].astype(np.float64) * self._slot_scale(table, parent))]
+        if table.overflow is not None:
+            tokens, slots = np.nonzero(table.overflow >= 0)
+            labels = table.overflow[tokens, slots].astype(np.int64)
+            slot = (table.overflow_weights[tokens, slots] if table.overflow_weights is not None
+                    else np.zeros(len(tokens))).astype(np.float64)
+            keep = ~np.isin(labels, retired)
+            entries.append((tokens[keep].astype(np.int64), labels[keep], slot[keep]))
+        token, label, weight = (np.concatenate(parts) for parts in zip(*entries, strict=True))
+        labels, slot_weights = _rows_of(token, label, weight, table.labels.shape[0], self.overflow_width)
+        if labels is None:
+            return
+        plan.save(schema.TOKEN_OVERFLOW, labels)
+        if table.weights is not None:
+            plan.save(schema.TOKEN_OVERFLOW_WEIGHTS, slot_weights)
+
+    def _slot_scale(self, table: Any, parent: Bundle) -> float:
+        if table.weights is None:
+            return 1.0  # no lexical score: the weights only rank the slots
+        served = table.weights[:, : max(parent.manifest.scoring.shortlist.k_tok, 1)]
+        positive = served[served > 0]
+        return float(np.quantile(positive, self.lexical_quantile)) if positive.size else 0.0
+
+
+class _Plan:
+    """The files of a bundle being derived: written ones, and the parent's shared for the rest."""
+
+    def __init__(self, parent: Bundle, staging: Path) -> None:
+        self.parent, self.staging = parent, staging
+        self.written: set[str] = set()
+        self.overflow_rebuilt = False
+
+    def save(self, name: str, array: np.ndarray) -> None:
+        np.save(self.staging / name, np.ascontiguousarray(array))
+        self.written.add(name)
+
+    def share_the_rest(self) -> dict[str, str]:
+        """Link (or copy) every parent file not written here (a rebuilt overflow that came out
+        empty is dropped, not shared)."""
+        shared = {}
+        for name in self.parent.manifest.files:
+            if name in self.written or (self.overflow_rebuilt and name in OVERFLOW_FILES):
+                continue
+            shared[name] = store.share_file(self.parent.path / name, self.staging / name)
+        return shared
+
+
+def _mask(ids: np.ndarray, n: int) -> np.ndarray:
+    out = np.zeros(n, dtype=bool)
+    out[ids] = True
+    return out
+
+
+def _rows_of(token: np.ndarray, label: np.ndarray, weight: np.ndarray, vocab: int,
+             width: int) -> tuple[np.ndarray | None, np.ndarray]:
+    """Entries (token, label, weight) as rows [vocab, W] int32 / float32, each token's entries by
+    weight (then label id), at most `width`; (None, ...) when there is no entry."""
+    if not len(token):
+        return None, np.zeros(0, np.float32)
+    order = np.lexsort((label, -weight, token))
+    token, label, weight = token[order], label[order], weight[order]
+    starts = np.flatnonzero(np.r_[True, token[1:] != token[:-1]])
+    counts = np.diff(np.r_[starts, len(token)])
+    rank = np.arange(len(token)) - np.repeat(starts, counts)
+    keep = rank < width
+    cols = int(rank[keep].max()) + 1
+    labels = np.full((vocab, cols), -1, dtype=np.int32)
+    weights = np.zeros((vocab, cols), dtype=np.float32)
+    labels[token[keep], rank[keep]] = label[keep]
+    weights[token[keep], rank[keep]] = weight[keep]
+    return labels, weights
+
+
+def _check_change(parent: Bundle, change: LabelChange) -> np.ndarray:
+    """The ids to retire; LabelChangeRejected naming every problem of the change."""
+    problems: list[tuple[str, str]] = []
+    table = parent.labels
+    retired = parent.retired
+    seen: dict[str, int] = {}
+    for i, label in enumerate(change.add):
+        row = table.ids_of([label.uid])[0]
+        if label.uid in seen:
+            problems.append((f"add[{i}].uid", f"{label.uid!r} is also add[{seen[label.uid]}]"))
+        elif row is not None:
+            state = "a retired label's uid (uids are never reused)" if retired is not None and retired[row] else \
+                "already a label"
+            problems.append((f"add[{i}].uid", f"{label.uid!r} is {state}"))
+        seen.setdefault(label.uid, i)
+        if not label.title.strip():
+            problems.append((f"add[{i}].title", "empty"))
+    ids: list[int] = []
+    gone: dict[str, int] = {}
+    for i, uid in enumerate(change.retire):
+        row = table.ids_of([uid])[0]
+        if uid in gone:
+            problems.append((f"retire[{i}]", f"{uid!r} is also retire[{gone[uid]}]"))
+        elif uid in seen:
+            problems.append((f"retire[{i}]", f"{uid!r} is added by the same change"))
+        elif row is None:
+            problems.append((f"retire[{i}]", f"no label {uid!r}"))
+        elif retired is not None and retired[row]:
+            problems.append((f"retire[{i}]", f"{uid!r} is retired already"))
+        else:
+            ids.append(row)
+        gone.setdefault(uid, i)
+    live = len(table) - (int(retired.sum()) if retired is not None else 0) + len(change.add)
+    if not problems and live - len(ids) < 1:
+        problems.append(("retire", "would retire every label"))
+    if not problems and not change.add and not ids:
+        problems.append(("change", "nothing to add or retire"))
+    if problems:
+        raise LabelChangeRejected(problems)
+    return np.asarray(sorted(ids), dtype=np.int64)
+
+
+def label_text(label: NewLabel, text_field: str) -> str:
+    """The text the encoder reads, as training read label texts (training.data.row_text)."""
+    if text_field == "title+content":
+        return f"{label.title}\n{label.content or ''}".strip()
+    return label.title.strip()
+
+
+def _encode_new(parent: Bundle, add: Sequence[NewLabel]) -> tuple[np.ndarray, np.ndarray]:
+    """Padded token ids and tf-idf weights [N, T] of the added labels' texts; a text with no
+    word in the vocabulary encodes to nothing, so the encoder cannot place it: refused."""
+    if not add:
+        return np.zeros((0, 1), np.int64), np.zeros((0, 1), np.float32)
+    ids, weights = parent.tokenizer.encode_batch([label_text(lab, parent.manifest.text_field) for lab in add])
+    unplaced = np.flatnonzero((ids > 0).sum(axis=1) == 0)
+    if len(unplaced):
+        raise LabelChangeRejected([
+            (f"add[{i}].title",
+             f"none of the words of {add[i].uid!r} is in the bundle's vocabulary: its text cannot place it")
+            for i in unplaced])
+    return ids, weights
+
+
+def _canaries(staging: Path, texts: list[str]) -> list[dict[str, Any]]:
+    # The checksums were computed from these files a moment ago; every load after the rename verifies them.
+    staged = Bundle.open(staging, staged=True, verify_checksums=False)
+    try:
+        return [c.model_dump() for c in canary.record(Predictor(staged), texts)]
+    finally:
+        staged.close()
+
+
+def _manifest_fields(parent: Bundle, version: str, num_labels: int, lineage: schema.Lineage) -> dict[str, Any]:
+    fields = parent.manifest.model_dump(exclude={"format_version", "created_at", "files", "canary", "lineage"})
+    return {**fields, "version": version, "num_labels": num_labels, "lineage": lineage.model_dump()}
+
+
+def read_new_labels(path: str | Path) -> list[NewLabel]:
+    """Labels to add from a JSON-lines file ({"uid", "title", "content"?} a line, as an XC label
+    file; .gz read as gzip); ValueError naming the file and line of a bad row."""
+    path = Path(path)
+    opener = gzip.open if path.name.endswith(".gz") else open
+    out = []
+    with opener(path, "rt", encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                uid, title, content = row["uid"], row["title"], row.get("content")
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                raise ValueError(f"{path}:{number}: a label is {{\"uid\", \"title\", \"content\"?}}: {exc!r}") from exc
+            if not isinstance(title, str) or not isinstance(content, str | None) or isinstance(uid, bool):
+                raise ValueError(f"{path}:{number}: title (and content) must be strings")
+            out.append(NewLabel(str(uid), title, content))
+    return out
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """`shortlist labels add|remove BUNDLE ...`: the derived bundle, written and checked offline."""
+    parent_dir = Path(args.bundle)
+    out_root = Path(args.out) if args.out else parent_dir.resolve().parent
+    if args.labels_command == "add":
+        change = LabelChange(add=read_new_labels(args.labels))
+    else:
+        uids = list(args.uids)
+        if args.uids_file:
+            uids += [line.strip() for line in Path(args.uids_file).read_text(encoding="utf-8").splitlines()
+                     if line.strip()]
+        change = LabelChange(retire=uids)
+    parent = Predictor.load(parent_dir).bundle
+    try:
+        lineage = parent.manifest.lineage
+        version = args.version or derived_version(lineage.base if lineage else parent.version,
+                                                  lambda v: (out_root / v).exists())
+        report = LabelEditor().derive(parent, change, out_root, schema.validate_version_name(version))
+    finally:
+        parent.close()
+    Predictor.load(out_root / version).bundle.close()  # what was written passes the checks the service runs
+    print(json.dumps({**asdict(report), "path": str(out_root / version)}))
+    return 0

@@ -1,0 +1,249 @@
+"""Labels added by their text and retired, without retraining: derived bundles (service.engine.label_changes)
+and `shortlist labels add|remove`."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from service.engine import Predictor, PredictorOptions
+from service.engine.bundle import Bundle
+from service.engine.label_changes import LabelChange, LabelChangeRejected, LabelEditor, NewLabel, derived_version
+from service.engine.schema import BundleError, sha256_file
+from service.engine.store import BundleStore
+from shortlist.bundle_fuzz import catalogue, make_variant, outcome
+from shortlist.cli import main as cli
+
+
+def _label_rows(data_dir: Path) -> list[dict]:
+    with gzip.open(data_dir / "lbl.json.gz", "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def _new_labels(data_dir: Path, n: int, prefix: str = "new") -> list[NewLabel]:
+    """Labels made of words the vocabulary knows, in combinations no trained label has."""
+    rows = _label_rows(data_dir)
+    return [NewLabel(f"{prefix}-{i}", f"{rows[i]['title'].split()[0]} {rows[-1 - i]['title'].split()[-1]} "
+                     f"{rows[2 * i + 7]['title'].split()[1]}") for i in range(n)]
+
+
+def _derive(parent_dir: Path, out: Path, change: LabelChange, version: str = "d1", **editor) -> Path:
+    parent = Bundle.open(parent_dir)
+    try:
+        LabelEditor(**editor).derive(parent, change, out, version)
+    finally:
+        parent.close()
+    return out / version
+
+
+def _top(predictor: Predictor, texts: list[str], k: int = 5) -> list[list[str]]:
+    return [[p.uid for p in row] for row in predictor.predict(texts, k=k)]
+
+
+def test_added_labels_are_found_by_their_text_and_the_parent_is_left_as_it_was(bundle_root, synthetic_data, tmp_path):
+    parent_dir = bundle_root / "v1"
+    before = {p.name: sha256_file(p) for p in parent_dir.iterdir()}
+    added = _new_labels(synthetic_data, 30)
+    # A typical label's prior (the median): how far an added label reaches into other queries is
+    # the prior's trade-off, chosen on real validation data (bench/live_labels.py), not the mechanism's.
+    path = _derive(parent_dir, tmp_path, LabelChange(add=added), prior_quantile=0.5, lexical_quantile=0.5)
+    parent, derived = Predictor.load(parent_dir), Predictor.load(path)  # checksums, structure, canaries
+    L = parent.num_labels
+    assert derived.num_labels == L + 30
+    assert derived.bundle.labels.uids[:L] == parent.bundle.labels.uids  # label ids never move
+    lineage = derived.bundle.manifest.lineage
+    assert (lineage.parent, lineage.base, lineage.added, lineage.retired, lineage.tree_labels) == ("v1", "v1", 30, 0, L)
+    found = sum(lab.uid in top for lab, top in zip(added, _top(derived, [lab.title for lab in added]), strict=True))
+    assert found >= 27, found  # each added label answers its own text
+    # The labels the change did not touch answer as before, for texts no added label matches.
+    texts = [r["title"] for r in _label_rows(synthetic_data)[200:230]]
+    same = sum(a == b for a, b in zip(_top(parent, texts, 1), _top(derived, texts, 1), strict=True))
+    assert same >= 25, same
+    assert {p.name: sha256_file(p) for p in parent_dir.iterdir()} == before
+    # Files the change leaves alone are the parent's, not copies.
+    for name in ("encoder.onnx", "tokenizer.json", "tree.npz", "token_shortlist.npy"):
+        assert os.stat(path / name).st_ino == os.stat(parent_dir / name).st_ino
+    assert os.stat(path / "classifiers.npy").st_ino != os.stat(parent_dir / "classifiers.npy").st_ino
+
+
+def test_added_labels_enter_the_hnsw_indices_and_the_token_overflow(bundle_root, synthetic_data, tmp_path):
+    added = _new_labels(synthetic_data, 6)
+    path = _derive(bundle_root / "v1", tmp_path, LabelChange(add=added), overflow_width=2)
+    bundle = Bundle.open(path)
+    L = bundle.manifest.num_labels
+    new_ids = np.arange(L - 6, L)
+    table = bundle.token_table()
+    assert table.overflow.shape[1] <= 2 and set(table.overflow[table.overflow >= 0]) <= set(new_ids)
+    # Searched as a query searches them, both indices find the added labels exact search finds.
+    q = Predictor(bundle, PredictorOptions(k_w=5, k_mu=5)).encode([lab.title for lab in added])
+    for name, vectors, queries in (
+        ("w", np.hstack((bundle.classifiers, bundle.classifier_bias[:, None])), np.hstack((q, np.ones((6, 1))))),
+        ("mu", np.asarray(bundle.centroids), q),
+    ):
+        index = bundle.index(name)
+        assert index.count == L
+        exact = np.argmax(queries @ vectors.T, axis=1)
+        hits = index.search(np.ascontiguousarray(queries, dtype=np.float32), 5)
+        assert all(i in row for i, row in zip(exact, hits, strict=True)), name
+    assert (exact == new_ids).all()  # an added label's centroid is its text's embedding
+    bundle.close()
+    # Served through the token table only (no HNSW search), added labels still answer their text.
+    only_tokens = Predictor(Bundle.open(path), PredictorOptions(k_w=0, k_mu=0, k_tok=10))
+    assert sum(lab.uid in top for lab, top in zip(added, _top(only_tokens, [lab.title for lab in added]),
+                                                   strict=True)) >= 5
+
+
+def test_retired_labels_are_never_returned_by_any_scorer(bundle_root, synthetic_data, tmp_path):
+    rows = _label_rows(synthetic_data)
+    parent = Predictor.load(bundle_root / "v1")
+    texts = [r["title"] for r in rows[:40]]
+    # Retire the labels that answer these texts first: the scorers' favourites.
+    favourites = sorted({row[0] for row in _top(parent, texts, 2)} | {p.uid for row in parent.predict_tree(texts, 2)
+                                                                      for p in row})
+    path = _derive(bundle_root / "v1", tmp_path, LabelChange(retire=favourites))
+    derived = Predictor.load(path)
+    gone = set(derived.bundle.labels.ids_of(favourites))
+    assert len(gone) == len(favourites) and derived.bundle.manifest.lineage.retired == len(favourites)
+    answers = [derived.predict_ids(texts, k=20, alpha=a)[0] for a in (None, 0.0, 0.5, 1.0)]
+    answers += [derived.predict_exact_ids(texts, k=20)[0], derived.predict_tree_ids(texts, k=20)[0],
+                derived.predict_ids(texts, k=20, exclude=[[0, 1]] * len(texts))[0],
+                derived.predict_tree_ids(texts, k=20, exclude=[[0, 1]] * len(texts))[0]]
+    for ids in answers:
+        assert not gone & set(ids.ravel().tolist())
+        assert (ids[:, :5] >= 0).all()  # the next best took their places
+
+
+def test_the_tree_serves_the_trained_labels_and_says_so(bundle_root, synthetic_data, tmp_path):
+    added = _new_labels(synthetic_data, 10)
+    derived = Predictor.load(_derive(bundle_root / "v1", tmp_path, LabelChange(add=added)))
+    trained = derived.bundle.manifest.tree_labels
+    assert trained == derived.num_labels - 10
+    ids, _ = derived.predict_tree_ids([lab.title for lab in added], k=10)
+    assert ids.max() < trained
+
+
+def test_changes_that_do_not_fit_are_refused_naming_each_problem_and_write_nothing(bundle_root, synthetic_data,
+                                                                                   tmp_path):
+    rows = _label_rows(synthetic_data)
+    parent = Bundle.open(bundle_root / "v1")
+    editor = LabelEditor()
+    cases = [
+        (LabelChange(add=[NewLabel("a", "kama zani"), NewLabel("a", "kelu savi")]), "add[1].uid", "also add[0]"),
+        (LabelChange(add=[NewLabel(rows[3]["uid"], "kama zani")]), "add[0].uid", "already a label"),
+        (LabelChange(add=[NewLabel("b", "qqqq zzzz")]), "add[0].title", "vocabulary"),
+        (LabelChange(retire=["nope"]), "retire[0]", "no label"),
+        (LabelChange(retire=[rows[1]["uid"], rows[1]["uid"]]), "retire[1]", "also retire[0]"),
+        (LabelChange(add=[NewLabel("c", "kama")], retire=["c"]), "retire[0]", "added by the same change"),
+        (LabelChange(retire=[r["uid"] for r in rows]), "retire", "every label"),
+        (LabelChange(), "change", "nothing"),
+    ]
+    for change, field, message in cases:
+        with pytest.raises(LabelChangeRejected) as info:
+            editor.derive(parent, change, tmp_path, "d1")
+        assert any(f == field and message in m for f, m in info.value.problems), info.value.problems
+    assert list(tmp_path.iterdir()) == []  # not even a staging directory
+    parent.close()
+    # A retired label's uid is never given to another label; a retired label cannot be retired again.
+    path = _derive(bundle_root / "v1", tmp_path, LabelChange(retire=[rows[2]["uid"]]))
+    again = Bundle.open(path)
+    for change, field, message in ((LabelChange(add=[NewLabel(rows[2]["uid"], "kama")]), "add[0].uid", "retired"),
+                                   (LabelChange(retire=[rows[2]["uid"]]), "retire[0]", "retired already")):
+        with pytest.raises(LabelChangeRejected) as info:
+            editor.derive(again, change, tmp_path, "d2")
+        assert info.value.problems[0][0] == field and message in info.value.problems[0][1]
+
+
+def test_a_chain_of_changes_keeps_every_label_it_added_and_drops_what_it_retired(bundle_root, synthetic_data,
+                                                                                 tmp_path):
+    first, second = _new_labels(synthetic_data, 8, "a"), _new_labels(synthetic_data, 8, "b")[4:]
+    p1 = _derive(bundle_root / "v1", tmp_path, LabelChange(add=first), derived_version("v1", lambda v: False))
+    assert p1.name == "v1.labels-1"
+    p2 = _derive(p1, tmp_path, LabelChange(retire=[lab.uid for lab in first[:4]]), "v1.labels-2")
+    p3 = _derive(p2, tmp_path, LabelChange(add=second), "v1.labels-3")
+    derived = Predictor.load(p3)
+    assert derived.bundle.manifest.lineage.base == "v1" and derived.bundle.manifest.lineage.parent == "v1.labels-2"
+    overflow = derived.bundle.token_table().overflow
+    ids = derived.bundle.labels.ids_of([lab.uid for lab in first + second])
+    assert not set(ids[:4]) & set(overflow.ravel().tolist())  # retired labels' slots freed
+    tops = _top(derived, [lab.title for lab in first + second])
+    assert not any(lab.uid in top for lab in first[:4] for top in tops)
+    assert sum(lab.uid in top for lab, top in zip(first[4:] + second, tops[4:], strict=True)) >= 7
+    assert derived_version("v1", lambda v: (tmp_path / v).exists()) == "v1.labels-4"
+
+
+def test_shared_files_are_copied_where_they_cannot_be_linked(bundle_root, synthetic_data, tmp_path):
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or os.stat(shm).st_dev == os.stat(bundle_root).st_dev:
+        pytest.skip("no second filesystem to write to")
+    out = shm / f"labels-test-{os.getpid()}"
+    try:
+        path = _derive(bundle_root / "v1", out, LabelChange(add=_new_labels(synthetic_data, 2)))
+        assert os.stat(path / "encoder.onnx").st_nlink == 1
+        Predictor.load(path).bundle.close()
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def test_a_lineage_must_fit_the_bundle(bundle_root, synthetic_data, tmp_path):
+    path = _derive(bundle_root / "v1", tmp_path, LabelChange(add=_new_labels(synthetic_data, 2)))
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["lineage"]["tree_labels"] = manifest["num_labels"] + 1
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match="tree_labels"):
+        Bundle.open(path)
+
+
+def test_cli_adds_and_retires_labels_offline(bundle_root, synthetic_data, tmp_path, capsys):
+    labels = tmp_path / "new.jsonl"
+    labels.write_text("".join(json.dumps({"uid": lab.uid, "title": lab.title}) + "\n"
+                              for lab in _new_labels(synthetic_data, 3)))
+    out = tmp_path / "out"
+    assert cli(["labels", "add", str(bundle_root / "v1"), "--labels", str(labels), "--out", str(out)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["version"] == "v1.labels-1" and report["added"] == 3
+    assert cli(["labels", "remove", str(out / "v1.labels-1"), "new-0", "--out", str(out)]) == 0
+    assert json.loads(capsys.readouterr().out)["version"] == "v1.labels-2"
+    assert cli(["labels", "remove", str(out / "v1.labels-2"), "new-0", "--out", str(out)]) == 2
+    assert "retire[0]: 'new-0' is retired already" in capsys.readouterr().err
+    labels.write_text('{"uid": "x"}\n')
+    assert cli(["labels", "add", str(bundle_root / "v1"), "--labels", str(labels), "--out", str(out)]) == 2
+    assert f"{labels}:1" in capsys.readouterr().err
+
+
+def test_faults_in_a_derived_bundles_own_files_are_refused_naming_the_file(bundle_root, synthetic_data, tmp_path):
+    rows = _label_rows(synthetic_data)
+    derived = _derive(bundle_root / "v1", tmp_path / "root",
+                      LabelChange(add=_new_labels(synthetic_data, 20), retire=[r["uid"] for r in rows[:5]]))
+    own = ("token_overflow.npy", "token_overflow_weights.npy", "labels_retired.npy")
+    assert all((derived / name).is_file() for name in own)
+    for index, (name, kind, _, must_refuse) in enumerate(catalogue([*json.loads(
+            (derived / "manifest.json").read_text())["files"], "manifest.json"])):
+        if name not in own:
+            continue
+        for seed in (0, 1):
+            _, path = make_variant(derived, tmp_path / "work", seed, index)
+            result, message = outcome(path)
+            assert result in ("refused", "served"), (name, kind, message)
+            if must_refuse:
+                assert result == "refused" and name in message, (name, kind, message)
+
+
+def test_the_store_reads_both_places_and_refuses_a_version_found_in_both(bundle_root, synthetic_data, tmp_path):
+    state = tmp_path / "state"
+    derived = _derive(bundle_root / "v1", state / "bundles", LabelChange(add=_new_labels(synthetic_data, 2)))
+    store = BundleStore(bundle_root, state)
+    assert [(b.version, b.place) for b in store.list()] == [("v1", "root"), ("v2", "root"), ("d1", "state")]
+    assert store.newest_version() == "d1" and store.resolve("d1") == derived.resolve()
+    assert store.resolve("v2") == (bundle_root / "v2").resolve()
+    shutil.copytree(bundle_root / "v2", state / "bundles" / "v2")
+    with pytest.raises(BundleError, match="exists twice"):
+        store.resolve("v2")
+    with pytest.raises(BundleError, match="no bundle 'v9'"):
+        store.resolve("v9")
+    assert BundleStore(bundle_root).derived_root is None
