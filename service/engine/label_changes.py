@@ -163,17 +163,19 @@ class LabelEditor:
         trained = parent.manifest.tree_labels
         scale = float(np.median(np.linalg.norm(parent.classifiers[:trained], axis=1)))
         prior = float(np.quantile(parent.classifier_bias[:trained], self.prior_quantile))
-        w = np.vstack((parent.classifiers, scale * emb)).astype(np.float32)
+        # The label vectors in the parent's dtype (float16 in format 2's default); the indices
+        # get the stored values, as export gives them.
+        w = np.vstack((parent.classifiers, scale * emb)).astype(parent.vector_dtype)
         b = np.concatenate((parent.classifier_bias, np.full(len(add), prior, np.float32))).astype(np.float32)
-        mu = np.vstack((parent.centroids, emb)).astype(np.float32)
+        mu = np.vstack((parent.centroids, emb)).astype(parent.vector_dtype)
         plan.save(schema.CLASSIFIERS, w)
         plan.save(schema.CLASSIFIER_BIAS, b)
         plan.save(schema.CENTROIDS, mu)
         first, ref = len(parent.labels), slice(0, 256)
         for file, added, reference in (
-            (schema.HNSW_W, np.hstack((w[first:], b[first:, None])),
-             np.hstack((parent.classifiers[ref], parent.classifier_bias[ref, None]))),
-            (schema.HNSW_MU, mu[first:], parent.centroids[ref]),
+            (schema.HNSW_W, np.hstack((w[first:].astype(np.float32), b[first:, None])),
+             np.hstack((parent.classifiers[ref].astype(np.float32), parent.classifier_bias[ref, None]))),
+            (schema.HNSW_MU, mu[first:].astype(np.float32), parent.centroids[ref].astype(np.float32)),
         ):
             index = VectorIndex.load(parent.path / file, dim=added.shape[1], count=first,
                                      ef_search=parent.manifest.hnsw.ef_search)
