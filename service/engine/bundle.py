@@ -39,6 +39,8 @@ from service.engine.schema import (
     TOKEN_SHORTLIST_SHARES,
     TOKENIZER,
     TREE,
+    TREE_ARRAYS,
+    TREE_ARRAYS_SINCE,
     VALIDATION,
     BundleError,
     Manifest,
@@ -174,10 +176,22 @@ class Bundle:
             raise BundleError(f"{manifest_path}: lexical_weight > 0 but {LEXICAL_FILES[form][0]} is not listed")
 
     def _open_tree(self) -> TreeScorer:
+        m = self.manifest
         try:
             with np.load(self.path / TREE, allow_pickle=False) as z:
-                tree = TreeScorer.from_arrays({k: z[k] for k in z.files})
-            tree.validate(self.manifest.num_labels, self.manifest.dim)
+                arrays = {k: z[k] for k in z.files}
+            for name, arr in arrays.items():
+                if name not in TREE_ARRAYS:
+                    raise BundleError(f"{self.path / TREE}: unknown array {name!r}")
+                if arr.dtype != np.dtype(TREE_ARRAYS[name]):
+                    raise BundleError(f"{self.path / TREE}: array {name} is {arr.dtype}, expected {TREE_ARRAYS[name]}")
+                if TREE_ARRAYS_SINCE.get(name, 1) > m.format_version:
+                    raise BundleError(f"{self.path / TREE}: array {name} needs bundle format "
+                                      f">= {TREE_ARRAYS_SINCE[name]}, the manifest says {m.format_version}")
+            tree = TreeScorer.from_arrays(arrays)
+            tree.validate(m.num_labels, m.dim, m.vocab_size)
+        except BundleError:
+            raise
         except Exception as exc:  # a damaged zip raises zipfile's, zlib's or numpy's own errors
             raise BundleError(f"{self.path / TREE}: {type(exc).__name__}: {exc}") from exc
         return tree

@@ -23,7 +23,9 @@ A bundle is a directory BUNDLE_ROOT/VERSION, immutable once written:
   token_shortlist_weights.npy  optional: [vocab_size, M] float32, signed weights of the
                          (token, label) slots (lexical_form "logistic")
   token_shortlist_bias.npy     optional: [L] float32, the logistic form's per-label bias
-  tree.npz               optional: the adversarial tree scorer's arrays (service.engine.tree)
+  tree.npz               optional: the adversarial tree scorer's arrays (service.engine.tree),
+                         names and dtypes in TREE_ARRAYS; format 2 added the lexical arrays
+                         (xi's per-token term, TREE_ARRAYS_SINCE)
   validation.jsonl       optional: held-out {"text", "target_ind"} rows for a quality gate
 
 Versioning policy (what a reader does with a bundle from another writer):
@@ -51,7 +53,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-# 2: the encoder's initializers may live in encoder.onnx.data (format 1: inside encoder.onnx).
+# Format 2 added, each optional (a format-1 bundle has none of them):
+# - the encoder's initializers in encoder.onnx.data (format 1: inside encoder.onnx);
+# - tree.npz's lexical arrays, a scoring term of the tree classifier (TREE_ARRAYS_SINCE).
 FORMAT_VERSION = 2
 READABLE_FORMATS = (1, 2)
 
@@ -77,6 +81,15 @@ OPTIONAL_FILES = (
     TOKEN_SHORTLIST_BIAS,
 )
 KNOWN_FILES = frozenset((*REQUIRED_FILES, *OPTIONAL_FILES))
+
+# tree.npz: every array the tree scorer reads, with its one dtype (any other name or dtype is
+# refused), and the format version from which an array may appear.
+TREE_ARRAYS: dict[str, str] = {
+    "pca_mean": "float32", "pca_components": "float32", "node_weights": "float32", "node_bias": "float32",
+    "leaf_labels": "int64", "classifier_weights": "float32", "classifier_bias": "float32", "default_beam": "int64",
+    "lexical_indptr": "int64", "lexical_labels": "int32", "lexical_weights": "float32", "lexical_bias": "float32",
+}
+TREE_ARRAYS_SINCE: dict[str, int] = {"lexical_indptr": 2, "lexical_labels": 2, "lexical_weights": 2, "lexical_bias": 2}
 
 LexicalForm = Literal["shares", "logistic"]
 LEXICAL_FORMS: tuple[str, ...] = ("shares", "logistic")
