@@ -41,8 +41,11 @@ def test_valid_bundle_loads_and_memory_maps_its_arrays(bundle_root):
 
 def test_the_encoder_weights_are_memory_mapped_and_a_format_1_bundle_still_serves(bundle_root_copy):
     """Format 2 keeps the embedding table in encoder.onnx.data, which onnxruntime maps (pages
-    shared by every process serving the bundle); a format 1 bundle keeps it inside encoder.onnx."""
+    shared by every process serving the bundle); a format 1 bundle keeps it inside encoder.onnx
+    and its tree.npz has no lexical arrays, and both routes still serve it."""
     import onnx  # the train extra's: the service itself never imports it
+
+    from service.engine.tree import LEXICAL_ARRAYS, TreeScorer
 
     bundle_dir = bundle_root_copy / "v1"
     embedding = max(onnx.load(str(bundle_dir / "encoder.onnx"), load_external_data=False).graph.initializer,
@@ -55,12 +58,22 @@ def test_the_encoder_weights_are_memory_mapped_and_a_format_1_bundle_still_serve
     predictor.bundle.close()
     onnx.save(onnx.load(str(bundle_dir / "encoder.onnx")), str(bundle_dir / "encoder.onnx"))  # inline again
     os.remove(bundle_dir / "encoder.onnx.data")
+    with np.load(bundle_dir / "tree.npz") as z:
+        format1_tree = {k: z[k] for k in z.files if k not in LEXICAL_ARRAYS}
+    np.savez(bundle_dir / "tree.npz", **format1_tree)
     manifest = rewrite_manifest(bundle_dir, format_version=1)
     del manifest["files"]["encoder.onnx.data"]
-    manifest["files"]["encoder.onnx"] = sha256_file(bundle_dir / "encoder.onnx")
+    for name in ("encoder.onnx", "tree.npz"):
+        manifest["files"][name] = sha256_file(bundle_dir / name)
     (bundle_dir / MANIFEST).write_text(json.dumps(manifest))
-    got = Predictor.load(bundle_dir).predict_ids(texts, k=5)
+    predictor = Predictor.load(bundle_dir)
+    got = predictor.predict_ids(texts, k=5)
     assert np.array_equal(got[0], want[0]) and np.allclose(got[1], want[1], atol=1e-6)
+    # The tree route of format 1: xi without its lexical term, as a format-1 engine served it.
+    want_tree = TreeScorer.from_arrays(format1_tree).search(predictor.encode(texts), 5)
+    got_tree = predictor.predict_tree_ids(texts, k=5)
+    assert np.array_equal(got_tree[0], want_tree[0]) and np.allclose(got_tree[1], want_tree[1], atol=1e-5)
+    assert (got_tree[0] >= 0).all() and np.isfinite(got_tree[1]).all()
 
 
 def test_flipped_byte_is_rejected_naming_the_file(bundle_root_copy):

@@ -369,6 +369,20 @@ class AdversarialTree:
             raise ValueError("tree config start 'one_vs_all' needs Module III's classifiers")
         if cfg["lexical"] and tokens is None:
             raise ValueError("tree config lexical needs the documents' tokens")
+        # One torch thread: the steps are small gathers and sums that a second thread does not
+        # speed up, and on shared cores its spin-waits cost (a refit on debian-tags with two threads
+        # beside other jobs: 8 CPU minutes in 56 minutes, unfinished; with one: 6.5 minutes).
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return self._fit(doc_embeddings, targets, num_labels, tokens, module3)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _fit(self, doc_embeddings: np.ndarray, targets: list[list[int]], num_labels: int, tokens: TokenRows | None,
+             module3: tuple[np.ndarray, np.ndarray] | None) -> AdversarialTree:
+        cfg = self.config
+        one_vs_all = cfg["start"] == "one_vs_all"
         t0 = time.perf_counter()
         tree = tree_from_config(cfg, self.seed).fit(doc_embeddings, targets, num_labels)
         log.info("tree p_n: %d levels fitted in %.1fs", tree.depth_, time.perf_counter() - t0)
