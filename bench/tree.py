@@ -100,6 +100,9 @@ def parse_args() -> argparse.Namespace:
                     help="comma-separated subset of changes,ablation,beams,convergence")
     ap.add_argument("--curve-docs", type=int, default=1000, help="documents behind the convergence curve")
     ap.add_argument("--eval-every", type=int, default=50, help="training steps between curve points")
+    ap.add_argument("--fitted", action="store_true",
+                    help="ablation and beams on the checkpoint's own tree (tree.npz, e.g. from `shortlist train "
+                         "--refit-tree`) instead of one fitted here with --config")
     ap.add_argument("--latency-queries", type=int, default=1000)
     ap.add_argument("--out", default=str(OUT_DIR / "tree"))
     return ap.parse_args()
@@ -318,7 +321,13 @@ def main() -> int:
     if "changes" in parts:
         result["changes"] = changes(d, base, args)
     if parts & {"ablation", "beams"}:
-        scorer, result["fit_seconds"] = fit(d, cfg)
+        if args.fitted:
+            if d["ckpt"].tree is None:
+                raise SystemExit(f"{args.checkpoint}: no tree.npz (--fitted)")
+            scorer = TreeScorer.from_arrays(d["ckpt"].tree.arrays_)
+            result["config"] = resolve_config(d["ckpt"].config.get("tree", {}))
+        else:
+            scorer, result["fit_seconds"] = fit(d, cfg)
         if "ablation" in parts:
             result["ablation"] = ablation(d, scorer)
         if "beams" in parts:
