@@ -46,14 +46,18 @@ from _common import (
     write_jsonl_gz,
 )
 
-SYSTEMS = ("pecos", "omikuji", "napkinxc", "shortlist")
+SYSTEMS = ("pecos", "omikuji", "napkinxc", "shortlist", "shortlist-tree")
 TITLES = {
     "pecos": "PECOS XR-Linear",
     "omikuji": "Omikuji (Parabel-like, 3 trees)",
     "napkinxc": "napkinXC PLT",
     "shortlist": "Shortlist",
+    "shortlist-tree": "Shortlist tree route (/v1/predict/tree)",
 }
-DISTRIBUTIONS = {"pecos": "libpecos", "omikuji": "omikuji", "napkinxc": "napkinxc", "shortlist": "shortlist"}
+DISTRIBUTIONS = {"pecos": "libpecos", "omikuji": "omikuji", "napkinxc": "napkinxc", "shortlist": "shortlist",
+                 "shortlist-tree": "shortlist"}
+# Shortlist's own rows (the same bundle through either route); the others are its peers.
+OURS = ("shortlist", "shortlist-tree")
 K = 5
 # Batch predictions keep one more label than K, so the same predictions also give the metrics
 # with each document's own label left out (at most one label per document is its own).
@@ -385,6 +389,19 @@ class ShortlistServed:
         return self.predictor.predict_ids(texts, k=RANKED)[0]
 
 
+class ShortlistTreeServed(ShortlistServed):
+    """The same bundle's tree route (Predictor.predict_tree_ids at the bundle's default beam)."""
+
+    name = "shortlist-tree"
+
+    def predict_one(self, text: str) -> list[int]:
+        ids, _ = self.predictor.predict_tree_ids([text], k=K)
+        return [int(i) for i in ids[0] if i >= 0]
+
+    def predict_batch(self, texts: Sequence[str]) -> np.ndarray:
+        return self.predictor.predict_tree_ids(texts, k=RANKED)[0]
+
+
 PEERS: dict[str, type[Peer]] = {"pecos": PecosPeer, "omikuji": OmikujiPeer, "napkinxc": NapkinxcPeer}
 
 
@@ -434,8 +451,8 @@ def worker(spec_path: str) -> int:
     elif phase == "serve":
         texts = json.loads(Path(files.tst_texts).read_text(encoding="utf-8"))
         start = time.perf_counter()
-        if system == "shortlist":
-            model: Any = ShortlistServed(Path(spec["model_dir"]))
+        if system in OURS:
+            model: Any = (ShortlistServed if system == "shortlist" else ShortlistTreeServed)(Path(spec["model_dir"]))
         else:
             model = PEERS[system](files)
             model.load(Path(spec["model_dir"]))
@@ -553,14 +570,15 @@ def run_cli_step(cmd: list[str], log: Path) -> float:
     return time.perf_counter() - start
 
 
-def prepare_shortlist(args: argparse.Namespace, files: RunFiles, log: Path) -> tuple[Path, dict[str, Any]]:
-    """The bundle to serve (trained and exported here unless one was given) and its build times."""
+def prepare_shortlist(args: argparse.Namespace, files: RunFiles, log: Path) -> dict[str, Any]:
+    """The bundle to serve ("bundle"; trained and exported here unless one was given) and its
+    build times."""
     cli = [sys.executable, "-m", "shortlist.cli"]
     if args.shortlist_bundle:
         bundle = Path(args.shortlist_bundle).resolve()
         if not (bundle / "manifest.json").is_file():
             raise BenchError(f"--shortlist-bundle {bundle}: no manifest.json there (give a bundle version folder)")
-        return bundle, {"reused": str(bundle)}
+        return {"reused": str(bundle), "bundle": str(bundle)}
     info: dict[str, Any] = {}
     if args.shortlist_checkpoint:
         checkpoint = Path(args.shortlist_checkpoint).resolve()
@@ -577,7 +595,8 @@ def prepare_shortlist(args: argparse.Namespace, files: RunFiles, log: Path) -> t
     if (root / version).exists():
         shutil.rmtree(root / version)
     info["export_s"] = run_cli_step([*cli, "export", str(checkpoint), "--out", str(root), "--version", version], log)
-    return root / version, info
+    info["bundle"] = str(root / version)
+    return info
 
 
 def document_terms(
@@ -609,23 +628,23 @@ def paired_differences(
     rows: list[dict[str, Any]], truths: Sequence[Sequence[int]], inv_prop: np.ndarray, own: np.ndarray | None,
     resamples: int, seed: int,
 ) -> list[dict[str, Any]]:
-    """Shortlist minus each peer on the same test documents, per protocol, with paired
+    """Each of Shortlist's rows minus each peer on the same test documents, per protocol, with paired
     bootstrap intervals (service.engine.metrics.paired_bootstrap)."""
     from service.engine.metrics import paired_bootstrap
 
-    ours = next((r for r in rows if r["system"] == "shortlist" and "preds" in r), None)
-    if ours is None or resamples < 1:
+    if resamples < 1:
         return []
     protocols = [("plain", None), *([("own label excluded", own)] if own is not None else [])]
     out = []
-    for name, excluded in protocols:
-        terms = document_terms(ours["preds"], truths, inv_prop, excluded)
-        for peer in rows:
-            if peer is ours or "preds" not in peer:
-                continue
-            diff = paired_bootstrap(terms, document_terms(peer["preds"], truths, inv_prop, excluded),
-                                    PAIRED_METRICS, resamples=resamples, seed=seed)
-            out.append({"peer": peer["title"], "protocol": name, "diff": diff})
+    for ours in (r for r in rows if r["system"] in OURS and "preds" in r):
+        for name, excluded in protocols:
+            terms = document_terms(ours["preds"], truths, inv_prop, excluded)
+            for peer in rows:
+                if peer["system"] in OURS or "preds" not in peer:
+                    continue
+                diff = paired_bootstrap(terms, document_terms(peer["preds"], truths, inv_prop, excluded),
+                                        PAIRED_METRICS, resamples=resamples, seed=seed)
+                out.append({"system": ours["title"], "peer": peer["title"], "protocol": name, "diff": diff})
     return out
 
 
@@ -746,16 +765,17 @@ def render_markdown(rows: list[dict[str, Any]], grid: list[dict[str, Any]], cont
     if context.get("paired"):
         out += [
             "",
-            f"Shortlist minus each peer on the same test documents, in points, with a 95% paired bootstrap "
+            f"Each Shortlist route minus each peer on the same test documents, in points, with a 95% paired bootstrap "
             f"interval ({context['resamples']} resamples of the test documents, both systems scored on each): "
             "an interval that holds 0 is a tie at this test set's size.",
             "",
-            "| peer | protocol | " + " | ".join(PAIRED_METRICS) + " |",
-            "|---|---|" + "---|" * len(PAIRED_METRICS),
+            "| route | peer | protocol | " + " | ".join(PAIRED_METRICS) + " |",
+            "|---|---|---|" + "---|" * len(PAIRED_METRICS),
         ]
         for d in context["paired"]:
             cells = [f"{v:+.2f} [{lo:+.2f}, {hi:+.2f}]" for v, lo, hi in (d["diff"][m] for m in PAIRED_METRICS)]
-            out.append(f"| {d['peer']} | {d['protocol']} | " + " | ".join(cells) + " |")
+            route = d.get("system", TITLES["shortlist"])
+            out.append(f"| {route} | {d['peer']} | {d['protocol']} | " + " | ".join(cells) + " |")
     if context.get("versions"):
         out += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in context["versions"].items()) + "."]
     info = context.get("shortlist_info") or {}
@@ -812,7 +832,7 @@ def plot(rows: list[dict[str, Any]], grid: list[dict[str, Any]], exact: dict[str
     from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.6))
-    markers = {"pecos": "s", "omikuji": "^", "napkinxc": "D", "shortlist": "*"}
+    markers = {"pecos": "s", "omikuji": "^", "napkinxc": "D", "shortlist": "*", "shortlist-tree": "P"}
     for ax, metric in zip(axes, ("P@1", "PSP@5"), strict=True):
         if grid:
             pts = sorted(grid, key=lambda g: g["p50_ms"])
@@ -829,7 +849,7 @@ def plot(rows: list[dict[str, Any]], grid: list[dict[str, Any]], exact: dict[str
         for r in rows:
             if "error" in r or "metrics" not in r:
                 continue
-            color = "tab:red" if r["system"] == "shortlist" else None
+            color = "tab:red" if r["system"] in OURS else None
             ax.scatter([r["p50_ms"]], [r["metrics"][metric]], marker=markers.get(r["system"], "o"), s=90,
                        color=color, label=r["title"], zorder=3)
         ax.set_xscale("log")
@@ -910,8 +930,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows.append(row)
         try:
             model_dir = files.models / system
-            if system == "shortlist":
-                model_dir, shortlist_info = prepare_shortlist(args, files, log)
+            if system == "shortlist-tree":  # the bundle the alpha row serves, or one made here
+                if "bundle" not in shortlist_info:
+                    shortlist_info = prepare_shortlist(args, files, log)
+                row["train_s"] = shortlist_info.get("train_s")
+                serve = run_worker(files, system, "serve", log, True, model_dir=shortlist_info["bundle"],
+                                   **serve_spec)
+            elif system == "shortlist":
+                shortlist_info = prepare_shortlist(args, files, log)
+                model_dir = Path(shortlist_info["bundle"])
                 row["train_s"] = shortlist_info.get("train_s")
                 serve = run_worker(files, system, "serve", log, True, model_dir=str(model_dir), **serve_spec,
                                    grid=args.grid, grid_latency_queries=args.grid_latency_queries)

@@ -1,18 +1,25 @@
-"""Benchmark of the tree-based bias-corrected scorer (issue 6) on an XC dataset's titles.
+"""Benchmark of the tree route (issues 6 and 24): the tree-based bias-corrected scorer behind
+POST /v1/predict/tree, refitted on a trained checkpoint's encoder, Module III and split.
 
-Prints and writes (bench/out/tree/tree.json, bench/out/tree/tree_convergence.png, copied to
-bench/tree_convergence.png unless --out points elsewhere):
-  - P@1, P@5, PSP@5 on the test split of: xi alone, log p_n alone, xi + log p_n (exact over
-    all labels) and xi + log p_n by beam search at the default beam;
-  - recall of the beam top-k against the exact top-k (ties counted as found) over a beam sweep;
-  - convergence: P@1 against training seconds for adversarial (p_n) negatives vs uniform
-    negatives, same model, same epochs and negatives per positive; the time adversarial takes
-    to reach uniform's final P@1, as a fraction of uniform's total time (bar <= 1/3);
-  - single-query TreeScorer.search p50 at the default beam (bar <= 1 ms), next to exact
-    scoring of one query over all labels measured in the same run.
+    python bench/tree.py --checkpoint CKPT --data DIR [--split val|tst] [--filter own|plain]
 
-Document embeddings come from a checkpoint's trained encoder (`shortlist train` output):
-  python bench/tree.py --checkpoint CKPT_DIR [--data ../shared/data/debian-deps]
+Prints and writes (bench/out/tree/<dataset>-<split>.json; the convergence plot
+bench/out/tree/tree_convergence.png, copied to bench/tree_convergence.png unless --out points
+elsewhere):
+  - changes: the model and training changes of issue 24 one by one, each on top of the last
+    (from issue 6's model to today's defaults): P@1 / P@5 / PSP@5 through TreeScorer.search at
+    the default beam, fit seconds, single-query search p50;
+  - ablation on the default model, same candidates (the beam's leaves): xi alone, log p_n
+    alone, xi + log p_n; how many of the true labels the beam holds;
+  - beam sweep: recall of the beam's top k against the exact top k over all labels, p50;
+  - single-query search p50 at the default beam (bar <= 1 ms) next to exact scoring of all
+    labels, same run;
+  - convergence: P@1 against training seconds with negatives from p_n (xi + log p_n) and
+    uniform negatives (xi), same model and hyper-parameters (`same_config`; bar: adversarial
+    reaches uniform's final P@1 in at most a third of uniform's time, the tree's fit charged).
+
+The split is the checkpoint's own: its validation documents (carved from trn by its seed,
+which tuning may look at) or the whole test split. Tune on val; report tst.
 """
 
 from __future__ import annotations
@@ -28,223 +35,271 @@ import numpy as np
 import torch
 from _common import BENCH_DIR, OUT_DIR, command_line, git_revision, latency_summary
 
-from service.engine.metrics import label_frequencies, propensities, ranking_metrics
+from service.engine.metrics import ranking_metrics
 from service.engine.tree import TreeScorer
-from training import data as xc_data
 from training.checkpoint import Checkpoint
-from training.encoder import EncodedTexts, embed
+from training.config import TrainConfig
+from training.data import own_label_ids
+from training.dataset import TrainingSet
+from training.encoder import embed
 from training.tree import LabelTree
-from training.tree_train import (
-    DEFAULT_CONFIG,
-    TreeClassifier,
-    classifier_from_config,
-    resolve_config,
-    tree_from_config,
-)
+from training.tree_lexical import TokenRows, lexical_start
+from training.tree_train import AdversarialTree, classifier_from_config, resolve_config, tree_from_config
 
 CPU = torch.device("cpu")
+# Issue 24's changes in the order they were made, each on top of the ones before (the first
+# row is issue 6's model); the last row is training.tree_train.DEFAULT_CONFIG.
+ISSUE6 = {"pca_dim": 16, "lambda_n": 1.0, "lexical": False, "start": "zero", "epochs": 3, "negatives": 8,
+          "lambda": 0.01, "beam": 128}
+CHANGES: list[tuple[str, dict[str, Any]]] = [
+    ("issue 6's model: p_n lambda_n 1, xi from zero on the embedding, beam 128", ISSUE6),
+    ("p_n's regulariser at the data's size: lambda_n 3000", {"lambda_n": 3000.0}),
+    ("xi starts at Module III's w_l, b_l (the change regularised)", {"start": "one_vs_all"}),
+    ("xi's lexical term, started at its one-vs-all logistic model", {"lexical": True}),
+    ("beam 512", {"beam": 512}),
+]
 
 
-def embed_texts(ckpt: Checkpoint, texts: list[str]) -> np.ndarray:
-    return embed(ckpt.encoder, EncodedTexts.of(ckpt.tokenizer, texts), CPU)
+class Split:
+    """One split's documents as the tree route sees them: embeddings, tokens, truths."""
 
+    def __init__(self, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, targets: list[list[int]],
+                 own: np.ndarray | None) -> None:
+        self.x, self.tokens, self.own = x, (ids, weights), own
+        # Under the filtered protocol a document's own label is neither a target nor a prediction.
+        self.truths = targets if own is None else [[t for t in tr if t != o] for tr, o in zip(targets, own,
+                                                                                             strict=True)]
 
-def chunked_log_pn(scorer: TreeScorer, q: np.ndarray, chunk: int = 128) -> np.ndarray:
-    return np.vstack([scorer.log_pn(q[i : i + chunk]).astype(np.float32) for i in range(0, len(q), chunk)])
+    def __len__(self) -> int:
+        return len(self.x)
 
+    def rows(self, start: int, stop: int) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
+        return self.x[start:stop], (self.tokens[0][start:stop], self.tokens[1][start:stop])
 
-def top(scores: np.ndarray, k: int) -> np.ndarray:
-    part = np.argpartition(-scores, k - 1, axis=1)[:, :k]
-    order = np.argsort(-np.take_along_axis(scores, part, 1), axis=1, kind="stable")
-    return np.take_along_axis(part, order, 1)
-
-
-def metrics_of(ids: np.ndarray, truths: list[list[int]], inv_prop: np.ndarray) -> dict[str, float]:
-    m = ranking_metrics(ids, truths, ks=(1, 5), inv_propensity=inv_prop)
-    return {name: round(float(m[name]), 3) for name in ("P@1", "P@5", "PSP@5")}
-
-
-def beam_recall(beam_scores: np.ndarray, exact_scores: np.ndarray, k: int) -> float:
-    """Fraction of the beam's top k whose score reaches the exact k-th best (ties count as found)."""
-    kth = -np.partition(-exact_scores, k - 1, axis=1)[:, k - 1 : k]
-    return float((beam_scores[:, :k] >= kth - 1e-4 * np.maximum(1.0, np.abs(kth))).mean())
+    def drop_own(self, ids: np.ndarray, k: int = 5) -> np.ndarray:
+        """Ranked ids [N, >k] of the first N documents -> [N, k], each document's own label
+        removed (the rest move up)."""
+        if self.own is None:
+            return ids[:, :k]
+        out = np.full((len(ids), k), -1, dtype=np.int64)
+        for r, row in enumerate(ids):
+            kept = row[(row != self.own[r]) & (row >= 0)][:k]
+            out[r, : len(kept)] = kept
+        return out
 
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", required=True, help="checkpoint folder (its encoder embeds the documents)")
+    ap.add_argument("--checkpoint", required=True, help="checkpoint folder (`shortlist train` output)")
     ap.add_argument("--data", default=str(BENCH_DIR.parent.parent / "shared" / "data" / "debian-deps"))
-    ap.add_argument("--test-docs", type=int, default=4000, help="test documents evaluated (first N)")
-    ap.add_argument("--curve-docs", type=int, default=1000, help="test documents behind the convergence curve")
-    ap.add_argument("--epochs", type=int, default=int(DEFAULT_CONFIG["epochs"]))
-    ap.add_argument("--eval-every", type=int, default=40, help="training steps between curve points")
+    ap.add_argument("--split", default="val", choices=["val", "tst"])
+    ap.add_argument("--filter", default="own", choices=["own", "plain"],
+                    help="own: each document's own label left out of predictions and truth (filtered protocol)")
     ap.add_argument("--config", default="{}", help="JSON object overriding training.tree_train.DEFAULT_CONFIG")
+    ap.add_argument("--parts", default="changes,ablation,beams,convergence",
+                    help="comma-separated subset of changes,ablation,beams,convergence")
+    ap.add_argument("--curve-docs", type=int, default=1000, help="documents behind the convergence curve")
+    ap.add_argument("--eval-every", type=int, default=50, help="training steps between curve points")
+    ap.add_argument("--fitted", action="store_true",
+                    help="ablation and beams on the checkpoint's own tree (tree.npz, e.g. from `shortlist train "
+                         "--refit-tree`) instead of one fitted here with --config")
     ap.add_argument("--latency-queries", type=int, default=1000)
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(OUT_DIR / "tree"))
     return ap.parse_args()
 
 
 def load(args: argparse.Namespace) -> dict[str, Any]:
-    """The documents embedded by the checkpoint's encoder, their truths and the propensities."""
+    """The checkpoint's training documents and the evaluated split, embedded by its encoder."""
     t = time.perf_counter()
     ckpt = Checkpoint.load(args.checkpoint)
-    num_labels = len(xc_data.load_labels(args.data))
-    trn = xc_data.load_split(args.data, "trn", num_labels=num_labels)
-    tst = xc_data.load_split(args.data, "tst", num_labels=num_labels)
-    tst = tst.subset(list(range(min(args.test_docs, len(tst)))))
-    d = {"num_labels": num_labels, "trn": trn, "tst": tst, "x_trn": embed_texts(ckpt, trn.texts),
-         "x_tst": embed_texts(ckpt, tst.texts),
-         "inv_prop": 1.0 / propensities(label_frequencies(trn.targets, num_labels), len(trn))}
-    print(f"data: {len(trn)} train / {len(tst)} test docs, {num_labels} labels, D={d['x_trn'].shape[1]} "
-          f"({time.perf_counter() - t:.1f}s)", flush=True)
-    return d
-
-
-def convergence_runs(d: dict[str, Any], tree: LabelTree, cfg: dict[str, Any], args: argparse.Namespace
-                     ) -> tuple[dict[str, list[tuple[float, float]]], dict[str, TreeClassifier]]:
-    """P@1 on the first test documents against training seconds, per sampler.
-
-    The same model and hyper-parameters for both samplers; plus uniform without the xi^2
-    regulariser, since uniform's optimal xi (log p - log(1/L), ~ +7 here) is far from 0 and the
-    regulariser handicaps it. Adversarial is compared with the better of the two uniform runs.
-    """
-    num_labels, x_trn, x_tst, tst = d["num_labels"], d["x_trn"], d["x_tst"], d["tst"]
-    zero_w = np.zeros((num_labels, x_trn.shape[1]), np.float32)
-    pn_only = TreeScorer.from_arrays({**tree.arrays(), "classifier_weights": zero_w,
-                                      "classifier_bias": np.zeros(num_labels, np.float32)})
-    curve_q, curve_truth = x_tst[: args.curve_docs], tst.targets[: args.curve_docs]
-    curve_logpn = chunked_log_pn(pn_only, curve_q)
-    runs = {"adversarial": ("adversarial", cfg), "uniform": ("uniform", cfg),
-            "uniform, lambda=0": ("uniform", {**cfg, "lambda": 0.0})}
-    curves: dict[str, list[tuple[float, float]]] = {}
-    models: dict[str, TreeClassifier] = {}
-    for name, (sampler, run_cfg) in runs.items():
-        points: list[tuple[float, float]] = []
-        correction = curve_logpn if sampler == "adversarial" else 0.0
-
-        def record(elapsed: float, step: int, w: np.ndarray, b: np.ndarray, points=points, corr=correction) -> None:
-            scores = curve_q @ w.T + b + corr
-            p1 = ranking_metrics(scores.argmax(1)[:, None], curve_truth, ks=(1,))["P@1"]
-            points.append((elapsed, float(p1)))
-
-        # Before any step xi = 0: adversarial scores log p_n alone, uniform scores all labels alike.
-        record(0.0, 0, zero_w, np.zeros(num_labels, np.float32))
-        clf = classifier_from_config(run_cfg, args.seed, sampler)
-        clf.fit(x_trn, d["trn"].targets, num_labels, tree, callback=record, callback_every=args.eval_every)
-        curves[name], models[name] = points, clf
-        print(f"{name}: {clf.fit_stats_['steps']} steps in {clf.fit_stats_['train_seconds']:.1f}s, "
-              f"final curve P@1 {points[-1][1]:.2f}, masked negatives "
-              f"{100 * clf.fit_stats_['masked_negative_fraction']:.2f}%", flush=True)
-    return curves, models
-
-
-def _reach(curve: list[tuple[float, float]], target: float) -> float | None:
-    return next((s for s, p in curve if p >= target), None)
-
-
-def convergence_summary(curves: dict[str, list[tuple[float, float]]], tree_s: float) -> dict[str, Any]:
-    """How soon adversarial negatives reach uniform's final P@1 (the tree's fit charged to them)."""
-    best_uniform = max(("uniform", "uniform, lambda=0"), key=lambda n: curves[n][-1][1])
-    uniform_final, uniform_time = curves[best_uniform][-1][1], curves[best_uniform][-1][0]
-    reach = _reach(curves["adversarial"], uniform_final)
-    same_final, same_time = curves["uniform"][-1][1], curves["uniform"][-1][0]
-    same_reach = _reach(curves["adversarial"], same_final)
-    return {
-        "uniform_run_compared": best_uniform,
-        "uniform_final_P@1 (all runs)": {n: curves[n][-1][1] for n in curves if n != "adversarial"},
-        "uniform_final_P@1": uniform_final,
-        "uniform_seconds": round(uniform_time, 2),
-        "adversarial_final_P@1": curves["adversarial"][-1][1],
-        "adversarial_seconds": round(curves["adversarial"][-1][0], 2),
-        "adversarial_seconds_to_uniform_final": None if reach is None else round(reach, 2),
-        "fraction_of_uniform_time": None if reach is None else round(reach / uniform_time, 4),
-        "fraction_incl_tree_fit": None if reach is None else round((reach + tree_s) / uniform_time, 4),
-        # "the same model and budget": uniform with the adversarial run's own hyper-parameters
-        "same_config": {
-            "uniform_final_P@1": same_final,
-            "uniform_seconds": round(same_time, 2),
-            "adversarial_seconds_to_uniform_final": None if same_reach is None else round(same_reach, 2),
-            "fraction_incl_tree_fit": None if same_reach is None else round((same_reach + tree_s) / same_time, 4),
-        },
-    }
-
-
-def quality(d: dict[str, Any], scorer: TreeScorer, models: dict[str, TreeClassifier]) -> tuple[dict, np.ndarray]:
-    """P@1/P@5/PSP@5 of xi, log p_n, their sum (exact and by beam), and uniform's xi; the exact scores."""
-    x_tst, truths, inv_prop = d["x_tst"], d["tst"].targets, d["inv_prop"]
-    clf = models["adversarial"]
-    xi = x_tst @ clf.weights_.T + clf.bias_
-    logpn = chunked_log_pn(scorer, x_tst)
-    exact = xi + logpn
+    cfg = TrainConfig.from_dict({**ckpt.config, "progress": False})
+    data = TrainingSet.load(args.data, cfg, ckpt.text_field, np.random.default_rng(cfg.seed))
+    if data.fingerprint != ckpt.fingerprint:
+        raise SystemExit(f"{args.data}: not the data {args.checkpoint} was trained on")
+    docs, texts = (data.val, data.val_texts) if args.split == "val" else (data.tst, data.tst_texts)
+    own = own_label_ids(docs.uids, data.labels.uids) if args.filter == "own" else None
     out = {
-        "xi alone": metrics_of(top(xi, 5), truths, inv_prop),
-        "log p_n alone": metrics_of(top(logpn, 5), truths, inv_prop),
-        "xi + log p_n (exact)": metrics_of(top(exact, 5), truths, inv_prop),
-        "xi + log p_n (beam, default)": metrics_of(scorer.search(x_tst, 5)[0], truths, inv_prop),
-        **{f"{name}: xi": metrics_of(top(x_tst @ m.weights_.T + m.bias_, 5), truths, inv_prop)
-           for name, m in models.items() if name != "adversarial"},
+        "ckpt": ckpt, "num_labels": data.num_labels, "inv_prop": data.inv_propensity,
+        "trn_x": embed(ckpt.encoder, data.docs, CPU), "trn_targets": data.trn.targets,
+        "tokens": TokenRows(data.docs.ids.numpy(), data.docs.weights.numpy(), data.label_texts.ids.numpy(),
+                            data.tokenizer.vocab_size),
+        "eval": Split(embed(ckpt.encoder, texts, CPU), texts.ids.numpy(), texts.weights.numpy(), docs.targets, own),
     }
-    for name, m in out.items():
-        print(f"  {name:32s} {m}", flush=True)
-    return out, exact
-
-
-def _search_times(scorer: TreeScorer, queries: np.ndarray, beam: int | None, warmup: int = 10) -> list[float]:
-    for i in range(warmup):
-        scorer.search(queries[i : i + 1], 10, beam)
-    times = []
-    for i in range(len(queries)):
-        t0 = time.perf_counter()
-        scorer.search(queries[i : i + 1], 10, beam)
-        times.append(time.perf_counter() - t0)
-    return times
-
-
-def beam_sweep(scorer: TreeScorer, x_tst: np.ndarray, exact: np.ndarray, default_beam: int) -> dict[int, dict]:
-    """Recall of the beam's top k against the exact top k, and one query's search time, per beam."""
-    recall = {}
-    for beam in sorted({8, 16, 32, 64, 128, 256, default_beam}):
-        r = {f"recall@{k}": round(beam_recall(scorer.search(x_tst, k, beam)[1], exact, k), 4) for k in (5, 10)}
-        r["search_p50_ms"] = round(latency_summary(_search_times(scorer, x_tst[:200], beam))["p50_ms"], 4)
-        recall[beam] = r
-        print(f"  beam {beam:4d}: {r}", flush=True)
-    return recall
-
-
-def latency(scorer: TreeScorer, queries: np.ndarray) -> dict[str, Any]:
-    """Single-query search at the default beam against exact scoring of all labels, same run."""
-    exact_times = []
-    for i in range(min(200, len(queries))):
-        t0 = time.perf_counter()
-        top(scorer.exact_scores(queries[i : i + 1]), 10)
-        exact_times.append(time.perf_counter() - t0)
-    out = {"search_default_beam": {k: round(v, 4) for k, v in latency_summary(_search_times(scorer, queries, None,
-                                                                                           20)).items()},
-           "exact_all_labels": {k: round(v, 4) for k, v in latency_summary(exact_times).items()}}
-    out["exact_over_search_p50"] = round(out["exact_all_labels"]["p50_ms"] / out["search_default_beam"]["p50_ms"], 2)
+    print(f"data: {len(data.trn)} train docs, {args.split} {len(docs)} docs ({args.filter}), {data.num_labels} "
+          f"labels ({time.perf_counter() - t:.1f}s)", flush=True)
     return out
 
 
-def plot(curves: dict[str, list[tuple[float, float]]], convergence: dict[str, Any], args: argparse.Namespace,
-         png: Path) -> None:
+def fit(d: dict[str, Any], cfg: dict[str, Any]) -> tuple[TreeScorer, float]:
+    t = time.perf_counter()
+    clf = d["ckpt"].classifiers
+    model = AdversarialTree(cfg, d["ckpt"].seed).fit(d["trn_x"], d["trn_targets"], d["num_labels"],
+                                                     tokens=d["tokens"], module3=(clf.weights_, clf.bias_))
+    return TreeScorer.from_arrays(model.arrays_), time.perf_counter() - t
+
+
+def metrics_of(ids: np.ndarray, split: Split, inv_prop: np.ndarray) -> dict[str, float]:
+    m = ranking_metrics(split.drop_own(ids), split.truths, ks=(1, 5), inv_propensity=inv_prop)
+    return {name: round(float(m[name]), 2) for name in ("P@1", "P@5", "PSP@5")}
+
+
+def searched(scorer: TreeScorer, split: Split, k: int, beam: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    parts = [scorer.search(*split.rows(i, i + 256)[:1], k, beam, split.rows(i, i + 256)[1])
+             for i in range(0, len(split), 256)]
+    return np.vstack([p[0] for p in parts]), np.vstack([p[1] for p in parts])
+
+
+def single_query_times(scorer: TreeScorer, split: Split, count: int, beam: int | None = None) -> list[float]:
+    times = []
+    for i in range(min(count, len(split)) + 10):
+        q, tokens = split.rows(i % len(split), i % len(split) + 1)
+        t0 = time.perf_counter()
+        scorer.search(q, 10, beam, tokens)
+        if i >= 10:  # warm-up calls not counted
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def changes(d: dict[str, Any], base: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Each change on top of the ones before it, fitted and measured."""
+    rows, cfg = [], {}
+    for name, change in CHANGES:
+        cfg = {**cfg, **change}
+        run_cfg = resolve_config({**base, **cfg})
+        scorer, fit_s = fit(d, run_cfg)
+        m = metrics_of(searched(scorer, d["eval"], 6)[0], d["eval"], d["inv_prop"])
+        p50 = latency_summary(single_query_times(scorer, d["eval"], min(300, args.latency_queries)))["p50_ms"]
+        rows.append({"change": name, "config": run_cfg, **m, "fit_s": round(fit_s, 1), "search_p50_ms": round(p50, 3)})
+        print(f"  {name}: {m} fit {fit_s:.1f}s p50 {p50:.3f} ms", flush=True)
+    return rows
+
+
+def ablation(d: dict[str, Any], scorer: TreeScorer) -> dict[str, Any]:
+    """The beam's leaves ranked by xi alone, log p_n alone and xi + log p_n."""
+    split, ranked = d["eval"], {"xi alone": [], "log p_n alone": [], "xi + log p_n": []}
+    held = []
+    for i in range(0, len(split), 256):
+        q, tokens = split.rows(i, i + 256)
+        labels, logp = scorer.beam_leaves(q, scorer.default_beam)
+        valid = labels >= 0
+        xi = scorer.candidate_scores(q, np.maximum(labels, 0), tokens)
+        for name, s in (("xi alone", xi), ("log p_n alone", logp), ("xi + log p_n", xi + logp)):
+            order = np.argsort(-np.where(valid, s, -np.inf), axis=1, kind="stable")[:, :6]
+            ranked[name].append(np.take_along_axis(labels, order, 1))
+        for row, truth in zip(labels, split.truths[i : i + 256], strict=True):
+            if truth:
+                held.append(len(set(truth) & set(row.tolist())) / len(truth))
+    out: dict[str, Any] = {name: metrics_of(np.vstack(v), split, d["inv_prop"]) for name, v in ranked.items()}
+    out["true labels in the beam"] = round(100 * float(np.mean(held)), 2)
+    for name, m in out.items():
+        print(f"  {name:28s} {m}", flush=True)
+    return out
+
+
+def exact_top(scorer: TreeScorer, split: Split, k: int) -> np.ndarray:
+    """Exact k-th best score over all labels per document [N, 1]."""
+    out = []
+    for i in range(0, len(split), 128):
+        q, tokens = split.rows(i, i + 128)
+        s = scorer.exact_scores(q, tokens)
+        out.append(-np.partition(-s, k - 1, axis=1)[:, k - 1 : k])
+    return np.vstack(out)
+
+
+def beams(d: dict[str, Any], scorer: TreeScorer, args: argparse.Namespace) -> dict[str, Any]:
+    """Recall of the beam's top k against the exact top k, and one query's search time, per beam;
+    then the default beam against exact scoring of all labels, same run."""
+    split, sweep = d["eval"], {}
+    kth = {k: exact_top(scorer, split, k) for k in (5, 10)}
+    for beam in sorted({8, 16, 32, 64, 128, 256, scorer.default_beam}):
+        r = {}
+        for k in (5, 10):
+            scores = searched(scorer, split, k, beam)[1]
+            r[f"recall@{k}"] = round(float((scores >= kth[k] - 1e-4 * np.maximum(1.0, np.abs(kth[k]))).mean()), 4)
+        r["search_p50_ms"] = round(latency_summary(single_query_times(scorer, split, 200, beam))["p50_ms"], 3)
+        sweep[beam] = r
+        print(f"  beam {beam:4d}: {r}", flush=True)
+    exact_times = []
+    for i in range(min(200, len(split))):
+        q, tokens = split.rows(i, i + 1)
+        t0 = time.perf_counter()
+        np.argsort(-scorer.exact_scores(q, tokens)[0])[:10]
+        exact_times.append(time.perf_counter() - t0)
+    default = latency_summary(single_query_times(scorer, split, args.latency_queries))
+    latency = {"search_default_beam": {k: round(v, 4) for k, v in default.items()},
+               "exact_all_labels": {k: round(v, 4) for k, v in latency_summary(exact_times).items()}}
+    print(f"  single query, default beam {scorer.default_beam}: {latency}", flush=True)
+    return {"sweep": sweep, "latency_ms": latency}
+
+
+def curve_runs(d: dict[str, Any], cfg: dict[str, Any], args: argparse.Namespace, tree: LabelTree
+               ) -> dict[str, list[tuple[float, float]]]:
+    """P@1 on the first documents against training seconds, adversarial vs uniform negatives."""
+    split = d["eval"]
+    n = min(args.curve_docs, len(split))
+    q, tokens = split.rows(0, n)
+    zeros = {"classifier_weights": np.zeros((d["num_labels"], q.shape[1]), np.float32),
+             "classifier_bias": np.zeros(d["num_labels"], np.float32)}
+    logpn = TreeScorer.from_arrays({**tree.arrays(), **zeros}).log_pn(q)
+    clf = d["ckpt"].classifiers
+    lexical = None
+    if cfg["lexical"]:  # the same start for both samplers, fitted once
+        lexical = lexical_start(d["tokens"], d["trn_targets"], d["num_labels"], int(cfg["lexical_width"]),
+                                cfg["start"] == "one_vs_all", int(cfg["lexical_epochs"]), float(cfg["lexical_lr"]),
+                                float(cfg["lexical_l2"]), d["ckpt"].seed)
+    curves: dict[str, list[tuple[float, float]]] = {}
+    for sampler in ("adversarial", "uniform"):
+        points: list[tuple[float, float]] = []
+
+        def record(elapsed: float, step: int, arrays: dict[str, np.ndarray], points=points, sampler=sampler) -> None:
+            xi = TreeScorer.from_arrays({**tree.arrays(), **{k: np.asarray(v) for k, v in arrays.items()}})
+            scores = xi.classifier_scores(q, tokens) + (logpn if sampler == "adversarial" else 0.0)
+            top6 = np.argsort(-scores, axis=1)[:, :6]
+            p1 = ranking_metrics(split.drop_own(top6), split.truths[:n], ks=(1,))["P@1"]
+            points.append((elapsed, float(p1)))
+
+        model = classifier_from_config(cfg, d["ckpt"].seed, sampler)
+        model.fit(d["trn_x"], d["trn_targets"], d["num_labels"], tree, callback=record,
+                  callback_every=args.eval_every, tokens=d["tokens"], lexical=lexical,
+                  start=(clf.weights_, clf.bias_) if cfg["start"] == "one_vs_all" else None)
+        curves[sampler] = points
+        print(f"  {sampler}: {model.fit_stats_['steps']} steps in {model.fit_stats_['train_seconds']:.1f}s, "
+              f"P@1 {points[0][1]:.2f} -> {points[-1][1]:.2f}", flush=True)
+    return curves
+
+
+def convergence(d: dict[str, Any], cfg: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    t = time.perf_counter()
+    tree = tree_from_config(cfg, d["ckpt"].seed).fit(d["trn_x"], d["trn_targets"], d["num_labels"])
+    tree_s = time.perf_counter() - t
+    curves = curve_runs(d, cfg, args, tree)
+    uniform_final, uniform_s = curves["uniform"][-1][1], curves["uniform"][-1][0]
+    reach = next((s for s, p in curves["adversarial"] if p >= uniform_final), None)
+    out = {"tree_fit_seconds": round(tree_s, 2), "curves": curves, "same_config": {
+        "uniform_final_P@1": uniform_final, "uniform_seconds": round(uniform_s, 2),
+        "adversarial_start_P@1": curves["adversarial"][0][1], "adversarial_final_P@1": curves["adversarial"][-1][1],
+        "adversarial_seconds_to_uniform_final": None if reach is None else round(reach, 2),
+        "fraction_incl_tree_fit": None if reach is None else round((reach + tree_s) / uniform_s, 4)}}
+    print(f"  convergence: {out['same_config']}", flush=True)
+    return out
+
+
+def plot(curves: dict[str, list[tuple[float, float]]], summary: dict[str, Any], title: str, png: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, label in (("adversarial", "negatives from p_n (xi + log p_n)"),
-                        ("uniform", "uniform negatives (xi), same config"),
-                        ("uniform, lambda=0", "uniform negatives (xi), lambda=0")):
+    for name, label in (("adversarial", "negatives from p_n (xi + log p_n)"), ("uniform", "uniform negatives (xi)")):
         xs, ys = zip(*curves[name], strict=True)
         ax.plot(xs, ys, marker=".", label=label)
-    ax.axhline(convergence["uniform_final_P@1"], color="grey", linestyle=":", linewidth=1)
-    if convergence["adversarial_seconds_to_uniform_final"] is not None:
-        ax.axvline(convergence["adversarial_seconds_to_uniform_final"], color="grey", linestyle="--", linewidth=1)
+    ax.axhline(summary["uniform_final_P@1"], color="grey", linestyle=":", linewidth=1)
+    if summary["adversarial_seconds_to_uniform_final"] is not None:
+        ax.axvline(summary["adversarial_seconds_to_uniform_final"], color="grey", linestyle="--", linewidth=1)
     ax.set_xlabel("training time (s, evaluation excluded)")
-    ax.set_ylabel(f"P@1 (%), first {args.curve_docs} test docs")
-    ax.set_title(f"{Path(args.data).name} titles: adversarial vs uniform negative sampling")
+    ax.set_ylabel("P@1 (%)")
+    ax.set_title(title)
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -256,32 +311,37 @@ def main() -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
-    cfg = resolve_config({**json.loads(args.config), "epochs": args.epochs})
+    parts = set(args.parts.split(","))
+    base = json.loads(args.config)
+    cfg = resolve_config(base)
     d = load(args)
-    t = time.perf_counter()
-    tree = tree_from_config(cfg, args.seed).fit(d["x_trn"], d["trn"].targets, d["num_labels"])
-    tree_s = time.perf_counter() - t
-    print(f"tree p_n: fitted in {tree_s:.1f}s, depth {tree.depth_}, rounds per level {tree.rounds_per_level_}",
-          flush=True)
-    curves, models = convergence_runs(d, tree, cfg, args)
-    convergence = convergence_summary(curves, tree_s)
-    print(f"convergence: {convergence}", flush=True)
-    clf = models["adversarial"]
-    scorer = TreeScorer.from_arrays({**tree.arrays(), "classifier_weights": clf.weights_,
-                                     "classifier_bias": clf.bias_, "default_beam": np.asarray(cfg["beam"])})
-    scores, exact = quality(d, scorer, models)
-    recall = beam_sweep(scorer, d["x_tst"], exact, int(cfg["beam"]))
-    lat = latency(scorer, d["x_tst"][: args.latency_queries])
-    print(f"single-query latency (k=10, beam {cfg['beam']}): {lat}", flush=True)
-    png = out_dir / "tree_convergence.png"
-    plot(curves, convergence, args, png)
-    if out_dir.resolve() == (OUT_DIR / "tree").resolve():  # side runs (--out) leave the published plot alone
-        shutil.copyfile(png, BENCH_DIR / "tree_convergence.png")
-    result = {"command": command_line(), "git": git_revision(), "data": args.data, "checkpoint": args.checkpoint,
-              "config": cfg, "tree_fit_seconds": round(tree_s, 2), "quality": scores, "beam_recall": recall,
-              "convergence": convergence, "curves": curves, "latency_ms": lat}
-    (out_dir / "tree.json").write_text(json.dumps(result, indent=2), encoding="utf-8")
-    print(f"wrote {out_dir / 'tree.json'} and {png}")
+    result: dict[str, Any] = {"command": command_line(), "git": git_revision(), "data": args.data,
+                              "checkpoint": args.checkpoint, "split": args.split, "filter": args.filter,
+                              "config": cfg}
+    if "changes" in parts:
+        result["changes"] = changes(d, base, args)
+    if parts & {"ablation", "beams"}:
+        if args.fitted:
+            if d["ckpt"].tree is None:
+                raise SystemExit(f"{args.checkpoint}: no tree.npz (--fitted)")
+            scorer = TreeScorer.from_arrays(d["ckpt"].tree.arrays_)
+            result["config"] = resolve_config(d["ckpt"].config.get("tree", {}))
+        else:
+            scorer, result["fit_seconds"] = fit(d, cfg)
+        if "ablation" in parts:
+            result["ablation"] = ablation(d, scorer)
+        if "beams" in parts:
+            result["beams"] = beams(d, scorer, args)
+    if "convergence" in parts:
+        result["convergence"] = convergence(d, cfg, args)
+        png = out_dir / "tree_convergence.png"
+        title = f"{Path(args.data).name} {args.split}: adversarial vs uniform negatives, same config"
+        plot(result["convergence"]["curves"], result["convergence"]["same_config"], title, png)
+        if out_dir.resolve() == (OUT_DIR / "tree").resolve():  # side runs (--out) leave the published plot
+            shutil.copyfile(png, BENCH_DIR / "tree_convergence.png")
+    path = out_dir / f"{Path(args.data).name}-{args.split}.json"
+    path.write_text(json.dumps(result, indent=2), encoding="utf-8")
+    print(f"wrote {path}")
     return 0
 
 

@@ -215,10 +215,44 @@ def _tree_leaf(arrays: dict[str, np.ndarray], rng: np.random.Generator) -> None:
         real[(np.searchsorted(real, at) + 1) % len(real)]]
 
 
+def _tree_dtype(arrays: dict[str, np.ndarray], rng: np.random.Generator) -> None:
+    name = sorted(arrays)[int(rng.integers(len(arrays)))]
+    other = {"f": np.float64, "i": np.int32}.get(arrays[name].dtype.kind, np.float32)
+    if arrays[name].dtype == np.int32:
+        other = np.int64
+    arrays[name] = arrays[name].astype(other)
+
+
+def _tree_lexical(arrays: dict[str, np.ndarray], rng: np.random.Generator) -> None:
+    """xi's token rows broken: a label out of range, a row out of order, offsets past the end
+    or decreasing, one of the three arrays missing (a tree without them has nothing to break:
+    an unknown array instead)."""
+    if "lexical_labels" not in arrays:
+        arrays["lexical_extra"] = np.zeros(3, np.float32)
+        return
+    labels, indptr = arrays["lexical_labels"], arrays["lexical_indptr"]
+    fault = int(rng.integers(5))
+    if fault == 0:
+        labels[int(rng.integers(len(labels)))] = len(arrays["classifier_bias"]) + int(rng.integers(100))
+    elif fault == 1:  # two labels of a row swapped (or repeated): no longer strictly ascending
+        rows = np.flatnonzero(np.diff(indptr) >= 2)
+        lo = int(indptr[rows[int(rng.integers(len(rows)))]])
+        labels[lo], labels[lo + 1] = labels[lo + 1], labels[lo]
+    elif fault == 2:
+        indptr[-1] += 1 + int(rng.integers(10))
+    elif fault == 3:
+        at = 1 + int(rng.integers(len(indptr) - 2))
+        indptr[at] = indptr[at + 1] + 1 + int(rng.integers(10))
+    else:
+        del arrays[("lexical_indptr", "lexical_labels", "lexical_weights", "lexical_bias")[int(rng.integers(4))]]
+
+
 TREE_FAULTS: dict[str, Mutation] = {
     "nan": _tree_edit(_tree_nan),
     "leaf_out_of_range_or_twice": _tree_edit(_tree_leaf),
     "shape": _tree_edit(lambda a, rng: a.update(classifier_bias=a["classifier_bias"][:-1])),
+    "dtype": _tree_edit(_tree_dtype),
+    "lexical_rows": _tree_edit(_tree_lexical),
 }
 
 

@@ -24,6 +24,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                         "labels with EAGLE, then train on them")
     p.add_argument("--aggregated-rounds", type=int, default=None,
                    help="2: re-impute with the trained encoder's embeddings and retrain (config aggregated_rounds)")
+    p.add_argument("--refit-tree", metavar="CKPT",
+                   help="keep CKPT (trained on the same --data) and fit only its tree route again; --config may "
+                        "hold only a \"tree\" object overriding CKPT's")
     p.set_defaults(handler="training.train_cli:run_cli")
 
 

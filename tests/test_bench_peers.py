@@ -122,4 +122,10 @@ def test_shortlist_minus_each_peer_per_protocol_with_intervals(tmp_path: Path) -
                "trn_docs": 1, "tst_docs": 100, "labels": 10, "features": 5, "latency_queries": 1, "warmup": 1,
                "batch_size": 1, "train_threads": 1, "paired": out, "resamples": 100}
     md = render_markdown([], [], context)
-    assert "| Omikuji | own label excluded | -25.00 [" in md
+    assert "| Shortlist | Omikuji | own label excluded | -25.00 [" in md
+    # The tree route is Shortlist's too: compared with the peers, not with the alpha route.
+    np.save(tmp_path / "tree.npy", peer)
+    tree_row = {"system": "shortlist-tree", "title": "Tree", "preds": str(tmp_path / "tree.npy")}
+    both = paired_differences([*rows, tree_row], truths, inv, own, resamples=100, seed=0)
+    assert [(d["system"], d["peer"]) for d in both] == [("Shortlist", "Omikuji")] * 2 + [("Tree", "Omikuji")] * 2
+    assert both[3]["diff"]["P@1"][0] == pytest.approx(0.0)

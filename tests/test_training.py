@@ -344,3 +344,29 @@ def test_progress_off_a_terminal_is_a_log_line_every_few_seconds(caplog, monkeyp
     lines = [r.getMessage() for r in caplog.records]
     assert 2 <= len(lines) <= 3 and all("\r" not in line for line in lines)
     assert lines[0].startswith("Module I epoch 1/1: 4/10 (40%)") and "loss=" in lines[0]
+
+
+def test_refit_tree_keeps_the_rest_of_the_checkpoint_and_refuses_other_keys(checkpoints, synthetic_data, tmp_path,
+                                                                            capsys):
+    source = checkpoints["v1"]
+    cfg = tmp_path / "tree.json"
+    cfg.write_text(json.dumps({"tree": {"beam": 7, "epochs": 1}}))
+    out = tmp_path / "refit"
+    assert cli_main(["train", "--data", str(synthetic_data), "--out", str(out), "--refit-tree", str(source),
+                     "--config", str(cfg)]) == 0
+    before, after = Checkpoint.load(source), Checkpoint.load(out)
+    assert int(after.tree.arrays_["default_beam"]) == 7 and after.config["tree"]["epochs"] == 1
+    assert "lexical_bias" in after.tree.arrays_
+    for name in ("classifiers.npy", "centroids.npy", "encoder.pt", "token_shortlist.npz", "tokenizer.json"):
+        assert (out / name).read_bytes() == (source / name).read_bytes(), name
+    assert after.scoring == before.scoring and after.metrics == before.metrics
+    cfg.write_text(json.dumps({"tree": {}, "m3_epochs": 1}))
+    assert cli_main(["train", "--data", str(synthetic_data), "--out", str(out), "--refit-tree", str(source),
+                     "--config", str(cfg)]) == 2
+    assert "may hold only a \"tree\" object" in capsys.readouterr().err
+    other = tmp_path / "other"
+    other.mkdir()
+    for name in ("lbl.json.gz", "trn.json.gz"):
+        (other / name).write_bytes((synthetic_data / name).read_bytes())
+    assert cli_main(["train", "--data", str(other), "--out", str(out), "--refit-tree", str(source)]) == 2
+    assert "not the data" in capsys.readouterr().err

@@ -8,7 +8,11 @@ import pytest
 from service.engine.metrics import ranking_metrics
 from service.engine.tree import TreeScorer
 from training.tree import LabelTree
+from training.tree_lexical import TokenRows
 from training.tree_train import AdversarialTree, TreeClassifier
+
+# The tree route on embeddings alone, from zero (no tokens, no Module III to start from).
+DENSE = {"lexical": False, "start": "zero"}
 
 
 def clustered_data(
@@ -44,7 +48,7 @@ def small_tree() -> tuple[LabelTree, np.ndarray]:
 def scorer_and_data():
     x, targets, _ = clustered_data(60, 2400, 16, 0.8, seed=2)
     xtr, ttr, xte, tte = split(x, targets, 2000)
-    arrays = AdversarialTree({"pca_dim": 8, "epochs": 8, "beam": 16}, seed=0).fit(xtr, ttr, 60).arrays_
+    arrays = AdversarialTree({"pca_dim": 8, "epochs": 8, "beam": 16, **DENSE}, seed=0).fit(xtr, ttr, 60).arrays_
     scorer = TreeScorer.from_arrays(arrays)
     return scorer, arrays, xte, tte
 
@@ -160,8 +164,8 @@ def test_bad_arrays_and_inputs_are_named(scorer_and_data):
 
 def test_fit_is_deterministic_given_seed():
     x, targets, _ = clustered_data(20, 300, 8, 0.8, seed=3)
-    a = AdversarialTree({"pca_dim": 4, "epochs": 2}, seed=5).fit(x, targets, 20).arrays_
-    b = AdversarialTree({"pca_dim": 4, "epochs": 2}, seed=5).fit(x, targets, 20).arrays_
+    a = AdversarialTree({"pca_dim": 4, "epochs": 2, **DENSE}, seed=5).fit(x, targets, 20).arrays_
+    b = AdversarialTree({"pca_dim": 4, "epochs": 2, **DENSE}, seed=5).fit(x, targets, 20).arrays_
     for name in a:
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
 
@@ -175,3 +179,60 @@ def test_negatives_that_are_positives_are_masked():
     assert clf.fit_stats_["masked_negative_fraction"] > 0.05
     with pytest.raises(ValueError, match="sampler"):
         TreeClassifier(sampler="random").fit(x, targets, 8, tree)
+
+
+def lexical_data(seed: int) -> tuple[np.ndarray, list[list[int]], TokenRows, np.ndarray, list[list[int]], tuple]:
+    """Documents whose embeddings say nothing (pure noise) and whose one informative token names
+    their label: only xi's lexical part can learn it. Token t (1..8) means label t - 1; token 9
+    is on every document."""
+    rng = np.random.default_rng(seed)
+    n, labels = 1200, 8
+    y = rng.integers(0, labels, n)
+    x = rng.normal(size=(n, 8)).astype(np.float32)
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    ids = np.stack([y + 1, np.full(n, 9)], axis=1).astype(np.int64)
+    w = np.tile(np.array([[0.8, 0.6]], np.float32), (n, 1))
+    targets = [[int(v)] for v in y]
+    tokens = TokenRows(ids[:1000], w[:1000], None, 10)
+    return x[:1000], targets[:1000], tokens, x[1000:], targets[1000:], (ids[1000:], w[1000:])
+
+
+def test_lexical_part_learns_what_the_embedding_cannot_and_the_engine_scores_it():
+    x, targets, tokens, xte, tte, tte_tokens = lexical_data(seed=5)
+    cfg = {"pca_dim": 4, "epochs": 4, "beam": 8, "lexical": True, "start": "zero", "lexical_width": 8}
+    arrays = AdversarialTree(cfg, seed=0).fit(x, targets, 8, tokens=tokens).arrays_
+    assert arrays["lexical_labels"].dtype == np.int32 and arrays["lexical_indptr"].shape == (11,)
+    scorer = TreeScorer.from_arrays(arrays)
+    ids, scores = scorer.search(xte, k=3, tokens=tte_tokens)
+    assert ranking_metrics(ids, tte, ks=(1,))["P@1"] > 95.0
+    # The beam over every label finds the exact top k of xi + log p_n, the lexical term included.
+    exact = scorer.exact_scores(xte, tte_tokens)
+    np.testing.assert_allclose(scores, -np.sort(-exact, axis=1)[:, :3], rtol=1e-5, atol=1e-4)
+    dense = TreeScorer.from_arrays({k: v for k, v in arrays.items() if not k.startswith("lexical")})
+    no_lexical = ranking_metrics(dense.search(xte, k=3)[0], tte, ks=(1,))["P@1"]
+    assert no_lexical < 40.0  # chance is 12.5: the embedding alone knows nothing here
+    with pytest.raises(ValueError, match="tokens"):
+        scorer.search(xte, k=3)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda a: a.update(lexical_labels=np.where(a["lexical_labels"] == 0, 8, a["lexical_labels"])),
+     "lexical_labels: label ids must be in"),
+    (lambda a: a.update(lexical_labels=a["lexical_labels"][::-1].copy()), "strictly ascending"),
+    (lambda a: a["lexical_indptr"].__setitem__(-1, a["lexical_indptr"][-1] + 1), "lexical_labels, lexical_weights"),
+    (lambda a: a["lexical_indptr"].__setitem__(3, 10**6), "lexical_indptr"),
+    (lambda a: a["lexical_weights"].__setitem__(0, np.inf), "lexical_weights: contains NaN"),
+    (lambda a: a.pop("lexical_weights"), "lexical_indptr without lexical_weights"),
+    (lambda a: a.update(lexical_bias=a["lexical_bias"][:-1]), "lexical_bias: expected \\[8\\]"),
+])
+def test_bad_lexical_rows_are_named(change, message):
+    x, targets, tokens, *_ = lexical_data(seed=6)
+    cfg = {"pca_dim": 4, "epochs": 1, "lexical": True, "start": "zero", "lexical_width": 8}
+    arrays = AdversarialTree(cfg, seed=0).fit(x, targets, 8, tokens=tokens).arrays_
+    TreeScorer.from_arrays(arrays).validate(8, 8, vocab_size=10)
+    with pytest.raises(ValueError, match="lexical_indptr: rows for 10 token ids"):
+        TreeScorer.from_arrays(arrays).validate(8, 8, vocab_size=11)
+    bad = {k: np.array(v, copy=True) for k, v in arrays.items()}
+    change(bad)
+    with pytest.raises(ValueError, match=message):
+        TreeScorer.from_arrays(bad)

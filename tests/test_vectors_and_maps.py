@@ -13,7 +13,8 @@ from _api_helpers import sample_titles
 
 from model_export.export import export_checkpoint
 from service.engine import BundleError, Predictor, PredictorOptions
-from service.engine.schema import CLASSIFIERS, ENCODER, ENCODER_DATA, MANIFEST, sha256_file
+from service.engine.schema import CLASSIFIERS, ENCODER, ENCODER_DATA, MANIFEST, TREE, sha256_file
+from service.engine.tree import LEXICAL_ARRAYS, TreeScorer
 
 
 @pytest.fixture(scope="module")
@@ -70,14 +71,23 @@ def test_a_format_1_bundle_still_serves_as_its_format_2_export_and_float16_needs
     predictor.bundle.close()
     onnx.save(onnx.load(str(old / ENCODER)), str(old / ENCODER))  # inline again
     (old / ENCODER_DATA).unlink()
+    with np.load(old / TREE) as z:  # format 1's tree: no lexical term
+        format1_tree = {k: z[k] for k in z.files if k not in LEXICAL_ARRAYS}
+    np.savez(old / TREE, **format1_tree)
     manifest = json.loads((old / MANIFEST).read_text())
     del manifest["vector_dtype"], manifest["files"][ENCODER_DATA]
-    manifest["files"][ENCODER] = sha256_file(old / ENCODER)
+    for name in (ENCODER, TREE):
+        manifest["files"][name] = sha256_file(old / name)
     (old / MANIFEST).write_text(json.dumps({**manifest, "format_version": 1}))
     got = Predictor.load(old)
     assert got.bundle.classifiers.dtype == np.float32
     ids, scores = got.predict_ids(texts[:5], k=5)
     assert np.array_equal(ids, want[0]) and np.allclose(scores, want[1], atol=1e-6)
+    # The tree route of format 1: xi without its lexical term, as a format-1 engine served it.
+    want_tree = TreeScorer.from_arrays(format1_tree).search(got.encode(texts[:5]), 5)
+    got_tree = got.predict_tree_ids(texts[:5], k=5)
+    assert np.array_equal(got_tree[0], want_tree[0]) and np.allclose(got_tree[1], want_tree[1], atol=1e-5)
+    assert (got_tree[0] >= 0).all() and np.isfinite(got_tree[1]).all()
     _set_manifest(old, vector_dtype="float16")
     with pytest.raises(BundleError, match="vector_dtype 'float16' needs format_version 2"):
         Predictor.load(old)

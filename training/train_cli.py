@@ -8,14 +8,18 @@ import json
 import logging
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 from training.aggregated import train_aggregated
+from training.checkpoint import Checkpoint
 from training.config import TrainConfig
-from training.pipeline import train
+from training.pipeline import refit_tree, train
 
 
 def run_cli(args: argparse.Namespace) -> int:
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(message)s")
+    if args.refit_tree:
+        return _refit_tree(args)
     cfg = TrainConfig.from_json(args.config) if args.config else TrainConfig()
     if args.aggregated_rounds is not None:
         cfg = replace(cfg, aggregated_rounds=args.aggregated_rounds)
@@ -23,7 +27,22 @@ def run_cli(args: argparse.Namespace) -> int:
         ckpt = train_aggregated(args.data, cfg, text_field=args.text_field, seed=args.seed)
     else:
         ckpt = train(args.data, cfg, text_field=args.text_field, seed=args.seed)
-    out = ckpt.save(args.out)
+    return _save(ckpt, args.out)
+
+
+def _refit_tree(args: argparse.Namespace) -> int:
+    overrides: dict = {}
+    if args.config:
+        overrides = json.loads(Path(args.config).read_text(encoding="utf-8"))
+        if not isinstance(overrides, dict) or set(overrides) - {"tree"}:
+            raise ValueError(f"{args.config}: with --refit-tree the config may hold only a \"tree\" object")
+    if args.aggregated or args.seed is not None:
+        raise ValueError("--refit-tree keeps the checkpoint's data and seed: drop --aggregated and --seed")
+    return _save(refit_tree(args.refit_tree, args.data, overrides.get("tree")), args.out)
+
+
+def _save(ckpt: Checkpoint, out_dir: str) -> int:
+    out = ckpt.save(out_dir)
     print(json.dumps({"checkpoint": str(out), "metrics": ckpt.metrics, "scoring": ckpt.scoring.model_dump()},
                      indent=2))
     return 0

@@ -32,6 +32,7 @@ the baseline of bench/tree.py.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -41,14 +42,20 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from training.progress import Progress
 from training.tree import LabelTree, flatten_pairs
+from training.tree_lexical import LexicalPart, LexicalStart, TokenRows, lexical_start
 
 TREE_FILE = "tree.npz"
+log = logging.getLogger("shortlist.training")
 
 DEFAULT_CONFIG: dict[str, Any] = {
     # the tree p_n
     "pca_dim": 16,
-    "lambda_n": 1.0,
+    # L2 on each node's split (a sum over its pairs): 1 let deep nodes, a few hundred pairs each,
+    # fit noise; on debian-tags validation, log p_n alone P@1 by lambda_n 1 / 100 / 1000 / 3000 /
+    # 10000: 70.7 / 72.1 / 74.7 / 75.7 / 68.3, the truth in the beam of 512: 93.3 -> 98.5 at 3000.
+    "lambda_n": 3000.0,
     "newton_steps": 1,
     "max_rounds": 3,
     # the classifier xi
@@ -56,16 +63,27 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "lambda": 0.01,  # regulariser strength
     "regularise": "xi",  # "xi" (xi^2) or "corrected" ((xi + log p_n)^2, the issue's Eq. 6)
     "weight_decay": 0.0,  # L2 on the v_y rows of a step
+    "lexical": True,  # xi's lexical term (training/tree_lexical.py; TokenRows needed)
+    "lexical_width": 20,  # labels per token row of the lexical term
+    # "zero" | "one_vs_all": xi starts at the one-vs-all models of the same labels, Module III's
+    # w_l, b_l (given to fit) and a logistic model of the tokens on their rows (fitted here with
+    # lexical_epochs, lexical_lr, lexical_l2 as training.token_shortlist.fit_token_logistic).
+    "start": "one_vs_all",
+    "lexical_epochs": 100,
+    "lexical_lr": 0.05,
+    "lexical_l2": 1e-5,
     "epochs": 3,
     "batch_size": 512,
     "lr": 0.2,  # Adagrad (sparse rows)
-    # the scorer
-    "beam": 128,
+    # the scorer: enough leaves for xi + log p_n to reorder (debian-tags test, bench/tree.py: PSP@5
+    # 59.6 at 128, 64.1 at 512, search p50 0.27 -> 0.44 ms; on debian-deps the beam of 512 still
+    # holds only 58% of the true labels)
+    "beam": 512,
 }
 
-# Called with (seconds of training so far, step, weights [L, D], bias [L]) (the weights a live
-# view, not a copy); the time it takes is not counted as training time.
-ProgressCallback = Callable[[float, int, np.ndarray, np.ndarray], None]
+# Called with (seconds of training so far, step, xi's arrays (TreeClassifier.arrays_; live views,
+# not copies)); the time it takes is not counted as training time.
+ProgressCallback = Callable[[float, int, dict[str, np.ndarray]], None]
 
 
 def _pair_keys(pair_doc: np.ndarray, pair_label: np.ndarray, num_labels: int) -> np.ndarray:
@@ -80,11 +98,16 @@ def _is_positive(sorted_keys: np.ndarray, doc: np.ndarray, label: np.ndarray, nu
 
 
 class TreeClassifier:
-    """xi_y(x) = v_y . q + c_y trained by negative sampling from a LabelTree (or uniformly).
+    """xi_y(x) = v_y . q + c_y (+ the lexical term of training/tree_lexical.py) trained by
+    negative sampling from a LabelTree (or uniformly).
 
     Hyper-parameters: negatives per positive, lam and regularise (see the module docstring),
     epochs, batch_size, lr, sampler ("adversarial" | "uniform"), optimizer ("adagrad" | "sgd"),
-    weight_decay, seed. After fit(): weights_ [L, D], bias_ [L], fit_stats_.
+    weight_decay, seed. fit(start=(w, b)) starts v, c at a given classifier (xi = w . q + b);
+    fit(tokens, lexical=LexicalStart) adds the lexical term, started there. With either start
+    the regulariser weighs the change from the starting xi instead of xi itself.
+    After fit(): arrays_ (classifier_weights [L, D], classifier_bias [L], and with the lexical
+    term lexical_indptr, lexical_labels, lexical_weights, lexical_bias), fit_stats_.
     """
 
     def __init__(
@@ -99,6 +122,7 @@ class TreeClassifier:
         regularise: str = "xi",
         weight_decay: float = 0.0,
         seed: int = 0,
+        progress: bool = False,
     ) -> None:
         self.negatives = negatives
         self.lam = lam
@@ -110,6 +134,7 @@ class TreeClassifier:
         self.regularise = regularise
         self.weight_decay = weight_decay
         self.seed = seed
+        self.progress = progress
 
     def fit(
         self,
@@ -120,21 +145,30 @@ class TreeClassifier:
         callback: ProgressCallback | None = None,
         callback_every: int = 0,
         time_budget: float | None = None,
+        tokens: TokenRows | None = None,
+        lexical: LexicalStart | None = None,
+        start: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> TreeClassifier:
-        self._check(tree)
-        run = _Run(self, embeddings, targets, num_labels, tree)
+        self._check(tree, tokens, lexical)
+        run = _Run(self, embeddings, targets, num_labels, tree, start)
+        if lexical is not None:
+            assert tokens is not None
+            run.add_lexical(LexicalPart(tokens, lexical, num_labels), fitted=bool(lexical.weights.any()))
         losses: list[float] = []
         stop = False
-        for _epoch in range(self.epochs):
+        for epoch in range(self.epochs):
             order = run.rng.permutation(len(run.pair_doc))
             total, batches = 0.0, 0
-            for start in range(0, len(order), self.batch_size):
+            bar = Progress(range(0, len(order), self.batch_size), f"tree classifier epoch {epoch + 1}/{self.epochs}",
+                           enabled=self.progress)
+            for begin in bar:
                 t0 = time.perf_counter()
-                total += run.step(order[start : start + self.batch_size])
+                total += run.step(order[begin : begin + self.batch_size])
                 batches += 1
+                bar.postfix(loss=f"{total / batches:.4f}")
                 run.elapsed += time.perf_counter() - t0
                 if callback is not None and callback_every and run.steps % callback_every == 0:
-                    callback(run.elapsed, run.steps, *run.export())
+                    callback(run.elapsed, run.steps, run.export())
                 if time_budget is not None and run.elapsed >= time_budget:
                     stop = True
                     break
@@ -142,14 +176,14 @@ class TreeClassifier:
             if stop:
                 break
         if callback is not None:
-            callback(run.elapsed, run.steps, *run.export())
-        w, b = run.export()
-        self.weights_, self.bias_ = w.astype(np.float32, copy=True), b
+            callback(run.elapsed, run.steps, run.export())
+        self.arrays_ = {name: np.array(a, copy=True) for name, a in run.export().items()}
+        self.weights_, self.bias_ = self.arrays_["classifier_weights"], self.arrays_["classifier_bias"]
         self.fit_stats_ = {"train_seconds": run.elapsed, "steps": run.steps, "losses": losses,
                            "masked_negative_fraction": run.masked / max(run.drawn, 1)}
         return self
 
-    def _check(self, tree: LabelTree | None) -> None:
+    def _check(self, tree: LabelTree | None, tokens: TokenRows | None, lexical: LexicalStart | None) -> None:
         if self.sampler not in ("adversarial", "uniform"):
             raise ValueError(f"sampler must be 'adversarial' or 'uniform', got {self.sampler!r}")
         if self.regularise not in ("xi", "corrected"):
@@ -158,6 +192,8 @@ class TreeClassifier:
             raise ValueError(f"optimizer must be 'sgd' or 'adagrad', got {self.optimizer!r}")
         if self.sampler == "adversarial" and tree is None:
             raise ValueError("sampler='adversarial' needs a fitted LabelTree")
+        if lexical is not None and tokens is None:
+            raise ValueError("a lexical term needs the documents' tokens")
         if self.negatives < 1 or self.epochs < 0 or self.batch_size < 1 or self.lr <= 0 or self.lam < 0:
             raise ValueError("negatives >= 1, epochs >= 0, batch_size >= 1, lr > 0 and lambda >= 0 required")
 
@@ -166,7 +202,7 @@ class _Run:
     """One TreeClassifier fit's state: the positive pairs, the sampler, the parameters being trained."""
 
     def __init__(self, clf: TreeClassifier, embeddings: np.ndarray, targets: Sequence[Sequence[int]],
-                 num_labels: int, tree: LabelTree | None) -> None:
+                 num_labels: int, tree: LabelTree | None, start: tuple[np.ndarray, np.ndarray] | None) -> None:
         self.clf, self.num_labels, self.tree = clf, num_labels, tree
         x = np.ascontiguousarray(embeddings, dtype=np.float32)
         # Encoder outputs are non-negative (ReLU), so every raw embedding shares one direction;
@@ -187,18 +223,43 @@ class _Run:
             self.z, self.pos_logp = None, np.full(len(self.pair_doc), self.uniform_logp)
         self.weight = torch.nn.Embedding(num_labels, x.shape[1], sparse=True)
         self.bias = torch.nn.Embedding(num_labels, 1, sparse=True)
-        torch.nn.init.zeros_(self.weight.weight)
-        torch.nn.init.zeros_(self.bias.weight)
-        params = [self.weight.weight, self.bias.weight]
-        self.opt: torch.optim.Optimizer = (torch.optim.Adagrad(params, lr=clf.lr) if clf.optimizer == "adagrad"
-                                           else torch.optim.SGD(params, lr=clf.lr))
+        self.start = None
+        if start is None:
+            torch.nn.init.zeros_(self.weight.weight)
+            torch.nn.init.zeros_(self.bias.weight)
+        else:  # xi = w.q + b = w.(q - m) + (b + w.m)
+            w0 = np.ascontiguousarray(start[0], dtype=np.float32)
+            c0 = (np.asarray(start[1], dtype=np.float32) + w0 @ self.center)[:, None]
+            self.start = (torch.from_numpy(w0), torch.from_numpy(c0))
+            with torch.no_grad():
+                self.weight.weight.copy_(self.start[0])
+                self.bias.weight.copy_(self.start[1])
+        self.lexical: LexicalPart | None = None
+        self.lexical_start: list[torch.Tensor] | None = None
+        self._optimizer([self.weight.weight, self.bias.weight])
         self.x = torch.from_numpy(x)
         self.masked = self.drawn = self.steps = 0
         self.elapsed = 0.0
 
-    def export(self) -> tuple[np.ndarray, np.ndarray]:
+    def _optimizer(self, params: list[torch.Tensor]) -> None:
+        clf = self.clf
+        self.opt: torch.optim.Optimizer = (torch.optim.Adagrad(params, lr=clf.lr) if clf.optimizer == "adagrad"
+                                           else torch.optim.SGD(params, lr=clf.lr))
+
+    def add_lexical(self, part: LexicalPart, fitted: bool) -> None:
+        """Train the lexical term too; `fitted`: it starts at a fitted model (so the regulariser
+        weighs its change, as it does the dense part's with a start)."""
+        self.lexical = part
+        self.lexical_start = [p.detach()[:, 0].clone() for p in part.parameters] if fitted else None
+        self._optimizer([self.weight.weight, self.bias.weight, *part.parameters])
+
+    def export(self) -> dict[str, np.ndarray]:
         w = self.weight.weight.detach().numpy()
-        return w, (self.bias.weight.detach().numpy()[:, 0] - w @ self.center).astype(np.float32)
+        out = {"classifier_weights": w,
+               "classifier_bias": (self.bias.weight.detach().numpy()[:, 0] - w @ self.center).astype(np.float32)}
+        if self.lexical is not None:
+            out.update(self.lexical.export())
+        return out
 
     def _negatives(self, doc: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Negatives [B, S] for each document, their log p_n, and which are not its positives."""
@@ -221,12 +282,24 @@ class _Run:
         doc, pos = self.pair_doc[idx], self.pair_label[idx]
         neg, neg_logp, keep = self._negatives(doc)
         q = self.x[torch.from_numpy(doc)]
-        labels = torch.from_numpy(np.concatenate([pos[:, None], neg], axis=1))
+        label_np = np.concatenate([pos[:, None], neg], axis=1)
+        labels = torch.from_numpy(label_np)
         xi = (self.weight(labels) * q[:, None, :]).sum(-1) + self.bias(labels)[..., 0]  # [B, 1 + S]
+        start = None
+        if self.start is not None:
+            start = (self.start[0][labels] * q[:, None, :]).sum(-1) + self.start[1][labels][..., 0]
+        if self.lexical is not None:
+            found = self.lexical.lookup(doc, label_np)
+            xi = xi + self.lexical.scores(found)
+            if self.lexical_start is not None:
+                lex0 = self.lexical.scores(found, *self.lexical_start)
+                start = lex0 if start is None else start + lex0
         logp = torch.from_numpy(np.concatenate([self.pos_logp[idx][:, None], neg_logp], axis=1)).float()
         mask = torch.from_numpy(np.concatenate([np.ones((len(idx), 1), bool), keep], axis=1)).float()
         nll = F.softplus(-xi[:, 0]) + (F.softplus(xi[:, 1:]) * mask[:, 1:]).sum(1)
         target = xi + logp if clf.regularise == "corrected" else xi
+        if start is not None:  # the change from the starting classifier is what is regularised
+            target = target - start
         decay = clf.weight_decay * (self.weight(labels) ** 2).sum(-1).mean(1)
         loss = (nll + (clf.lam * ((target**2) * mask).sum(1) + decay)).mean()
         self.opt.zero_grad(set_to_none=True)
@@ -246,6 +319,8 @@ def resolve_config(config: dict[str, Any]) -> dict[str, Any]:
     cfg = {**DEFAULT_CONFIG, **config}
     if int(cfg["beam"]) < 1:
         raise ValueError(f"tree config beam must be >= 1, got {cfg['beam']}")
+    if cfg["start"] not in ("zero", "one_vs_all"):
+        raise ValueError(f"tree config start must be 'zero' or 'one_vs_all', got {cfg['start']!r}")
     return cfg
 
 
@@ -259,7 +334,8 @@ def tree_from_config(cfg: dict[str, Any], seed: int) -> LabelTree:
     )
 
 
-def classifier_from_config(cfg: dict[str, Any], seed: int, sampler: str = "adversarial") -> TreeClassifier:
+def classifier_from_config(cfg: dict[str, Any], seed: int, sampler: str = "adversarial",
+                           progress: bool = False) -> TreeClassifier:
     return TreeClassifier(
         negatives=int(cfg["negatives"]),
         lam=float(cfg["lambda"]),
@@ -270,6 +346,7 @@ def classifier_from_config(cfg: dict[str, Any], seed: int, sampler: str = "adver
         lr=float(cfg["lr"]),
         sampler=sampler,
         seed=seed,
+        progress=progress,
     )
 
 
@@ -281,19 +358,52 @@ class AdversarialTree:
     negatives, lambda, regularise, weight_decay, epochs, batch_size, lr, beam.
     """
 
-    def __init__(self, config: dict[str, Any] | None = None, seed: int = 0) -> None:
+    def __init__(self, config: dict[str, Any] | None = None, seed: int = 0, progress: bool = False) -> None:
         self.config = resolve_config(dict(config or {}))
         self.seed = seed
+        self.progress = progress
 
-    def fit(self, doc_embeddings: np.ndarray, targets: list[list[int]], num_labels: int) -> AdversarialTree:
-        tree = tree_from_config(self.config, self.seed).fit(doc_embeddings, targets, num_labels)
-        clf = classifier_from_config(self.config, self.seed).fit(doc_embeddings, targets, num_labels, tree)
-        self.arrays_ = {
-            **tree.arrays(),
-            "classifier_weights": clf.weights_,
-            "classifier_bias": clf.bias_,
-            "default_beam": np.asarray(int(self.config["beam"]), dtype=np.int64),
-        }
+    def fit(self, doc_embeddings: np.ndarray, targets: list[list[int]], num_labels: int,
+            tokens: TokenRows | None = None, module3: tuple[np.ndarray, np.ndarray] | None = None
+            ) -> AdversarialTree:
+        """tokens: the documents' tokens (config lexical); module3: Module III's (w_l, b_l)
+        (config start "one_vs_all")."""
+        cfg = self.config
+        one_vs_all = cfg["start"] == "one_vs_all"
+        if one_vs_all and module3 is None:
+            raise ValueError("tree config start 'one_vs_all' needs Module III's classifiers")
+        if cfg["lexical"] and tokens is None:
+            raise ValueError("tree config lexical needs the documents' tokens")
+        # One torch thread: the steps are small gathers and sums that a second thread does not
+        # speed up, and on shared cores its spin-waits cost (a refit on debian-tags with two threads
+        # beside other jobs: 8 CPU minutes in 56 minutes, unfinished; with one: 6.5 minutes).
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return self._fit(doc_embeddings, targets, num_labels, tokens, module3)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _fit(self, doc_embeddings: np.ndarray, targets: list[list[int]], num_labels: int, tokens: TokenRows | None,
+             module3: tuple[np.ndarray, np.ndarray] | None) -> AdversarialTree:
+        cfg = self.config
+        one_vs_all = cfg["start"] == "one_vs_all"
+        t0 = time.perf_counter()
+        tree = tree_from_config(cfg, self.seed).fit(doc_embeddings, targets, num_labels)
+        log.info("tree p_n: %d levels fitted in %.1fs", tree.depth_, time.perf_counter() - t0)
+        lexical = None
+        if cfg["lexical"]:
+            assert tokens is not None
+            t0 = time.perf_counter()
+            lexical = lexical_start(tokens, targets, num_labels, int(cfg["lexical_width"]), one_vs_all,
+                                    int(cfg["lexical_epochs"]), float(cfg["lexical_lr"]), float(cfg["lexical_l2"]),
+                                    self.seed)
+            log.info("tree classifier: lexical rows (%d pairs)%s in %.1fs", len(lexical.keys),
+                     " and their one-vs-all start" if one_vs_all else "", time.perf_counter() - t0)
+        clf = classifier_from_config(cfg, self.seed, progress=self.progress).fit(
+            doc_embeddings, targets, num_labels, tree, tokens=tokens, lexical=lexical,
+            start=module3 if one_vs_all else None)
+        self.arrays_ = {**tree.arrays(), **clf.arrays_, "default_beam": np.asarray(int(cfg["beam"]), dtype=np.int64)}
         return self
 
     def save(self, directory: Path) -> None:

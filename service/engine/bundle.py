@@ -46,6 +46,9 @@ from service.engine.schema import (
     TOKEN_SHORTLIST_SHARES,
     TOKENIZER,
     TREE,
+    TREE_ARRAYS,
+    TREE_ARRAYS_SINCE,
+    VECTOR_DTYPE,
     VALIDATION,
     BundleError,
     Manifest,
@@ -265,15 +268,23 @@ class Bundle:
         return ids
 
     def _open_tree(self) -> TreeScorer:
+        m = self.manifest
         try:
             arrays = self._maps.npz(self.path / TREE)
-            weights = arrays.get("classifier_weights")
-            if weights is not None and weights.dtype != self.vector_dtype:
-                raise ValueError(f"classifier_weights are {weights.dtype}, the manifest's vector_dtype is "
-                                 f"{self.vector_dtype}")
+            for name, arr in arrays.items():
+                if name not in TREE_ARRAYS:
+                    raise BundleError(f"{self.path / TREE}: unknown array {name!r}")
+                want = self.vector_dtype if TREE_ARRAYS[name] == VECTOR_DTYPE else np.dtype(TREE_ARRAYS[name])
+                if arr.dtype != want:
+                    raise BundleError(f"{self.path / TREE}: array {name} is {arr.dtype}, expected {want}")
+                if TREE_ARRAYS_SINCE.get(name, 1) > m.format_version:
+                    raise BundleError(f"{self.path / TREE}: array {name} needs bundle format "
+                                      f">= {TREE_ARRAYS_SINCE[name]}, the manifest says {m.format_version}")
             tree = TreeScorer.from_arrays(arrays)
-            tree.validate(self.manifest.tree_labels, self.manifest.dim)
+            tree.validate(m.tree_labels, m.dim, m.vocab_size)
             self._maps.release()
+        except BundleError:
+            raise
         except Exception as exc:  # a damaged zip raises zipfile's, zlib's or numpy's own errors
             raise BundleError(f"{self.path / TREE}: {type(exc).__name__}: {exc}") from exc
         return tree

@@ -206,11 +206,12 @@ class Predictor:
         if beam is not None and beam < 1:
             raise ValueError(f"beam must be >= 1, got {beam}")
         excluded = self._check_exclude(exclude, len(texts))
+        tokens, weights, q = self._encode(texts)
         if excluded is None:
-            ids, scores = tree.search(self.encode(texts), k, beam, self.retired)
+            ids, scores = tree.search(q, k, beam, (tokens, weights), self.retired)
             return _pad(ids, scores, k)
         # The best k + |exclusions| leaves hold the best k that are not excluded.
-        ids, scores = tree.search(self.encode(texts), k + max(len(x) for x in excluded), beam, self.retired)
+        ids, scores = tree.search(q, k + max(len(x) for x in excluded), beam, (tokens, weights), self.retired)
         scores[_excluded_mask(ids, excluded)] = -np.inf
         idx, best = top_k(scores, k)
         return _pad(ids[np.arange(len(ids))[:, None], idx], best, k)

@@ -32,8 +32,9 @@ A bundle is a directory BUNDLE_ROOT/VERSION, immutable once written:
                          scorer returns them (their rows stay, so label ids never move)
   tree.npz               optional: the adversarial tree scorer's arrays (service.engine.tree), over
                          labels 0..tree_labels-1 (`Lineage.tree_labels`; all L without a lineage);
-                         its classifier_weights in the manifest's vector_dtype, stored (not
-                         compressed) so that a reader can memory-map it
+                         names and dtypes in TREE_ARRAYS (its classifier_weights in the manifest's
+                         vector_dtype); stored, not compressed, so that a reader can memory-map it;
+                         format 2 added the lexical arrays (xi's per-token term, TREE_ARRAYS_SINCE)
   validation.jsonl       optional: held-out {"text", "target_ind"} rows for a quality gate
   shard_labels.npy       format 2, a shard's (manifest `shard`): [L] int64, the parent bundle's
                          id of each label row, increasing (service.engine.sharding; written by
@@ -71,11 +72,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-# 2: the encoder's initializers may live in encoder.onnx.data, the [L, D] label vectors may be
-# float16 (`Manifest.vector_dtype`), a bundle may be a shard of another (`shard`,
-# shard_labels.npy), and labels may have changed after training (Manifest.lineage, the token
-# overflow, retired labels, a tree over the first tree_labels labels); format 1: the encoder in
-# encoder.onnx, float32, none of the rest. Every format-1 bundle reads as it did.
+# Format 2 added, each optional (a format-1 bundle has none of them):
+# - the encoder's initializers in encoder.onnx.data (format 1: inside encoder.onnx);
+# - float16 [L, D] label vectors (`Manifest.vector_dtype`; format 1: float32);
+# - shards of another bundle (`shard`, shard_labels.npy);
+# - labels changed after training (Manifest.lineage, the token overflow, retired labels, a tree
+#   over the first tree_labels labels);
+# - tree.npz's lexical arrays, a scoring term of the tree classifier (TREE_ARRAYS_SINCE).
+# Every format-1 bundle reads as it did.
 FORMAT_VERSION = 2
 READABLE_FORMATS = (1, 2)
 VectorDtype = Literal["float32", "float16"]
@@ -107,6 +111,17 @@ OPTIONAL_FILES = (
     TOKEN_SHORTLIST_BIAS, SHARD_LABELS, TOKEN_OVERFLOW, TOKEN_OVERFLOW_WEIGHTS, RETIRED_LABELS,
 )
 KNOWN_FILES = frozenset((*REQUIRED_FILES, *OPTIONAL_FILES))
+
+# tree.npz: every array the tree scorer reads, with its one dtype (any other name or dtype is
+# refused), and the format version from which an array may appear.
+# tree.npz's arrays and their dtypes; VECTOR_DTYPE: the manifest's vector_dtype.
+VECTOR_DTYPE = "vector_dtype"
+TREE_ARRAYS: dict[str, str] = {
+    "pca_mean": "float32", "pca_components": "float32", "node_weights": "float32", "node_bias": "float32",
+    "leaf_labels": "int64", "classifier_weights": VECTOR_DTYPE, "classifier_bias": "float32", "default_beam": "int64",
+    "lexical_indptr": "int64", "lexical_labels": "int32", "lexical_weights": "float32", "lexical_bias": "float32",
+}
+TREE_ARRAYS_SINCE: dict[str, int] = {"lexical_indptr": 2, "lexical_labels": 2, "lexical_weights": 2, "lexical_bias": 2}
 
 LexicalForm = Literal["shares", "logistic"]
 LEXICAL_FORMS: tuple[str, ...] = ("shares", "logistic")

@@ -20,7 +20,12 @@ Arrays (tree.npz in a bundle; produced by training.tree_train.AdversarialTree):
   pca_mean [D] f32, pca_components [k, D] f32,
   node_weights [num_leaves - 1, k] f32, node_bias [num_leaves - 1] f32,
   leaf_labels [num_leaves] int64 (each real label exactly once, -1 padding),
-  classifier_weights [L, D] f32, classifier_bias [L] f32, default_beam [] int64.
+  classifier_weights [L, D] f32, classifier_bias [L] f32, default_beam [] int64;
+  optional, all four or none (xi's lexical term, training/tree_lexical.py:
+  xi_y(x) += sum_t x_t U[t, y] + hit_y(x) h_y over the query's tokens t with TF-IDF weights
+  x_t, U a [V, L] matrix as CSR rows by token id, hit_y(x) = some token's row holds y):
+  lexical_indptr [V + 1] int64, lexical_labels [nnz] int32 (ascending within a row),
+  lexical_weights [nnz] f32, lexical_bias [L] f32 (h).
 """
 
 from __future__ import annotations
@@ -38,7 +43,10 @@ REQUIRED_ARRAYS = (
     "classifier_weights",
     "classifier_bias",
 )
+LEXICAL_ARRAYS = ("lexical_indptr", "lexical_labels", "lexical_weights", "lexical_bias")
 DEFAULT_BEAM = 128
+# A query's padded token ids and TF-IDF weights [B, T] (service.engine.tokenizer.encode_batch).
+Tokens = tuple[np.ndarray, np.ndarray]
 
 
 def log_sigmoid(x: np.ndarray) -> np.ndarray:
@@ -69,6 +77,55 @@ def forced_split_bias(leaf_labels: np.ndarray) -> np.ndarray:
     return force
 
 
+class LexicalRows:
+    """xi's lexical term: U [V, L] as CSR rows by token id and h [L]; the term of candidate
+    labels for a query's tokens, by binary search of (token, label) keys (no dense [L] row per
+    query)."""
+
+    def __init__(self, indptr: np.ndarray, labels: np.ndarray, weights: np.ndarray, bias: np.ndarray,
+                 num_labels: int) -> None:
+        self.indptr, self.labels, self.weights, self.bias = indptr, labels, weights, bias
+        if bias.shape != (num_labels,):
+            raise ValueError(f"tree array lexical_bias: expected [{num_labels}], got shape {bias.shape}")
+        if indptr.ndim != 1 or len(indptr) < 2 or indptr[0] != 0 or (np.diff(indptr) < 0).any():
+            raise ValueError("tree array lexical_indptr: expected [V + 1] non-decreasing offsets from 0")
+        nnz = int(indptr[-1])
+        if labels.shape != (nnz,) or weights.shape != (nnz,):
+            raise ValueError(f"tree arrays lexical_labels, lexical_weights: expected [{nnz}] (lexical_indptr's "
+                             f"last offset), got {labels.shape} and {weights.shape}")
+        if nnz and (labels.min() < 0 or labels.max() >= num_labels):
+            raise ValueError(f"tree array lexical_labels: label ids must be in [0, {num_labels})")
+        self.num_labels = num_labels
+        self.vocab_size = len(indptr) - 1
+        token = np.repeat(np.arange(self.vocab_size, dtype=np.int64), np.diff(indptr))
+        self.keys = token * num_labels + labels
+        if (np.diff(self.keys) <= 0).any():
+            raise ValueError("tree array lexical_labels: labels must be strictly ascending within each token's row")
+
+    def scores(self, tokens: Tokens, labels: np.ndarray) -> np.ndarray:
+        """[B, C] sum_t x_t U[t, labels[b, c]] (labels >= 0; token ids past the vocabulary count 0)."""
+        ids, x = tokens
+        keys = ids[:, None, :] * self.num_labels + labels[:, :, None]  # [B, C, T]
+        slot = np.searchsorted(self.keys, keys)
+        slot = np.minimum(slot, len(self.keys) - 1)
+        found = self.keys[slot] == keys if len(self.keys) else np.zeros(keys.shape, bool)
+        u = np.where(found, self.weights[slot] if len(self.keys) else 0.0, 0.0)
+        return np.einsum("bct,bt->bc", u, x) + np.where(found.any(-1), self.bias[labels], 0.0)
+
+    def dense(self, tokens: Tokens) -> np.ndarray:
+        """[B, L] the term for every label (measurement only)."""
+        ids, x = tokens
+        out = np.zeros((len(ids), self.num_labels))
+        hit = np.zeros((len(ids), self.num_labels), dtype=bool)
+        for row in range(len(ids)):
+            for t, weight in zip(ids[row], x[row], strict=True):
+                if 0 < t < self.vocab_size:
+                    lo, hi = self.indptr[t], self.indptr[t + 1]
+                    out[row, self.labels[lo:hi]] += weight * self.weights[lo:hi]
+                    hit[row, self.labels[lo:hi]] = True
+        return out + np.where(hit, self.bias, 0.0)
+
+
 class TreeScorer:
     """Beam search over the probabilistic label tree with bias-corrected rescoring."""
 
@@ -82,6 +139,7 @@ class TreeScorer:
         classifier_weights: np.ndarray,
         classifier_bias: np.ndarray,
         default_beam: int = DEFAULT_BEAM,
+        lexical: Mapping[str, np.ndarray] | None = None,
     ) -> None:
         self.pca_mean = np.asarray(pca_mean, dtype=np.float32)
         self.pca_components = np.asarray(pca_components, dtype=np.float32)
@@ -95,6 +153,16 @@ class TreeScorer:
         self.classifier_bias = np.asarray(classifier_bias, dtype=np.float32)
         self.default_beam = int(default_beam)
         self._check_structure()
+        self.lexical = None
+        if lexical is not None:
+            self.lexical = LexicalRows(np.asarray(lexical["lexical_indptr"], dtype=np.int64),
+                                       np.asarray(lexical["lexical_labels"], dtype=np.int32),
+                                       np.asarray(lexical["lexical_weights"], dtype=np.float32),
+                                       np.asarray(lexical["lexical_bias"], dtype=np.float32),
+                                       int(self.classifier_weights.shape[0]))
+            for name in ("weights", "bias"):
+                if not np.isfinite(getattr(self.lexical, name)).all():
+                    raise ValueError(f"tree array lexical_{name}: contains NaN or infinite values")
         self.num_leaves = len(self.leaf_labels)
         self.depth = int(self.num_leaves).bit_length() - 1
         self.num_labels = int(self.classifier_weights.shape[0])
@@ -110,12 +178,22 @@ class TreeScorer:
         missing = [name for name in REQUIRED_ARRAYS if name not in arrays]
         if missing:
             raise ValueError(f"tree arrays: missing {', '.join(missing)}")
+        given = [name for name in LEXICAL_ARRAYS if name in arrays]
+        if given and len(given) < len(LEXICAL_ARRAYS):
+            missing = [name for name in LEXICAL_ARRAYS if name not in arrays]
+            raise ValueError(f"tree arrays: {given[0]} without {', '.join(missing)}")
         beam = arrays.get("default_beam")
         kwargs = {name: np.asarray(arrays[name]) for name in REQUIRED_ARRAYS}
-        return cls(**kwargs, default_beam=int(np.asarray(beam)) if beam is not None else DEFAULT_BEAM)
+        return cls(**kwargs, default_beam=int(np.asarray(beam)) if beam is not None else DEFAULT_BEAM,
+                   lexical={name: arrays[name] for name in LEXICAL_ARRAYS} if given else None)
 
     def to_arrays(self) -> dict[str, np.ndarray]:
+        lexical = {}
+        if self.lexical is not None:
+            lexical = {"lexical_indptr": self.lexical.indptr, "lexical_labels": self.lexical.labels,
+                       "lexical_weights": self.lexical.weights, "lexical_bias": self.lexical.bias}
         return {
+            **lexical,
             "pca_mean": self.pca_mean,
             "pca_components": self.pca_components,
             "node_weights": self.node_weights,
@@ -168,8 +246,11 @@ class TreeScorer:
         if self.default_beam < 1:
             raise ValueError(f"tree array default_beam: must be >= 1, got {self.default_beam}")
 
-    def validate(self, num_labels: int, dim: int) -> None:
-        """Check the arrays against the bundle's label count and embedding dimension."""
+    def validate(self, num_labels: int, dim: int, vocab_size: int | None = None) -> None:
+        """Check the arrays against the bundle's label count, embedding dimension and vocabulary."""
+        if self.lexical is not None and vocab_size is not None and self.lexical.vocab_size != vocab_size:
+            raise ValueError(f"tree array lexical_indptr: rows for {self.lexical.vocab_size} token ids, "
+                             f"bundle has vocab_size={vocab_size}")
         if self.pca_mean.shape[0] != dim:
             raise ValueError(f"tree array pca_mean: dimension {self.pca_mean.shape[0]}, bundle has D={dim}")
         if self.classifier_weights.shape != (num_labels, dim):
@@ -200,14 +281,33 @@ class TreeScorer:
         out[:, self.leaf_labels[real]] = logp[:, real]
         return out
 
-    def classifier_scores(self, q: np.ndarray) -> np.ndarray:
+    def classifier_scores(self, q: np.ndarray, tokens: Tokens | None = None) -> np.ndarray:
         """xi_y(x) for every label: [B, L] (measurement only)."""
         q = np.asarray(q, dtype=np.float32)
-        return q @ self.classifier_weights.T + self.classifier_bias
+        xi = q @ self.classifier_weights.T + self.classifier_bias
+        if self.lexical is not None:
+            xi = xi + self.lexical.dense(self._tokens(tokens, len(q)))
+        return xi
 
-    def exact_scores(self, q: np.ndarray) -> np.ndarray:
+    def exact_scores(self, q: np.ndarray, tokens: Tokens | None = None) -> np.ndarray:
         """xi_y(x) + log p_n(y|x) for every label: [B, L] (tests and recall measurement only)."""
-        return self.classifier_scores(q) + self.log_pn(q)
+        return self.classifier_scores(q, tokens) + self.log_pn(q)
+
+    def _tokens(self, tokens: Tokens | None, rows: int) -> Tokens:
+        if tokens is None:
+            raise ValueError("this tree's classifier reads the query's tokens: pass tokens=(ids, weights)")
+        ids, x = np.asarray(tokens[0], dtype=np.int64), np.asarray(tokens[1], dtype=np.float32)
+        if ids.ndim != 2 or ids.shape != x.shape or len(ids) != rows:
+            raise ValueError(f"tokens must be two [{rows}, T] arrays, got shapes {ids.shape} and {x.shape}")
+        return ids, x
+
+    def candidate_scores(self, q: np.ndarray, labels: np.ndarray, tokens: Tokens | None = None) -> np.ndarray:
+        """xi_y(x) of candidate labels [B, C] (>= 0): [B, C]."""
+        rows = self.classifier_weights[labels].astype(np.float32, copy=False)  # float16 in format 2
+        xi = np.einsum("bcd,bd->bc", rows, q) + self.classifier_bias[labels]
+        if self.lexical is not None:
+            xi = xi + self.lexical.scores(self._tokens(tokens, len(q)), labels)
+        return xi
 
     def beam_leaves(self, q: np.ndarray, beam: int) -> tuple[np.ndarray, np.ndarray]:
         """Beam search on path log-probs: (label ids [B, <=beam] (-1 = none), log p_n [B, <=beam])."""
@@ -228,10 +328,12 @@ class TreeScorer:
         labels = np.where(np.isfinite(logp), labels, -1)
         return labels, logp
 
-    def search(self, q: np.ndarray, k: int, beam: int | None = None,
+    def search(self, q: np.ndarray, k: int, beam: int | None = None, tokens: Tokens | None = None,
                retired: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Top k of xi_y(x) + log p_n(y|x) among the beam's leaves: (ids int64 [B, k] (-1 pad),
-        scores float32 [B, k]), best first; `retired` (bool per label id) marks labels never returned."""
+        scores float32 [B, k]), best first. tokens: the queries' token ids and weights, needed
+        when the classifier has a lexical part; `retired` (bool per label id) marks labels never
+        returned."""
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         beam = self.default_beam if beam is None else int(beam)
@@ -240,8 +342,7 @@ class TreeScorer:
         q = np.asarray(q, dtype=np.float32)
         labels, logp = self.beam_leaves(q, max(beam, k))
         safe = np.maximum(labels, 0)
-        rows = self.classifier_weights[safe].astype(np.float32, copy=False)
-        xi = np.einsum("bcd,bd->bc", rows, q) + self.classifier_bias[safe]
+        xi = self.candidate_scores(q, safe, tokens)
         live = labels >= 0
         if retired is not None:
             live &= ~retired[safe]
