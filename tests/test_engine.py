@@ -80,17 +80,12 @@ def test_manifests_this_engine_cannot_read_are_refused(bundle_root_copy, change,
         Predictor.load(bundle_root_copy / "v1")
 
 
-def test_tree_arrays_the_bundles_format_does_not_have_are_refused(bundle_root_copy):
-    """Format 1 bundles have no lexical tree arrays: an engine of that format would serve the
-    tree without them. Unknown arrays and other dtypes are refused as unknown files are."""
+def test_tree_arrays_of_unknown_names_or_dtypes_are_refused(bundle_root_copy):
+    """Unknown tree arrays and other dtypes are refused as unknown files are (format 1's lexical
+    arrays: tests/test_vectors_and_maps.py)."""
     bundle_dir = bundle_root_copy / "v1"
     with np.load(bundle_dir / "tree.npz") as z:
         arrays = {k: z[k] for k in z.files}
-    assert "lexical_weights" in arrays  # trained bundles carry xi's token part
-    rewrite_manifest(bundle_dir, format_version=1)
-    with pytest.raises(BundleError, match=r"tree\.npz: array lexical_\w+ needs bundle format >= 2"):
-        Predictor.load(bundle_dir)
-    rewrite_manifest(bundle_dir, format_version=2)
     for bad, message in (({**arrays, "extra": np.zeros(2, np.float32)}, "unknown array 'extra'"),
                          ({**arrays, "node_bias": arrays["node_bias"].astype(np.float64)},
                           "node_bias is float64, expected float32")):

@@ -203,6 +203,12 @@ def test_a_shard_that_fails_its_checks_blocks_activation(service: Service):
     assert {b["version"] for b in listing["bundles"]} == {"full", "v1", "v2"}
 
 
+def test_label_changes_are_refused_with_409_and_the_way_to_make_them(service: Service):
+    status, error = call(f"{service.url}/admin/labels", {"labels": [{"uid": "new-1", "title": "network tool"}]}, TOKEN)
+    assert status == 409 and error["error"] == "label_changes_unavailable", error
+    assert "shard it again" in error["message"]
+
+
 def test_a_killed_replica_is_replaced_without_a_failed_request(service: Service):
     app = _shard_apps("v1")[0]
     handle = serve.get_deployment_handle("shard", app_name=app)

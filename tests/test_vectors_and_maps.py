@@ -93,6 +93,20 @@ def test_a_format_1_bundle_still_serves_as_its_format_2_export_and_float16_needs
         Predictor.load(old)
 
 
+def test_a_format_1_bundle_with_the_trees_lexical_arrays_is_refused(float32_bundle: Path, tmp_path: Path) -> None:
+    """Format 1 bundles have no lexical tree arrays: an engine of that format would serve the
+    tree without them."""
+    bundle = tmp_path / "v1"
+    shutil.copytree(float32_bundle, bundle)
+    with np.load(bundle / TREE) as z:
+        assert "lexical_weights" in z.files  # trained bundles carry xi's token part
+    manifest = json.loads((bundle / MANIFEST).read_text())
+    del manifest["vector_dtype"]
+    (bundle / MANIFEST).write_text(json.dumps({**manifest, "format_version": 1}))
+    with pytest.raises(BundleError, match=r"tree\.npz: array lexical_\w+ needs bundle format >= 2"):
+        Predictor.load(bundle)
+
+
 def test_vectors_of_another_dtype_than_the_manifest_says_are_refused(float32_bundle: Path, tmp_path: Path) -> None:
     bundle = tmp_path / "v1"
     shutil.copytree(float32_bundle, bundle)

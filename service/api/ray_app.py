@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -50,7 +50,7 @@ from starlette.responses import Response
 
 from service.api.active_state import HISTORY_LENGTH, ActiveVersionFile
 from service.api.app import apply_runtime_tuning, create_app
-from service.api.dependencies import AuthFailures, ServiceState, lease_engine
+from service.api.dependencies import MinuteBudget, ServiceState, lease_engine
 from service.api.errors import ApiError, invalid
 from service.api.observability import ServiceMetrics, error_log
 from service.api.predict import json_response, label_rows
@@ -58,6 +58,7 @@ from service.api.registry import (
     ActivationFailed,
     ActivationInProgress,
     BundleNotFound,
+    LabelChangesUnavailable,
     Leased,
     exclusive_activation,
     lease,
@@ -66,7 +67,7 @@ from service.api.schemas import RequestModels
 from service.api.settings import Settings
 from service.engine.predictor import PredictorOptions
 from service.engine.query import QueryEncoder
-from service.engine.schema import BundleError, Manifest, ShardOf, validate_version_name
+from service.engine.schema import BundleError, ShardOf, validate_version_name
 from service.engine.sharding import (
     ShardAnswer,
     ShardPredictor,
@@ -78,7 +79,7 @@ from service.engine.sharding import (
     union_token_rows,
     unknown_excluded,
 )
-from service.engine.store import read_manifest
+from service.engine.store import StoredBundle, read_manifest
 
 log = logging.getLogger("shortlist.ray")
 SHARD_DEPLOYMENT = "shard"
@@ -210,11 +211,16 @@ class ShardedRegistry:
         engine = self._active
         return engine.version if engine is not None else None
 
+    def submit_label_change(self, change: object) -> NoReturn:
+        """Labels are changed on the parent bundle, which is then sharded again (HTTP 409)."""
+        raise LabelChangesUnavailable("the sharded service does not change labels: change the parent bundle "
+                                      "(shortlist labels add|remove) and shard it again")
+
     def lease(self) -> AbstractContextManager[ShardedEngine]:
         return lease(lambda: self._active)
 
-    def list(self) -> list[tuple[Manifest, bool]]:
-        """(the version's manifest, as shard 0 describes its parent; is active), oldest first."""
+    def list(self) -> list[tuple[StoredBundle, bool]]:
+        """(the version as shard 0 describes its parent; is active), oldest first."""
         out = []
         for version, _ in sharded_versions(self.root):
             try:
@@ -223,8 +229,8 @@ class ShardedRegistry:
                 continue
             if m.shard is not None:
                 parent = m.model_copy(update={"version": version, "num_labels": m.shard.parent_num_labels})
-                out.append((parent, version == self.active_version))
-        return sorted(out, key=lambda item: (item[0].created_at, item[0].version))
+                out.append((StoredBundle(parent, self.root / version, "root"), version == self.active_version))
+        return sorted(out, key=lambda item: (item[0].manifest.created_at, item[0].version))
 
     @contextmanager
     def _exclusive(self) -> Iterator[None]:
@@ -423,7 +429,8 @@ class ShardedIngress:
         # No EngineRunner: the sharded answer awaits its shards on the event loop.
         self.state = ServiceState(self.settings, self.registry, None, metrics,  # type: ignore[arg-type]
                                   RequestModels(self.settings),
-                                  AuthFailures(self.settings.admin_auth_failures_per_minute))
+                                  MinuteBudget(self.settings.admin_auth_failures_per_minute),
+                                  MinuteBudget(self.settings.label_changes_per_minute))
         apply_runtime_tuning(self.settings)
         await self._start(metrics)
 
