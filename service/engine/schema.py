@@ -281,10 +281,18 @@ class Manifest(_Strict):
 
     @model_validator(mode="after")
     def _fields_of_format(self) -> Manifest:
-        if self.format_version < 2 and self.shard is not None:
-            raise ValueError(f"a shard is a format 2 bundle, this one says format {self.format_version}")
-        if self.format_version < 2 and self.vector_dtype != "float32":
-            raise ValueError(f"vector_dtype {self.vector_dtype!r} needs format_version 2")
+        """What only format 2 may hold, each named when a format-1 manifest claims it; a lineage's
+        tree within the labels."""
+        if self.format_version < 2:
+            wrong = []
+            if self.vector_dtype != "float32":
+                wrong.append(f"vector_dtype {self.vector_dtype!r} needs format_version 2")
+            if self.shard is not None:
+                wrong.append(f"a shard is a format 2 bundle, this one says format {self.format_version}")
+            if self.lineage is not None:
+                wrong.append("a lineage (labels changed after training) needs format_version 2")
+            if wrong:
+                raise ValueError("; ".join(wrong))
         if self.lineage is not None and self.lineage.tree_labels > self.num_labels:
             raise ValueError(f"lineage.tree_labels {self.lineage.tree_labels} > num_labels {self.num_labels}")
         return self
