@@ -5,6 +5,12 @@ queueing inside the pool. Single-text requests with the same (engine, scorer, k,
 beam) wait for a free slot in a shared queue, so while every worker is busy they pile up
 and leave as one batch; a lone request on an idle server leaves at once (unless
 max_wait_s > 0 asks it to wait for company).
+
+A batch of one text when no other engine call is running is computed on the event loop's
+own thread: handing it to a pool thread and back (two thread wake-ups, the GIL passed twice)
+cost more than the engine's ~0.1 ms call itself (bench/request_path.py), and at that moment
+the loop has nothing else to do that the call delays (every request that had arrived joined
+the batch first: the dispatcher runs after the loop's ready handlers).
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ class EngineRunner:
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="engine")
         self._slots: asyncio.Semaphore | None = None
         self._queues: dict[Hashable, _Queue] = {}
+        self._running = 0  # engine calls on the pool now
         # The event loop holds tasks weakly; keep dispatchers alive until they finish.
         self._tasks: set[asyncio.Task] = set()
 
@@ -61,7 +68,14 @@ class EngineRunner:
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """fn(*args) on an engine worker, waiting for a free slot."""
         async with self._sem():
+            return await self._on_pool(fn, *args)
+
+    async def _on_pool(self, fn: Callable[..., T], *args: Any) -> T:
+        self._running += 1
+        try:
             return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        finally:
+            self._running -= 1
 
     async def run_batch(self, kind: str, fn: BatchFn, texts: list[str]) -> Sequence[Any]:
         if self.on_batch is not None:
@@ -108,7 +122,10 @@ class EngineRunner:
         try:
             if self.on_batch is not None:
                 self.on_batch(kind, len(texts))
-            results = await asyncio.get_running_loop().run_in_executor(self._pool, queue.fn, texts)
+            if len(texts) == 1 and self._running == 0:
+                results = queue.fn(texts)  # alone: on this thread (module docstring)
+            else:
+                results = await self._on_pool(queue.fn, texts)
         except BaseException as exc:  # every waiter gets the failure, none hangs
             for f in futures:
                 if not f.done():
