@@ -8,9 +8,10 @@ max_wait_s > 0 asks it to wait for company).
 
 A batch of one text when no other engine call is running is computed on the event loop's
 own thread: handing it to a pool thread and back (two thread wake-ups, the GIL passed twice)
-cost more than the engine's ~0.1 ms call itself (bench/request_path.py), and at that moment
-the loop has nothing else to do that the call delays (every request that had arrived joined
-the batch first: the dispatcher runs after the loop's ready handlers).
+cost more than the engine's ~0.15 ms call itself (debian-deps at one connection: predict p50
+677 -> 522 us), and at that moment the loop has nothing else to do that the call delays
+(every request that had arrived joined the batch first: the dispatcher runs after the loop's
+ready handlers).
 """
 
 from __future__ import annotations
