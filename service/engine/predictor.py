@@ -249,8 +249,8 @@ class Predictor:
         labels = self.bundle.labels
         return [
             [
-                Prediction(int(i), labels.uids[i], labels.titles[i], float(s))
-                for i, s in zip(row_ids, row_scores, strict=True)
+                Prediction(i, *labels.row(i), s)
+                for i, s in zip(row_ids.tolist(), row_scores.tolist(), strict=True)
                 if i >= 0
             ]
             for row_ids, row_scores in zip(ids, scores, strict=True)

@@ -134,8 +134,9 @@ class ShardPredictor:
         exclusions = [dropped] * len(queries.q) if dropped else None
         ids, scores = self.predictor.predict_encoded_ids(queries, k, alpha, exclusions, head)
         labels = self.predictor.bundle.labels
-        uids = [[labels.uids[i] for i in row if i >= 0] for row in ids]
-        titles = [[labels.titles[i] for i in row if i >= 0] for row in ids]
+        named = [[labels.row(i) for i in row if i >= 0] for row in ids.tolist()]
+        uids = [[uid for uid, _ in row] for row in named]
+        titles = [[title for _, title in row] for row in named]
         parent = np.where(ids >= 0, self.parent_ids[np.maximum(ids, 0)], -1)
         return ShardAnswer(parent, scores, uids, titles, [i is not None for i in local])
 
