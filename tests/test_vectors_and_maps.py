@@ -4,6 +4,7 @@ stays readable; a source the scoring does not search is checksummed when first o
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -130,3 +131,52 @@ def test_an_index_the_scoring_does_not_search_is_checksummed_when_first_opened(
     assert predictor.predict_ids(texts[:3], k=3)[0].shape == (3, 3)
     with pytest.raises(BundleError, match=r"hnsw_w\.bin: sha256 mismatch"):
         Predictor(predictor.bundle, PredictorOptions(k_w=10))
+
+
+def _resident_pages(path: Path) -> int:
+    """Pages of `path` in the page cache (mincore over a private map of it)."""
+    import ctypes
+    import mmap
+
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+    buf = (ctypes.c_char * size).from_buffer(mm)
+    pages = -(-size // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.mincore(ctypes.c_void_p(ctypes.addressof(buf)), ctypes.c_size_t(size), vec) == 0
+    del buf
+    mm.close()
+    return sum(v & 1 for v in vec)
+
+
+def test_a_refused_bundle_leaves_no_page_cache_behind(bundle_root: Path, tmp_path: Path) -> None:
+    """Checking a bundle reads it in full; once refused, its pages are dropped (in a container
+    they would count as the service's memory), while files linked into other bundles stay."""
+    from service.api.registry import ActivationFailed, BundleRegistry
+    from service.engine.store import BundleStore
+    from shortlist.bundle_fuzz import index_of, make_variant
+
+    root = tmp_path / "bundles"
+    root.mkdir()
+    shutil.copytree(bundle_root / "v1", root / "v1")
+    make_variant(root / "v1", root, 0, index_of(root / "v1", "centroids.npy", "nan"), version="bad")
+    (root / "bad" / "tokenizer.json").unlink()
+    (root / "bad" / "tokenizer.json").hardlink_to(root / "v1" / "tokenizer.json")
+    os.sync()
+    probe = root / "bad" / "classifiers.npy"
+    os.posix_fadvise(os.open(probe, os.O_RDONLY), 0, 0, os.POSIX_FADV_DONTNEED)
+    if _resident_pages(probe):
+        pytest.skip("this filesystem keeps every page in memory (tmpfs)")
+    registry = BundleRegistry(BundleStore(root, tmp_path / "state"), check_timeout_s=None)
+    try:
+        registry.activate("v1")
+        with pytest.raises(ActivationFailed, match="centroids"):
+            registry.activate("bad")
+        assert registry.active_version == "v1"
+        for name in ("classifiers.npy", "centroids.npy", "manifest.json", "encoder.onnx"):
+            assert _resident_pages(root / "bad" / name) == 0, name
+        assert _resident_pages(root / "bad" / "tokenizer.json") > 0  # shared with v1
+    finally:
+        registry.close()

@@ -25,7 +25,7 @@ import numpy as np
 
 from service.api.active_state import HISTORY_LENGTH, ActiveVersionFile, StateBusy
 from service.engine import heap
-from service.engine.bundle import Bundle
+from service.engine.bundle import Bundle, drop_cached_pages
 from service.engine.isolated import check_in_child
 from service.engine.label_changes import ChangeReport, LabelChange, LabelEditor, derived_version
 from service.engine.metrics import ranking_metrics
@@ -358,8 +358,13 @@ class BundleRegistry:
 
     def _activate_locked(self, version: str | None, *, history: list[str], follow: bool = False) -> dict[str, object]:
         t0 = time.perf_counter()
-        predictor = self._load(self._resolve(version), check=not follow)
-        quality = {} if follow else self._quality_gate(predictor)
+        path = self._resolve(version)
+        try:
+            predictor = self._load(path, check=not follow)
+            quality = {} if follow else self._quality_gate(predictor)
+        except ActivationFailed:
+            drop_cached_pages(path)  # nothing will serve what the checks read
+            raise
         if not follow:
             self._remember(predictor, history)
         self._history = history

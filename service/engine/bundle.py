@@ -13,6 +13,7 @@ by service.engine.canary, which needs a Predictor.
 from __future__ import annotations
 
 import json
+import os
 import threading
 from pathlib import Path
 from typing import Any, Literal
@@ -108,16 +109,19 @@ class Bundle:
         if not staged and manifest.version != path.name:
             raise BundleError(f"{path / MANIFEST}: version {manifest.version!r} does not match directory name")
         bundle = cls(path, manifest)
-        bundle._check_files(verify_checksums)
-        bundle._open_tables()
-        bundle._open_retired()
-        bundle._check_lexical_files()
-        bundle.shard_labels = bundle._open_shard_labels()
-        if manifest.has_tree:
-            bundle.tree = bundle._open_tree()
-        bundle.validation_rows()
-        # The checks read every page of the maps: hand them back, serving touches a few rows.
-        bundle._maps.release()
+        try:
+            bundle._check_files(verify_checksums)
+            bundle._open_tables()
+            bundle._open_retired()
+            bundle._check_lexical_files()
+            bundle.shard_labels = bundle._open_shard_labels()
+            if manifest.has_tree:
+                bundle.tree = bundle._open_tree()
+            bundle.validation_rows()
+        finally:
+            # The checks read every page of the maps: hand them back, serving touches a few
+            # rows (and a refused bundle's pages are then mapped by no one).
+            bundle._maps.release()
         return bundle
 
     @classmethod
@@ -442,6 +446,30 @@ class Bundle:
 
 
 _CHUNK = 1 << 20
+
+
+def drop_cached_pages(directory: Path) -> int:
+    """Ask the kernel to drop the page cache of a refused bundle's files; returns how many files.
+
+    Checking a bundle reads its files in full (checksums, then the check in a child process):
+    in a container those pages are charged to the service's memory and, read twice, count as
+    active (docker stats), although nothing will serve them. A file with other hard links
+    (a derived bundle's shared encoder, the serving bundle's own) is left alone, and the kernel
+    keeps pages any process maps.
+    """
+    if not hasattr(os, "posix_fadvise"):
+        return 0
+    dropped = 0
+    for path in directory.iterdir():
+        try:
+            if path.is_symlink() or not path.is_file() or path.stat().st_nlink > 1:
+                continue
+            with path.open("rb") as f:
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            dropped += 1
+        except OSError:
+            continue
+    return dropped
 
 
 def _plain(arr: np.ndarray | None) -> np.ndarray | None:
