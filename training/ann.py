@@ -8,6 +8,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from service.engine.index import VectorIndex
+from training.progress import Progress
+
+# Queries searched per call: a progress line between calls (10^6 documents take minutes).
+_QUERIES_AT_ONCE = 1 << 14
 
 
 @dataclass(frozen=True)
@@ -16,12 +20,23 @@ class AnnParams:
     ef_construction: int
     ef_search: int
     threads: int  # query threads
+    progress: bool = True
+    deterministic: bool = True  # one insertion thread: the same graph for the same seed
 
-    def build(self, vectors: np.ndarray, seed: int) -> VectorIndex:
-        # One insertion thread: a multi-threaded build breaks determinism by seed.
+    def build(self, vectors: np.ndarray, seed: int, what: str = "labels") -> VectorIndex:
+        # Several insertion threads build ~threads x faster (10^6 labels: minutes per index),
+        # but the graph then depends on their timing: only when training need not be deterministic.
+        rows = len(vectors)
         return VectorIndex.build(vectors, M=self.M, ef_construction=self.ef_construction,
-                                 ef_search=max(self.ef_search, 1), seed=seed, threads=1)
+                                 ef_search=max(self.ef_search, 1), seed=seed,
+                                 threads=1 if self.deterministic else self.threads,
+                                 progress=lambda starts: Progress(starts, f"ANN index of {rows} {what}",
+                                                                  enabled=self.progress))
 
     def nearest(self, index: VectorIndex, queries: np.ndarray, k: int) -> np.ndarray:
         """Ids [N, min(k, count)] of each query's nearest rows by inner product."""
-        return index.search(np.ascontiguousarray(queries, dtype=np.float32), k, threads=self.threads)
+        queries = np.ascontiguousarray(queries, dtype=np.float32)
+        blocks = [index.search(queries[start : start + _QUERIES_AT_ONCE], k, threads=self.threads)
+                  for start in Progress(range(0, len(queries), _QUERIES_AT_ONCE),
+                                        f"ANN search of {len(queries)} queries", enabled=self.progress)]
+        return np.concatenate(blocks) if blocks else np.zeros((0, min(k, index.count)), dtype=np.int64)

@@ -54,7 +54,7 @@ def hard_negative_shortlists(doc_emb: np.ndarray, label_emb: np.ndarray, mu: np.
     if k_w > 0:
         parts.append(ann.nearest(ann.build(label_emb, seed + 101), doc_emb, k_w))
     if k_mu > 0:
-        parts.append(ann.nearest(ann.build(mu, seed + 102), doc_emb, k_mu))
+        parts.append(ann.nearest(ann.build(mu, seed + 102, "centroids"), doc_emb, k_mu))
     both = np.sort(np.concatenate(parts, axis=1).astype(np.int32), axis=1)
     # Each label once per row (a repeat becomes -1; the order within a row does not matter).
     both[:, 1:][both[:, 1:] == both[:, :-1]] = -1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -51,11 +52,17 @@ class VectorIndex:
         ef_search: int = 100,
         seed: int = 0,
         threads: int = -1,
+        progress: Callable[[range], Iterable[int]] | None = None,
     ) -> VectorIndex:
+        """An index of `vectors`' rows. `progress` wraps the starts of the row blocks inserted in
+        turn (a training bar); one block at a time with one thread makes the graph one call would."""
         centred = centred_rows(vectors)
         index = hnswlib.Index(space="ip", dim=centred.shape[1])
         index.init_index(max_elements=len(vectors), M=M, ef_construction=ef_construction, random_seed=seed)
-        index.add_items(centred, np.arange(len(vectors)), num_threads=threads)
+        starts = range(0, len(centred), _INSERT_ROWS_AT_ONCE)
+        for start in progress(starts) if progress is not None else starts:
+            block = centred[start : start + _INSERT_ROWS_AT_ONCE]
+            index.add_items(block, np.arange(start, start + len(block)), num_threads=threads)
         return cls(index, ef_search)
 
     @classmethod
@@ -125,6 +132,7 @@ class VectorIndex:
 
 
 _CENTRE_ROWS_AT_ONCE = 1 << 16
+_INSERT_ROWS_AT_ONCE = 1 << 14
 
 
 def centred_rows(vectors: np.ndarray) -> np.ndarray:
