@@ -309,6 +309,24 @@ def test_label_table_round_trips_and_names_the_bad_line(tmp_path: Path) -> None:
         LabelTable.load(path)
 
 
+def test_a_mapped_label_table_reads_every_row_shape_and_refuses_empty_rows(tmp_path: Path) -> None:
+    from service.engine.labels import LabelTable
+
+    path = tmp_path / "labels.jsonl"
+    path.write_bytes(b'{"uid": 7, "title": "a\\nb"}\n{"uid": "x", "title": "last, no newline"}')
+    table = LabelTable.load(path)
+    assert len(table) == 2 and table.row(0) == ("7", "a\nb") and table.row(1) == ("x", "last, no newline")
+    assert table.uids[-1] == "x" and table.titles[0:2] == ("a\nb", "last, no newline")
+    assert table.uids == ("7", "x") and LabelTable(["7", "x"], ["", ""]).uids == table.uids
+    with pytest.raises(IndexError):
+        table.uids[2]
+    path.write_bytes(b"")
+    assert len(LabelTable.load(path)) == 0
+    path.write_bytes(b'{"uid": "a", "title": "t"}\n\n{"uid": "b", "title": "t"}\n')
+    with pytest.raises(ValueError, match=r"labels\.jsonl:2: bad label row"):
+        LabelTable.load(path)
+
+
 def test_calibrations_stay_finite_and_silent_at_extreme_scores():
     import warnings
 
