@@ -75,6 +75,9 @@ class TrainConfig:
     m3_train_encoder: bool = True  # fine-tune the encoder with the classifiers
     m3_encoder_lr: float = 0.005
     m3_weight_decay: float = 1e-5  # L2 on the classifiers; without it Module III overfits
+    # On shortlists, the other documents' positives in a batch are negatives too (shared
+    # columns): without them the classifiers rank only their shortlists (training/classifiers.py).
+    m3_batch_negatives: bool = True
     # The encoder's token embedding stepped lazily (SparseAdam over the rows a batch uses) in
     # Modules I and III: a dense Adam step costs V x D whatever the batch holds.
     lazy_embedding: bool = True
