@@ -104,8 +104,9 @@ class OneVsAll:
     def __init__(self, form: str = "scaled_bias", negatives: str = "all", epochs: int = 8, batch_size: int = 256,
                  lr: float = 0.02, c: float = 0.75, d: float = 3.0, train_encoder: bool = True,
                  encoder_lr: float = 0.005, weight_decay: float = 1e-5, softmax_weight: float = 0.0,
-                 progress: bool = True, lazy: bool = False, batch_negatives: bool = True) -> None:
-        self.batch_negatives = batch_negatives
+                 progress: bool = True, lazy: bool = False, batch_negatives: bool = True,
+                 max_steps: int | None = None) -> None:
+        self.batch_negatives, self.max_steps = batch_negatives, max_steps
         self.form, self.negatives, self.epochs, self.batch_size, self.lr = form, negatives, epochs, batch_size, lr
         self.c, self.d, self.train_encoder, self.encoder_lr = c, d, train_encoder, encoder_lr
         self.weight_decay, self.softmax_weight, self.progress = weight_decay, softmax_weight, progress
@@ -115,7 +116,7 @@ class OneVsAll:
     def of(cls, cfg: TrainConfig, num_labels: int) -> OneVsAll:
         return cls(cfg.classifier_form, cfg.module3_negatives(num_labels), cfg.m3_epochs, cfg.m3_batch_size,
                    cfg.m3_lr, cfg.m3_c, cfg.m3_d, cfg.m3_train_encoder, cfg.m3_encoder_lr, cfg.m3_weight_decay,
-                   cfg.m3_softmax_weight, cfg.progress, cfg.lazy_embedding, cfg.m3_batch_negatives)
+                   cfg.m3_softmax_weight, cfg.progress, cfg.lazy_embedding, cfg.m3_batch_negatives, cfg.m3_max_steps)
 
     def fit(self, encoder: SiameseEncoder, label_emb: np.ndarray, docs: EncodedTexts, y: sp.csr_matrix,
             shortlist: np.ndarray | None, device: torch.device, rng: np.random.Generator) -> OneVsAll:
@@ -142,13 +143,16 @@ class OneVsAll:
         if self.train_encoder:
             opts += encoder_optimizer(encoder, self.encoder_lr, self.lazy)
         trainable = np.flatnonzero(np.diff(y.indptr) > 0)
+        epochs = self.epochs
+        if self.max_steps is not None:  # whole epochs, as many as max_steps steps allow (at least one)
+            epochs = min(epochs, max(1, self.max_steps // max(1, -(-len(trainable) // self.batch_size))))
         self.losses_: list[float] = []
         encoder.train(self.train_encoder)
-        for epoch in range(self.epochs):
+        for epoch in range(epochs):
             order = rng.permutation(trainable)
             self.losses_.append(run_epoch(
                 order, self.batch_size, lambda batch: self._loss(encoder, clf, rows, docs, y, batch, shortlist, device),
-                opts, f"Module III epoch {epoch + 1}/{self.epochs}", self.progress))
+                opts, f"Module III epoch {epoch + 1}/{epochs}", self.progress))
         encoder.requires_grad_(True)
         encoder.sparse_grad = False
         encoder.eval()
