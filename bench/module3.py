@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import re
 import sys
 import time
 from dataclasses import replace
@@ -41,6 +42,7 @@ IDENTITY = Calibration("identity")
 VARIANTS: dict[str, dict[str, Any]] = {
     "all": {"m3_negatives": "all"},
     "shortlist": {"m3_negatives": "shortlist"},
+    "shortlist_alone": {"m3_negatives": "shortlist", "m3_batch_negatives": False},  # no in-batch negatives
     "all_no_encoder": {"m3_negatives": "all", "m3_train_encoder": False},
     "all_lr_0.002": {"m3_negatives": "all", "m3_lr": 0.002},
     "all_no_decay": {"m3_negatives": "all", "m3_weight_decay": 0.0},
@@ -49,7 +51,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 def parse_variants(text: str) -> dict[str, dict[str, Any]]:
     out = {}
-    for item in (x for x in text.split(",") if x):
+    for item in (x for x in re.split(r",(?![^{]*})", text) if x):  # commas inside {...} are JSON's
         name, sep, spec = item.partition("=")
         out[name] = json.loads(spec) if sep else VARIANTS[name]
     return out
@@ -69,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", default=None, help="training config JSON (threads, seed, ...)")
     ap.add_argument("--sample", type=int, default=1000)
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    ap.add_argument("--module1", type=Path, default=None,
+                    help="Module I's encoder: loaded from this file if it exists, else trained and saved there")
     args = ap.parse_args(argv)
     cfg = TrainConfig.from_json(args.config) if args.config else TrainConfig()
     if args.epochs is not None:
@@ -80,7 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     ann = AnnParams(cfg.hnsw_m, cfg.hnsw_ef_construction, cfg.hnsw_ef, max(1, cfg.threads))
     encoder = SiameseEncoder(data.tokenizer.vocab_size, cfg.dim, seed=cfg.seed)
     t0 = time.perf_counter()
-    SiameseTrainer.of(cfg, ann).fit(encoder, data.docs, data.label_texts, data.y, CPU, rng)
+    if args.module1 is not None and args.module1.is_file():
+        encoder.load_state_dict(torch.load(args.module1))
+    else:
+        SiameseTrainer.of(cfg, ann).fit(encoder, data.docs, data.label_texts, data.y, CPU, rng)
+        if args.module1 is not None:
+            torch.save(encoder.state_dict(), args.module1)
     module1_s = time.perf_counter() - t0
     label_emb, doc_emb = embed(encoder, data.label_texts, CPU), embed(encoder, data.docs, CPU)
     mu = Centroids(cfg.centroid_label_weight).fit(doc_emb, data.y, label_emb).vectors_

@@ -246,16 +246,32 @@ def worker_sources(ctx: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _index_recall(bundle: Any, predictor: Any, texts: Sequence[str], k: int) -> dict[str, float]:
-    """Each HNSW index's own recall: its top k against the exact top k by inner product."""
+EF_PROBES = (50, 100, 200, 400)
+
+
+def _index_recall(bundle: Any, predictor: Any, texts: Sequence[str], k: int) -> dict[str, Any]:
+    """Each HNSW index's own recall: its top k against the exact top k by inner product, at the
+    bundle's ef_search and at each of EF_PROBES (one query at a time: ms per search)."""
     q = predictor.encode(texts)
-    out = {}
+    out: dict[str, Any] = {}
     for name, vectors, queries in (("hnsw_w", np.hstack([bundle.classifiers, bundle.classifier_bias[:, None]]),
                                     np.hstack([q, np.ones((len(q), 1), np.float32)])),
                                    ("hnsw_mu", bundle.centroids, q)):
-        found = bundle.index(name.removeprefix("hnsw_")).search(queries, k)
-        exact = np.argsort(-(queries @ np.asarray(vectors, dtype=np.float32).T), axis=1)[:, :k]
-        out[name] = round(float(np.mean([np.isin(e, f).mean() for e, f in zip(exact, found, strict=True)])), 4)
+        dense = np.asarray(vectors, dtype=np.float32)
+        exact = np.vstack([np.argpartition(-(queries[i : i + 50] @ dense.T), k, axis=1)[:, :k]
+                           for i in range(0, len(queries), 50)])
+        index = bundle.index(name.removeprefix("hnsw_"))
+        by_ef = {}
+        # One loaded copy, its breadth changed in place (bundle.index(name, ef) would load a copy per ef).
+        for ef in (*EF_PROBES, index.ef_search):
+            index._index.set_ef(ef)
+            t0 = time.perf_counter()
+            found = np.vstack([index.search(queries[i : i + 1], k) for i in range(len(queries))])
+            ms = (time.perf_counter() - t0) / len(queries) * 1e3
+            recall = float(np.mean([np.isin(e, f).mean() for e, f in zip(exact, found, strict=True)]))
+            by_ef[ef] = {"recall": round(recall, 4), "ms": round(ms, 3)}
+        out[name] = by_ef[index.ef_search]["recall"]
+        out[f"{name}_by_ef"] = by_ef
     return out
 
 
@@ -419,15 +435,21 @@ def serving_table(levels: dict[int, dict[str, Any]]) -> list[str]:
 def sources_table(levels: dict[int, dict[str, Any]]) -> list[str]:
     names = ("token_rows", "hnsw_w", "hnsw_mu", "head", "union")
     rows = ["| L | served sizes | " + " | ".join(f"{n}: recall (mean size)" for n in names)
-            + " | HNSW's own recall@50, w / mu |", "|---|---|" + "---|" * (len(names) + 1)]
+            + " | HNSW's own recall@50, w / mu | by ef_search: recall w / mu (ms a search) |",
+            "|---|---|" + "---|" * (len(names) + 2)]
     for L, res in levels.items():
         src = res.get("sources", {})
         served = src.get("served", {})
         cells = [f"{fmt(_get(src, n, 'recall@exact5'), 3)} ({fmt(_get(src, n, 'mean_size'), 0)})" for n in names]
         sizes = ", ".join(f"{k}={served[k]}" for k in ("k_tok", "k_w", "k_mu", "k_head") if k in served)
         own = src.get("index_recall@50", {})
+        w_ef, mu_ef = own.get("hnsw_w_by_ef", {}), own.get("hnsw_mu_by_ef", {})
+        by_ef = "; ".join(
+            f"{ef}: {fmt(_get(w_ef, ef, 'recall'), 3)} / {fmt(_get(mu_ef, ef, 'recall'), 3)}"
+            f" ({fmt(_get(w_ef, ef, 'ms'), 2)} / {fmt(_get(mu_ef, ef, 'ms'), 2)})"
+            for ef in (str(e) for e in EF_PROBES) if ef in w_ef)
         rows.append(f"| {L:,} | {sizes or '-'} | " + " | ".join(cells)
-                    + f" | {fmt(own.get('hnsw_w'), 3)} / {fmt(own.get('hnsw_mu'), 3)} |")
+                    + f" | {fmt(own.get('hnsw_w'), 3)} / {fmt(own.get('hnsw_mu'), 3)} | {by_ef or '-'} |")
     return rows
 
 

@@ -25,10 +25,13 @@ class Centroids:
         self.label_weight = label_weight
 
     def fit(self, doc_emb: np.ndarray, y: sp.csr_matrix, label_emb: np.ndarray | None = None) -> Centroids:
-        sums = (y.T @ doc_emb).astype(np.float32)
-        mu = _unit_rows(sums)
+        # In place: at 10^6 labels each [L, D] temporary is 1 GB.
+        mu = _unit_rows(np.asarray(y.T @ doc_emb, dtype=np.float32))
         if label_emb is not None and self.label_weight > 0:
-            mu = _unit_rows(mu + np.float32(self.label_weight) * label_emb)
+            weight = np.float32(self.label_weight)
+            for start in range(0, len(mu), _ROWS_AT_ONCE):
+                mu[start : start + _ROWS_AT_ONCE] += weight * label_emb[start : start + _ROWS_AT_ONCE]
+            mu = _unit_rows(mu)
         self.vectors_ = mu
         return self
 
@@ -42,9 +45,14 @@ class Centroids:
         return out
 
 
+_ROWS_AT_ONCE = 1 << 16
+
+
 def _unit_rows(x: np.ndarray) -> np.ndarray:
+    """x (float32) with each row scaled to unit length in place (zero rows stay zero)."""
     norms = np.linalg.norm(x, axis=1, keepdims=True)
-    return np.where(norms > 0, x / np.maximum(norms, 1e-12), 0.0).astype(np.float32)
+    x /= np.maximum(norms, np.float32(1e-12))
+    return x
 
 
 def hard_negative_shortlists(doc_emb: np.ndarray, label_emb: np.ndarray, mu: np.ndarray, k_w: int, k_mu: int,

@@ -68,6 +68,9 @@ class TrainConfig:
     # all up to M3_ALL_MAX_LABELS labels, the shortlist beyond (bench/scale.py measured both).
     m3_negatives: str = "auto"
     m3_epochs: int = 8
+    # ...and at most this many steps (whole epochs, at least one): 8 epochs of 10^6 documents are
+    # 31,200 steps, hours on 2 cores; 10^5 labels (3,064 steps), debian-deps and -tags stay below.
+    m3_max_steps: int = 8000
     m3_batch_size: int = 256
     m3_lr: float = 0.02
     m3_c: float = 0.75
@@ -75,6 +78,9 @@ class TrainConfig:
     m3_train_encoder: bool = True  # fine-tune the encoder with the classifiers
     m3_encoder_lr: float = 0.005
     m3_weight_decay: float = 1e-5  # L2 on the classifiers; without it Module III overfits
+    # On shortlists, the other documents' positives in a batch are negatives too (shared
+    # columns): without them the classifiers rank only their shortlists (training/classifiers.py).
+    m3_batch_negatives: bool = True
     # The encoder's token embedding stepped lazily (SparseAdam over the rows a batch uses) in
     # Modules I and III: a dense Adam step costs V x D whatever the batch holds.
     lazy_embedding: bool = True
@@ -210,7 +216,7 @@ class TrainConfig:
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
         for name in ("dim", "m1_batch_size", "m3_batch_size", "hnsw_m", "lexical_epochs", "lexical_batch_size",
-                     "lexical_max_steps",
+                     "lexical_max_steps", "m3_max_steps",
                      "index_ef_construction", "index_ef_search"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")

@@ -28,6 +28,7 @@ from training.config import TrainConfig
 from training.data import Split, find_split_file
 from training.dataset import TrainingSet
 from training.encoder import SiameseEncoder, embed
+from training.progress import Progress
 from training.report import Report
 from training.siamese import SiameseTrainer
 from training.token_shortlist import TokenTable
@@ -68,18 +69,30 @@ def _train(data_dir: Path, cfg: TrainConfig, text_field: str, trn: Split | None 
         negatives = None
         if m3.negatives == "shortlist":
             negatives = hard_negative_shortlists(doc_emb, label_emb, mu, cfg.m2_k_w, cfg.m2_k_mu, ann, cfg.seed)
+        del mu  # each [L, D] array is 1 GB at 10^6 labels: dropped as soon as it is no longer needed
         clf = m3.fit(encoder, label_emb, data.docs, data.y, negatives, device, rng)
+        del negatives
         if cfg.m3_train_encoder:  # the encoder moved: the centroids live in the served encoder's space
+            del label_emb, doc_emb
             label_emb, doc_emb = embed(encoder, data.label_texts, device), embed(encoder, data.docs, device)
         centroids = Centroids(cfg.centroid_label_weight).fit(doc_emb, data.y, label_emb)
+        del label_emb
         clf.weights_, centroids.vectors_ = _as_stored(clf.weights_, cfg), _as_stored(centroids.vectors_, cfg)
     with report.stage("token_shortlist"):
         lexical = (TokenTable.of(cfg).fit(data.docs, data.y, data.label_texts, data.tokenizer.vocab_size, device)
                    if cfg.token_shortlist_width else None)
         tables = lexical.tables_ if lexical is not None else [None]
+    tree = None
+    if cfg.tree_enabled:  # before the indices: the tree's peak memory does not add to theirs
+        with report.stage("tree"):
+            tree = fit_tree(cfg, data, doc_emb, clf)
+    del doc_emb
     with report.stage("indices"):
         hnsw = HnswParams(M=cfg.index_m, ef_construction=cfg.index_ef_construction, ef_search=cfg.index_ef_search)
-        indices = build_label_indices(clf.weights_, clf.bias_, centroids.vectors_, hnsw, cfg.seed)
+        indices = build_label_indices(
+            clf.weights_, clf.bias_, centroids.vectors_, hnsw, cfg.seed, 1 if cfg.deterministic else _threads(cfg),
+            lambda name: lambda starts: Progress(starts, f"bundle's HNSW index of {data.num_labels} {name}",
+                                                 enabled=cfg.progress))
     with report.stage("tuning"):
         candidates = _candidate_sources(cfg, data.num_labels, clf.bias_, indices, tables)
         scorer = LabelScorer(clf.weights_, clf.bias_, centroids.vectors_, IDENTITY, IDENTITY)
@@ -95,10 +108,6 @@ def _train(data_dir: Path, cfg: TrainConfig, text_field: str, trn: Split | None 
                                       table.form if table is not None else "shares")
     report.test_module3(data, encoder, LabelScorer.of(clf.weights_, clf.bias_, centroids.vectors_, scoring), device,
                         scoring.alpha)
-    tree = None
-    if cfg.tree_enabled:
-        with report.stage("tree"):
-            tree = fit_tree(cfg, data, doc_emb, clf)
     report.losses(m1.losses_, clf.losses_, getattr(lexical, "losses_", None))
     return Checkpoint(
         tokenizer=data.tokenizer, labels=LabelTable(data.labels.uids, data.labels.titles), encoder=encoder.cpu(),

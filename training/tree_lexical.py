@@ -52,7 +52,8 @@ class LexicalStart:
 
 
 def lexical_start(tokens: TokenRows, targets: Sequence[Sequence[int]], num_labels: int, width: int,
-                  fitted: bool, epochs: int = 100, lr: float = 0.05, l2: float = 1e-5, seed: int = 0) -> LexicalStart:
+                  fitted: bool, epochs: int = 100, lr: float = 0.05, l2: float = 1e-5, seed: int = 0,
+                  max_steps: int | None = None) -> LexicalStart:
     """Each token's row of labels, and U, h at zero or (fitted) at the one-vs-all logistic model
     of the tokens restricted to the rows (training.token_shortlist.fit_token_logistic)."""
     y = _target_matrix(targets, num_labels)
@@ -62,7 +63,8 @@ def lexical_start(tokens: TokenRows, targets: Sequence[Sequence[int]], num_label
     hit_bias = np.zeros(num_labels, np.float32)
     if fitted:
         weights, bias, _ = fit_token_logistic(tokens.doc_ids, tokens.doc_weights, y, table, width, epochs=epochs,
-                                              lr=lr, l2=l2, batch_size=1024, seed=seed, device=torch.device("cpu"))
+                                              max_steps=max_steps, lr=lr, l2=l2, batch_size=1024, seed=seed,
+                                              device=torch.device("cpu"))
         hit_bias = (bias + MISS).astype(np.float32)
     valid = table >= 0
     keys = (np.arange(len(table), dtype=np.int64)[:, None] * num_labels + table)[valid]

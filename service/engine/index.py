@@ -147,14 +147,17 @@ def centred_rows(vectors: np.ndarray) -> np.ndarray:
 
 
 def build_label_indices(
-    w: np.ndarray, b: np.ndarray, mu: np.ndarray, params: HnswParams, seed: int
+    w: np.ndarray, b: np.ndarray, mu: np.ndarray, params: HnswParams, seed: int, threads: int = 1,
+    progress: Callable[[str], Callable[[range], Iterable[int]]] | None = None,
 ) -> tuple[VectorIndex, VectorIndex]:
     """A bundle's two indices: over [w_l, b_l] (the bias rides along as one more coordinate,
-    matched by a constant 1 in the query) and over mu_l. One insertion thread, so the graphs
-    are the same for the same seed."""
+    matched by a constant 1 in the query) and over mu_l. One insertion thread makes the same
+    graphs for the same seed; more are faster (10^6 labels: tens of minutes on one) and make
+    graphs that depend on their timing. `progress(name)` wraps each build's row blocks."""
     wb = np.hstack([np.asarray(w, dtype=np.float32), np.asarray(b, dtype=np.float32)[:, None]])
-    return (VectorIndex.build(wb, params.M, params.ef_construction, params.ef_search, seed, threads=1),
-            VectorIndex.build(mu, params.M, params.ef_construction, params.ef_search, seed, threads=1))
+    return tuple(VectorIndex.build(x, params.M, params.ef_construction, params.ef_search, seed, threads=threads,
+                                   progress=progress(name) if progress is not None else None)
+                 for name, x in (("classifiers", wb), ("centroids", mu)))  # type: ignore[return-value]
 
 
 def _read_saved_index(path: Path, dim: int) -> dict[str, Any]:
