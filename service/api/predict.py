@@ -5,9 +5,9 @@ settings, and FastAPI reads a route's body type from its evaluated annotation.
 """
 
 from collections.abc import Awaitable, Callable
-from functools import partial
 from typing import Any
 
+import numpy as np
 import orjson
 from fastapi import APIRouter
 from starlette.requests import Request
@@ -18,6 +18,7 @@ from service.api.errors import ApiError, invalid
 from service.api.registry import Engine
 from service.api.schemas import EchoResponse, ErrorResponse, PredictResponse, RequestModels
 from service.api.settings import Settings
+from service.engine.labels import LabelTable
 
 
 def documented(*statuses: int) -> dict[int | str, dict[str, Any]]:
@@ -42,6 +43,23 @@ def label_rows(preds: list[Any]) -> list[dict[str, Any]]:
     return [{"id": p.id, "uid": p.uid, "title": p.title, "score": p.score} for p in preds]
 
 
+def named_rows(labels: LabelTable, ids: np.ndarray, scores: np.ndarray) -> list[list[dict[str, Any]]]:
+    """Each text's top k (ids int [B, k], -1 where none, and their scores) as the response's
+    Label objects: the Predictor's answer (Predictor.predict is _named(predict_ids)) built as the
+    response's dicts directly, the batch's labels named in one call (LabelTable.rows)."""
+    named = labels.rows(ids[ids >= 0])
+    out, j = [], 0
+    for row_ids, row_scores in zip(ids.tolist(), scores.tolist(), strict=True):
+        row = []
+        for i, s in zip(row_ids, row_scores, strict=True):
+            if i >= 0:
+                uid, title = named[j]
+                j += 1
+                row.append({"id": i, "uid": uid, "title": title, "score": s})
+        out.append(row)
+    return out
+
+
 # How a prediction route answers: (request, scorer "alpha" or "tree", the validated body, the
 # scorer's parameters) -> the response. The routes' paths and schemas are defined once
 # (predict_router); this service answers from its own engine (answer_here), a sharded one by
@@ -64,18 +82,18 @@ async def _answer(state: ServiceState, engine: Engine, scorer: str, req: Any, **
     """Every text's top k from `scorer` of the leased engine; single texts share engine calls
     with concurrent requests of the same parameters (service.api.batching)."""
     excluded = _excluded_ids(req.exclude, engine)
-    method = engine.predictor.predict_tree if scorer == "tree" else engine.predictor.predict
-    if excluded:
-        def fn(texts: list[str]) -> list[Any]:
-            return method(texts, k=req.k, exclude=[excluded] * len(texts), **params)
-    else:
-        fn = partial(method, k=req.k, **params)
+    top = engine.predictor.predict_tree_ids if scorer == "tree" else engine.predictor.predict_ids
+    labels, k = engine.bundle.labels, req.k
+
+    def fn(texts: list[str]) -> list[Any]:
+        return named_rows(labels, *top(texts, k=k, exclude=[excluded] * len(texts) if excluded else None, **params))
+
     if req.text is not None:
         key = (engine, scorer, req.k, *params.values(), excluded)
         results = [await state.runner.submit_one(key, scorer, fn, req.text)]
     else:
         results = list(await state.runner.run_batch(scorer, fn, req.texts))
-    return json_response({"version": engine.version, "results": [label_rows(r) for r in results]})
+    return json_response({"version": engine.version, "results": results})
 
 
 async def answer_here(request: Request, scorer: str, req: Any, params: dict[str, Any]) -> Response:

@@ -39,6 +39,14 @@ class LabelTable:
         """(uid, title) of label i: one read of a mapped row."""
         return self._rows.row(i) if self._rows is not None else (self.uids[i], self.titles[i])
 
+    def rows(self, ids: np.ndarray) -> list[tuple[str, str]]:
+        """(uid, title) of each label id in `ids` (int [N], every id in range), in order: an
+        answer's labels named together (a mapped table decodes them in one call)."""
+        if self._rows is not None:
+            return self._rows.rows(ids)
+        uids, titles = self.uids, self.titles
+        return [(uids[i], titles[i]) for i in ids.tolist()]
+
     def ids_of(self, uids: Sequence[str]) -> list[int | None]:
         """The row of each uid, None for a uid not in the table (first occurrence if repeated).
 
@@ -100,6 +108,13 @@ class MappedRows:
     def row(self, i: int) -> tuple[str, str]:
         obj = orjson.loads(self._map[self._starts[i] : self._ends[i]])
         return str(obj["uid"]), str(obj["title"])
+
+    def rows(self, ids: np.ndarray) -> list[tuple[str, str]]:
+        """row(i) of every i in `ids` (int [N], in range), the rows decoded as one JSON array by one
+        orjson call: an answer's labels at about half the cost of a row() each."""
+        m, starts, ends = self._map, self._starts, self._ends
+        rows = orjson.loads(b"[" + b",".join([m[starts[i] : ends[i]] for i in ids.tolist()]) + b"]")
+        return [(str(obj["uid"]), str(obj["title"])) for obj in rows]
 
     def _check(self) -> None:
         # Bundles load on a background thread while the service answers requests: a thousand

@@ -246,14 +246,10 @@ class Predictor:
         return self._named(*self.predict_tree_ids(texts, k, beam, exclude))
 
     def _named(self, ids: np.ndarray, scores: np.ndarray) -> list[list[Prediction]]:
-        labels = self.bundle.labels
+        named = iter(self.bundle.labels.rows(ids[ids >= 0]))  # the answers' labels, row by row
         return [
-            [
-                Prediction(i, *labels.row(i), s)
-                for i, s in zip(row_ids.tolist(), row_scores.tolist(), strict=True)
-                if i >= 0
-            ]
-            for row_ids, row_scores in zip(ids, scores, strict=True)
+            [Prediction(i, *next(named), s) for i, s in zip(row_ids, row_scores, strict=True) if i >= 0]
+            for row_ids, row_scores in zip(ids.tolist(), scores.tolist(), strict=True)
         ]
 
 
