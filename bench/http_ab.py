@@ -36,10 +36,20 @@ _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 ROUTES = {"echo": "/v1/echo", "predict": "/v1/predict"}
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (its threads included)."""
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """User and system CPU time of a process so far (its threads included)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) * _TICK_S
+    return int(fields[11]) * _TICK_S, int(fields[12]) * _TICK_S
+
+
+def context_switches(pid: int) -> int:
+    """Context switches of every thread of a process so far (voluntary and not)."""
+    total = 0
+    for status in Path(f"/proc/{pid}/task").glob("*/status"):
+        with contextlib.suppress(OSError):
+            total += sum(int(line.split()[1]) for line in status.read_text().splitlines()
+                         if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")))
+    return total
 
 
 @contextlib.contextmanager
@@ -78,12 +88,15 @@ def serve_tree(tree: Path, bundle_root: Path, version: str | None, env: dict[str
 
 
 def measure(server: Server, script: Path, route: str, conns: int, seconds: int) -> dict[str, Any]:
-    before = cpu_seconds(server.proc.pid)
+    pid = server.proc.pid
+    (user, system), switches = cpu_seconds(pid), context_switches(pid)
     r = wrk_point(server.url + ROUTES[route], script, conns, seconds)
-    spent = cpu_seconds(server.proc.pid) - before
+    (user_after, system_after), switches_after = cpu_seconds(pid), context_switches(pid)
     if r["non_2xx"] or r["socket_errors"] or not r["requests"]:
         raise RuntimeError(f"{route} at {conns} connections on {server.url}: failed requests: {r}")
-    r["cpu_us_per_request"] = spent / r["requests"] * 1e6
+    r["cpu_us_per_request"] = (user_after - user + system_after - system) / r["requests"] * 1e6
+    r["sys_us_per_request"] = (system_after - system) / r["requests"] * 1e6
+    r["switches_per_request"] = (switches_after - switches) / r["requests"]
     return r
 
 
@@ -120,13 +133,16 @@ def report(args: argparse.Namespace, samples: dict[tuple[str, str, int], list[di
              f"{'the working tree' if args.head == '.' else args.head}{envs}; bundle {args.bundle_dir.name}; "
              f"wrk -t1 on the same 2 cores; {args.rounds} alternated rounds of {args.seconds} s, medians; load average "
              f"{args.load_before:.1f} before, {os.getloadavg()[0]:.1f} after.", "",
-             "| route | connections | tree | req/s | p50 (ms) | p99 (ms) | server CPU / req (us) | req/s rounds |",
-             "|---|---|---|---:|---:|---:|---:|---|"]
+             "| route | conns | tree | req/s | p50 (ms) | p99 (ms) | server CPU / req (us) | of which sys | "
+             "switches / req | req/s rounds |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for (name, route, conns), rs in samples.items():
         rounds = ", ".join(f"{r['req_s']:.0f}" for r in rs)
         lines.append(f"| {route} | {conns} | {name} | {med(r['req_s'] for r in rs):.0f} | "
                      f"{med(r['p50_ms'] for r in rs):.3f} | {med(r['p99_ms'] for r in rs):.2f} | "
-                     f"{med(r['cpu_us_per_request'] for r in rs):.0f} | {rounds} |")
+                     f"{med(r['cpu_us_per_request'] for r in rs):.0f} | "
+                     f"{med(r['sys_us_per_request'] for r in rs):.0f} | "
+                     f"{med(r['switches_per_request'] for r in rs):.2f} | {rounds} |")
     lines.append("")
     for conns in args.connections:
         if "echo" in args.routes and "predict" in args.routes:
