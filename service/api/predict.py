@@ -46,19 +46,19 @@ def label_rows(preds: list[Any]) -> list[dict[str, Any]]:
 def named_rows(labels: LabelTable, ids: np.ndarray, scores: np.ndarray) -> list[list[dict[str, Any]]]:
     """Each text's top k (ids int [B, k], -1 where none, and their scores) as the response's
     Label objects: the Predictor's answer (Predictor.predict is _named(predict_ids)) built as the
-    response's dicts directly, the batch's labels named in one call (LabelTable.rows)."""
-    named = labels.rows(ids[ids >= 0])
+    response's dicts directly, the batch's labels named in one call (LabelTable.named)."""
+    id_rows = ids.tolist()
+    named = labels.named([i for row in id_rows for i in row if i >= 0])
     out, j = [], 0
-    for row_ids, row_scores in zip(ids.tolist(), scores.tolist(), strict=True):
+    for row_ids, row_scores in zip(id_rows, scores.tolist(), strict=True):
         row = []
         for i, s in zip(row_ids, row_scores, strict=True):
             if i >= 0:
-                uid, title = named[j]
+                label = named[j]
                 j += 1
-                row.append({"id": i, "uid": uid, "title": title, "score": s})
+                row.append({"id": i, "uid": label["uid"], "title": label["title"], "score": s})
         out.append(row)
     return out
-
 
 # How a prediction route answers: (request, scorer "alpha" or "tree", the validated body, the
 # scorer's parameters) -> the response. The routes' paths and schemas are defined once

@@ -246,12 +246,13 @@ class Predictor:
         return self._named(*self.predict_tree_ids(texts, k, beam, exclude))
 
     def _named(self, ids: np.ndarray, scores: np.ndarray) -> list[list[Prediction]]:
-        named = iter(self.bundle.labels.rows(ids[ids >= 0]))  # the answers' labels, row by row
+        id_rows = ids.tolist()
+        named = iter(self.bundle.labels.named([i for row in id_rows for i in row if i >= 0]))
         return [
-            [Prediction(i, *next(named), s) for i, s in zip(row_ids, row_scores, strict=True) if i >= 0]
-            for row_ids, row_scores in zip(ids.tolist(), scores.tolist(), strict=True)
+            [Prediction(i, (label := next(named))["uid"], label["title"], s)
+             for i, s in zip(row_ids, row_scores, strict=True) if i >= 0]
+            for row_ids, row_scores in zip(id_rows, scores.tolist(), strict=True)
         ]
-
 
 def _check_k(k: int) -> None:
     if k < 1:
