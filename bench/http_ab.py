@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from _common import REPO_ROOT, command_line, git_revision
+from _common import BENCH_DIR, REPO_ROOT, add_bundle_arguments, command_line, git_revision, replace_section
 from http_bench import query_texts, wrk_point, wrk_script
 
 from shortlist.testing import Server, free_port
@@ -156,9 +156,7 @@ def report(args: argparse.Namespace, samples: dict[tuple[str, str, int], list[di
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--bundle-root", type=Path, required=True)
-    ap.add_argument("--version", default=None)
-    ap.add_argument("--data", default=None, help="dataset folder: queries from its tst titles (default: label titles)")
+    add_bundle_arguments(ap)
     ap.add_argument("--base", default="main",
                     help="git revision measured as 'before' ('.': the working tree; or a source directory)")
     ap.add_argument("--head", default=".",
@@ -173,13 +171,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=int, default=2)
     ap.add_argument("--k", type=int, default=10)
     ap.add_argument("--queries", type=int, default=4000)
+    ap.add_argument("--publish", metavar="SECTION", default=None,
+                    help="also write the table into this <!-- SECTION --> of bench/RESULTS.md (made where missing)")
+    ap.add_argument("--title", default="Before/after", help="the published section's heading")
     args = ap.parse_args(argv)
     args.base_env, args.head_env = (dict(kv.split("=", 1) for kv in env) for env in (args.base_env, args.head_env))
     args.root = args.bundle_root.resolve()
     args.bundle_dir = args.root / args.version if args.version else max(
         p for p in args.root.iterdir() if (p / "manifest.json").exists())
     args.load_before = os.getloadavg()[0]
-    print(report(args, run(args)))
+    text = report(args, run(args))
+    print(text)
+    if args.publish:
+        replace_section(BENCH_DIR / "RESULTS.md", args.publish, f"### {args.title}\n\n{text}")
     return 0
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from _common import BENCH_DIR, command_line, git_revision, replace_section
+from _common import BENCH_DIR, add_bundle_arguments, command_line, git_revision, replace_section
 from http_bench import query_texts, wrk_point, wrk_script
 
 from service.api.batching import EngineRunner
@@ -134,9 +134,7 @@ def report(stage_us: dict[str, float], http_us: dict[str, list[float]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--bundle-root", type=Path, required=True)
-    ap.add_argument("--version", default=None)
-    ap.add_argument("--data", default=None, help="dataset folder: queries from its tst titles (default: label titles)")
+    add_bundle_arguments(ap)
     ap.add_argument("--k", type=int, default=10)
     ap.add_argument("--calls", type=int, default=3000, help="timed calls per in-process stage")
     ap.add_argument("--rounds", type=int, default=4)
