@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 from _common import BENCH_DIR, REPO_ROOT, add_bundle_arguments, command_line, git_revision, replace_section
 from http_bench import query_texts, wrk_point, wrk_script
 
@@ -87,11 +88,25 @@ def serve_tree(tree: Path, bundle_root: Path, version: str | None, env: dict[str
         proc.wait(timeout=15)
 
 
+def engine_calls(url: str) -> tuple[float, float]:
+    """(engine calls, texts) of the alpha scorer so far, from /metrics."""
+    found = dict.fromkeys(("count", "sum"), 0.0)
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        for what in found:
+            if line.startswith(f'shortlist_engine_batch_size_{what}{{scorer="alpha"}}'):
+                found[what] = float(line.split()[-1])
+    return found["count"], found["sum"]
+
+
 def measure(server: Server, script: Path, route: str, conns: int, seconds: int) -> dict[str, Any]:
     pid = server.proc.pid
+    calls = engine_calls(server.url)
     (user, system), switches = cpu_seconds(pid), context_switches(pid)
     r = wrk_point(server.url + ROUTES[route], script, conns, seconds)
     (user_after, system_after), switches_after = cpu_seconds(pid), context_switches(pid)
+    calls_after = engine_calls(server.url)
+    if calls_after[0] > calls[0]:
+        r["texts_per_call"] = (calls_after[1] - calls[1]) / (calls_after[0] - calls[0])
     if r["non_2xx"] or r["socket_errors"] or not r["requests"]:
         raise RuntimeError(f"{route} at {conns} connections on {server.url}: failed requests: {r}")
     r["cpu_us_per_request"] = (user_after - user + system_after - system) / r["requests"] * 1e6
@@ -134,15 +149,16 @@ def report(args: argparse.Namespace, samples: dict[tuple[str, str, int], list[di
              f"wrk -t1 on the same 2 cores; {args.rounds} alternated rounds of {args.seconds} s, medians; load average "
              f"{args.load_before:.1f} before, {os.getloadavg()[0]:.1f} after.", "",
              "| route | conns | tree | req/s | p50 (ms) | p99 (ms) | server CPU / req (us) | of which sys | "
-             "switches / req | req/s rounds |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
+             "switches / req | texts / engine call | req/s rounds |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for (name, route, conns), rs in samples.items():
         rounds = ", ".join(f"{r['req_s']:.0f}" for r in rs)
+        batch = f"{med(r['texts_per_call'] for r in rs):.1f}" if all("texts_per_call" in r for r in rs) else ""
         lines.append(f"| {route} | {conns} | {name} | {med(r['req_s'] for r in rs):.0f} | "
                      f"{med(r['p50_ms'] for r in rs):.3f} | {med(r['p99_ms'] for r in rs):.2f} | "
                      f"{med(r['cpu_us_per_request'] for r in rs):.0f} | "
                      f"{med(r['sys_us_per_request'] for r in rs):.0f} | "
-                     f"{med(r['switches_per_request'] for r in rs):.2f} | {rounds} |")
+                     f"{med(r['switches_per_request'] for r in rs):.2f} | {batch} | {rounds} |")
     lines.append("")
     for conns in args.connections:
         if "echo" in args.routes and "predict" in args.routes:
