@@ -215,7 +215,7 @@ def as_float32(values: np.ndarray) -> np.ndarray:
     """`values` as float32 (a new array for float16 values, exactly their value; others as they are
     when already float32)."""
     if values.dtype == np.float16:
-        return _FLOAT16_AS_FLOAT32.take(values.view(np.uint16))
+        return _FLOAT16_AS_FLOAT32.take(values.view(np.uint16), mode="wrap")  # (every index is in range)
     return values.astype(np.float32, copy=False)
 
 
