@@ -127,10 +127,22 @@ class EngineRunner:
 
     # -- single texts, batched ----------------------------------------------------------------
 
-    async def submit_one(self, key: Hashable, kind: str, fn: BatchFn, text: str) -> Any:
-        """fn([text])[0], possibly computed in one call together with other texts of the same key."""
+    async def submit_one(self, key: Hashable, kind: str, fn: BatchFn, text: str, alone: bool = False) -> Any:
+        """fn([text])[0], possibly computed in one call together with other texts of the same key.
+
+        alone: no other request is in progress on this server (none could join a batch), so
+        with nothing queued or computing the text is computed here and now, without waiting a
+        turn of the loop for company: at one connection that turn (a future, a callback, the
+        request's task suspended and resumed) was a tenth of predict's time beyond echo's and
+        the engine's (bench/RESULTS.md, issue 22)."""
         if not self.batching:
             return (await self.run_batch(kind, fn, [text]))[0]
+        if alone and self._free == self.workers and not self._queues and not self._waiting:
+            self._free -= 1
+            try:
+                return self._batch(kind, fn, [text])[0]
+            finally:
+                self._free += 1
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         queue = self._queues.get(key)

@@ -13,8 +13,9 @@ from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import Response
 
-from service.api.dependencies import ServiceState, lease_engine, service_state
+from service.api.dependencies import lease_engine, service_state
 from service.api.errors import ApiError, invalid
+from service.api.http_protocol import REQUESTS_IN_PROGRESS
 from service.api.registry import Engine
 from service.api.schemas import EchoResponse, ErrorResponse, PredictResponse, RequestModels
 from service.api.settings import Settings
@@ -78,7 +79,7 @@ def _excluded_ids(uids: list[str] | None, engine: Engine) -> tuple[int, ...]:
     return tuple(sorted(set(ids)))
 
 
-async def _answer(state: ServiceState, engine: Engine, scorer: str, req: Any, **params: Any) -> Response:
+async def _answer(request: Request, engine: Engine, scorer: str, req: Any, **params: Any) -> Response:
     """Every text's top k from `scorer` of the leased engine; single texts share engine calls
     with concurrent requests of the same parameters (service.api.batching)."""
     excluded = _excluded_ids(req.exclude, engine)
@@ -90,9 +91,10 @@ async def _answer(state: ServiceState, engine: Engine, scorer: str, req: Any, **
 
     if req.text is not None:
         key = (engine, scorer, req.k, *params.values(), excluded)
-        results = [await state.runner.submit_one(key, scorer, fn, req.text)]
+        alone = len(request.scope.get(REQUESTS_IN_PROGRESS, ())) == 1
+        results = [await service_state(request).runner.submit_one(key, scorer, fn, req.text, alone)]
     else:
-        results = list(await state.runner.run_batch(scorer, fn, req.texts))
+        results = list(await service_state(request).runner.run_batch(scorer, fn, req.texts))
     return json_response({"version": engine.version, "results": results})
 
 
@@ -102,7 +104,7 @@ async def answer_here(request: Request, scorer: str, req: Any, params: dict[str,
         if scorer == "tree" and not engine.bundle.has_tree:
             raise ApiError(409, "no_tree_scorer", f"the active bundle {engine.version} has no tree scorer; "
                            "use /v1/predict")
-        return await _answer(service_state(request), engine, scorer, req, **params)
+        return await _answer(request, engine, scorer, req, **params)
 
 
 def predict_router(models: RequestModels, settings: Settings, answer: Answer = answer_here) -> APIRouter:
