@@ -97,6 +97,13 @@ def command_line() -> str:
     return " ".join(["python", str(script), *sys.argv[1:]])
 
 
+def add_bundle_arguments(ap: Any) -> None:
+    """--bundle-root, --version and --data, as the HTTP benchmarks take them (an argparse parser)."""
+    ap.add_argument("--bundle-root", type=Path, required=True)
+    ap.add_argument("--version", default=None)
+    ap.add_argument("--data", default=None, help="dataset folder: queries from its tst titles (default: label titles)")
+
+
 def replace_section(markdown_path: Path, key: str, body: str, title: str = "# Benchmark results") -> None:
     """Put `body` between <!-- key --> markers in a markdown file, keeping every other section."""
     start, end = f"<!-- {key} -->", f"<!-- /{key} -->"

@@ -42,6 +42,7 @@ import numpy as np
 from _common import (
     BENCH_DIR,
     OUT_DIR,
+    add_bundle_arguments,
     command_line,
     git_revision,
     latency_summary,
@@ -277,9 +278,7 @@ def failure_note(rs: Sequence[dict[str, Any]]) -> str:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--bundle-root", required=True, type=Path)
-    ap.add_argument("--version", default=None)
-    ap.add_argument("--data", default=None, help="dataset folder: queries from its tst titles (default: label titles)")
+    add_bundle_arguments(ap)
     ap.add_argument("--client", choices=["wrk", "httpx"], default=None,
                     help="load generator (default: wrk when the wrk binary is on PATH, else httpx)")
     ap.add_argument("--seconds", type=float, default=2.0,

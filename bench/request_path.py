@@ -9,8 +9,9 @@ Stages, medians of many calls in this process (one text, k=10, the bundle's own 
   lease      the registry's lease on the serving bundle (enter + exit)
   hand-off   EngineRunner.submit_one with an engine call that does nothing: the batcher's
              queue, the dispatcher task, the hop to the engine thread and back to the loop
-  engine     Predictor.predict on the calling thread (tokenize, encode, shortlist, score, name)
-  response   the answer's dicts and orjson
+  engine     Predictor.predict_ids on the calling thread (tokenize, encode, shortlist, score, top k)
+  naming     the answer's labels named as the response's dicts (service.api.predict.named_rows)
+  response   the body's JSON (orjson)
 Over HTTP (a real `shortlist serve`, echo route on, access log off, wrk -c1): echo p50 and
 predict p50; "unexplained" = predict - echo - (the stages beyond the floor), the time the
 stages cost together that they do not cost apart (thread wake-ups, the GIL passed between the
@@ -31,10 +32,11 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from _common import BENCH_DIR, command_line, git_revision, replace_section
+from _common import BENCH_DIR, add_bundle_arguments, command_line, git_revision, replace_section
 from http_bench import query_texts, wrk_point, wrk_script
 
 from service.api.batching import EngineRunner
+from service.api.predict import named_rows
 from service.api.registry import BundleRegistry
 from service.api.schemas import RequestModels
 from service.api.settings import Settings
@@ -81,16 +83,13 @@ def stages(bundle_root: Path, version: str | None, texts: list[str], k: int, n: 
     out["lease"] = _median_us(lease, n)
     out["hand-off"] = asyncio.run(_handoff_us(n, settings.workers))
     with registry.lease() as engine:
-        predictor = engine.predictor
-        out["engine"] = _median_us(lambda i: predictor.predict([texts[i % len(texts)]], k=k), n)
-        answers = [predictor.predict([t], k=k) for t in texts[:200]]
+        predictor, labels = engine.predictor, engine.bundle.labels
+        out["engine"] = _median_us(lambda i: predictor.predict_ids([texts[i % len(texts)]], k=k), n)
+        top = [predictor.predict_ids([t], k=k) for t in texts[:200]]
+        out["naming"] = _median_us(lambda i: named_rows(labels, *top[i % len(top)]), n)
+        answers = [named_rows(labels, *ids_scores) for ids_scores in top]
 
-    def respond(i: int) -> bytes:
-        preds = answers[i % len(answers)][0]
-        return orjson.dumps({"version": "v", "results": [[{"id": p.id, "uid": p.uid, "title": p.title,
-                                                             "score": p.score} for p in preds]]})
-
-    out["response"] = _median_us(respond, n)
+    out["response"] = _median_us(lambda i: orjson.dumps({"version": "v", "results": answers[i % len(answers)]}), n)
     registry.close()
     return out
 
@@ -124,7 +123,7 @@ def report(stage_us: dict[str, float], http_us: dict[str, list[float]]) -> str:
     rows = [("echo over HTTP (the floor: HTTP, middleware, parse + validate a body, write JSON)", echo),
             *((f"stage: {name}", v) for name, v in stage_us.items()),
             ("predict over HTTP", predict),
-            ("unexplained: predict - echo - (lease + hand-off + engine + response)", unexplained)]
+            ("unexplained: predict - echo - (lease + hand-off + engine + naming + response)", unexplained)]
     lines = ["| what | us (median) | share of predict |", "|---|---:|---:|"]
     lines += [f"| {name} | {v:.0f} | {100 * v / predict:.0f}% |" for name, v in rows]
     lines += ["", f"HTTP rounds (p50 us): echo {', '.join(f'{x:.0f}' for x in http_us['echo'])}; "
@@ -135,9 +134,7 @@ def report(stage_us: dict[str, float], http_us: dict[str, list[float]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--bundle-root", type=Path, required=True)
-    ap.add_argument("--version", default=None)
-    ap.add_argument("--data", default=None, help="dataset folder: queries from its tst titles (default: label titles)")
+    add_bundle_arguments(ap)
     ap.add_argument("--k", type=int, default=10)
     ap.add_argument("--calls", type=int, default=3000, help="timed calls per in-process stage")
     ap.add_argument("--rounds", type=int, default=4)

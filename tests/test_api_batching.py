@@ -26,13 +26,14 @@ def test_requests_arriving_while_the_worker_is_busy_are_coalesced_in_order():
 
     async def scenario() -> list[str]:
         runner = EngineRunner(1, batching=True, max_batch=32)
-        blocker = asyncio.create_task(runner.submit_one("k", "alpha", _recording_fn(calls, gate), "first"))
+        # On the pool (a lone text would be computed on the loop's thread and block it).
+        blocker = asyncio.create_task(runner.run(_recording_fn(calls, gate), ["first"]))
         await asyncio.sleep(0.05)  # the only worker is now inside the blocked call
         fn = _recording_fn(calls)
         waiting = [asyncio.create_task(runner.submit_one("k", "alpha", fn, f"t{i}")) for i in range(5)]
         await asyncio.sleep(0.05)
         gate.set()
-        out = [await blocker] + [await w for w in waiting]
+        out = [*(await blocker)] + [await w for w in waiting]
         runner.shutdown()
         return out
 
@@ -47,7 +48,7 @@ def test_batches_are_capped_at_max_batch_and_keys_never_mix():
 
     async def scenario() -> dict[str, str]:
         runner = EngineRunner(1, batching=True, max_batch=2)
-        blocker = asyncio.create_task(runner.submit_one("x", "alpha", _recording_fn(calls, gate), "b"))
+        blocker = asyncio.create_task(runner.run(_recording_fn(calls, gate), ["b"]))  # on the pool
         await asyncio.sleep(0.05)
         fn = _recording_fn(calls)
         tasks = {f"{key}{i}": asyncio.create_task(runner.submit_one(key, "alpha", fn, f"{key}{i}"))
@@ -93,3 +94,26 @@ def test_batch_sizes_are_reported(batching):
 
     asyncio.run(scenario())
     assert sum(sizes) == 4 and (batching or sizes == [1, 1, 1, 1])
+
+
+def test_a_lone_request_is_computed_at_once_and_a_busy_runner_still_queues_it():
+    calls: list[list[str]] = []
+    gate = threading.Event()
+
+    async def scenario() -> list[str]:
+        runner = EngineRunner(1, batching=True, max_batch=8)
+        # Idle: computed within the call, on this thread (no turn of the loop).
+        first = await runner.submit_one("k", "alpha", _recording_fn(calls), "alone", alone=True)
+        blocker = asyncio.create_task(runner.run(_recording_fn(calls, gate), ["busy"]))
+        await asyncio.sleep(0.05)  # the only worker is now inside the blocked call (on the pool)
+        # Said to be alone, but the worker is busy: it waits its turn and shares the next call.
+        fn = _recording_fn(calls)
+        queued = [asyncio.create_task(runner.submit_one("k", "alpha", fn, t, alone=t == "a")) for t in ("a", "b")]
+        await asyncio.sleep(0.05)
+        gate.set()
+        out = [first, *(await blocker)] + [await q for q in queued]
+        runner.shutdown()
+        return out
+
+    assert asyncio.run(scenario()) == ["ALONE", "BUSY", "A", "B"]
+    assert calls == [["alone"], ["busy"], ["a", "b"]]

@@ -50,7 +50,7 @@ def build_state(settings: Settings) -> ServiceState:
     runner = EngineRunner(
         settings.workers, batching=settings.batching, max_batch=settings.batch_max_size,
         max_wait_s=settings.batch_max_wait_ms / 1000.0,
-        on_batch=lambda scorer, n: metrics.batch_size.labels(scorer).observe(n),
+        on_batch=metrics.observe_batch,
     )
     group = None
     if settings.processes > 1 and settings.state_dir is not None:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import hmac
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -79,21 +78,34 @@ async def get_state(request: Request) -> ServiceState:
 State = Annotated[ServiceState, Depends(get_state)]
 
 
-@contextmanager
-def lease_engine(request: Request) -> Iterator[Engine]:
+class lease_engine(AbstractContextManager[Engine]):  # noqa: N801 - entered as `with lease_engine(request)`
     """The bundle that answers this request, from start to end, however many swaps happen
     meanwhile; 503 before any bundle is loaded.
 
     A context manager the route enters, not a generator dependency: FastAPI runs those through
     an exit stack under a shielded cancel scope, which cost ~0.1 ms a request (a sixth of
-    predict's req/s at one connection, bench/http_bench.py).
+    predict's req/s at one connection, bench/http_bench.py); and a class, not a @contextmanager
+    generator, for the same reason at a smaller scale (bench/RESULTS.md, issue 22).
     """
-    try:
-        with service_state(request).registry.lease() as engine:
-            request.state.bundle_version = engine.version
-            yield engine
-    except NoBundle:
-        raise ApiError(503, "not_ready", "no validated bundle is loaded yet") from None
+
+    __slots__ = ("_request", "_lease")
+
+    def __init__(self, request: Request) -> None:
+        self._request = request
+
+    def __enter__(self) -> Engine:
+        request = self._request
+        self._lease = request.app.state.service.registry.lease()
+        try:
+            engine = self._lease.__enter__()
+        except NoBundle:
+            raise ApiError(503, "not_ready", "no validated bundle is loaded yet") from None
+        # The access log names the version that answered (service.api.observability).
+        request.scope.setdefault("state", {})["bundle_version"] = engine.version
+        return engine
+
+    def __exit__(self, *exc: object) -> None:
+        self._lease.__exit__(*exc)
 
 
 async def require_admin(state: State, request: Request,

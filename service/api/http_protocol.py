@@ -26,6 +26,8 @@ _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large", 50
 _HEAD_END = b"\r\n\r\n"
 # Set in a request's scope state when its body timed out (the app then sees the client gone).
 BODY_TIMED_OUT = "body_timed_out"
+# A scope key: the set of this server's requests in progress (see on_headers_complete).
+REQUESTS_IN_PROGRESS = "shortlist.requests_in_progress"
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
@@ -75,6 +77,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._reading_head = False
         self._disarm()
+        # The server's requests in progress (uvicorn's task per request, this one's included once
+        # it starts): the batcher computes a lone request at once (service.api.batching).
+        self.scope[REQUESTS_IN_PROGRESS] = self.tasks  # type: ignore[typeddict-unknown-key]
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:

@@ -70,6 +70,15 @@ class ServiceMetrics:
                                             "load + validate + swap time",
                                             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
                                             registry=r)
+        self._batch_sizes: dict[str, Any] = {}  # batch_size's child per scorer
+
+    def observe_batch(self, scorer: str, texts: int) -> None:
+        """An engine call of `texts` texts by `scorer` (its histogram child looked up once: this is
+        on every call's path)."""
+        child = self._batch_sizes.get(scorer)
+        if child is None:
+            child = self._batch_sizes[scorer] = self.batch_size.labels(scorer)
+        child.observe(texts)
 
     def set_active(self, version: str) -> None:
         if self.multiprocess:  # values live in files there: zero the old versions, no clear()

@@ -5,19 +5,21 @@ settings, and FastAPI reads a route's body type from its evaluated annotation.
 """
 
 from collections.abc import Awaitable, Callable
-from functools import partial
 from typing import Any
 
+import numpy as np
 import orjson
 from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import Response
 
-from service.api.dependencies import ServiceState, lease_engine, service_state
+from service.api.dependencies import lease_engine, service_state
 from service.api.errors import ApiError, invalid
+from service.api.http_protocol import REQUESTS_IN_PROGRESS
 from service.api.registry import Engine
 from service.api.schemas import EchoResponse, ErrorResponse, PredictResponse, RequestModels
 from service.api.settings import Settings
+from service.engine.labels import LabelTable
 
 
 def documented(*statuses: int) -> dict[int | str, dict[str, Any]]:
@@ -42,6 +44,23 @@ def label_rows(preds: list[Any]) -> list[dict[str, Any]]:
     return [{"id": p.id, "uid": p.uid, "title": p.title, "score": p.score} for p in preds]
 
 
+def named_rows(labels: LabelTable, ids: np.ndarray, scores: np.ndarray) -> list[list[dict[str, Any]]]:
+    """Each text's top k (ids int [B, k], -1 where none, and their scores) as the response's
+    Label objects: the Predictor's answer (Predictor.predict is _named(predict_ids)) built as the
+    response's dicts directly, the batch's labels named in one call (LabelTable.named)."""
+    id_rows = ids.tolist()
+    named = labels.named([i for row in id_rows for i in row if i >= 0])
+    out, j = [], 0
+    for row_ids, row_scores in zip(id_rows, scores.tolist(), strict=True):
+        row = []
+        for i, s in zip(row_ids, row_scores, strict=True):
+            if i >= 0:
+                label = named[j]
+                j += 1
+                row.append({"id": i, "uid": label["uid"], "title": label["title"], "score": s})
+        out.append(row)
+    return out
+
 # How a prediction route answers: (request, scorer "alpha" or "tree", the validated body, the
 # scorer's parameters) -> the response. The routes' paths and schemas are defined once
 # (predict_router); this service answers from its own engine (answer_here), a sharded one by
@@ -60,22 +79,23 @@ def _excluded_ids(uids: list[str] | None, engine: Engine) -> tuple[int, ...]:
     return tuple(sorted(set(ids)))
 
 
-async def _answer(state: ServiceState, engine: Engine, scorer: str, req: Any, **params: Any) -> Response:
+async def _answer(request: Request, engine: Engine, scorer: str, req: Any, **params: Any) -> Response:
     """Every text's top k from `scorer` of the leased engine; single texts share engine calls
     with concurrent requests of the same parameters (service.api.batching)."""
     excluded = _excluded_ids(req.exclude, engine)
-    method = engine.predictor.predict_tree if scorer == "tree" else engine.predictor.predict
-    if excluded:
-        def fn(texts: list[str]) -> list[Any]:
-            return method(texts, k=req.k, exclude=[excluded] * len(texts), **params)
-    else:
-        fn = partial(method, k=req.k, **params)
+    top = engine.predictor.predict_tree_ids if scorer == "tree" else engine.predictor.predict_ids
+    labels, k = engine.bundle.labels, req.k
+
+    def fn(texts: list[str]) -> list[Any]:
+        return named_rows(labels, *top(texts, k=k, exclude=[excluded] * len(texts) if excluded else None, **params))
+
     if req.text is not None:
         key = (engine, scorer, req.k, *params.values(), excluded)
-        results = [await state.runner.submit_one(key, scorer, fn, req.text)]
+        alone = len(request.scope.get(REQUESTS_IN_PROGRESS, ())) == 1
+        results = [await service_state(request).runner.submit_one(key, scorer, fn, req.text, alone)]
     else:
-        results = list(await state.runner.run_batch(scorer, fn, req.texts))
-    return json_response({"version": engine.version, "results": [label_rows(r) for r in results]})
+        results = list(await service_state(request).runner.run_batch(scorer, fn, req.texts))
+    return json_response({"version": engine.version, "results": results})
 
 
 async def answer_here(request: Request, scorer: str, req: Any, params: dict[str, Any]) -> Response:
@@ -84,7 +104,7 @@ async def answer_here(request: Request, scorer: str, req: Any, params: dict[str,
         if scorer == "tree" and not engine.bundle.has_tree:
             raise ApiError(409, "no_tree_scorer", f"the active bundle {engine.version} has no tree scorer; "
                            "use /v1/predict")
-        return await _answer(service_state(request), engine, scorer, req, **params)
+        return await _answer(request, engine, scorer, req, **params)
 
 
 def predict_router(models: RequestModels, settings: Settings, answer: Answer = answer_here) -> APIRouter:

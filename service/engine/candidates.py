@@ -126,16 +126,16 @@ def merge_shortlists(
     key = np.add(labels, 1, dtype=np.int64)
     if rows > 1:
         key += np.arange(0, rows * span, span, dtype=np.int64)[:, None]
-    key = key.ravel()
+    key = key.ravel()  # array methods below, not np.*: the same calls without their Python wrappers
     if terms is None:
-        key = np.sort(key)
+        key.sort()
     else:
-        order = np.argsort(key, kind="stable")
+        order = key.argsort(kind="stable")
         key = key[order]
     first = np.empty(len(key), dtype=bool)
     first[0] = True
     np.not_equal(key[1:], key[:-1], out=first[1:])
-    starts = np.flatnonzero(first)
+    starts = first.nonzero()[0]
     groups = key[starts]
     sums = None if terms is None else np.add.reduceat(terms.ravel()[order], starts)
     if rows == 1:

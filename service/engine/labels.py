@@ -39,6 +39,15 @@ class LabelTable:
         """(uid, title) of label i: one read of a mapped row."""
         return self._rows.row(i) if self._rows is not None else (self.uids[i], self.titles[i])
 
+    def named(self, ids: list[int]) -> list[dict[str, str]]:
+        """{"uid", "title"} of each label id in `ids` (every id in range), in order: an answer's
+        labels named together (a mapped table decodes them in one call). Fresh dicts: a caller
+        may keep or change them."""
+        if self._rows is not None:
+            return self._rows.named(ids)
+        uids, titles = self.uids, self.titles
+        return [{"uid": uids[i], "title": titles[i]} for i in ids]
+
     def ids_of(self, uids: Sequence[str]) -> list[int | None]:
         """The row of each uid, None for a uid not in the table (first occurrence if repeated).
 
@@ -101,9 +110,19 @@ class MappedRows:
         obj = orjson.loads(self._map[self._starts[i] : self._ends[i]])
         return str(obj["uid"]), str(obj["title"])
 
+    def named(self, ids: list[int]) -> list[dict[str, str]]:
+        """{"uid", "title"} of every row in `ids` (in range), the rows decoded as one JSON array by
+        one orjson call: an answer's labels at about half the cost of a row() each."""
+        m, starts, ends = self._map, self._starts, self._ends
+        rows = orjson.loads(b"[%b]" % b",".join([m[starts[i] : ends[i]] for i in ids]))
+        if self._plain:  # each row is exactly {"uid": str, "title": str} already
+            return rows
+        return [{"uid": str(row["uid"]), "title": str(row["title"])} for row in rows]
+
     def _check(self) -> None:
         # Bundles load on a background thread while the service answers requests: a thousand
         # rows per orjson.loads call (~0.5 ms), then the GIL is handed over.
+        self._plain = True  # every row exactly {"uid": str, "title": str}, as LabelTable.save writes
         for first in range(0, len(self), _ROWS_PER_CHUNK):
             if first:
                 time.sleep(0)
@@ -115,6 +134,8 @@ class MappedRows:
                     raise ValueError(f"{self.path}: rows {first + 1}-{last + 1} do not hold one label each")
                 for row in rows:
                     str(row["uid"]), str(row["title"])
+                    if self._plain and not (len(row) == 2 and type(row["uid"]) is str and type(row["title"]) is str):
+                        self._plain = False
             except (ValueError, KeyError, TypeError):
                 _raise_at_bad_row(self.path, chunk.split(b"\n"), first)
                 raise

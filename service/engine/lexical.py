@@ -97,8 +97,16 @@ class TokenShortlist:
         """
         if self.form == "shares":
             return sums
+        # where(sums != 0, 1 / (1 + exp(-clip(z, -60, 60))), 0), in place on z (this runs on every query)
         z = sums + self.bias[np.maximum(labels, 0)]
-        return np.where(sums != 0, 1.0 / (1.0 + np.exp(-np.clip(z, -60.0, 60.0))), 0.0).astype(np.float32)
+        np.maximum(z, -60.0, out=z)
+        np.minimum(z, 60.0, out=z)
+        np.negative(z, out=z)
+        np.exp(z, out=z)
+        z += 1.0
+        np.divide(1.0, z, out=z)
+        z[sums == 0] = 0.0
+        return z.astype(np.float32, copy=False)
 
     def dense_scores(self, tokens: np.ndarray, token_weights: np.ndarray, num_labels: int, k: int) -> np.ndarray:
         """lex over all labels, [B, num_labels] (reference scoring, training's tuning)."""

@@ -246,16 +246,13 @@ class Predictor:
         return self._named(*self.predict_tree_ids(texts, k, beam, exclude))
 
     def _named(self, ids: np.ndarray, scores: np.ndarray) -> list[list[Prediction]]:
-        labels = self.bundle.labels
+        id_rows = ids.tolist()
+        named = iter(self.bundle.labels.named([i for row in id_rows for i in row if i >= 0]))
         return [
-            [
-                Prediction(i, *labels.row(i), s)
-                for i, s in zip(row_ids.tolist(), row_scores.tolist(), strict=True)
-                if i >= 0
-            ]
-            for row_ids, row_scores in zip(ids, scores, strict=True)
+            [Prediction(i, (label := next(named))["uid"], label["title"], s)
+             for i, s in zip(row_ids, row_scores, strict=True) if i >= 0]
+            for row_ids, row_scores in zip(id_rows, scores.tolist(), strict=True)
         ]
-
 
 def _check_k(k: int) -> None:
     if k < 1:
@@ -278,12 +275,15 @@ def _pad(ids: np.ndarray, scores: np.ndarray, k: int) -> tuple[np.ndarray, np.nd
     """
     ids = ids.astype(np.int64, copy=False)
     scores = scores.astype(np.float32, copy=False)
-    invalid = ~np.isfinite(scores)
-    if invalid.any():
+    finite = np.isfinite(scores)
+    if not finite.all():
+        invalid = ~finite
         ids[invalid] = -1
         scores[invalid] = 0.0
-    if ids.shape[1] < k:
-        pad = k - ids.shape[1]
-        ids = np.pad(ids, ((0, 0), (0, pad)), constant_values=-1)
-        scores = np.pad(scores, ((0, 0), (0, pad)), constant_values=0.0)
+    if ids.shape[1] < k:  # (np.pad does the same with a dozen calls more)
+        rows, width = ids.shape
+        padded_ids = np.full((rows, k), -1, dtype=np.int64)
+        padded_scores = np.zeros((rows, k), dtype=np.float32)
+        padded_ids[:, :width], padded_scores[:, :width] = ids, scores
+        return padded_ids, padded_scores
     return ids, scores
