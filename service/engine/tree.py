@@ -171,6 +171,7 @@ class TreeScorer:
         # Node scores are s = w . P (q - m) + b = (w P) . q + (b - w P m): fold the PCA
         # projection in per node only where it pays, i.e. keep z = P (q - m) (k << D).
         self._pca_offset = self.pca_components @ self.pca_mean
+        self._paths: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     # --- construction and validation -------------------------------------------------
     @classmethod
@@ -309,17 +310,41 @@ class TreeScorer:
             xi = xi + self.lexical.scores(self._tokens(tokens, len(q)), labels)
         return xi
 
+    def _level_paths(self, level: int) -> tuple[np.ndarray, np.ndarray]:
+        """The nodes above each node of `level` ([2^level, level] heap indices, root first) and the
+        direction taken at each (+1 left, -1 right); cached per level."""
+        cached = self._paths.get(level)
+        if cached is None:
+            nodes = np.zeros((1, 0), dtype=np.int64)
+            signs = np.zeros((1, 0))
+            for depth in range(level):
+                parent = (1 << depth) - 1 + np.arange(1 << depth)
+                nodes = np.repeat(np.concatenate([nodes, parent[:, None]], axis=1), 2, axis=0)
+                signs = np.concatenate([np.repeat(signs, 2, axis=0), np.tile([[1.0], [-1.0]], (1 << depth, 1))], axis=1)
+            cached = self._paths[level] = (nodes, signs)
+        return cached
+
     def beam_leaves(self, q: np.ndarray, beam: int) -> tuple[np.ndarray, np.ndarray]:
         """Beam search on path log-probs: (label ids [B, <=beam] (-1 = none), log p_n [B, <=beam])."""
         z = self._project(q).astype(np.float64)
         batch = len(z)
         rows = np.arange(batch)[:, None]
-        nodes = np.zeros((batch, 1), dtype=np.int64)
-        logp = np.zeros((batch, 1))
-        for _ in range(self.depth):
-            s = np.einsum("bnk,bk->bn", self.node_weights[nodes], z) + self._node_bias_eff[nodes]
+        # The levels the beam holds whole are scored at once: one product for all their nodes,
+        # then each node of the first level too wide for it sums its path (the same sums a
+        # level-by-level search makes, in a few calls instead of a few per level).
+        full = min(self.depth, max(0, int(beam).bit_length() - 1))
+        path, signs = self._level_paths(full)
+        first = (1 << full) - 1
+        s = z @ self.node_weights[:first].T.astype(np.float64) + self._node_bias_eff[:first]
+        logp = log_sigmoid(s[:, path] * signs).sum(-1) if full else np.zeros((batch, 1))
+        nodes = np.broadcast_to(first + np.arange(1 << full), (batch, 1 << full))
+        z32 = z.astype(np.float32)
+        for _ in range(full, self.depth):
+            s = (self.node_weights[nodes] @ z32[:, :, None])[:, :, 0] + self._node_bias_eff[nodes]
+            # log sigmoid(+-s) = min(+-s, 0) - log(1 + exp(-|s|)): both children from one exp.
+            shared = np.log1p(np.exp(-np.abs(s)))
             nodes = np.concatenate([2 * nodes + 1, 2 * nodes + 2], axis=1)
-            logp = np.concatenate([logp + log_sigmoid(s), logp + log_sigmoid(-s)], axis=1)
+            logp = np.concatenate([logp + (np.minimum(s, 0.0) - shared), logp + (np.minimum(-s, 0.0) - shared)], axis=1)
             if nodes.shape[1] > beam:
                 keep = np.argpartition(-logp, beam - 1, axis=1)[:, :beam]
                 nodes, logp = nodes[rows, keep], logp[rows, keep]
