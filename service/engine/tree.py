@@ -103,14 +103,30 @@ class LexicalRows:
             raise ValueError("tree array lexical_labels: labels must be strictly ascending within each token's row")
 
     def scores(self, tokens: Tokens, labels: np.ndarray) -> np.ndarray:
-        """[B, C] sum_t x_t U[t, labels[b, c]] (labels >= 0; token ids past the vocabulary count 0)."""
+        """[B, C] sum_t x_t U[t, labels[b, c]] (labels >= 0; token ids past the vocabulary count 0).
+
+        Only the labels on the query's token rows (T x width of them) have a term: they are
+        summed from the rows, and the candidates look theirs up among those few, instead of
+        each (candidate, token) pair searching all of U's keys."""
         ids, x = tokens
-        keys = ids[:, None, :] * self.num_labels + labels[:, :, None]  # [B, C, T]
-        slot = np.searchsorted(self.keys, keys)
-        slot = np.minimum(slot, len(self.keys) - 1)
-        found = self.keys[slot] == keys if len(self.keys) else np.zeros(keys.shape, bool)
-        u = np.where(found, self.weights[slot] if len(self.keys) else 0.0, 0.0)
-        return np.einsum("bct,bt->bc", u, x) + np.where(found.any(-1), self.bias[labels], 0.0)
+        batch = len(ids)
+        known = (ids > 0) & (ids < self.vocab_size)  # 0 pads a query's row
+        ids = np.where(known, ids, 0)
+        starts, ends = self.indptr[ids], self.indptr[ids + 1]
+        lengths = np.where(known, ends - starts, 0).ravel()
+        total = int(lengths.sum())
+        if total == 0:
+            return np.zeros(labels.shape)
+        # Every (row, slot of U) the query's tokens reach, flattened.
+        offsets = np.repeat(np.cumsum(lengths) - lengths, lengths)
+        slots = np.repeat(starts.ravel(), lengths) + np.arange(total) - offsets
+        row = np.repeat(np.repeat(np.arange(batch), ids.shape[1]), lengths)
+        reached, where = np.unique(row * self.num_labels + self.labels[slots], return_inverse=True)
+        term = np.bincount(where, weights=self.weights[slots] * np.repeat(x.ravel(), lengths), minlength=len(reached))
+        term += self.bias[reached % self.num_labels]
+        keys = np.arange(batch)[:, None] * self.num_labels + labels
+        slot = np.minimum(np.searchsorted(reached, keys), len(reached) - 1)
+        return np.where(reached[slot] == keys, term[slot], 0.0)
 
     def dense(self, tokens: Tokens) -> np.ndarray:
         """[B, L] the term for every label (measurement only)."""
