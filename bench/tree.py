@@ -178,18 +178,26 @@ def single_query_times(scorer: TreeScorer, split: Split, count: int, beam: int |
     return times
 
 
-def changes(d: dict[str, Any], base: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Each change on top of the ones before it, fitted and measured."""
-    rows, cfg = [], {}
+def changes(d: dict[str, Any], base: dict[str, Any], args: argparse.Namespace
+            ) -> tuple[list[dict[str, Any]], tuple[dict[str, Any], TreeScorer, float]]:
+    """Each change on top of the ones before it, fitted and measured (a change of the beam
+    alone searches the model before it: the same fit)."""
+    rows, cfg, last = [], {}, None
     for name, change in CHANGES:
         cfg = {**cfg, **change}
         run_cfg = resolve_config({**base, **cfg})
-        scorer, fit_s = fit(d, run_cfg)
+        trained = {key: value for key, value in run_cfg.items() if key != "beam"}
+        if last is not None and last[0] == trained:
+            scorer, fit_s = TreeScorer.from_arrays({**last[1].to_arrays(), "default_beam": run_cfg["beam"]}), last[2]
+        else:
+            scorer, fit_s = fit(d, run_cfg)
+        last = (trained, scorer, fit_s)
         m = metrics_of(searched(scorer, d["eval"], 6)[0], d["eval"], d["inv_prop"])
         p50 = latency_summary(single_query_times(scorer, d["eval"], min(300, args.latency_queries)))["p50_ms"]
         rows.append({"change": name, "config": run_cfg, **m, "fit_s": round(fit_s, 1), "search_p50_ms": round(p50, 3)})
         print(f"  {name}: {m} fit {fit_s:.1f}s p50 {p50:.3f} ms", flush=True)
-    return rows
+    assert last is not None
+    return rows, (run_cfg, last[1], last[2])
 
 
 def ablation(d: dict[str, Any], scorer: TreeScorer) -> dict[str, Any]:
@@ -332,14 +340,17 @@ def main() -> int:
     result: dict[str, Any] = {"command": command_line(), "git": git_revision(), "data": args.data,
                               "checkpoint": args.checkpoint, "split": args.split, "filter": args.filter,
                               "config": cfg}
+    last = None
     if "changes" in parts:
-        result["changes"] = changes(d, base, args)
+        result["changes"], last = changes(d, base, args)
     if parts & {"ablation", "beams"}:
         if args.fitted:
             if d["ckpt"].tree is None:
                 raise SystemExit(f"{args.checkpoint}: no tree.npz (--fitted)")
             scorer = TreeScorer.from_arrays(d["ckpt"].tree.arrays_)
             result["config"] = resolve_config(d["ckpt"].config.get("tree", {}))
+        elif last is not None and last[0] == cfg:  # the last change's model is the default one
+            scorer, result["fit_seconds"] = last[1], last[2]
         else:
             scorer, result["fit_seconds"] = fit(d, cfg)
         if "ablation" in parts:
