@@ -43,7 +43,7 @@ from training.data import own_label_ids
 from training.dataset import TrainingSet
 from training.encoder import embed
 from training.tree import LabelTree
-from training.tree_lexical import TokenRows, lexical_start
+from training.tree_lexical import LexicalStart, TokenRows, lexical_start
 from training.tree_train import AdversarialTree, classifier_from_config, resolve_config, tree_from_config
 
 CPU = torch.device("cpu")
@@ -130,12 +130,30 @@ def load(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def lexical_of(d: dict[str, Any], cfg: dict[str, Any]) -> tuple[LexicalStart, float]:
+    """The lexical term's start for cfg and the seconds it took to fit: it depends on a few keys
+    only, so it is fitted once per run and shared by the fits that need it."""
+    key = json.dumps([cfg[k] for k in ("start", "lexical_width", "lexical_epochs", "lexical_lr", "lexical_l2")])
+    cache = d.setdefault("lexical_starts", {})
+    if key not in cache:
+        t = time.perf_counter()
+        start = lexical_start(d["tokens"], d["trn_targets"], d["num_labels"], int(cfg["lexical_width"]),
+                              cfg["start"] == "one_vs_all", int(cfg["lexical_epochs"]), float(cfg["lexical_lr"]),
+                              float(cfg["lexical_l2"]), d["ckpt"].seed)
+        cache[key] = (start, time.perf_counter() - t)
+    return cache[key]
+
+
 def fit(d: dict[str, Any], cfg: dict[str, Any]) -> tuple[TreeScorer, float]:
+    """The tree route fitted with cfg, and the seconds a whole fit takes (the shared lexical
+    start's included)."""
+    lexical, lexical_s = lexical_of(d, cfg) if cfg["lexical"] else (None, 0.0)
     t = time.perf_counter()
     clf = d["ckpt"].classifiers
     model = AdversarialTree(cfg, d["ckpt"].seed).fit(d["trn_x"], d["trn_targets"], d["num_labels"],
-                                                     tokens=d["tokens"], module3=(clf.weights_, clf.bias_))
-    return TreeScorer.from_arrays(model.arrays_), time.perf_counter() - t
+                                                     tokens=d["tokens"], module3=(clf.weights_, clf.bias_),
+                                                     lexical=lexical)
+    return TreeScorer.from_arrays(model.arrays_), time.perf_counter() - t + lexical_s
 
 
 def metrics_of(ids: np.ndarray, split: Split, inv_prop: np.ndarray) -> dict[str, float]:
@@ -160,18 +178,26 @@ def single_query_times(scorer: TreeScorer, split: Split, count: int, beam: int |
     return times
 
 
-def changes(d: dict[str, Any], base: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Each change on top of the ones before it, fitted and measured."""
-    rows, cfg = [], {}
+def changes(d: dict[str, Any], base: dict[str, Any], args: argparse.Namespace
+            ) -> tuple[list[dict[str, Any]], tuple[dict[str, Any], TreeScorer, float]]:
+    """Each change on top of the ones before it, fitted and measured (a change of the beam
+    alone searches the model before it: the same fit)."""
+    rows, cfg, last = [], {}, None
     for name, change in CHANGES:
         cfg = {**cfg, **change}
         run_cfg = resolve_config({**base, **cfg})
-        scorer, fit_s = fit(d, run_cfg)
+        trained = {key: value for key, value in run_cfg.items() if key != "beam"}
+        if last is not None and last[0] == trained:
+            scorer, fit_s = TreeScorer.from_arrays({**last[1].to_arrays(), "default_beam": run_cfg["beam"]}), last[2]
+        else:
+            scorer, fit_s = fit(d, run_cfg)
+        last = (trained, scorer, fit_s)
         m = metrics_of(searched(scorer, d["eval"], 6)[0], d["eval"], d["inv_prop"])
         p50 = latency_summary(single_query_times(scorer, d["eval"], min(300, args.latency_queries)))["p50_ms"]
         rows.append({"change": name, "config": run_cfg, **m, "fit_s": round(fit_s, 1), "search_p50_ms": round(p50, 3)})
         print(f"  {name}: {m} fit {fit_s:.1f}s p50 {p50:.3f} ms", flush=True)
-    return rows
+    assert last is not None
+    return rows, (run_cfg, last[1], last[2])
 
 
 def ablation(d: dict[str, Any], scorer: TreeScorer) -> dict[str, Any]:
@@ -242,11 +268,7 @@ def curve_runs(d: dict[str, Any], cfg: dict[str, Any], args: argparse.Namespace,
              "classifier_bias": np.zeros(d["num_labels"], np.float32)}
     logpn = TreeScorer.from_arrays({**tree.arrays(), **zeros}).log_pn(q)
     clf = d["ckpt"].classifiers
-    lexical = None
-    if cfg["lexical"]:  # the same start for both samplers, fitted once
-        lexical = lexical_start(d["tokens"], d["trn_targets"], d["num_labels"], int(cfg["lexical_width"]),
-                                cfg["start"] == "one_vs_all", int(cfg["lexical_epochs"]), float(cfg["lexical_lr"]),
-                                float(cfg["lexical_l2"]), d["ckpt"].seed)
+    lexical = lexical_of(d, cfg)[0] if cfg["lexical"] else None  # the same start for both samplers
     curves: dict[str, list[tuple[float, float]]] = {}
     for sampler in ("adversarial", "uniform"):
         points: list[tuple[float, float]] = []
@@ -318,14 +340,17 @@ def main() -> int:
     result: dict[str, Any] = {"command": command_line(), "git": git_revision(), "data": args.data,
                               "checkpoint": args.checkpoint, "split": args.split, "filter": args.filter,
                               "config": cfg}
+    last = None
     if "changes" in parts:
-        result["changes"] = changes(d, base, args)
+        result["changes"], last = changes(d, base, args)
     if parts & {"ablation", "beams"}:
         if args.fitted:
             if d["ckpt"].tree is None:
                 raise SystemExit(f"{args.checkpoint}: no tree.npz (--fitted)")
             scorer = TreeScorer.from_arrays(d["ckpt"].tree.arrays_)
             result["config"] = resolve_config(d["ckpt"].config.get("tree", {}))
+        elif last is not None and last[0] == cfg:  # the last change's model is the default one
+            scorer, result["fit_seconds"] = last[1], last[2]
         else:
             scorer, result["fit_seconds"] = fit(d, cfg)
         if "ablation" in parts:

@@ -367,10 +367,11 @@ class AdversarialTree:
         self.progress = progress
 
     def fit(self, doc_embeddings: np.ndarray, targets: list[list[int]], num_labels: int,
-            tokens: TokenRows | None = None, module3: tuple[np.ndarray, np.ndarray] | None = None
-            ) -> AdversarialTree:
+            tokens: TokenRows | None = None, module3: tuple[np.ndarray, np.ndarray] | None = None,
+            lexical: LexicalStart | None = None) -> AdversarialTree:
         """tokens: the documents' tokens (config lexical); module3: Module III's (w_l, b_l)
-        (config start "one_vs_all")."""
+        (config start "one_vs_all"); lexical: the lexical term's start when already fitted
+        (training.tree_lexical.lexical_start with this config's keys), else it is fitted here."""
         cfg = self.config
         one_vs_all = cfg["start"] == "one_vs_all"
         if one_vs_all and module3 is None:
@@ -383,19 +384,20 @@ class AdversarialTree:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            return self._fit(doc_embeddings, targets, num_labels, tokens, module3)
+            return self._fit(doc_embeddings, targets, num_labels, tokens, module3, lexical)
         finally:
             torch.set_num_threads(threads)
 
     def _fit(self, doc_embeddings: np.ndarray, targets: list[list[int]], num_labels: int, tokens: TokenRows | None,
-             module3: tuple[np.ndarray, np.ndarray] | None) -> AdversarialTree:
+             module3: tuple[np.ndarray, np.ndarray] | None, lexical: LexicalStart | None) -> AdversarialTree:
         cfg = self.config
         one_vs_all = cfg["start"] == "one_vs_all"
         t0 = time.perf_counter()
         tree = tree_from_config(cfg, self.seed).fit(doc_embeddings, targets, num_labels)
         log.info("tree p_n: %d levels fitted in %.1fs", tree.depth_, time.perf_counter() - t0)
-        lexical = None
-        if cfg["lexical"]:
+        if not cfg["lexical"]:
+            lexical = None
+        elif lexical is None:
             assert tokens is not None
             t0 = time.perf_counter()
             lexical = lexical_start(tokens, targets, num_labels, int(cfg["lexical_width"]), one_vs_all,

@@ -103,14 +103,30 @@ class LexicalRows:
             raise ValueError("tree array lexical_labels: labels must be strictly ascending within each token's row")
 
     def scores(self, tokens: Tokens, labels: np.ndarray) -> np.ndarray:
-        """[B, C] sum_t x_t U[t, labels[b, c]] (labels >= 0; token ids past the vocabulary count 0)."""
+        """[B, C] sum_t x_t U[t, labels[b, c]] (labels >= 0; token ids past the vocabulary count 0).
+
+        Only the labels on the query's token rows (T x width of them) have a term: they are
+        summed from the rows, and the candidates look theirs up among those few, instead of
+        each (candidate, token) pair searching all of U's keys."""
         ids, x = tokens
-        keys = ids[:, None, :] * self.num_labels + labels[:, :, None]  # [B, C, T]
-        slot = np.searchsorted(self.keys, keys)
-        slot = np.minimum(slot, len(self.keys) - 1)
-        found = self.keys[slot] == keys if len(self.keys) else np.zeros(keys.shape, bool)
-        u = np.where(found, self.weights[slot] if len(self.keys) else 0.0, 0.0)
-        return np.einsum("bct,bt->bc", u, x) + np.where(found.any(-1), self.bias[labels], 0.0)
+        batch = len(ids)
+        known = (ids > 0) & (ids < self.vocab_size)  # 0 pads a query's row
+        ids = np.where(known, ids, 0)
+        starts, ends = self.indptr[ids], self.indptr[ids + 1]
+        lengths = np.where(known, ends - starts, 0).ravel()
+        total = int(lengths.sum())
+        if total == 0:
+            return np.zeros(labels.shape)
+        # Every (row, slot of U) the query's tokens reach, flattened.
+        offsets = np.repeat(np.cumsum(lengths) - lengths, lengths)
+        slots = np.repeat(starts.ravel(), lengths) + np.arange(total) - offsets
+        row = np.repeat(np.repeat(np.arange(batch), ids.shape[1]), lengths)
+        reached, where = np.unique(row * self.num_labels + self.labels[slots], return_inverse=True)
+        term = np.bincount(where, weights=self.weights[slots] * np.repeat(x.ravel(), lengths), minlength=len(reached))
+        term += self.bias[reached % self.num_labels]
+        keys = np.arange(batch)[:, None] * self.num_labels + labels
+        slot = np.minimum(np.searchsorted(reached, keys), len(reached) - 1)
+        return np.where(reached[slot] == keys, term[slot], 0.0)
 
     def dense(self, tokens: Tokens) -> np.ndarray:
         """[B, L] the term for every label (measurement only)."""
@@ -171,6 +187,7 @@ class TreeScorer:
         # Node scores are s = w . P (q - m) + b = (w P) . q + (b - w P m): fold the PCA
         # projection in per node only where it pays, i.e. keep z = P (q - m) (k << D).
         self._pca_offset = self.pca_components @ self.pca_mean
+        self._paths: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     # --- construction and validation -------------------------------------------------
     @classmethod
@@ -309,17 +326,41 @@ class TreeScorer:
             xi = xi + self.lexical.scores(self._tokens(tokens, len(q)), labels)
         return xi
 
+    def _level_paths(self, level: int) -> tuple[np.ndarray, np.ndarray]:
+        """The nodes above each node of `level` ([2^level, level] heap indices, root first) and the
+        direction taken at each (+1 left, -1 right); cached per level."""
+        cached = self._paths.get(level)
+        if cached is None:
+            nodes = np.zeros((1, 0), dtype=np.int64)
+            signs = np.zeros((1, 0))
+            for depth in range(level):
+                parent = (1 << depth) - 1 + np.arange(1 << depth)
+                nodes = np.repeat(np.concatenate([nodes, parent[:, None]], axis=1), 2, axis=0)
+                signs = np.concatenate([np.repeat(signs, 2, axis=0), np.tile([[1.0], [-1.0]], (1 << depth, 1))], axis=1)
+            cached = self._paths[level] = (nodes, signs)
+        return cached
+
     def beam_leaves(self, q: np.ndarray, beam: int) -> tuple[np.ndarray, np.ndarray]:
         """Beam search on path log-probs: (label ids [B, <=beam] (-1 = none), log p_n [B, <=beam])."""
         z = self._project(q).astype(np.float64)
         batch = len(z)
         rows = np.arange(batch)[:, None]
-        nodes = np.zeros((batch, 1), dtype=np.int64)
-        logp = np.zeros((batch, 1))
-        for _ in range(self.depth):
-            s = np.einsum("bnk,bk->bn", self.node_weights[nodes], z) + self._node_bias_eff[nodes]
+        # The levels the beam holds whole are scored at once: one product for all their nodes,
+        # then each node of the first level too wide for it sums its path (the same sums a
+        # level-by-level search makes, in a few calls instead of a few per level).
+        full = min(self.depth, max(0, int(beam).bit_length() - 1))
+        path, signs = self._level_paths(full)
+        first = (1 << full) - 1
+        s = z @ self.node_weights[:first].T.astype(np.float64) + self._node_bias_eff[:first]
+        logp = log_sigmoid(s[:, path] * signs).sum(-1) if full else np.zeros((batch, 1))
+        nodes = np.broadcast_to(first + np.arange(1 << full), (batch, 1 << full))
+        z32 = z.astype(np.float32)
+        for _ in range(full, self.depth):
+            s = (self.node_weights[nodes] @ z32[:, :, None])[:, :, 0] + self._node_bias_eff[nodes]
+            # log sigmoid(+-s) = min(+-s, 0) - log(1 + exp(-|s|)): both children from one exp.
+            shared = np.log1p(np.exp(-np.abs(s)))
             nodes = np.concatenate([2 * nodes + 1, 2 * nodes + 2], axis=1)
-            logp = np.concatenate([logp + log_sigmoid(s), logp + log_sigmoid(-s)], axis=1)
+            logp = np.concatenate([logp + (np.minimum(s, 0.0) - shared), logp + (np.minimum(-s, 0.0) - shared)], axis=1)
             if nodes.shape[1] > beam:
                 keep = np.argpartition(-logp, beam - 1, axis=1)[:, :beam]
                 nodes, logp = nodes[rows, keep], logp[rows, keep]
