@@ -7,8 +7,8 @@ lambda and is renormalised. Members that do not have the label pull less and les
 settles on what the label's true members share.
 Algorithm 2: each (group, label) pair goes to the group's member closest to the label's vector.
 
-Three choices beyond the paper (all off, with T given, is the paper's method; training/config.py
-says which are on by default and bench/RESULTS.md what each is worth):
+Four choices beyond the paper (all off, with T given and the closest member, is the paper's
+method; training/config.py says which are on by default and bench/RESULTS.md what each is worth):
 - center: the features are centred on the documents' mean before the rows are normalised. TF-IDF
   rows are non-negative, so every document shares a large common direction; a frequent label's
   sum of members is mostly that direction, and its "closest" member is then the most generic
@@ -22,6 +22,13 @@ says which are on by default and bench/RESULTS.md what each is worth):
   vectors rank the held-out groups' labels best by their members' best scores (group-level
   P@1): tuned on a group-level split, not on per-document labels. The best number differs:
   centred, random groups peak at 0 and clustered groups later (bench/RESULTS.md).
+- the relative assignment: a (group, label) pair goes to every member whose score reaches r
+  times the closest member's. Members of a group of alike documents share most of their labels;
+  one member per label drops most of them, and a model trained on the rest learns those labels
+  as absent where they are common (on clustered groups that loses to the naive group labels).
+  With r = 1 this is Algorithm 2, with r = 0 the naive group labels. r is chosen on the held-out
+  groups (_choose_keep_ratio): the r whose imputed labels, read off each held-out member's
+  nearest documents of other groups, make the held-out groups' labels most likely.
 
 Features are rows of a matrix fixed before training: sparse TF-IDF (the first round) or the
 trained encoder's embeddings (a second round). Everything is vectorised over the (group,
