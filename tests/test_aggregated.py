@@ -193,28 +193,26 @@ def test_relative_assignment_keeps_a_label_on_the_members_close_to_the_closest()
         TrainConfig(aggregated_validation=0.0).validate()
 
 
-def test_the_keep_ratio_chosen_on_held_out_groups_keeps_more_members_in_clustered_groups(
-        planted: dict[str, Path]) -> None:
+@pytest.mark.parametrize("grouping", ["random", "clustered"])
+def test_the_keep_ratio_chosen_on_held_out_groups_recovers_labels_the_closest_member_drops(
+        planted: dict[str, Path], grouping: str) -> None:
     labels = xc_data.load_labels(planted["data"])
     truth = xc_data.load_split(planted["data"], "trn", "title", len(labels)).targets
-    chosen, found = {}, {}
-    for grouping in ("random", "clustered"):
-        grouped = load_grouped(planted[grouping], "title", len(labels))
-        x, z = tfidf_spaces(grouped.texts, labels.texts, TrainConfig())
-        for assignment in ("closest", "relative"):
-            imputer = EagleImputer(assignment=assignment, center=True, validation=0.1).fit(
-                x, grouped.members(), grouped.group_labels(len(labels)), z)
-            imputed = imputer.impute()
-            hits = sum(len(set(a) & set(b)) for a, b in zip(imputed, truth, strict=True))
-            found[grouping, assignment] = (hits / sum(map(len, imputed)), hits / sum(map(len, truth)))
-        chosen[grouping] = imputer.keep_ratio_
-        assert len(imputer.keep_ratio_losses_) == len(KEEP_RATIOS)
-        assert chosen[grouping] == KEEP_RATIOS[int(np.argmin(imputer.keep_ratio_losses_))]
-    # Members of a clustered group share more labels: more of them keep each group label, and
-    # recall rises with little loss of precision (chance precision is about 0.3 here).
-    assert chosen["clustered"] < chosen["random"] <= 1.0, chosen
-    precision, recall = found["clustered", "relative"]
-    assert recall > found["clustered", "closest"][1] + 0.1 and precision > 0.8, found
+    grouped = load_grouped(planted[grouping], "title", len(labels))
+    x, z = tfidf_spaces(grouped.texts, labels.texts, TrainConfig())
+    found = {}
+    for assignment in ("closest", "relative"):
+        imputer = EagleImputer(assignment=assignment, center=True, validation=0.3).fit(
+            x, grouped.members(), grouped.group_labels(len(labels)), z)
+        imputed = imputer.impute()
+        hits = sum(len(set(a) & set(b)) for a, b in zip(imputed, truth, strict=True))
+        found[assignment] = (hits / sum(map(len, imputed)), hits / sum(map(len, truth)))
+    assert len(imputer.keep_ratio_scores_) == len(KEEP_RATIOS)
+    assert imputer.keep_ratio_ == KEEP_RATIOS[int(np.argmax(imputer.keep_ratio_scores_))] < 1.0
+    # More members keep a label than the closest alone: recall rises, precision stays far above
+    # chance (the naive precision, about 0.35-0.45 here).
+    (precision, recall), (_, closest_recall) = found["relative"], found["closest"]
+    assert recall > closest_recall + 0.05 and precision > 0.85, found
 
 
 def test_groupings_cover_every_document_once_and_clustered_groups_are_alike(planted: dict[str, Path]) -> None:

@@ -61,10 +61,10 @@ def fit_imputer(grouped: GroupedSplit, features: sp.csr_matrix | np.ndarray, num
     if imputer.validation_scores_:
         log.info("aggregated: %d iterations chosen on held-out groups (group P@1 by iterations: %s)",
                  imputer.iterations_, " ".join(f"{100 * p:.1f}" for p in imputer.validation_scores_))
-    if imputer.keep_ratio_losses_:
-        log.info("aggregated: keep ratio %.1f chosen on held-out groups (their labels' mean negative "
-                 "log-likelihood by ratio %s: %s)", imputer.keep_ratio_, " ".join(map(str, KEEP_RATIOS)),
-                 " ".join(f"{x:.2f}" for x in imputer.keep_ratio_losses_))
+    if imputer.keep_ratio_scores_:
+        log.info("aggregated: keep ratio %.1f chosen on held-out groups (their labels' R-precision by ratio "
+                 "%s: %s)", imputer.keep_ratio_, " ".join(map(str, KEEP_RATIOS)),
+                 " ".join(f"{100 * x:.2f}" for x in imputer.keep_ratio_scores_))
     return imputer
 
 

@@ -28,7 +28,7 @@ method; training/config.py says which are on by default and bench/RESULTS.md wha
   as absent where they are common (on clustered groups that loses to the naive group labels).
   With r = 1 this is Algorithm 2, with r = 0 the naive group labels. r is chosen on the held-out
   groups (_choose_keep_ratio): the r whose imputed labels, read off each held-out member's
-  nearest documents of other groups, make the held-out groups' labels most likely.
+  nearest documents of other groups, rank the held-out groups' own labels first.
 
 Features are rows of a matrix fixed before training: sparse TF-IDF (the first round) or the
 trained encoder's embeddings (a second round). Everything is vectorised over the (group,
@@ -55,7 +55,6 @@ _DENSE_CHUNK = 1 << 16
 _VALIDATION_CHUNK = 256  # held-out groups scored against every label at once
 _PATIENCE = 3  # iterations without a better group-level P@1 before the validation stops
 _NEIGHBOURS = 20  # the neighbours (documents of other groups) a held-out member's labels are read from
-_CLIP = 1e-3  # probabilities kept in [_CLIP, 1 - _CLIP] in the group-level log-likelihood
 
 
 class EagleImputer:
@@ -103,14 +102,14 @@ class EagleImputer:
             features, members, group_labels = _with_label_groups(features, members, group_labels, label_features)
         space = _space(features, num_docs, self.center)
         self.iterations_, self.validation_scores_ = self.iterations, []
-        self.keep_ratio_, self.keep_ratio_losses_ = self.keep_ratio, []
+        self.keep_ratio_, self.keep_ratio_scores_ = self.keep_ratio, []
         held = self._held_out(num_groups)
         if self.validation > 0 and self.iterations > 0:
             self.validation_scores_ = self._validate(space, members, group_labels, held)
             self.iterations_ = int(np.argmax(self.validation_scores_))  # the fewest iterations on ties
         if self.assignment == "relative" and self.keep_ratio is None:
-            self.keep_ratio_losses_ = self._choose_keep_ratio(space, members, group_labels, held, num_groups)
-            self.keep_ratio_ = KEEP_RATIOS[int(np.argmin(self.keep_ratio_losses_))]  # the highest on ties
+            self.keep_ratio_scores_ = self._choose_keep_ratio(space, members, group_labels, held, num_groups)
+            self.keep_ratio_ = KEEP_RATIOS[int(np.argmax(self.keep_ratio_scores_))]  # the highest on ties
         v = self._group_robust(space, members, group_labels, self.iterations_)
         real = self.pair_group_ < num_groups  # the labels' own texts shaped the vectors; documents get labels
         self.pair_group_, self.pair_label_ = self.pair_group_[real], self.pair_label_[real]
@@ -171,14 +170,14 @@ class EagleImputer:
 
     def _choose_keep_ratio(self, space: _Space, members: sp.csr_matrix, group_labels: sp.csr_matrix,
                            held: np.ndarray, num_groups: int) -> list[float]:
-        """Per candidate in KEEP_RATIOS, how well labels imputed with it predict the held-out groups'
+        """Per candidate in KEEP_RATIOS, how well labels imputed with it find the held-out groups'
         labels: the vectors are learnt with those hidden (iterations_ iterations), the other groups'
         labels imputed, and each held-out member's label probabilities read off its _NEIGHBOURS
         nearest documents of other groups (a stand-in for the model trained on the imputed labels);
-        a held-out group carries a label with the largest of its members' probabilities. The loss is
-        the groups' mean negative log-likelihood of their labels (group labels only: no per-document
-        label is needed). Too few members keeping a label and neighbours miss it; too many and they
-        give it to groups that lack it."""
+        a group's labels are ranked by their largest probability among its members. The score is
+        the mean share of a held-out group's labels among its top |labels| (R-precision): group
+        labels only, no per-document label. Too few members keeping a label and neighbours miss
+        it; too many and they push other groups' labels up."""
         visible = _without(group_labels, held)
         v = self._group_robust(space, members, visible, self.iterations_)
         starts, docs = self.pair_members_
@@ -190,7 +189,7 @@ class EagleImputer:
         others = np.setdiff1d(members[:num_groups].indices, held_members.indices)
         weights = _neighbour_weights(space, held_members.indices.astype(np.int64), others)
         member_group = np.repeat(np.arange(len(held)), np.diff(held_members.indptr))
-        losses = []
+        scores_by_ratio = []
         for ratio in KEEP_RATIOS:
             keep = real & (scores >= _keep_threshold(best, ratio))
             imputed = sp.csr_matrix((np.ones(int(keep.sum()), np.float32),
@@ -198,8 +197,8 @@ class EagleImputer:
                                     shape=(space.num_rows, group_labels.shape[1]))
             imputed.sum_duplicates()
             imputed.data[:] = 1.0  # a document and label once, however many pairs gave it
-            losses.append(_group_nll(sp.csr_matrix(weights @ imputed), member_group, group_labels[held]))
-        return losses
+            scores_by_ratio.append(_r_precision(sp.csr_matrix(weights @ imputed), member_group, group_labels[held]))
+        return scores_by_ratio
 
     def impute(self) -> list[list[int]]:
         """Each document's labels: every (group, label) pair given to the group's closest member
@@ -451,26 +450,43 @@ def _neighbour_weights(space: _Space, queries: np.ndarray, pool: np.ndarray) -> 
                          shape=(len(queries), space.num_rows))
 
 
-def _group_nll(member_probs: sp.csr_matrix, member_group: np.ndarray, truth: sp.csr_matrix) -> float:
-    """Mean over groups of -sum_l log P(group's label l is as observed), a group carrying a label
-    with the largest probability among its members (kept in [_CLIP, 1 - _CLIP])."""
+def _r_precision(member_probs: sp.csr_matrix, member_group: np.ndarray, truth: sp.csr_matrix) -> float:
+    """Mean over groups of the share of a group's labels (truth rows) among its top |labels| when
+    labels are ranked by their largest probability among the group's members; labels tied at the
+    cut share its last places (the expected share under a random order of the ties)."""
     num_groups, num_labels = truth.shape
     coo = member_probs.tocoo()
     keys = member_group[coo.row].astype(np.int64) * num_labels + coo.col
     order = np.argsort(keys, kind="stable")
     keys, probs = keys[order], coo.data[order].astype(np.float64)
-    starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]]) if len(keys) else np.zeros(0, np.int64)
-    group_max = np.clip(np.maximum.reduceat(probs, starts) if len(keys) else probs, _CLIP, 1 - _CLIP)
-    carried_pairs = truth.tocoo()
-    present = carried_pairs.row.astype(np.int64) * num_labels + carried_pairs.col
-    carried = np.isin(keys[starts], present)
-    # labels a group carries but no member got: P = _CLIP; labels with no member probability and
-    # not carried: P(absent) = 1 - _CLIP
-    missed = len(present) - int(carried.sum())
-    silent = num_groups * num_labels - len(present) - int((~carried).sum())
-    nll = (-np.log(group_max[carried]).sum() - np.log1p(-group_max[~carried]).sum()
-           - missed * np.log(_CLIP) - silent * np.log1p(-_CLIP))
-    return float(nll / num_groups)
+    first = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]]) if len(keys) else np.zeros(0, np.int64)
+    group_max, keys = (np.maximum.reduceat(probs, first), keys[first]) if len(keys) else (probs, keys)
+    group, wanted = keys // num_labels, np.diff(truth.indptr)
+    carried = _lookup(truth, group, keys % num_labels) > 0
+    # per group, how many labels rank strictly above a label, and how many share its probability
+    by_rank = np.lexsort((-group_max, group))
+    group_s, prob_s, carried_s = group[by_rank], group_max[by_rank], carried[by_rank]
+    tie_start = np.flatnonzero(np.r_[True, (group_s[1:] != group_s[:-1]) | (prob_s[1:] != prob_s[:-1])])
+    tie_size = np.diff(np.r_[tie_start, len(prob_s)])
+    group_start = np.searchsorted(group_s, group_s[tie_start])
+    above = tie_start - group_start  # labels of the group ranked before the tie
+    slots = np.clip(wanted[group_s[tie_start]] - above, 0, tie_size)
+    tie_hits = np.add.reduceat(carried_s.astype(np.float64), tie_start) if len(tie_start) else np.zeros(0)
+    hits = np.bincount(group_s[tie_start], weights=tie_hits * slots / tie_size, minlength=num_groups)
+    return float(np.mean(hits / np.maximum(wanted, 1)))
+
+
+def _lookup(m: sp.csr_matrix, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """m[rows[k], cols[k]] for every k (0 where m has no entry), by binary search over m's keys."""
+    m = sp.csr_matrix(m)
+    m.sort_indices()
+    width = np.int64(m.shape[1])
+    keys = np.repeat(np.arange(m.shape[0], dtype=np.int64), np.diff(m.indptr)) * width + m.indices
+    if not len(keys):
+        return np.zeros(len(rows), np.float64)
+    wanted = np.asarray(rows, np.int64) * width + np.asarray(cols, np.int64)
+    at = np.minimum(np.searchsorted(keys, wanted), len(keys) - 1)
+    return np.where(keys[at] == wanted, m.data[at], 0.0).astype(np.float64)
 
 
 def _pairs(group_labels: sp.csr_matrix) -> tuple[np.ndarray, np.ndarray]:
