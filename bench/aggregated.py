@@ -8,7 +8,7 @@ For each group size and grouping, grouped data is made from the dataset (`shortl
 aggregate`) and models are trained and exported, then scored on the test split through the
 served engine: naive (each member gets all its group's labels); eagle-paper (the paper's
 Algorithm 1 on TF-IDF and Algorithm 2: closest member); eagle (the defaults: centred features,
-label texts as groups of one, expected-count assignment; training/eagle.py); eagle-2 (eagle's
+label texts as groups of one, the relative assignment; training/eagle.py); eagle-2 (eagle's
 model, labels imputed again in its encoder space, trained again); and the true per-document
 labels (once). Prints P@1 / P@5 / PSP@5, the share of the naive-to-true P@1 gap each system
 recovers with a 95% paired bootstrap interval, imputation time against training time, and the
@@ -174,6 +174,7 @@ def _setting(args, cfg: TrainConfig, out: Path, size: int, grouping: str, table:
         if "aggregated" in info:
             row[f"{name}_imputation_s"] = sum(info["aggregated"]["imputation_s"])
             row[f"{name}_iterations"] = info["aggregated"].get("iterations")
+            row[f"{name}_keep_ratio"] = info["aggregated"].get("keep_ratio")
             row[f"{name}_train_s"] = sum(t or 0 for t in info["aggregated"]["training_s"])
         else:
             row[f"{name}_train_s"] = info["times"]["total_s"]
@@ -229,10 +230,11 @@ def _report(args, rows: list[dict], table: dict, cfg: TrainConfig) -> str:
     true = aggregate(table["true"], names=NAMES)
     lines = [f"## Aggregated labels (EAGLE) on {args.data.name}, protocol {args.protocol}",
              "", f"Command: `{_common.command_line()}` (commit {_common.git_revision()}); "
-             f"eagle: T in 0..{cfg.aggregated_iterations} chosen on {100 * cfg.aggregated_validation:.0f}% of the "
-             f"groups held out (column T), lambda = {cfg.aggregated_step}; eagle-paper: T = "
+             f"eagle: T in 0..{cfg.aggregated_iterations} and the keep ratio r in 1.0..0.0 chosen on "
+             f"{100 * cfg.aggregated_validation:.0f}% of the groups held out (column T / r), lambda = "
+             f"{cfg.aggregated_step}; eagle-paper: T = "
              f"{PAPER['aggregated_iterations']}, lambda = {PAPER['aggregated_step']}.", "",
-             "| setting | system | P@1 | P@5 | PSP@5 | P@1 gap recovered (95% CI) | imputed P / R | T | "
+             "| setting | system | P@1 | P@5 | PSP@5 | P@1 gap recovered (95% CI) | imputed P / R | T / r | "
              "imputation / training (s) |",
              "|---|---|---:|---:|---:|---|---|---|---|",
              f"| - | true labels | {true['P@1']:.2f} | {true['P@5']:.2f} | {true['PSP@5']:.2f} | | 1.00 / 1.00 | | |"]
@@ -248,6 +250,8 @@ def _report(args, rows: list[dict], table: dict, cfg: TrainConfig) -> str:
                      f"({100 * row[f'{name}_imputation_s'] / row[f'{name}_train_s']:.1f}%)"
                      if f"{name}_imputation_s" in row else "")
             iterations = ", ".join(map(str, row.get(f"{name}_iterations") or []))
+            ratios = [r for r in row.get(f"{name}_keep_ratio") or [] if r is not None]
+            iterations += f" / {', '.join(map(str, ratios))}" if ratios else ""
             lines.append(f"| {tag} | {name} | {m['P@1']:.2f} | {m['P@5']:.2f} | {m['PSP@5']:.2f} | {gap_s} | "
                          f"{quality_s} | {iterations} | {times} |")
     return "\n".join(lines)

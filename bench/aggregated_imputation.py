@@ -1,16 +1,18 @@
 """EAGLE's imputation alone, no training: the variants side by side on grouped data.
 
     python bench/aggregated_imputation.py --data ../shared/data/debian-deps --group-size 4 --grouping random
-        [--variants paper center+text center+text+expected+auto ...]
+        [--variants paper center+text center+text+relative+auto center+text+relative:r=0.5 ...]
 
 A variant is flags joined by '+' (paper: none; center: centred features; text: label texts as
-groups of one; expected: expected-count assignment instead of the closest member; auto: the
-iterations chosen on held-out groups), then optionally ':T=<iterations>' (default 10) and
-':lambda=<step>' (default 0.5). For each variant it prints:
+groups of one; expected: expected-count assignment instead of the closest member; relative: the
+relative assignment; auto: the iterations, and the relative assignment's keep ratio unless given,
+chosen on held-out groups), then optionally ':T=<iterations>' (default 10), ':lambda=<step>'
+(default 0.5) and ':r=<keep ratio>'. For each variant it prints:
 - the group-level validation (what a user without per-document labels can compute): the labels
   of 10% of the groups held out while the vectors are learnt, each held-out group's labels
   ranked by the best score among its members; its P@1 after 0, 1, ..., T iterations, and the
-  iterations the variant uses (with auto the best of those, the fewest on ties; else T);
+  iterations the variant uses (with auto the best of those, the fewest on ties; else T) and the
+  keep ratio of the relative assignment;
 - the imputed labels' precision and recall against the true per-document labels (a diagnostic
   that needs the truth: the groups are made from an ordinary dataset), and the seconds taken.
 """
@@ -45,20 +47,24 @@ class Variant:
     auto: bool
     iterations: int
     step: float
+    keep_ratio: float | None
 
     @classmethod
     def parse(cls, spec: str) -> Variant:
         flags, *params = spec.split(":")
         names = set(flags.split("+")) - {"paper"}
-        unknown = names - {"center", "text", "expected", "auto"}
+        unknown = names - {"center", "text", "expected", "relative", "auto"}
         if unknown:
             raise ValueError(f"unknown variant flags {sorted(unknown)} in {spec!r}")
         values = dict(p.split("=", 1) for p in params)
-        return cls(spec, "center" in names, "text" in names, "expected" if "expected" in names else "closest",
-                   "auto" in names, int(values.get("T", 10)), float(values.get("lambda", 0.5)))
+        assignment = next((a for a in ("expected", "relative") if a in names), "closest")
+        ratio = float(values["r"]) if "r" in values else None
+        return cls(spec, "center" in names, "text" in names, assignment, "auto" in names, int(values.get("T", 10)),
+                   float(values.get("lambda", 0.5)), ratio)
 
     def imputer(self, validation: float) -> EagleImputer:
-        return EagleImputer(self.iterations, self.step, 0, self.assignment, self.center, validation)
+        return EagleImputer(self.iterations, self.step, 0, self.assignment, self.center, validation,
+                            self.keep_ratio)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--grouping", default="random", choices=["random", "clustered"])
     ap.add_argument("--variants", nargs="+",
-                    default=["paper", "center", "text", "center+text", "center+text+expected+auto"])
+                    default=["paper", "center+text+expected+auto", "center+text+relative+auto"])
     args = ap.parse_args(argv)
     variants = [Variant.parse(v) for v in args.variants]
     labels = xc_data.load_labels(args.data)
@@ -83,17 +89,19 @@ def main(argv: list[str] | None = None) -> int:
     naive = sp.csr_matrix(members.T @ group_labels)
     print(f"{args.data.name} {args.grouping}-{args.group_size}: {members.shape[0]} groups, {group_labels.nnz} "
           f"(group, label) pairs; naive precision {naive.multiply(truth).sum() / naive.sum():.3f}")
-    print("| variant | group P@1 after 0, 1, ..., T iterations | iterations used | imputed precision | "
+    print("| variant | group P@1 after 0, 1, ..., T iterations | iterations used | keep ratio | imputed precision | "
           "imputed recall | imputation (s) |")
-    print("|---|---|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|")
     for v in variants:
-        curve = v.imputer(HELD_OUT).fit(x, members, group_labels, z if v.text else None).validation_scores_
+        curve = EagleImputer(v.iterations, v.step, 0, "closest", v.center, HELD_OUT).fit(
+            x, members, group_labels, z if v.text else None).validation_scores_
         started = time.monotonic()
         imputer = v.imputer(HELD_OUT if v.auto else 0.0).fit(x, members, group_labels, z if v.text else None)
         imputed = target_matrix(imputer.impute(), len(labels))
         seconds = time.monotonic() - started
         hits = imputed.multiply(truth).sum()
-        print(f"| {v.name} | {' '.join(f'{100 * p:.1f}' for p in curve)} | {imputer.iterations_} | "
+        ratio = imputer.keep_ratio_ if v.assignment == "relative" else ""
+        print(f"| {v.name} | {' '.join(f'{100 * p:.1f}' for p in curve)} | {imputer.iterations_} | {ratio} | "
               f"{hits / imputed.sum():.3f} | {hits / truth.sum():.3f} | {seconds:.1f} |", flush=True)
     return 0
 

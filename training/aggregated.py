@@ -17,7 +17,7 @@ from service.engine.tokenizer import Tokenizer
 from training import data as xc_data
 from training.checkpoint import Checkpoint
 from training.config import TrainConfig
-from training.eagle import EagleImputer
+from training.eagle import KEEP_RATIOS, EagleImputer
 from training.encoder import EncodedTexts, embed
 from training.grouped import GroupedSplit, load_grouped
 from training.pipeline import train
@@ -55,12 +55,16 @@ def impute(grouped: GroupedSplit, features: sp.csr_matrix | np.ndarray, num_labe
 def fit_imputer(grouped: GroupedSplit, features: sp.csr_matrix | np.ndarray, num_labels: int, cfg: TrainConfig,
                 label_features: sp.csr_matrix | np.ndarray | None = None) -> EagleImputer:
     imputer = EagleImputer(cfg.aggregated_iterations, cfg.aggregated_step, cfg.seed, cfg.aggregated_assignment,
-                           cfg.aggregated_center, cfg.aggregated_validation)
+                           cfg.aggregated_center, cfg.aggregated_validation, cfg.aggregated_keep_ratio)
     imputer.fit(features, grouped.members(), grouped.group_labels(num_labels),
                 label_features if cfg.aggregated_label_texts else None)
     if imputer.validation_scores_:
         log.info("aggregated: %d iterations chosen on held-out groups (group P@1 by iterations: %s)",
                  imputer.iterations_, " ".join(f"{100 * p:.1f}" for p in imputer.validation_scores_))
+    if imputer.keep_ratio_scores_:
+        log.info("aggregated: keep ratio %.1f chosen on held-out groups (their labels' R-precision by ratio "
+                 "%s: %s)", imputer.keep_ratio_, " ".join(map(str, KEEP_RATIOS)),
+                 " ".join(f"{100 * x:.2f}" for x in imputer.keep_ratio_scores_))
     return imputer
 
 
@@ -107,11 +111,13 @@ def next_round(data_dir: str | Path, ckpt: Checkpoint, config: TrainConfig, text
 
 def _record_round(ckpt: Checkpoint, grouped: GroupedSplit, imputation_s: float, imputer: EagleImputer,
                   before: dict | None) -> None:
-    """ckpt.metrics["aggregated"]: the rounds so far with each one's imputation and training seconds
-    and the iterations it ran."""
+    """ckpt.metrics["aggregated"]: the rounds so far with each one's imputation and training seconds,
+    the iterations it ran and the keep ratio it used (None: not the relative assignment)."""
     before = before or {"rounds": 0, "imputation_s": [], "training_s": [], "iterations": []}
+    ratio = imputer.keep_ratio_ if imputer.assignment == "relative" else None
     ckpt.metrics["aggregated"] = {
         "groups": len(grouped.group_uids), "documents": len(grouped), "rounds": before["rounds"] + 1,
         "imputation_s": [*before["imputation_s"], imputation_s],
         "iterations": [*before.get("iterations", []), imputer.iterations_],
+        "keep_ratio": [*before.get("keep_ratio", []), ratio],
         "training_s": [*before["training_s"], ckpt.metrics.get("times", {}).get("total_s")]}

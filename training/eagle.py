@@ -7,8 +7,8 @@ lambda and is renormalised. Members that do not have the label pull less and les
 settles on what the label's true members share.
 Algorithm 2: each (group, label) pair goes to the group's member closest to the label's vector.
 
-Three choices beyond the paper (all off, with T given, is the paper's method; training/config.py
-says which are on by default and bench/RESULTS.md what each is worth):
+Four choices beyond the paper (all off, with T given and the closest member, is the paper's
+method; training/config.py says which are on by default and bench/RESULTS.md what each is worth):
 - center: the features are centred on the documents' mean before the rows are normalised. TF-IDF
   rows are non-negative, so every document shares a large common direction; a frequent label's
   sum of members is mostly that direction, and its "closest" member is then the most generic
@@ -22,6 +22,13 @@ says which are on by default and bench/RESULTS.md what each is worth):
   vectors rank the held-out groups' labels best by their members' best scores (group-level
   P@1): tuned on a group-level split, not on per-document labels. The best number differs:
   centred, random groups peak at 0 and clustered groups later (bench/RESULTS.md).
+- the relative assignment: a (group, label) pair goes to every member whose score reaches r
+  times the closest member's. Members of a group of alike documents share most of their labels;
+  one member per label drops most of them, and a model trained on the rest learns those labels
+  as absent where they are common (on clustered groups that loses to the naive group labels).
+  With r = 1 this is Algorithm 2, with r = 0 the naive group labels. r is chosen on the held-out
+  groups (_choose_keep_ratio): the r whose imputed labels, read off each held-out member's
+  nearest documents of other groups, rank the held-out groups' own labels first.
 
 Features are rows of a matrix fixed before training: sparse TF-IDF (the first round) or the
 trained encoder's embeddings (a second round). Everything is vectorised over the (group,
@@ -40,11 +47,14 @@ import numpy as np
 import scipy.sparse as sp
 
 Features = sp.csr_matrix | np.ndarray
-# Algorithm 2 as in the paper ("closest"), or beyond it ("expected"): see EagleImputer.impute.
-ASSIGNMENTS = ("closest", "expected")
+# Algorithm 2 as in the paper ("closest"), or beyond it ("expected", "relative"): see EagleImputer.impute.
+ASSIGNMENTS = ("closest", "expected", "relative")
+# The keep ratios a group-level validation chooses among for the "relative" assignment.
+KEEP_RATIOS = tuple(round(0.1 * k, 1) for k in range(10, -1, -1))
 _DENSE_CHUNK = 1 << 16
 _VALIDATION_CHUNK = 256  # held-out groups scored against every label at once
 _PATIENCE = 3  # iterations without a better group-level P@1 before the validation stops
+_NEIGHBOURS = 20  # the neighbours (documents of other groups) a held-out member's labels are read from
 
 
 class EagleImputer:
@@ -55,11 +65,12 @@ class EagleImputer:
     sum is zero (its groups' members cancel out, as in the paper's +x / -x example): then a
     member of one of its groups drawn with this seed. center: centre the features on the
     documents' mean (module docstring). validation: the share of groups held out to choose the
-    number of iterations iterations_ in 0..T by group-level P@1 (0: T as given, the paper's).
+    number of iterations iterations_ in 0..T by group-level P@1 (0: T as given, the paper's) and,
+    for the "relative" assignment, keep_ratio_ (EagleImputer.impute) when keep_ratio is None.
     """
 
     def __init__(self, iterations: int = 10, step: float = 0.5, seed: int = 0, assignment: str = "expected",
-                 center: bool = False, validation: float = 0.0) -> None:
+                 center: bool = False, validation: float = 0.0, keep_ratio: float | None = None) -> None:
         if iterations < 0:
             raise ValueError(f"iterations must be >= 0, got {iterations}")
         if not 0.0 < step <= 1.0:
@@ -74,6 +85,11 @@ class EagleImputer:
         if not 0.0 <= validation < 1.0:
             raise ValueError(f"validation must be in [0, 1), got {validation}")
         self.validation = float(validation)
+        if keep_ratio is not None and not 0.0 <= keep_ratio <= 1.0:
+            raise ValueError(f"keep_ratio must be in [0, 1], got {keep_ratio}")
+        if assignment == "relative" and keep_ratio is None and self.validation == 0:
+            raise ValueError("the relative assignment needs a keep_ratio or a validation share to choose it on")
+        self.keep_ratio = keep_ratio
 
     def fit(self, features: Features, members: sp.csr_matrix, group_labels: sp.csr_matrix,
             label_features: Features | None = None) -> EagleImputer:
@@ -86,9 +102,14 @@ class EagleImputer:
             features, members, group_labels = _with_label_groups(features, members, group_labels, label_features)
         space = _space(features, num_docs, self.center)
         self.iterations_, self.validation_scores_ = self.iterations, []
+        self.keep_ratio_, self.keep_ratio_scores_ = self.keep_ratio, []
+        held = self._held_out(num_groups)
         if self.validation > 0 and self.iterations > 0:
-            self.validation_scores_ = self._validate(space, members, group_labels, num_groups)
+            self.validation_scores_ = self._validate(space, members, group_labels, held)
             self.iterations_ = int(np.argmax(self.validation_scores_))  # the fewest iterations on ties
+        if self.assignment == "relative" and self.keep_ratio is None:
+            self.keep_ratio_scores_ = self._choose_keep_ratio(space, members, group_labels, held, num_groups)
+            self.keep_ratio_ = KEEP_RATIOS[int(np.argmax(self.keep_ratio_scores_))]  # the highest on ties
         v = self._group_robust(space, members, group_labels, self.iterations_)
         real = self.pair_group_ < num_groups  # the labels' own texts shaped the vectors; documents get labels
         self.pair_group_, self.pair_label_ = self.pair_group_[real], self.pair_label_[real]
@@ -114,18 +135,20 @@ class EagleImputer:
             v = space.normalize(space.mix(1.0 - self.step, v, self.step, u))
         return v
 
+    def _held_out(self, num_groups: int) -> np.ndarray:
+        """The groups whose labels a validation hides (sorted; none without validation)."""
+        if self.validation == 0:
+            return np.zeros(0, np.int64)
+        rng = np.random.default_rng(self.seed)
+        return np.sort(rng.choice(num_groups, max(1, int(round(self.validation * num_groups))), replace=False))
+
     def _validate(self, space: _Space, members: sp.csr_matrix, group_labels: sp.csr_matrix,
-                  num_groups: int) -> list[float]:
+                  held: np.ndarray) -> list[float]:
         """Group-level P@1 after 0..T iterations: the labels of a held-out share of the groups are
         hidden while the vectors are learnt, then each held-out group's labels are ranked by the
         best score among its members (no per-document label is needed). Iterations stop once
         _PATIENCE of them in a row have not beaten the best."""
-        rng = np.random.default_rng(self.seed)
-        held = np.sort(rng.choice(num_groups, max(1, int(round(self.validation * num_groups))), replace=False))
-        keep = np.ones(group_labels.shape[0], np.float32)
-        keep[held] = 0.0
-        visible = sp.csr_matrix(sp.diags(keep) @ group_labels)
-        visible.eliminate_zeros()
+        visible = _without(group_labels, held)
         unknown = np.diff(sp.csc_matrix(visible).indptr) == 0
         truth, held_members = group_labels[held], members[held]
         scores: list[float] = []
@@ -145,12 +168,49 @@ class EagleImputer:
         self._group_robust(space, members, visible, self.iterations, score)
         return scores
 
+    def _choose_keep_ratio(self, space: _Space, members: sp.csr_matrix, group_labels: sp.csr_matrix,
+                           held: np.ndarray, num_groups: int) -> list[float]:
+        """Per candidate in KEEP_RATIOS, how well labels imputed with it find the held-out groups'
+        labels: the vectors are learnt with those hidden (iterations_ iterations), the other groups'
+        labels imputed, and each held-out member's label probabilities read off its _NEIGHBOURS
+        nearest documents of other groups (a stand-in for the model trained on the imputed labels);
+        a group's labels are ranked by their largest probability among its members. The score is
+        the mean share of a held-out group's labels among its top |labels| (R-precision): group
+        labels only, no per-document label. Too few members keeping a label and neighbours miss
+        it; too many and they push other groups' labels up."""
+        visible = _without(group_labels, held)
+        v = self._group_robust(space, members, visible, self.iterations_)
+        starts, docs = self.pair_members_
+        pair_of = np.repeat(np.arange(len(self.pair_label_)), np.diff(starts))
+        scores = space.dots(docs, v, self.pair_label_[pair_of])
+        best = np.maximum.reduceat(scores, starts[:-1])[pair_of]
+        real = self.pair_group_[pair_of] < num_groups  # documents get labels, label texts do not
+        held_members = members[held]
+        others = np.setdiff1d(members[:num_groups].indices, held_members.indices)
+        weights = _neighbour_weights(space, held_members.indices.astype(np.int64), others)
+        member_group = np.repeat(np.arange(len(held)), np.diff(held_members.indptr))
+        scores_by_ratio = []
+        for ratio in KEEP_RATIOS:
+            keep = real & (scores >= _keep_threshold(best, ratio))
+            imputed = sp.csr_matrix((np.ones(int(keep.sum()), np.float32),
+                                     (docs[keep], self.pair_label_[pair_of[keep]])),
+                                    shape=(space.num_rows, group_labels.shape[1]))
+            imputed.sum_duplicates()
+            imputed.data[:] = 1.0  # a document and label once, however many pairs gave it
+            scores_by_ratio.append(_r_precision(sp.csr_matrix(weights @ imputed), member_group, group_labels[held]))
+        return scores_by_ratio
+
     def impute(self) -> list[list[int]]:
         """Each document's labels: every (group, label) pair given to the group's closest member
-        ("closest", the paper's Algorithm 2), or to as many of its closest members as a group
-        holding the label is expected to have ("expected")."""
-        counts = self._expected_counts() if self.assignment == "expected" else None
-        picks, labels = self._closest(self._space, self.label_vectors_, counts)
+        ("closest", the paper's Algorithm 2), to as many of its closest members as a group
+        holding the label is expected to have ("expected"), or to every member whose score reaches
+        keep_ratio_ times the closest member's ("relative": all of a homogeneous group's members,
+        the closest alone when the others are far)."""
+        if self.assignment == "relative":
+            picks, labels = self._relative(self._space, self.label_vectors_, self.keep_ratio_)
+        else:
+            counts = self._expected_counts() if self.assignment == "expected" else None
+            picks, labels = self._closest(self._space, self.label_vectors_, counts)
         n = self._num_docs
         assigned = sp.csr_matrix((np.ones(len(picks), np.float32), (picks, labels)),
                                  shape=(n, self.label_vectors_.shape[0]))
@@ -172,6 +232,14 @@ class EagleImputer:
         rank = np.arange(len(order)) - starts[pair_of[order]]  # 0 = the pair's closest member
         keep = rank < (1 if counts is None else counts[pair_of[order]])
         return docs[order[keep]], self.pair_label_[pair_of[order[keep]]]
+
+    def _relative(self, space: _Space, v: Vectors, ratio: float) -> tuple[np.ndarray, np.ndarray]:
+        """Per pair, every member whose score reaches ratio times the best member's: (documents, labels)."""
+        starts, docs = self.pair_members_
+        pair_of = np.repeat(np.arange(len(self.pair_label_)), np.diff(starts))
+        scores = space.dots(docs, v, self.pair_label_[pair_of])
+        keep = scores >= _keep_threshold(np.maximum.reduceat(scores, starts[:-1])[pair_of], ratio)
+        return docs[keep], self.pair_label_[pair_of[keep]]
 
     def _expected_counts(self) -> np.ndarray:
         """Per pair, how many members of a group of its size hold its label, given that one does:
@@ -232,6 +300,7 @@ class _Space:
     def norms(self, v: Vectors) -> np.ndarray: ...
     def dots(self, docs: np.ndarray, v: Vectors, labels: np.ndarray) -> np.ndarray: ...
     def all_dots(self, docs: np.ndarray, v: Vectors) -> np.ndarray: ...
+    def row_dots(self, a: np.ndarray, b: np.ndarray) -> np.ndarray: ...
 
     def normalize(self, v: Vectors) -> Vectors:
         """Rows scaled to unit norm (zero rows stay zero)."""
@@ -272,6 +341,9 @@ class _DenseSpace(_Space):
 
     def all_dots(self, docs: np.ndarray, v: np.ndarray) -> np.ndarray:
         return self.x[docs] @ v.T
+
+    def row_dots(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return self.x[a] @ self.x[b].T
 
 
 class _SparseSpace(_Space):
@@ -321,6 +393,12 @@ class _SparseSpace(_Space):
         raw -= np.outer(self.x_mean[docs], v.coef) + s_mean[None, :] - v.coef[None, :] * self.mean_sq
         return (self.scale[docs, None] * raw).astype(np.float32)
 
+    def row_dots(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """[len(a), len(b)]: a_i a_j <x_i - m, x_j - m>."""
+        raw = np.asarray((self.x[a] @ self.x[b].T).todense(), dtype=np.float64)
+        raw -= self.x_mean[a][:, None] + self.x_mean[b][None, :] - self.mean_sq
+        return (self.scale[a][:, None] * raw * self.scale[b][None, :]).astype(np.float32)
+
 
 def _with_label_groups(features: Features, members: sp.csr_matrix, group_labels: sp.csr_matrix,
                        label_features: Features) -> tuple[Features, sp.csr_matrix, sp.csr_matrix]:
@@ -337,6 +415,78 @@ def _with_label_groups(features: Features, members: sp.csr_matrix, group_labels:
     wide = sp.csr_matrix((members.data, members.indices, members.indptr), shape=(members.shape[0], num_docs + k))
     text_labels = sp.csr_matrix((ones, (np.arange(k), carried)), shape=(k, num_labels))
     return stacked, sp.vstack([wide, text_members]).tocsr(), sp.vstack([group_labels, text_labels]).tocsr()
+
+
+def _without(group_labels: sp.csr_matrix, held: np.ndarray) -> sp.csr_matrix:
+    """group_labels with the held groups' rows emptied."""
+    keep = np.ones(group_labels.shape[0], np.float32)
+    keep[held] = 0.0
+    visible = sp.csr_matrix(sp.diags(keep) @ group_labels)
+    visible.eliminate_zeros()
+    return visible
+
+
+def _keep_threshold(best: np.ndarray, ratio: float) -> np.ndarray:
+    """The score a member needs to keep its group's label: ratio times the best member's (the best
+    alone when that is not positive)."""
+    return np.where(best > 0, ratio * best, best)
+
+
+def _neighbour_weights(space: _Space, queries: np.ndarray, pool: np.ndarray) -> sp.csr_matrix:
+    """[len(queries), rows]: each query's _NEIGHBOURS most similar pool rows, weighted by their
+    (non-negative) similarity, each row summing to 1 (0 without a positive similarity)."""
+    k = min(_NEIGHBOURS, len(pool))
+    rows, cols, vals = [], [], []
+    for s in range(0, len(queries), _VALIDATION_CHUNK):
+        sims = space.row_dots(queries[s : s + _VALIDATION_CHUNK], pool)
+        top = (np.argpartition(-sims, k - 1, axis=1)[:, :k] if k < len(pool)
+               else np.tile(np.arange(len(pool)), (len(sims), 1)))
+        w = np.maximum(np.take_along_axis(sims, top, axis=1), 0.0)
+        w /= np.maximum(w.sum(axis=1, keepdims=True), 1e-12)
+        rows.append(np.repeat(np.arange(s, s + len(sims)), k))
+        cols.append(pool[top].ravel())
+        vals.append(w.ravel())
+    return sp.csr_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
+                         shape=(len(queries), space.num_rows))
+
+
+def _r_precision(member_probs: sp.csr_matrix, member_group: np.ndarray, truth: sp.csr_matrix) -> float:
+    """Mean over groups of the share of a group's labels (truth rows) among its top |labels| when
+    labels are ranked by their largest probability among the group's members; labels tied at the
+    cut share its last places (the expected share under a random order of the ties)."""
+    num_groups, num_labels = truth.shape
+    coo = member_probs.tocoo()
+    keys = member_group[coo.row].astype(np.int64) * num_labels + coo.col
+    order = np.argsort(keys, kind="stable")
+    keys, probs = keys[order], coo.data[order].astype(np.float64)
+    first = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]]) if len(keys) else np.zeros(0, np.int64)
+    group_max, keys = (np.maximum.reduceat(probs, first), keys[first]) if len(keys) else (probs, keys)
+    group, wanted = keys // num_labels, np.diff(truth.indptr)
+    carried = _lookup(truth, group, keys % num_labels) > 0
+    # per group, how many labels rank strictly above a label, and how many share its probability
+    by_rank = np.lexsort((-group_max, group))
+    group_s, prob_s, carried_s = group[by_rank], group_max[by_rank], carried[by_rank]
+    tie_start = np.flatnonzero(np.r_[True, (group_s[1:] != group_s[:-1]) | (prob_s[1:] != prob_s[:-1])])
+    tie_size = np.diff(np.r_[tie_start, len(prob_s)])
+    group_start = np.searchsorted(group_s, group_s[tie_start])
+    above = tie_start - group_start  # labels of the group ranked before the tie
+    slots = np.clip(wanted[group_s[tie_start]] - above, 0, tie_size)
+    tie_hits = np.add.reduceat(carried_s.astype(np.float64), tie_start) if len(tie_start) else np.zeros(0)
+    hits = np.bincount(group_s[tie_start], weights=tie_hits * slots / tie_size, minlength=num_groups)
+    return float(np.mean(hits / np.maximum(wanted, 1)))
+
+
+def _lookup(m: sp.csr_matrix, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """m[rows[k], cols[k]] for every k (0 where m has no entry), by binary search over m's keys."""
+    m = sp.csr_matrix(m)
+    m.sort_indices()
+    width = np.int64(m.shape[1])
+    keys = np.repeat(np.arange(m.shape[0], dtype=np.int64), np.diff(m.indptr)) * width + m.indices
+    if not len(keys):
+        return np.zeros(len(rows), np.float64)
+    wanted = np.asarray(rows, np.int64) * width + np.asarray(cols, np.int64)
+    at = np.minimum(np.searchsorted(keys, wanted), len(keys) - 1)
+    return np.where(keys[at] == wanted, m.data[at], 0.0).astype(np.float64)
 
 
 def _pairs(group_labels: sp.csr_matrix) -> tuple[np.ndarray, np.ndarray]:
