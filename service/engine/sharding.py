@@ -7,13 +7,13 @@ of, shard_labels.npy holds each row's parent label id, in increasing order).
 
 Why the merge is the parent's answer: a label's score depends on the query and that label only
 (service.engine.scorers), so the top k of the parent's shortlist is the top k of the shards' top
-k. The shortlist itself is the parent's, source by source: a shard's token rows keep the parent's
-slots (a label of another shard leaves its slot empty, so the first k_tok slots are the parent's
-first k_tok, restricted); its head is the parent's head restricted (the shard's k_head counts the
-parent's head labels it holds); the head's "fallback" rule is decided for the parent, from every
-shard's rows (`ShardPredictor.token_rows`, `head_rows`). Only HNSW searches differ: each shard
-searches its own graph for its own top k_w / k_mu, a superset of the parent's candidates when the
-searches are exact.
+k. The shortlist itself is the parent's, source by source: a shard's token rows hold its labels
+among the parent's first k_tok slots of each row (packed; the shard's k_tok is the most a row
+holds), and its overflow rows its labels among the parent's; its head is the parent's head
+restricted (the shard's k_head counts the parent's head labels it holds); the head's "fallback"
+rule is decided for the parent, from every shard's rows (`ShardPredictor.token_rows`, `head_rows`).
+Only HNSW searches differ: each shard searches its own graph for its own top k_w / k_mu, a superset
+of the parent's candidates when the searches are exact.
 """
 
 from __future__ import annotations
@@ -117,12 +117,15 @@ class ShardPredictor:
 
     def token_rows(self) -> np.ndarray | None:
         """Packed bits [ceil(V / 8)]: which tokens have a label of this shard among the first
-        k_tok slots of their row (None without a token shortlist); OR over every shard of the
-        parent, the parent's own rows' test (head_rows)."""
+        k_tok slots of their row or in their overflow row (None without a token shortlist); OR
+        over every shard of the parent, the parent's own rows' test (head_rows)."""
         table, k_tok = self.predictor.sources.table, self.predictor.scoring.shortlist.k_tok
         if table is None:
             return None
-        return np.packbits((table.labels[:, :k_tok] >= 0).any(axis=1))
+        found = (table.labels[:, :k_tok] >= 0).any(axis=1)
+        if table.overflow is not None:
+            found |= (table.overflow >= 0).any(axis=1)
+        return np.packbits(found)
 
     def predict(
         self, queries: EncodedQueries, k: int, alpha: float | None = None, exclude: Sequence[str] = (),
