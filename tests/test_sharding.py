@@ -130,6 +130,25 @@ def test_shards_of_other_parents_or_counts_are_refused(bundle_root: Path, sharde
         shard_dirs(partial)
 
 
+def test_a_shard_holds_no_encoder_and_its_canaries_are_checked_on_the_routers_encoding(sharded_root: Path,
+                                                                                        tmp_path: Path):
+    from service.engine.sharding import ShardPredictor
+
+    shard = ShardPredictor.load(shard_dirs(sharded_root / "v1")[1])
+    assert shard.predictor.encoder is None
+    with pytest.raises(LookupError, match="no encoder"):
+        shard.predictor.predict(["x"])
+    copy = tmp_path / "v1"
+    shutil.copytree(sharded_root / "v1", copy)
+    manifest_path = copy / "shard-1-of-3" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    first = next(c for c in manifest["canary"] if c["top_ids"])
+    first["top_scores"][0] += 0.5  # what export saw differs from what the shard answers
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match="shard-1-of-3.*canary"):
+        ShardedPredictor.load(copy)
+
+
 def test_a_shard_without_its_label_ids_or_in_format_1_is_refused(sharded_root: Path, tmp_path: Path):
     shard = tmp_path / "shard-0-of-3"
     shutil.copytree(sharded_root / "v1" / "shard-0-of-3", shard)

@@ -39,10 +39,11 @@ from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any, NoReturn
 
+import grpc
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.handle import DeploymentHandle
 from ray.serve.schema import ApplicationStatus
 from starlette.requests import Request
@@ -119,8 +120,11 @@ class RayServing(BaseModel):
 
 @serve.deployment(name=SHARD_DEPLOYMENT)
 class ShardReplica:
-    """A Predictor over one shard bundle (service.engine.sharding.ShardPredictor). The constructor
-    loads and checks the bundle: a replica that cannot serve it never starts."""
+    """A Predictor over one shard bundle (service.engine.sharding.ShardPredictor), without an
+    encoder session (the ingress encodes). The constructor loads and checks the bundle's files: a
+    replica that cannot serve them never starts; the ingress checks the canaries of a version
+    before it serves (a replica Serve starts later, in place of one that died, loads the same
+    checksummed files)."""
 
     def __init__(self, path: str, threads: int = 1) -> None:
         self.shard = ShardPredictor.load(path, PredictorOptions(threads=threads))
@@ -130,6 +134,12 @@ class ShardReplica:
 
     def token_rows(self) -> np.ndarray | None:
         return self.shard.token_rows()
+
+    def canary_texts(self) -> list[str]:
+        return self.shard.canary_texts()
+
+    def check_canaries(self, queries: Any) -> None:
+        self.shard.check_canaries(queries)
 
     def pid(self) -> int:
         return os.getpid()
@@ -162,7 +172,12 @@ class ShardedEngine(Leased):
         for attempt in itertools.count():
             try:
                 return await handle.predict.remote(*args)
-            except RayActorError as exc:  # the replica died under the call: Serve routes the retry elsewhere
+            except RayTaskError:  # the shard's own code raised: not a transport failure
+                raise
+            # The replica died under the call: Serve routes the retry elsewhere. Over gRPC (the
+            # low-latency layout) a replica that dies after accepting a call surfaces as the RPC's
+            # error or Serve's RuntimeError("Unexpected error (UNAVAILABLE) ...").
+            except (RayActorError, grpc.aio.AioRpcError, RuntimeError) as exc:
                 if attempt >= self.retries:
                     raise
                 log.warning("shard call failed (%s), retrying", type(exc).__name__)
@@ -343,6 +358,8 @@ class ShardedRegistry:
             parent = check_shard_set(self._call_all(handles, "info"))
             if parent.parent_version != version:
                 raise BundleError(f"{self.root / version}: its shards are of {parent.parent_version}")
+            texts = self._call_all(handles, "canary_texts")
+            self._call_all(handles, "check_canaries", [(encoder(t),) for t in texts])
             rows = self._call_all(handles, "token_rows")
             token_rows = union_token_rows(rows, encoder.tokenizer.vocab_size)
         except Exception as exc:
@@ -352,11 +369,12 @@ class ShardedRegistry:
             raise ActivationFailed(f"{version}: {type(exc).__name__}: {exc}") from exc
         return ShardedEngine(version, encoder, handles, apps, parent, token_rows, layout.shard_retries)
 
-    def _call_all(self, handles: list[DeploymentHandle], method: str) -> list[Any]:
-        """`method` of every handle's deployment, called at once on the ingress's loop (from a
-        loader thread), within the load timeout."""
+    def _call_all(self, handles: list[DeploymentHandle], method: str,
+                  args: list[tuple[Any, ...]] | None = None) -> list[Any]:
+        """`method` of every handle's deployment (with args[i] for handle i), called at once on the
+        ingress's loop (from a loader thread), within the load timeout."""
         async def gather() -> list[Any]:
-            calls = (getattr(h, method).remote() for h in handles)
+            calls = (getattr(h, method).remote(*(args[i] if args else ())) for i, h in enumerate(handles))
             return await asyncio.wait_for(asyncio.gather(*calls), self.layout.load_timeout_s)
 
         return asyncio.run_coroutine_threadsafe(gather(), self.loop).result()

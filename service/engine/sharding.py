@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 
+from service.engine import canary
 from service.engine.predictor import Prediction, Predictor, PredictorOptions
 from service.engine.query import EncodedQueries, QueryEncoder
 from service.engine.schema import ENCODER, ENCODER_DATA, TOKENIZER, BundleError, ShardOf, validate_version_name
@@ -106,8 +107,21 @@ class ShardPredictor:
 
     @classmethod
     def load(cls, path: str | Path, options: PredictorOptions | None = None) -> ShardPredictor:
-        """Predictor.load (every check, the canaries) of a shard bundle."""
-        return cls(Predictor.load(path, options))
+        """Predictor.load of a shard bundle without an encoder session (its queries come encoded by
+        the router, which holds the parent's encoder): every check but the canaries, which need
+        encoded texts: the router checks them with check_canaries before the shard serves."""
+        return cls(Predictor.load(path, replace(options or PredictorOptions(), encoder=False)))
+
+    def canary_texts(self) -> list[str]:
+        return canary.check_texts(self.predictor.bundle)
+
+    def check_canaries(self, queries: EncodedQueries) -> None:
+        """canary.check of this shard, on canary_texts() as the router encoded them; BundleError
+        naming the shard's path."""
+        p = self.predictor
+        exported = p if p.answers_as_exported else Predictor(p.bundle, PredictorOptions(threads=p.options.threads,
+                                                                                        encoder=False))
+        canary.check(_EncodedTexts(exported, self.canary_texts(), queries))
 
     def info(self) -> ShardInfo:
         p = self.predictor
@@ -142,6 +156,29 @@ class ShardPredictor:
         titles = [[title for _, title in row] for row in named]
         parent = np.where(ids >= 0, self.parent_ids[np.maximum(ids, 0)], -1)
         return ShardAnswer(parent, scores, uids, titles, [i is not None for i in local])
+
+
+class _EncodedTexts:
+    """canary.CanaryTarget of a predictor without an encoder: `texts` answered from their
+    encodings `queries` (row i = texts[i])."""
+
+    def __init__(self, predictor: Predictor, texts: Sequence[str], queries: EncodedQueries) -> None:
+        if len(queries.q) != len(texts):
+            raise BundleError(f"{predictor.bundle.path}: {len(queries.q)} encoded canaries for {len(texts)} texts")
+        self.predictor, self.bundle = predictor, predictor.bundle
+        self.rows = {text: i for i, text in enumerate(texts)}
+        self.queries = queries
+
+    @property
+    def num_labels(self) -> int:
+        return self.predictor.num_labels
+
+    def predict_ids(self, texts: list[str], k: int, alpha: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+        rows = [self.rows[t] for t in texts]
+        return self.predictor.predict_encoded_ids(EncodedQueries(*(a[rows] for a in self.queries)), k, alpha)
+
+    def predict_tree_ids(self, texts: list[str], k: int) -> tuple[np.ndarray, np.ndarray]:
+        raise LookupError("a shard has no tree scorer")
 
 
 def check_shard_set(infos: Sequence[ShardInfo]) -> ShardOf:
@@ -217,7 +254,10 @@ class ShardedPredictor:
     @classmethod
     def load(cls, version_dir: str | Path, options: PredictorOptions | None = None) -> ShardedPredictor:
         dirs = shard_dirs(Path(version_dir))
-        return cls(QueryEncoder.open(dirs[0]), [ShardPredictor.load(d, options) for d in dirs])
+        encoder, shards = QueryEncoder.open(dirs[0]), [ShardPredictor.load(d, options) for d in dirs]
+        for shard in shards:
+            shard.check_canaries(encoder(shard.canary_texts()))
+        return cls(encoder, shards)
 
     def predict(self, texts: Sequence[str], k: int = 10, alpha: float | None = None,
                 exclude: Sequence[str] = ()) -> list[list[Prediction]]:
