@@ -61,6 +61,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="own: also the XC filtered protocol (a document's own label left out)")
     p.add_argument("--ray-mode", default=RAY_MODES[0], choices=RAY_MODES,
                    help="low-latency: service.api.ray_app.LOW_LATENCY_ENV (serve-ray's); default: Ray's defaults")
+    p.add_argument("--work", type=Path, default=None,
+                   help="where the shard sets go (WORK/N/VERSION); sets already there are reused (default: a new "
+                        "directory under bench/out)")
     p.add_argument("--name", default=None, help="the data set's name in the report (default: the bundle's)")
     p.add_argument("--results", action="store_true", help="write the section of bench/RESULTS.md")
     return p.parse_args(argv)
@@ -145,14 +148,17 @@ def hop_application(fanout: int) -> Any:
 
     @serve.deployment(name="echo", ray_actor_options={"num_cpus": 0.05})
     class Echo:
-        async def echo(self, body: dict[str, Any]) -> dict[str, Any]:
+        def echo(self, body: dict[str, Any]) -> dict[str, Any]:  # sync, as a shard's predict: Serve's thread pool
             return body
 
     @serve.deployment(name="ingress", ray_actor_options={"num_cpus": 0.05})
     @serve.ingress(api)
     class HopIngress:
-        def __init__(self, *handles: Any) -> None:
-            self.handles = handles
+        def __init__(self, *bound: Any) -> None:
+            # Handles made here, as the sharded ingress makes its own: a handle bound in the driver
+            # keeps the driver's Ray settings (actor calls, not the low-latency layout's gRPC).
+            app = serve.get_replica_context().app_name
+            self.handles = [serve.get_deployment_handle(f"echo{i}", app) for i in range(len(bound))]
 
         @api.post("/v1/echo")
         async def echo(self, body: dict[str, Any] = Body(...)) -> dict[str, Any]:  # noqa: B008  FastAPI's way
@@ -274,8 +280,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     bundle = args.bundle.resolve()
     OUT_DIR.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="shards-", dir=OUT_DIR))
-    sharded = {count: shard_bundle(bundle, count, work / str(count)) for count in args.shards}
+    work = args.work or Path(tempfile.mkdtemp(prefix="shards-", dir=OUT_DIR))
+    sharded = {count: work / str(count) / bundle.name if (work / str(count) / bundle.name).is_dir()
+               else shard_bundle(bundle, count, work / str(count)) for count in args.shards}
     result: dict[str, Any] = {"labels": Predictor.load(bundle).num_labels,
                               "accuracy": accuracy(bundle, sharded, args.data, args.queries, args.filter),
                               "shard_files": {str(c): shard_files_mib(p) for c, p in sharded.items()}}
