@@ -306,8 +306,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     name = args.name or bundle.name
     (OUT_DIR / f"shards-{name}-{args.ray_mode}.json").write_text(json.dumps(result, indent=1))
     if args.results:
-        replace_section(Path(__file__).parent / "RESULTS.md", f"shards-{name}-{args.ray_mode}",
-                        f"### Sharded serving on Ray Serve: {name}, Ray mode {args.ray_mode}\n\n{text}")
+        # Inside "Sharded serving on Ray Serve (issue 26)" where the markers are; else appended.
+        replace_section(Path(__file__).parent / "RESULTS.md", f"shards-{name}-{args.ray_mode}", text)
     return 0
 
 
