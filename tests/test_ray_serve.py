@@ -122,6 +122,9 @@ def service(bundle_root: Path, synthetic_data: Path, tmp_path_factory: pytest.Te
            "SHORTLIST_DRAIN_TIMEOUT_S": "1",
            # Serve retries a replica whose constructor failed 3 times by default: once is enough here.
            "RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT": "1",
+           # With direct ingress (the low-latency layout) Serve keeps a stopping replica of an app's
+           # ingress deployment 30 s for load balancers; every shard app's one deployment counts.
+           "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0.5",
            **LOW_LATENCY_ENV}  # what `shortlist serve-ray` runs on
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)  # Ray's processes, started below, inherit them
