@@ -3,13 +3,16 @@
 Label l goes to shard l mod N (every shard gets its share of the head and of the tail), in
 increasing order. Each shard is a complete, checksummed bundle over its labels: its rows of the
 label table, classifiers, biases and centroids, HNSW indices built over them with the parent's
-parameters and seed, the token shortlist with the parent's slots (another shard's label leaves
-its slot empty), the parent's scoring with k_head the number of the parent's head labels it
-holds, canaries answered by the shard itself, `shard` in the manifest (parent version, parent
-fingerprint = sha256 of its manifest.json, index, count) and shard_labels.npy (each row's parent
-label id). The tokenizer and encoder files are the parent's, byte for byte (hard links where the
-filesystem allows). The tree scorer is not sharded (the tree's beam search runs over one tree of
-all labels): shards carry no tree.npz, and no validation.jsonl (its targets are parent ids).
+parameters and seed, the token shortlist as the parent serves it restricted to its labels (per
+token, its labels among the parent's first k_tok slots, packed: k_tok is the most a row holds,
+so N shards do not each pay the parent's [V, M] table; the overflow rows of labels added after
+training alike), its retired labels, the parent's scoring with k_head the number of the parent's
+head labels it holds and k_tok its own, canaries answered by the shard itself, `shard` in the
+manifest (parent version, parent fingerprint = sha256 of its manifest.json, index, count) and
+shard_labels.npy (each row's parent label id). The tokenizer and encoder files are the parent's,
+byte for byte (hard links where the filesystem allows). The tree scorer is not sharded (the tree's
+beam search runs over one tree of all labels): shards carry no tree.npz, and no validation.jsonl
+(its targets are parent ids).
 
 The shards are written into a staging directory renamed to ROOT/VERSION when all are written and
 load as served, so a crash never leaves a partial shard set under its final name.
@@ -84,8 +87,11 @@ def _write_shard(parent: Bundle, index: int, count: int, out: Path) -> None:
     index_w, index_mu = build_label_indices(w, b, mu, m.hnsw, seed)
     index_w.save(out / schema.HNSW_W)
     index_mu.save(out / schema.HNSW_MU)
-    _write_token_table(parent, ids, out)
+    k_tok = _write_token_table(parent, ids, out)
+    if parent.retired is not None and parent.retired[ids].any():
+        np.save(out / schema.RETIRED_LABELS, np.flatnonzero(parent.retired[ids]).astype(np.int32))
     fields = _manifest_fields(parent, ids, index, count, out.name)
+    fields["scoring"]["shortlist"]["k_tok"] = k_tok
     store.write_manifest(out, fields)
     staged = Bundle.open(out, staged=True)
     try:
@@ -96,22 +102,46 @@ def _write_shard(parent: Bundle, index: int, count: int, out: Path) -> None:
     store.write_manifest(out, fields)
 
 
-def _write_token_table(parent: Bundle, ids: np.ndarray, out: Path) -> None:
-    """The parent's token rows with its slots kept: a label of this shard by its row here, any
-    other label's slot empty (-1, weight 0)."""
-    table = parent.token_table()
-    if table is None:
-        return
+def _write_token_table(parent: Bundle, ids: np.ndarray, out: Path) -> int:
+    """The parent's token rows as this shard serves them: per token, the shard's labels among the
+    parent's first k_tok slots, in slot order, packed to the left (by their row here; the width is
+    the most any row holds, not the parent's), and the overflow rows (labels added after training)
+    packed the same way. Returns the shard's k_tok (0: no token table)."""
+    table, k_tok = parent.token_table(), parent.manifest.scoring.shortlist.k_tok
+    if table is None or not k_tok:
+        return 0
     local = np.full(parent.manifest.num_labels, -1, dtype=np.int32)
     local[ids] = np.arange(len(ids), dtype=np.int32)
-    rows = np.where(table.labels >= 0, local[np.maximum(table.labels, 0)], -1).astype(np.int32)
+    rows, weights = _own_slots(local, table.labels[:, :k_tok], None if table.weights is None else
+                               table.weights[:, :k_tok])
     np.save(out / schema.TOKEN_SHORTLIST, rows)
-    files = parent.manifest.files
     form_files = schema.LEXICAL_FILES[parent.manifest.scoring.lexical_form]
-    if table.weights is not None and form_files[0] in files:
-        np.save(out / form_files[0], np.where(rows >= 0, table.weights, 0.0).astype(np.float32))
-    if table.bias is not None and len(form_files) > 1 and form_files[1] in files:
+    if weights is not None:
+        np.save(out / form_files[0], weights)
+    if table.bias is not None and len(form_files) > 1:
         np.save(out / form_files[1], np.ascontiguousarray(table.bias[ids], dtype=np.float32))
+    if table.overflow is not None:
+        overflow, overflow_weights = _own_slots(local, table.overflow, table.overflow_weights)
+        if (overflow >= 0).any():
+            np.save(out / schema.TOKEN_OVERFLOW, overflow)
+            if overflow_weights is not None:
+                np.save(out / schema.TOKEN_OVERFLOW_WEIGHTS, overflow_weights)
+    return rows.shape[1]
+
+
+def _own_slots(local: np.ndarray, labels: np.ndarray, weights: np.ndarray | None
+               ) -> tuple[np.ndarray, np.ndarray | None]:
+    """labels [V, W] (parent ids, -1 empty) -> this shard's ids in each row's order, packed to the
+    left, -1 padded, [V, w] with w the largest count in a row (at least 1); weights alike (0 in
+    the empty slots)."""
+    mapped = np.where(labels >= 0, local[np.maximum(labels, 0)], -1).astype(np.int32)
+    order = np.argsort(mapped < 0, axis=1, kind="stable")  # own slots first, in the row's order
+    width = max(1, int((mapped >= 0).sum(axis=1).max(initial=0)))
+    rows = np.ascontiguousarray(np.take_along_axis(mapped, order, axis=1)[:, :width])
+    if weights is None:
+        return rows, None
+    packed = np.take_along_axis(np.asarray(weights, dtype=np.float32), order, axis=1)[:, :width]
+    return rows, np.ascontiguousarray(np.where(rows >= 0, packed, 0.0).astype(np.float32))
 
 
 def _manifest_fields(parent: Bundle, ids: np.ndarray, index: int, count: int, name: str) -> dict[str, Any]:
@@ -121,6 +151,8 @@ def _manifest_fields(parent: Bundle, ids: np.ndarray, index: int, count: int, na
     fields = m.model_dump(exclude={"format_version", "created_at", "files", "canary"})
     head = np.argsort(-np.asarray(parent.classifier_bias), kind="stable")[: m.scoring.shortlist.k_head]
     fields["scoring"]["shortlist"]["k_head"] = int(np.isin(head, ids).sum())
+    if m.lineage is not None:  # the tree's labels among the shard's (shards carry no tree)
+        fields["lineage"]["tree_labels"] = int((ids < m.lineage.tree_labels).sum())
     fields.update(
         version=name, num_labels=len(ids), metrics={"parent": m.metrics},
         shard=schema.ShardOf(parent_version=m.version, parent_fingerprint=schema.sha256_file(parent.path /

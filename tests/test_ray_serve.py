@@ -26,7 +26,7 @@ from ray import serve  # noqa: E402
 from sharding_helpers import assert_same_answers, held_out, p_at_5, rescored_copy  # noqa: E402
 
 from model_export.shard import shard_bundle  # noqa: E402
-from service.api.ray_app import build_app  # noqa: E402
+from service.api.ray_app import LOW_LATENCY_ENV, build_app  # noqa: E402
 from service.engine import Predictor  # noqa: E402
 from shortlist.testing import free_port  # noqa: E402
 
@@ -121,7 +121,11 @@ def service(bundle_root: Path, synthetic_data: Path, tmp_path_factory: pytest.Te
     env = {"RAY_USAGE_STATS_ENABLED": "0", "SHORTLIST_ADMIN_TOKEN": TOKEN, "SHORTLIST_ACCESS_LOG": "false",
            "SHORTLIST_DRAIN_TIMEOUT_S": "1",
            # Serve retries a replica whose constructor failed 3 times by default: once is enough here.
-           "RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT": "1"}
+           "RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT": "1",
+           # With direct ingress (the low-latency layout) Serve keeps a stopping replica of an app's
+           # ingress deployment 30 s for load balancers; every shard app's one deployment counts.
+           "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0.5",
+           **LOW_LATENCY_ENV}  # what `shortlist serve-ray` runs on
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)  # Ray's processes, started below, inherit them
     try:

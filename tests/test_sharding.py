@@ -65,6 +65,44 @@ def test_shards_answer_as_their_parent(bundle_root: Path, sharded_root: Path, sy
             assert_same_answers([[(p.id, p.uid, p.score) for p in row] for row in got], want)
 
 
+def test_a_shard_holds_its_own_token_slots_only(bundle_root: Path, sharded_root: Path):
+    parent = Predictor.load(bundle_root / "v1")
+    k_tok = parent.scoring.shortlist.k_tok
+    rows = np.asarray(parent.bundle.token_table().labels[:, :k_tok])
+    for d in shard_dirs(sharded_root / "v1"):
+        shard = Predictor.load(d).bundle
+        table, ids = np.asarray(shard.token_table().labels), shard.shard_labels
+        assert table.shape[1] == shard.manifest.scoring.shortlist.k_tok < k_tok  # packed, not the parent's width
+        got = np.where(table >= 0, ids[np.maximum(table, 0)], -1)
+        want = [[x for x in row if x >= 0 and x in set(ids.tolist())] for row in rows.tolist()]
+        assert [[x for x in row if x >= 0] for row in got.tolist()] == want
+
+
+def test_a_parent_with_labels_added_and_retired_shards_into_its_answers(bundle_root: Path, synthetic_data: Path,
+                                                                        tmp_path: Path):
+    from service.engine.bundle import Bundle
+    from service.engine.label_changes import LabelChange, LabelEditor, NewLabel
+
+    texts, _ = held_out(synthetic_data)
+    base = Predictor.load(bundle_root / "v1")
+    retire = sorted({p.uid for row in base.predict(texts[:30], k=2) for p in row})
+    words = [t.split() for t in base.bundle.labels.titles]
+    added = [NewLabel(f"new-{i}", f"{words[i][0]} {words[-1 - i][-1]}") for i in range(20)]
+    opened = Bundle.open(bundle_root / "v1")
+    try:
+        LabelEditor().derive(opened, LabelChange(add=added, retire=retire), tmp_path / "parents", "changed")
+    finally:
+        opened.close()
+    root = shard_bundle(tmp_path / "parents" / "changed", 3, tmp_path / "sharded")
+    queries = texts[:100] + [label.title for label in added]
+    for options in (PredictorOptions(k_w=0, k_mu=0), PredictorOptions(k_head=base.num_labels + 20, head="always")):
+        parent = Predictor.load(tmp_path / "parents" / "changed", options)
+        got = ShardedPredictor.load(root, options).predict(queries, k=10)
+        assert_same_answers([[(p.id, p.uid, p.score) for p in row] for row in got], parent.predict(queries, k=10))
+        assert not set(retire) & {p.uid for row in got for p in row}
+        assert {label.uid for label in added} & {p.uid for row in got for p in row}
+
+
 def test_exclude_by_uid_across_shards(bundle_root: Path, sharded_root: Path):
     parent = Predictor.load(bundle_root / "v1")
     sharded = ShardedPredictor.load(sharded_root / "v1")
@@ -90,6 +128,25 @@ def test_shards_of_other_parents_or_counts_are_refused(bundle_root: Path, sharde
     shutil.rmtree(partial / "shard-1-of-3")
     with pytest.raises(BundleError, match="expected shard-0-of-N"):
         shard_dirs(partial)
+
+
+def test_a_shard_holds_no_encoder_and_its_canaries_are_checked_on_the_routers_encoding(sharded_root: Path,
+                                                                                        tmp_path: Path):
+    from service.engine.sharding import ShardPredictor
+
+    shard = ShardPredictor.load(shard_dirs(sharded_root / "v1")[1])
+    assert shard.predictor.encoder is None
+    with pytest.raises(LookupError, match="no encoder"):
+        shard.predictor.predict(["x"])
+    copy = tmp_path / "v1"
+    shutil.copytree(sharded_root / "v1", copy)
+    manifest_path = copy / "shard-1-of-3" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    first = next(c for c in manifest["canary"] if c["top_ids"])
+    first["top_scores"][0] += 0.5  # what export saw differs from what the shard answers
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match="shard-1-of-3.*canary"):
+        ShardedPredictor.load(copy)
 
 
 def test_a_shard_without_its_label_ids_or_in_format_1_is_refused(sharded_root: Path, tmp_path: Path):

@@ -39,10 +39,11 @@ from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any, NoReturn
 
+import grpc
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.handle import DeploymentHandle
 from ray.serve.schema import ApplicationStatus
 from starlette.requests import Request
@@ -84,6 +85,12 @@ from service.engine.store import StoredBundle, read_manifest
 log = logging.getLogger("shortlist.ray")
 SHARD_DEPLOYMENT = "shard"
 _POLL_S = 0.25
+# Ray Serve's own low-latency layout (Ray >= 2.55, read by every Ray process at start): HAProxy
+# instead of Serve's Python proxy in front of the ingress, gRPC instead of Ray actor calls between
+# deployments, user code and the handles' router on each replica's event loop. bench/shards.py
+# measures it against Ray's defaults (bench/RESULTS.md); `shortlist serve-ray` starts its local Ray
+# instance with these unless the environment sets them (0 turns each off).
+LOW_LATENCY_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
 
 
 class RayServing(BaseModel):
@@ -113,8 +120,11 @@ class RayServing(BaseModel):
 
 @serve.deployment(name=SHARD_DEPLOYMENT)
 class ShardReplica:
-    """A Predictor over one shard bundle (service.engine.sharding.ShardPredictor). The constructor
-    loads and checks the bundle: a replica that cannot serve it never starts."""
+    """A Predictor over one shard bundle (service.engine.sharding.ShardPredictor), without an
+    encoder session (the ingress encodes). The constructor loads and checks the bundle's files: a
+    replica that cannot serve them never starts; the ingress checks the canaries of a version
+    before it serves (a replica Serve starts later, in place of one that died, loads the same
+    checksummed files)."""
 
     def __init__(self, path: str, threads: int = 1) -> None:
         self.shard = ShardPredictor.load(path, PredictorOptions(threads=threads))
@@ -124,6 +134,12 @@ class ShardReplica:
 
     def token_rows(self) -> np.ndarray | None:
         return self.shard.token_rows()
+
+    def canary_texts(self) -> list[str]:
+        return self.shard.canary_texts()
+
+    def check_canaries(self, queries: Any) -> None:
+        self.shard.check_canaries(queries)
 
     def pid(self) -> int:
         return os.getpid()
@@ -156,7 +172,12 @@ class ShardedEngine(Leased):
         for attempt in itertools.count():
             try:
                 return await handle.predict.remote(*args)
-            except RayActorError as exc:  # the replica died under the call: Serve routes the retry elsewhere
+            except RayTaskError:  # the shard's own code raised: not a transport failure
+                raise
+            # The replica died under the call: Serve routes the retry elsewhere. Over gRPC (the
+            # low-latency layout) a replica that dies after accepting a call surfaces as the RPC's
+            # error or Serve's RuntimeError("Unexpected error (UNAVAILABLE) ...").
+            except (RayActorError, grpc.aio.AioRpcError, RuntimeError) as exc:
                 if attempt >= self.retries:
                     raise
                 log.warning("shard call failed (%s), retrying", type(exc).__name__)
@@ -188,9 +209,12 @@ class ShardedRegistry:
     """Which sharded version serves, with the admin interface of service.api.registry.BundleRegistry
     (activate, rollback, list, lease), over Ray Serve applications."""
 
-    def __init__(self, layout: RayServing, settings: Settings, app_prefix: str,
+    def __init__(self, layout: RayServing, settings: Settings, app_prefix: str, loop: asyncio.AbstractEventLoop,
                  on_swap: Callable[[str | None, str], None] | None = None) -> None:
         self.root = Path(layout.bundle_root)
+        # The ingress's event loop: deployment handles are called on it (with Ray's low-latency
+        # layout a handle's router runs on the loop of its first call, not on a thread of its own).
+        self.loop = loop
         self.layout = layout
         self.settings = settings
         self.app_prefix = app_prefix
@@ -296,10 +320,10 @@ class ShardedRegistry:
 
     def _resolve(self, version: str | None) -> str:
         if version is None:
-            versions = sharded_versions(self.root)
-            if not versions:
+            listed = self.list()  # oldest first
+            if not listed:
                 raise BundleNotFound(f"no sharded version under {self.root.resolve()}")
-            return max(self.list(), key=lambda item: (item[0].created_at, item[0].version))[0].version
+            return listed[-1][0].version
         try:
             validate_version_name(version)
         except BundleError as exc:
@@ -331,11 +355,12 @@ class ShardedRegistry:
                            wait_for_applications_running=False)
             self._wait_running(apps)
             handles = [serve.get_deployment_handle(SHARD_DEPLOYMENT, app_name=name) for name in apps]
-            infos = [h.info.remote().result(timeout_s=layout.load_timeout_s) for h in handles]
-            parent = check_shard_set(infos)
+            parent = check_shard_set(self._call_all(handles, "info"))
             if parent.parent_version != version:
                 raise BundleError(f"{self.root / version}: its shards are of {parent.parent_version}")
-            rows = [h.token_rows.remote().result(timeout_s=layout.load_timeout_s) for h in handles]
+            texts = self._call_all(handles, "canary_texts")
+            self._call_all(handles, "check_canaries", [(encoder(t),) for t in texts])
+            rows = self._call_all(handles, "token_rows")
             token_rows = union_token_rows(rows, encoder.tokenizer.vocab_size)
         except Exception as exc:
             self._delete_apps(apps)
@@ -343,6 +368,16 @@ class ShardedRegistry:
                 raise
             raise ActivationFailed(f"{version}: {type(exc).__name__}: {exc}") from exc
         return ShardedEngine(version, encoder, handles, apps, parent, token_rows, layout.shard_retries)
+
+    def _call_all(self, handles: list[DeploymentHandle], method: str,
+                  args: list[tuple[Any, ...]] | None = None) -> list[Any]:
+        """`method` of every handle's deployment (with args[i] for handle i), called at once on the
+        ingress's loop (from a loader thread), within the load timeout."""
+        async def gather() -> list[Any]:
+            calls = (getattr(h, method).remote(*(args[i] if args else ())) for i, h in enumerate(handles))
+            return await asyncio.wait_for(asyncio.gather(*calls), self.layout.load_timeout_s)
+
+        return asyncio.run_coroutine_threadsafe(gather(), self.loop).result()
 
     def _wait_running(self, apps: list[str]) -> None:
         deadline = time.monotonic() + self.layout.load_timeout_s
@@ -425,7 +460,7 @@ class ShardedIngress:
             metrics.set_active(new)
 
         prefix = serve.get_replica_context().app_name
-        self.registry = ShardedRegistry(self.layout, self.settings, prefix, on_swap)
+        self.registry = ShardedRegistry(self.layout, self.settings, prefix, asyncio.get_running_loop(), on_swap)
         # No EngineRunner: the sharded answer awaits its shards on the event loop.
         self.state = ServiceState(self.settings, self.registry, None, metrics,  # type: ignore[arg-type]
                                   RequestModels(self.settings),
@@ -480,6 +515,8 @@ def run_cli(args: Any) -> int:
     # Ray reports usage to its makers unless told not to: a serving process talks to the hosts its
     # operator names only (RAY_USAGE_STATS_ENABLED=1 allows it).
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    for name, value in LOW_LATENCY_ENV.items():
+        os.environ.setdefault(name, value)  # inherited by the local instance's processes
     local = {} if args.address else {"num_cpus": args.num_cpus, "include_dashboard": False}
     ray.init(address=args.address, **local)
     stop = threading.Event()

@@ -42,6 +42,11 @@ def record(predictor: CanaryTarget, texts: Sequence[str]) -> list[CanaryQuery]:
     ]
 
 
+def check_texts(bundle: Bundle) -> list[str]:
+    """The texts `check` asks: the canaries, three label titles, the empty text."""
+    return [c.text for c in bundle.manifest.canary] + list(bundle.labels.titles[:3]) + [""]
+
+
 def check(predictor: CanaryTarget) -> None:
     """Raise BundleError unless the bundle reproduces its canaries and every scorer path a
     request can select (alpha 0, between and 1, and the bundle's; each shortlist source, which
@@ -49,7 +54,7 @@ def check(predictor: CanaryTarget) -> None:
     bundle = predictor.bundle
     canaries = bundle.manifest.canary
     # Label titles too: a canary set may miss a source (no canary text matches a token row).
-    texts = [c.text for c in canaries] + list(bundle.labels.titles[:3]) + [""]
+    texts = check_texts(bundle)
     try:
         ids, scores = predictor.predict_ids(texts, k=CANARY_K)
         paths = {"bundle's alpha": (ids, scores)}

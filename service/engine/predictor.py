@@ -46,6 +46,8 @@ class PredictorOptions:
     k_tok: int | None = None
     head: HeadMode | None = None
     lexical_weight: float | None = None
+    # False: no encoder session; queries come encoded (predict_encoded_ids), as a shard's do.
+    encoder: bool = True
 
     def scoring(self, bundle_scoring: Scoring) -> Scoring:
         """The bundle's scoring with these options applied, validated as a manifest's is."""
@@ -81,8 +83,8 @@ class Predictor:
             table=table, lexical=bool(self.scoring.lexical_weight),
         )
         self.scorer = LabelScorer.of(bundle.classifiers, bundle.classifier_bias, bundle.centroids, self.scoring)
-        self.encoder = bundle.encoder(self.options.threads)
-        self.queries = QueryEncoder(bundle.tokenizer, self.encoder)
+        self.encoder = bundle.encoder(self.options.threads) if self.options.encoder else None
+        self.queries = QueryEncoder(bundle.tokenizer, self.encoder) if self.encoder is not None else None
         # Retired labels (service.engine.label_changes) are never returned, by any scorer.
         self.retired = bundle.retired
 
@@ -98,7 +100,8 @@ class Predictor:
             raise BundleError(f"{path}: cannot be opened: {type(exc).__name__}: {exc}") from exc
         try:
             predictor = cls(bundle, options)
-            canary.check(predictor if predictor.answers_as_exported else cls(bundle))
+            if predictor.encoder is not None:  # else its caller checks them (ShardPredictor.check_canaries)
+                canary.check(predictor if predictor.answers_as_exported else cls(bundle))
         except BundleError:
             bundle.close()
             raise
@@ -130,6 +133,8 @@ class Predictor:
 
     def _encode(self, texts: Sequence[str]) -> EncodedQueries:
         """Padded token ids [B, T], their weights [B, T] and unit embeddings [B, D]."""
+        if self.queries is None:
+            raise LookupError("this predictor has no encoder (PredictorOptions.encoder=False): predict_encoded_ids")
         return self.queries(texts)
 
     def shortlist(self, texts: Sequence[str]) -> list[np.ndarray]:

@@ -7,25 +7,26 @@ of, shard_labels.npy holds each row's parent label id, in increasing order).
 
 Why the merge is the parent's answer: a label's score depends on the query and that label only
 (service.engine.scorers), so the top k of the parent's shortlist is the top k of the shards' top
-k. The shortlist itself is the parent's, source by source: a shard's token rows keep the parent's
-slots (a label of another shard leaves its slot empty, so the first k_tok slots are the parent's
-first k_tok, restricted); its head is the parent's head restricted (the shard's k_head counts the
-parent's head labels it holds); the head's "fallback" rule is decided for the parent, from every
-shard's rows (`ShardPredictor.token_rows`, `head_rows`). Only HNSW searches differ: each shard
-searches its own graph for its own top k_w / k_mu, a superset of the parent's candidates when the
-searches are exact.
+k. The shortlist itself is the parent's, source by source: a shard's token rows hold its labels
+among the parent's first k_tok slots of each row (packed; the shard's k_tok is the most a row
+holds), and its overflow rows its labels among the parent's; its head is the parent's head
+restricted (the shard's k_head counts the parent's head labels it holds); the head's "fallback"
+rule is decided for the parent, from every shard's rows (`ShardPredictor.token_rows`, `head_rows`).
+Only HNSW searches differ: each shard searches its own graph for its own top k_w / k_mu, a superset
+of the parent's candidates when the searches are exact.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 
+from service.engine import canary
 from service.engine.predictor import Prediction, Predictor, PredictorOptions
 from service.engine.query import EncodedQueries, QueryEncoder
 from service.engine.schema import ENCODER, ENCODER_DATA, TOKENIZER, BundleError, ShardOf, validate_version_name
@@ -106,8 +107,21 @@ class ShardPredictor:
 
     @classmethod
     def load(cls, path: str | Path, options: PredictorOptions | None = None) -> ShardPredictor:
-        """Predictor.load (every check, the canaries) of a shard bundle."""
-        return cls(Predictor.load(path, options))
+        """Predictor.load of a shard bundle without an encoder session (its queries come encoded by
+        the router, which holds the parent's encoder): every check but the canaries, which need
+        encoded texts: the router checks them with check_canaries before the shard serves."""
+        return cls(Predictor.load(path, replace(options or PredictorOptions(), encoder=False)))
+
+    def canary_texts(self) -> list[str]:
+        return canary.check_texts(self.predictor.bundle)
+
+    def check_canaries(self, queries: EncodedQueries) -> None:
+        """canary.check of this shard, on canary_texts() as the router encoded them; BundleError
+        naming the shard's path."""
+        p = self.predictor
+        exported = p if p.answers_as_exported else Predictor(p.bundle, PredictorOptions(threads=p.options.threads,
+                                                                                        encoder=False))
+        canary.check(_EncodedTexts(exported, self.canary_texts(), queries))
 
     def info(self) -> ShardInfo:
         p = self.predictor
@@ -117,12 +131,15 @@ class ShardPredictor:
 
     def token_rows(self) -> np.ndarray | None:
         """Packed bits [ceil(V / 8)]: which tokens have a label of this shard among the first
-        k_tok slots of their row (None without a token shortlist); OR over every shard of the
-        parent, the parent's own rows' test (head_rows)."""
+        k_tok slots of their row or in their overflow row (None without a token shortlist); OR
+        over every shard of the parent, the parent's own rows' test (head_rows)."""
         table, k_tok = self.predictor.sources.table, self.predictor.scoring.shortlist.k_tok
         if table is None:
             return None
-        return np.packbits((table.labels[:, :k_tok] >= 0).any(axis=1))
+        found = (table.labels[:, :k_tok] >= 0).any(axis=1)
+        if table.overflow is not None:
+            found |= (table.overflow >= 0).any(axis=1)
+        return np.packbits(found)
 
     def predict(
         self, queries: EncodedQueries, k: int, alpha: float | None = None, exclude: Sequence[str] = (),
@@ -139,6 +156,29 @@ class ShardPredictor:
         titles = [[title for _, title in row] for row in named]
         parent = np.where(ids >= 0, self.parent_ids[np.maximum(ids, 0)], -1)
         return ShardAnswer(parent, scores, uids, titles, [i is not None for i in local])
+
+
+class _EncodedTexts:
+    """canary.CanaryTarget of a predictor without an encoder: `texts` answered from their
+    encodings `queries` (row i = texts[i])."""
+
+    def __init__(self, predictor: Predictor, texts: Sequence[str], queries: EncodedQueries) -> None:
+        if len(queries.q) != len(texts):
+            raise BundleError(f"{predictor.bundle.path}: {len(queries.q)} encoded canaries for {len(texts)} texts")
+        self.predictor, self.bundle = predictor, predictor.bundle
+        self.rows = {text: i for i, text in enumerate(texts)}
+        self.queries = queries
+
+    @property
+    def num_labels(self) -> int:
+        return self.predictor.num_labels
+
+    def predict_ids(self, texts: list[str], k: int, alpha: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+        rows = [self.rows[t] for t in texts]
+        return self.predictor.predict_encoded_ids(EncodedQueries(*(a[rows] for a in self.queries)), k, alpha)
+
+    def predict_tree_ids(self, texts: list[str], k: int) -> tuple[np.ndarray, np.ndarray]:
+        raise LookupError("a shard has no tree scorer")
 
 
 def check_shard_set(infos: Sequence[ShardInfo]) -> ShardOf:
@@ -214,7 +254,10 @@ class ShardedPredictor:
     @classmethod
     def load(cls, version_dir: str | Path, options: PredictorOptions | None = None) -> ShardedPredictor:
         dirs = shard_dirs(Path(version_dir))
-        return cls(QueryEncoder.open(dirs[0]), [ShardPredictor.load(d, options) for d in dirs])
+        encoder, shards = QueryEncoder.open(dirs[0]), [ShardPredictor.load(d, options) for d in dirs]
+        for shard in shards:
+            shard.check_canaries(encoder(shard.canary_texts()))
+        return cls(encoder, shards)
 
     def predict(self, texts: Sequence[str], k: int = 10, alpha: float | None = None,
                 exclude: Sequence[str] = ()) -> list[list[Prediction]]:
