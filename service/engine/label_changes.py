@@ -113,15 +113,27 @@ class LabelEditor:
     (objective 175.71 against 175.87) and keeps debian-deps' P@1 (56.79 against 49.52 at 0.9).
     """
 
-    def __init__(self, prior_quantile: float = 0.95, lexical_quantile: float = 0.5, overflow_width: int = 32) -> None:
+    def __init__(self, prior_quantile: float = 0.95, lexical_quantile: float = 0.5, overflow_width: int = 32,
+                 text_map_l2: float | None = None, text_map_labels: int = 50_000, seed: int = 0,
+                 added_shortlist: int = 0) -> None:
         for name, q in (("prior_quantile", prior_quantile), ("lexical_quantile", lexical_quantile)):
             if not 0.0 <= q <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {q}")
         if overflow_width < 1:
             raise ValueError(f"overflow_width must be >= 1, got {overflow_width}")
+        if text_map_l2 is not None and not text_map_l2 > 0:
+            raise ValueError(f"text_map_l2 must be > 0 (or None: no map), got {text_map_l2}")
+        if text_map_labels < 1:
+            raise ValueError(f"text_map_labels must be >= 1, got {text_map_labels}")
+        if added_shortlist < 0:
+            raise ValueError(f"added_shortlist must be >= 0, got {added_shortlist}")
         self.prior_quantile = prior_quantile
         self.lexical_quantile = lexical_quantile
         self.overflow_width = overflow_width
+        self.text_map_l2 = text_map_l2
+        self.text_map_labels = text_map_labels
+        self.seed = seed
+        self.added_shortlist = added_shortlist
 
     def derive(self, parent: Bundle, change: LabelChange, out_root: str | Path, version: str) -> ChangeReport:
         """Write OUT_ROOT/VERSION: `parent` with `change` applied. Raises LabelChangeRejected
@@ -147,6 +159,8 @@ class LabelEditor:
                 parent=parent.version, base=parent.manifest.lineage.base if parent.manifest.lineage else parent.version,
                 added=len(change.add), retired=len(retired), tree_labels=parent.manifest.tree_labels)
             fields = _manifest_fields(parent, version, len(parent.labels) + len(change.add), lineage)
+            if fields["num_labels"] > lineage.tree_labels:
+                fields["scoring"]["shortlist"]["k_added"] = self.added_shortlist
             linked = {name: parent.manifest.files[name] for name, how in shared.items() if how == "link"}
             written = store.write_manifest(staging, fields, known=linked)
             fields["canary"] = _canaries(staging, [c.text for c in parent.manifest.canary])
@@ -165,11 +179,15 @@ class LabelEditor:
         trained = parent.manifest.tree_labels
         scale = float(np.median(np.linalg.norm(parent.classifiers[:trained], axis=1)))
         prior = float(np.quantile(parent.classifier_bias[:trained], self.prior_quantile))
+        new_w, new_b, new_mu = scale * emb, np.full(len(add), prior, np.float32), emb
+        if self.text_map_l2 is not None:
+            fitted = TextMap.fit(parent, scale, prior, self.text_map_l2, self.text_map_labels, self.seed)
+            new_w, new_b, new_mu = fitted.apply(_embed_titles(parent, [lab.title for lab in add]), new_w, new_b, new_mu)
         # The label vectors in the parent's dtype (float16 in format 2's default); the indices
         # get the stored values, as export gives them.
-        w = np.vstack((parent.classifiers, scale * emb)).astype(parent.vector_dtype)
-        b = np.concatenate((parent.classifier_bias, np.full(len(add), prior, np.float32))).astype(np.float32)
-        mu = np.vstack((parent.centroids, emb)).astype(parent.vector_dtype)
+        w = np.vstack((parent.classifiers, new_w)).astype(parent.vector_dtype)
+        b = np.concatenate((parent.classifier_bias, new_b)).astype(np.float32)
+        mu = np.vstack((parent.centroids, new_mu)).astype(parent.vector_dtype)
         plan.save(schema.CLASSIFIERS, w)
         plan.save(schema.CLASSIFIER_BIAS, b)
         plan.save(schema.CENTROIDS, mu)
@@ -227,6 +245,58 @@ class LabelEditor:
         served = table.weights[:, : max(parent.manifest.scoring.shortlist.k_tok, 1)]
         positive = served[served > 0]
         return float(np.quantile(positive, self.lexical_quantile)) if positive.size else 0.0
+
+
+class TextMap:
+    """What a label's text says about the vectors training would give it, learned from the
+    trained labels: ridge maps from a label's title embedding E(z) to the residuals of its trained
+    classifier, bias and centroid from what its text alone gives (s E(z), the prior, E(z)).
+
+    A label's text may share few words with the documents that carry it (debian-deps: a library's
+    description and the programs that depend on it); the trained labels show how texts of each
+    kind sit relative to their documents, and an added label gets that, shrunk toward its text
+    alone by l2 (per label: the solve is (X'X / n + l2 I) A = X'Y / n, X = [E(z), 1]).
+    """
+
+    def __init__(self, coef: np.ndarray, dim: int) -> None:
+        self.coef, self.dim = coef, dim
+
+    @classmethod
+    def fit(cls, parent: Bundle, scale: float, prior: float, l2: float, max_labels: int, seed: int) -> TextMap:
+        """Fitted on the parent's trained labels (at most max_labels of them, a seeded sample)."""
+        trained = parent.manifest.tree_labels
+        rows = np.arange(trained)
+        if trained > max_labels:
+            rows = np.sort(np.random.default_rng(seed).choice(trained, max_labels, replace=False))
+        e = _embed_titles(parent, [parent.labels.titles[int(i)] for i in rows])
+        w = np.asarray(parent.classifiers[rows], dtype=np.float32)
+        b = np.asarray(parent.classifier_bias[rows], dtype=np.float32)
+        mu = np.asarray(parent.centroids[rows], dtype=np.float32)
+        x = np.hstack((e, np.ones((len(rows), 1), np.float32))).astype(np.float64)
+        y = np.hstack((w - scale * e, (b - prior)[:, None], mu - e)).astype(np.float64)
+        gram = x.T @ x / len(rows) + l2 * np.eye(x.shape[1])
+        return cls(np.linalg.solve(gram, x.T @ y / len(rows)).astype(np.float32), e.shape[1])
+
+    def apply(self, title_emb: np.ndarray, w: np.ndarray, b: np.ndarray,
+              mu: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """w, b, mu of added labels moved by the map of their title embeddings [N, D]."""
+        d = self.dim
+        delta = np.hstack((title_emb, np.ones((len(title_emb), 1), np.float32))) @ self.coef
+        centroid = mu + delta[:, d + 1 :]
+        centroid /= np.maximum(np.linalg.norm(centroid, axis=1, keepdims=True), 1e-12)
+        return w + delta[:, :d], (b + delta[:, d]).astype(np.float32), centroid
+
+
+_EMBED_AT_ONCE = 2048
+
+
+def _embed_titles(parent: Bundle, titles: Sequence[str]) -> np.ndarray:
+    """E(title) [N, D] float32, a block of titles at a time (a title with no known word: 0)."""
+    encoder, out = parent.encoder(1), []
+    for start in range(0, len(titles), _EMBED_AT_ONCE):
+        ids, weights = parent.tokenizer.encode_batch(list(titles[start : start + _EMBED_AT_ONCE]))
+        out.append(np.nan_to_num(encoder.run(ids, weights)))
+    return np.vstack(out) if out else np.zeros((0, parent.manifest.dim), np.float32)
 
 
 class _Plan:
