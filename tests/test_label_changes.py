@@ -153,6 +153,24 @@ def test_an_added_label_gets_what_the_trained_labels_say_its_text_means(bundle_r
         LabelEditor(text_map_l2=0.0)
 
 
+def test_a_label_said_to_be_common_gets_a_prior_among_the_trained_labels_most_common(bundle_root, synthetic_data,
+                                                                                      tmp_path):
+    words = _new_labels(synthetic_data, 3)
+    added = [NewLabel("common", words[0].title, prior=1.0), NewLabel("rare", words[1].title, prior=0.0),
+             NewLabel("typical", words[2].title)]
+    bundle = Bundle.open(_derive(bundle_root / "v1", tmp_path, LabelChange(add=added), prior_quantile=0.5))
+    trained = np.asarray(bundle.classifier_bias[: bundle.manifest.tree_labels])
+    b = bundle.classifier_bias[-3:]
+    assert b[0] == np.float32(trained.max()) and b[1] == np.float32(trained.min())
+    assert b[2] == np.float32(np.quantile(trained.astype(np.float64), 0.5))
+    lexical = np.load(bundle.path / "token_shortlist_bias.npy")  # the fixture's logistic lexical form
+    assert lexical[-3] == lexical[: bundle.manifest.tree_labels].max()
+    bundle.close()
+    with pytest.raises(LabelChangeRejected, match=r"add\[0\]\.prior"):
+        _derive(bundle_root / "v1", tmp_path, LabelChange(add=[NewLabel("x", words[0].title, prior=1.5)]), "bad")
+    assert not (tmp_path / "bad").exists()
+
+
 def test_retired_labels_are_never_returned_by_any_scorer(bundle_root, synthetic_data, tmp_path):
     rows = _label_rows(synthetic_data)
     parent = Predictor.load(bundle_root / "v1")
@@ -268,6 +286,9 @@ def test_cli_adds_and_retires_labels_offline(bundle_root, synthetic_data, tmp_pa
     labels.write_text('{"uid": "x"}\n')
     assert cli(["labels", "add", str(bundle_root / "v1"), "--labels", str(labels), "--out", str(out)]) == 2
     assert f"{labels}:1" in capsys.readouterr().err
+    labels.write_text('{"uid": "x", "title": "kama", "prior": "high"}\n')
+    assert cli(["labels", "add", str(bundle_root / "v1"), "--labels", str(labels), "--out", str(out)]) == 2
+    assert f"{labels}:1: prior" in capsys.readouterr().err
 
 
 def test_faults_in_a_derived_bundles_own_files_are_refused_naming_the_file(bundle_root, synthetic_data, tmp_path):
