@@ -29,6 +29,7 @@ documents' titles), and the time to add 1,000 labels to it through the API is me
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -76,9 +77,7 @@ def holdout_dataset(data_dir: Path, out_dir: Path, fraction: float, seed: int) -
 
     out_dir.mkdir(parents=True, exist_ok=True)
     labels = read_jsonl(find_split_file(data_dir, "lbl"))
-    rng = np.random.default_rng(seed)
-    held = np.zeros(len(labels), dtype=bool)
-    held[rng.choice(len(labels), size=round(fraction * len(labels)), replace=False)] = True
+    held = held_out_mask(len(labels), fraction, seed)
     new_row = np.cumsum(~held) - 1
     write_jsonl_gz(out_dir / "lbl.json.gz", [row for row, h in zip(labels, held, strict=True) if not h])
     for split in ("trn", "tst"):
@@ -93,6 +92,13 @@ def holdout_dataset(data_dir: Path, out_dir: Path, fraction: float, seed: int) -
     uids = [str(labels[i]["uid"]) for i in np.flatnonzero(held)]
     (out_dir / "holdout.json").write_text(json.dumps(uids), encoding="utf-8")
     return uids
+
+
+def held_out_mask(num_labels: int, fraction: float, seed: int) -> np.ndarray:
+    """The labels a draw holds out: a random `fraction` of them, seeded."""
+    held = np.zeros(num_labels, dtype=bool)
+    held[np.random.default_rng(seed).choice(num_labels, size=round(fraction * num_labels), replace=False)] = True
+    return held
 
 
 def trained_bundle(data_dir: Path, out: Path, name: str, config: str | None, seed: int) -> Path:
@@ -114,11 +120,14 @@ def trained_bundle(data_dir: Path, out: Path, name: str, config: str | None, see
 class Truth:
     """The full dataset's labels and test (or validation) documents, label ids in the full label file."""
 
-    def __init__(self, data_dir: Path, held_uids: Sequence[str], docs: list[dict[str, Any]]) -> None:
+    def __init__(self, data_dir: Path, held_uids: Sequence[str], docs: list[dict[str, Any]],
+                 aliases: dict[str, str] | None = None) -> None:
         from training.data import find_split_file
 
         self.label_uids = [str(r["uid"]) for r in read_jsonl(find_split_file(data_dir, "lbl"))]
         self.index = {uid: i for i, uid in enumerate(self.label_uids)}
+        # A bundle's uid -> the dataset's (a label added again under another uid is the same label).
+        self.index.update({alias: self.index[uid] for alias, uid in (aliases or {}).items()})
         self.held = np.zeros(len(self.label_uids), dtype=bool)
         self.held[[self.index[u] for u in held_uids]] = True
         self.texts = [d["title"] for d in docs]
@@ -185,22 +194,24 @@ def bundle_predictions(bundle_dir: Path, truth: Truth, options: PredictorOptions
         predictor.bundle.close()
 
 
-def ablations(holdout: Path, live_dir: Path, added: list[NewLabel], truth: Truth, scratch: Path) -> dict[str, Any]:
+def ablations(holdout: Path, live_dir: Path, added: list[NewLabel], hints: dict[str, float], truth: Truth,
+              scratch: Path) -> dict[str, Any]:
     """The live bundle's predictions with one of its ways of placing the added labels taken away,
-    and with exact scoring of every label (the ceiling of any shortlist)."""
+    with exact scoring of every label (the ceiling of any shortlist), and the same labels added
+    (offline, the service's editor) with prior hints."""
     preds = {"live exact": bundle_predictions(live_dir, truth, exact=True),
              "live without added search": bundle_predictions(live_dir, truth, PredictorOptions(k_added=0)),
              "live without overflow": bundle_predictions(live_dir, truth, without_overflow=True)}
-    editor = LabelEditor()
-    if editor.text_map_l2 is not None:
+    parent = Bundle.open(holdout)
+    try:
+        hinted = [dataclasses.replace(a, prior=hints[a.uid]) for a in added]
         shutil.rmtree(scratch, ignore_errors=True)
-        parent = Bundle.open(holdout)
-        try:
-            LabelEditor(**{**vars(editor), "text_map_l2": None}).derive(parent, LabelChange(add=added), scratch, "a")
-        finally:
-            parent.close()
-        preds["live without text map"] = bundle_predictions(scratch / "a", truth)
-        shutil.rmtree(scratch, ignore_errors=True)
+        LabelEditor().derive(parent, LabelChange(add=hinted), scratch, "hinted")
+    finally:
+        parent.close()
+    preds["live with prior hints"] = bundle_predictions(scratch / "hinted", truth)
+    preds["live with prior hints, exact"] = bundle_predictions(scratch / "hinted", truth, exact=True)
+    shutil.rmtree(scratch, ignore_errors=True)
     return preds
 
 
@@ -225,11 +236,27 @@ def omikuji_predictions(data_dir: Path, out: Path, truth: Truth, seed: int) -> n
     return preds
 
 
-def new_labels(data_dir: Path, uids: Sequence[str]) -> list[NewLabel]:
+def new_labels(data_dir: Path, uids: Sequence[str], priors: dict[str, float] | None = None) -> list[NewLabel]:
     from training.data import find_split_file
 
     rows = {str(r["uid"]): r for r in read_jsonl(find_split_file(data_dir, "lbl"))}
-    return [NewLabel(uid, rows[uid]["title"], rows[uid].get("content")) for uid in uids]
+    return [NewLabel(uid, rows[uid]["title"], rows[uid].get("content"), (priors or {}).get(uid)) for uid in uids]
+
+
+def prior_hints(data_dir: Path, held_uids: Sequence[str]) -> dict[str, float]:
+    """What a user who knows how common each new label is would say (NewLabel.prior): where its
+    number of training documents ranks among the trained labels' (a quantile). Not text: the
+    bench reads it from the full training split, which the held-out model never saw."""
+    from training.data import find_split_file
+
+    uids = [str(r["uid"]) for r in read_jsonl(find_split_file(data_dir, "lbl"))]
+    counts = np.zeros(len(uids))
+    for doc in read_jsonl(find_split_file(data_dir, "trn")):
+        counts[list(set(doc["target_ind"]))] += 1
+    held = np.isin(uids, list(held_uids))
+    trained = np.sort(counts[~held])
+    ranks = np.searchsorted(trained, counts[held], side="right") / len(trained)
+    return {uid: float(q) for uid, q in zip(np.asarray(uids)[held], ranks, strict=True)}
 
 
 def validation_documents(trn: list[dict[str, Any]], checkpoint: Path) -> list[dict[str, Any]]:
@@ -251,7 +278,9 @@ def tune_priors(holdout: Path, added: list[NewLabel], val: Truth, own_excluded: 
         for setting in grid:
             shutil.rmtree(scratch, ignore_errors=True)
             t0 = time.perf_counter()
-            LabelEditor(**setting).derive(parent, LabelChange(add=added), scratch, "tune")
+            editor = {k: v for k, v in setting.items() if k != "prior_hints"}
+            labels = added if setting.get("prior_hints", True) else [dataclasses.replace(a, prior=None) for a in added]
+            LabelEditor(**editor).derive(parent, LabelChange(add=labels), scratch, "tune")
             m = val.metrics(bundle_predictions(scratch / "tune", val), own_excluded)
             objective = m["P@1"] + m["P@5"] + m["held R@10"]
             rows.append({"editor": setting, "objective": objective, **m, "derive_s": time.perf_counter() - t0})
@@ -418,13 +447,15 @@ def scale_run(out: Path, data_dir: Path, target: int) -> dict[str, Any]:
     return {"labels_before": num_labels, "added": len(extra), **timed}
 
 
-DEFAULT_GRID = {"prior_quantile": [0.5, 0.95], "text_map_l2": [None, 0.01, 0.1], "added_shortlist": [0, 10, 50]}
+# "prior_hints": whether the labels are added with NewLabel.prior (prior_hints()), not an editor setting.
+DEFAULT_GRID = {"prior_hints": [False], "prior_quantile": [0.9, 0.95, 0.99], "added_shortlist": [0, 50, 200]}
 SYSTEMS = (("held-out", "the model that never saw them"), ("live", "held-out model + labels added live"),
            ("retrained", "Shortlist retrained with them"), ("omikuji", "omikuji retrained with them"),
            ("live exact", "live, every label scored (no shortlist)"),
            ("live without added search", "live, k_added 0 (added labels reach a query by their words only)"),
            ("live without overflow", "live, no token overflow (added labels reach a query by search only)"),
-           ("live without text map", "live, added labels' vectors from their text alone (no text map)"))
+           ("live with prior hints", "added with how common each is (NewLabel.prior; not text: see below)"),
+           ("live with prior hints, exact", "the same, every label scored"))
 METRICS = ("P@1", "P@5", "R@10", "held P@5", "held R@10", "held R@10 labels")
 
 
@@ -494,6 +525,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tune", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--grid", default=json.dumps(DEFAULT_GRID),
                    help="with --tune: JSON {LabelEditor argument: [values]}, every combination scored")
+    p.add_argument("--tune-only", action="store_true", help="stop after --tune (validation documents only)")
     p.add_argument("--retrained", default=None,
                    help="a bundle trained on the full data with the same config and seed (else trained here)")
     p.add_argument("--batches", type=int, default=10)
@@ -514,6 +546,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     holdout = trained_bundle(out / "data-holdout", out, "holdout", args.config, args.seed)
     full = Path(args.retrained).resolve() if args.retrained else trained_bundle(data, out, "full", args.config,
                                                                                    args.seed)
+    hints = prior_hints(data, held_uids)
     added = new_labels(data, held_uids)
     from training.data import find_split_file
 
@@ -525,8 +558,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     if args.tune:
         val = Truth(data, held_uids, validation_documents(trn, out / "ckpt-holdout"))
-        result["tuning"] = tune_priors(holdout, added, val, args.filter == "own", out / "tune-scratch",
-                                       editor_grid(args.grid))
+        result["tuning"] = tune_priors(holdout, new_labels(data, held_uids, hints), val, args.filter == "own",
+                                       out / "tune-scratch", editor_grid(args.grid))
+        if args.tune_only:
+            print(json.dumps(result["tuning"], indent=1, default=str))
+            return 0
     truth = Truth(data, held_uids, tst)
     held_set = set(held_uids)
     trained_uids = [u for u in Bundle.open(holdout).labels.uids if u not in held_set]
@@ -538,7 +574,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     preds = {"held-out": bundle_predictions(holdout, truth), "live": bundle_predictions(live_dir, truth),
              "retrained": bundle_predictions(full, truth), "omikuji": omikuji_predictions(data, out, truth, args.seed)}
     if args.ablations:
-        preds.update(ablations(holdout, live_dir, added, truth, out / "ablation-scratch"))
+        preds.update(ablations(holdout, live_dir, added, hints, truth, out / "ablation-scratch"))
     result["metrics"] = {name: {s: truth.metrics(pr, excluded) for s, pr in preds.items()}
                          for name, excluded in protocols.items()}
     if args.scale_labels:
