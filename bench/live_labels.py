@@ -29,6 +29,7 @@ documents' titles), and the time to add 1,000 labels to it through the API is me
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -52,9 +53,10 @@ from _common import (
     write_jsonl_gz,
 )
 
-from service.engine import Predictor
+from service.engine import Predictor, PredictorOptions
 from service.engine.bundle import Bundle
 from service.engine.label_changes import LabelChange, LabelEditor, NewLabel
+from service.engine.lexical import TokenShortlist
 from shortlist.testing import serve
 
 TOKEN = "bench-live-labels"
@@ -75,9 +77,7 @@ def holdout_dataset(data_dir: Path, out_dir: Path, fraction: float, seed: int) -
 
     out_dir.mkdir(parents=True, exist_ok=True)
     labels = read_jsonl(find_split_file(data_dir, "lbl"))
-    rng = np.random.default_rng(seed)
-    held = np.zeros(len(labels), dtype=bool)
-    held[rng.choice(len(labels), size=round(fraction * len(labels)), replace=False)] = True
+    held = held_out_mask(len(labels), fraction, seed)
     new_row = np.cumsum(~held) - 1
     write_jsonl_gz(out_dir / "lbl.json.gz", [row for row, h in zip(labels, held, strict=True) if not h])
     for split in ("trn", "tst"):
@@ -92,6 +92,13 @@ def holdout_dataset(data_dir: Path, out_dir: Path, fraction: float, seed: int) -
     uids = [str(labels[i]["uid"]) for i in np.flatnonzero(held)]
     (out_dir / "holdout.json").write_text(json.dumps(uids), encoding="utf-8")
     return uids
+
+
+def held_out_mask(num_labels: int, fraction: float, seed: int) -> np.ndarray:
+    """The labels a draw holds out: a random `fraction` of them, seeded."""
+    held = np.zeros(num_labels, dtype=bool)
+    held[np.random.default_rng(seed).choice(num_labels, size=round(fraction * num_labels), replace=False)] = True
+    return held
 
 
 def trained_bundle(data_dir: Path, out: Path, name: str, config: str | None, seed: int) -> Path:
@@ -113,11 +120,14 @@ def trained_bundle(data_dir: Path, out: Path, name: str, config: str | None, see
 class Truth:
     """The full dataset's labels and test (or validation) documents, label ids in the full label file."""
 
-    def __init__(self, data_dir: Path, held_uids: Sequence[str], docs: list[dict[str, Any]]) -> None:
+    def __init__(self, data_dir: Path, held_uids: Sequence[str], docs: list[dict[str, Any]],
+                 aliases: dict[str, str] | None = None) -> None:
         from training.data import find_split_file
 
         self.label_uids = [str(r["uid"]) for r in read_jsonl(find_split_file(data_dir, "lbl"))]
         self.index = {uid: i for i, uid in enumerate(self.label_uids)}
+        # A bundle's uid -> the dataset's (a label added again under another uid is the same label).
+        self.index.update({alias: self.index[uid] for alias, uid in (aliases or {}).items()})
         self.held = np.zeros(len(self.label_uids), dtype=bool)
         self.held[[self.index[u] for u in held_uids]] = True
         self.texts = [d["title"] for d in docs]
@@ -133,6 +143,7 @@ class Truth:
         that have one), in percent; with own_excluded each document's own label leaves both sides."""
         sums = {"P@1": 0.0, "P@5": 0.0, "R@10": 0.0, "held P@5": 0.0, "held R@10": 0.0}
         docs = held_docs = 0
+        per_label: dict[int, list[int]] = {}  # held-out label -> [documents it is in the top 10 of, documents]
         for row, truth, own in zip(preds, self.targets, self.own, strict=True):
             if own_excluded and own >= 0:
                 row, truth = row[row != own], [t for t in truth if t != own]
@@ -150,21 +161,58 @@ class Truth:
                 held_hits = np.isin(row, held)
                 sums["held P@5"] += held_hits[:5].sum() / 5
                 sums["held R@10"] += held_hits.sum() / len(held)
+                for t in held:
+                    counts = per_label.setdefault(t, [0, 0])
+                    counts[0] += int(t in row)
+                    counts[1] += 1
         out = {k: 100 * v / max(docs, 1) for k, v in sums.items() if not k.startswith("held")}
         out.update({k: 100 * v / max(held_docs, 1) for k, v in sums.items() if k.startswith("held")})
-        out.update(docs=docs, held_docs=held_docs)
+        # The document average weighs a held-out label by its documents: the label average beside it.
+        out["held R@10 labels"] = 100 * float(np.mean([a / b for a, b in per_label.values()])) if per_label else 0.0
+        top = max(per_label, key=lambda t: per_label[t][1]) if per_label else -1
+        out.update(docs=docs, held_docs=held_docs, held_labels=len(per_label),
+                   top_held={"uid": self.label_uids[top], "found": per_label[top][0], "docs": per_label[top][1]}
+                   if per_label else None)
         return out
 
 
-def bundle_predictions(bundle_dir: Path, truth: Truth) -> np.ndarray:
-    """Top RANKED of every document, through the engine on the bundle's files, as full label ids."""
-    predictor = Predictor.load(bundle_dir)
+def bundle_predictions(bundle_dir: Path, truth: Truth, options: PredictorOptions | None = None,
+                       exact: bool = False, without_overflow: bool = False) -> np.ndarray:
+    """Top RANKED of every document, through the engine on the bundle's files, as full label ids.
+
+    exact: every label scored (no shortlist); without_overflow: the token table served without
+    its overflow rows (the added labels' slots), an ablation only this bench makes."""
+    predictor = Predictor.load(bundle_dir, options)
+    if without_overflow and predictor.sources.table is not None:
+        t = predictor.sources.table
+        predictor.sources.table = TokenShortlist(t.labels, t.weights, t.form, t.bias)
+    predict = predictor.predict_exact_ids if exact else predictor.predict_ids
     try:
-        ids = np.vstack([predictor.predict_ids(truth.texts[i : i + 1000], k=RANKED)[0]
-                         for i in range(0, len(truth.texts), 1000)])
+        ids = np.vstack([predict(truth.texts[i : i + 500], k=RANKED)[0] for i in range(0, len(truth.texts), 500)])
         return truth.to_full(predictor.bundle.labels.uids, ids)
     finally:
         predictor.bundle.close()
+
+
+def ablations(holdout: Path, live_dir: Path, added: list[NewLabel], hints: dict[str, float], truth: Truth,
+              scratch: Path) -> dict[str, Any]:
+    """The live bundle's predictions with one of its ways of placing the added labels taken away,
+    with exact scoring of every label (the ceiling of any shortlist), and the same labels added
+    (offline, the service's editor) with prior hints."""
+    preds = {"live exact": bundle_predictions(live_dir, truth, exact=True),
+             "live without added search": bundle_predictions(live_dir, truth, PredictorOptions(k_added=0)),
+             "live without overflow": bundle_predictions(live_dir, truth, without_overflow=True)}
+    parent = Bundle.open(holdout)
+    try:
+        hinted = [dataclasses.replace(a, prior=hints[a.uid]) for a in added]
+        shutil.rmtree(scratch, ignore_errors=True)
+        LabelEditor().derive(parent, LabelChange(add=hinted), scratch, "hinted")
+    finally:
+        parent.close()
+    preds["live with prior hints"] = bundle_predictions(scratch / "hinted", truth)
+    preds["live with prior hints, exact"] = bundle_predictions(scratch / "hinted", truth, exact=True)
+    shutil.rmtree(scratch, ignore_errors=True)
+    return preds
 
 
 def omikuji_predictions(data_dir: Path, out: Path, truth: Truth, seed: int) -> np.ndarray:
@@ -188,11 +236,27 @@ def omikuji_predictions(data_dir: Path, out: Path, truth: Truth, seed: int) -> n
     return preds
 
 
-def new_labels(data_dir: Path, uids: Sequence[str]) -> list[NewLabel]:
+def new_labels(data_dir: Path, uids: Sequence[str], priors: dict[str, float] | None = None) -> list[NewLabel]:
     from training.data import find_split_file
 
     rows = {str(r["uid"]): r for r in read_jsonl(find_split_file(data_dir, "lbl"))}
-    return [NewLabel(uid, rows[uid]["title"], rows[uid].get("content")) for uid in uids]
+    return [NewLabel(uid, rows[uid]["title"], rows[uid].get("content"), (priors or {}).get(uid)) for uid in uids]
+
+
+def prior_hints(data_dir: Path, held_uids: Sequence[str]) -> dict[str, float]:
+    """What a user who knows how common each new label is would say (NewLabel.prior): where its
+    number of training documents ranks among the trained labels' (a quantile). Not text: the
+    bench reads it from the full training split, which the held-out model never saw."""
+    from training.data import find_split_file
+
+    uids = [str(r["uid"]) for r in read_jsonl(find_split_file(data_dir, "lbl"))]
+    counts = np.zeros(len(uids))
+    for doc in read_jsonl(find_split_file(data_dir, "trn")):
+        counts[list(set(doc["target_ind"]))] += 1
+    held = np.isin(uids, list(held_uids))
+    trained = np.sort(counts[~held])
+    ranks = np.searchsorted(trained, counts[held], side="right") / len(trained)
+    return {uid: float(q) for uid, q in zip(np.asarray(uids)[held], ranks, strict=True)}
 
 
 def validation_documents(trn: list[dict[str, Any]], checkpoint: Path) -> list[dict[str, Any]]:
@@ -205,26 +269,36 @@ def validation_documents(trn: list[dict[str, Any]], checkpoint: Path) -> list[di
 
 
 def tune_priors(holdout: Path, added: list[NewLabel], val: Truth, own_excluded: bool, scratch: Path,
-                grid: Sequence[tuple[float, float]]) -> list[dict[str, Any]]:
-    """Each (prior_quantile, lexical_quantile) of the grid: the held-out bundle with the labels
-    added that way, scored on validation documents; best objective first."""
+                grid: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each LabelEditor setting of the grid: the held-out bundle with the labels added that way,
+    scored on validation documents; best objective first."""
     rows = []
     parent = Bundle.open(holdout)
     try:
-        for prior_q, lexical_q in grid:
+        for setting in grid:
             shutil.rmtree(scratch, ignore_errors=True)
             t0 = time.perf_counter()
-            LabelEditor(prior_q, lexical_q).derive(parent, LabelChange(add=added), scratch, "tune")
+            editor = {k: v for k, v in setting.items() if k != "prior_hints"}
+            labels = added if setting.get("prior_hints", True) else [dataclasses.replace(a, prior=None) for a in added]
+            LabelEditor(**editor).derive(parent, LabelChange(add=labels), scratch, "tune")
             m = val.metrics(bundle_predictions(scratch / "tune", val), own_excluded)
             objective = m["P@1"] + m["P@5"] + m["held R@10"]
-            rows.append({"prior_quantile": prior_q, "lexical_quantile": lexical_q, "objective": objective, **m,
-                         "derive_s": time.perf_counter() - t0})
-            print(f"[tune] prior {prior_q} lexical {lexical_q}: objective {objective:.2f} P@1 {m['P@1']:.2f} "
-                  f"P@5 {m['P@5']:.2f} held R@10 {m['held R@10']:.2f}", flush=True)
+            rows.append({"editor": setting, "objective": objective, **m, "derive_s": time.perf_counter() - t0})
+            print(f"[tune] {setting}: objective {objective:.2f} P@1 {m['P@1']:.2f} P@5 {m['P@5']:.2f} "
+                  f"held R@10 {m['held R@10']:.2f}", flush=True)
     finally:
         parent.close()
         shutil.rmtree(scratch, ignore_errors=True)
     return sorted(rows, key=lambda r: -r["objective"])
+
+
+def editor_grid(spec: str) -> list[dict[str, Any]]:
+    """Every combination of a JSON {LabelEditor argument: [values]} (null: the argument's "off")."""
+    axes = json.loads(spec)
+    grid: list[dict[str, Any]] = [{}]
+    for name, values in axes.items():
+        grid = [{**g, name: v} for g in grid for v in values]
+    return grid
 
 
 class Load:
@@ -373,9 +447,16 @@ def scale_run(out: Path, data_dir: Path, target: int) -> dict[str, Any]:
     return {"labels_before": num_labels, "added": len(extra), **timed}
 
 
+# "prior_hints": whether the labels are added with NewLabel.prior (prior_hints()), not an editor setting.
+DEFAULT_GRID = {"prior_hints": [False], "prior_quantile": [0.9, 0.95, 0.99], "added_shortlist": [0, 50, 200]}
 SYSTEMS = (("held-out", "the model that never saw them"), ("live", "held-out model + labels added live"),
-           ("retrained", "Shortlist retrained with them"), ("omikuji", "omikuji retrained with them"))
-METRICS = ("P@1", "P@5", "R@10", "held P@5", "held R@10")
+           ("retrained", "Shortlist retrained with them"), ("omikuji", "omikuji retrained with them"),
+           ("live exact", "live, every label scored (no shortlist)"),
+           ("live without added search", "live, k_added 0 (added labels reach a query by their words only)"),
+           ("live without overflow", "live, no token overflow (added labels reach a query by search only)"),
+           ("live with prior hints", "added with how common each is (NewLabel.prior; not text: see below)"),
+           ("live with prior hints, exact", "the same, every label scored"))
+METRICS = ("P@1", "P@5", "R@10", "held P@5", "held R@10", "held R@10 labels")
 
 
 def render(result: dict[str, Any]) -> str:
@@ -390,17 +471,23 @@ def render(result: dict[str, Any]) -> str:
         out += [f"| {name}: {what} | " + " | ".join(f"{rows[name][m]:.2f}" for m in METRICS) + " |"
                 for name, what in SYSTEMS if name in rows]
         live, re_ = rows["live"], rows["retrained"]
+        top = re_["top_held"]
+        found = ", ".join(f"{rows[n]['top_held']['found']} ({n})" for n, _ in SYSTEMS if n in rows)
         out += ["", f"Live-added labels' recall@10 is {100 * live['held R@10'] / max(re_['held R@10'], 1e-9):.1f}% of "
                 f"the retrained model's (bar >= 50%); overall P@1 {live['P@1'] - rows['held-out']['P@1']:+.2f} points "
-                "against the model that never saw them (bar: within 1).", ""]
+                "against the model that never saw them (bar: within 1). held R@10 labels: the same recall averaged "
+                f"over the {re_['held_labels']} held-out labels instead of the documents. The most frequent held-out "
+                f"label, {top['uid']}, is a target of {top['docs']} of the {re_['held_docs']} documents with a "
+                f"held-out label; in the top 10 of {found}.", ""]
     tune = result.get("tuning")
     if tune:
-        out += [f"Priors chosen on validation documents ({tune[0]['docs']} training documents no model trained on, "
-                "scored against every label; objective P@1 + P@5 + held-out recall@10; best first):", "",
-                "| prior_quantile | lexical_quantile | objective | P@1 | P@5 | held R@10 |",
-                "|---|---|---|---|---|---|"]
-        out += [f"| {r['prior_quantile']} | {r['lexical_quantile']} | {r['objective']:.2f} | {r['P@1']:.2f} | "
-                f"{r['P@5']:.2f} | {r['held R@10']:.2f} |" for r in tune]
+        names = list(tune[0]["editor"])
+        out += [f"LabelEditor settings chosen on validation documents ({tune[0]['docs']} training documents no "
+                "model trained on, scored against every label; objective P@1 + P@5 + held-out recall@10; best "
+                "first):", "", "| " + " | ".join(names) + " | objective | P@1 | P@5 | held R@10 | held R@10 labels |",
+                "|---" * (len(names) + 5) + "|"]
+        out += ["| " + " | ".join(str(r["editor"][n]) for n in names) + f" | {r['objective']:.2f} | {r['P@1']:.2f} | "
+                f"{r['P@5']:.2f} | {r['held R@10']:.2f} | {r['held R@10 labels']:.2f} |" for r in tune]
         out.append("")
     live = result["live"]
     adds = [c for c in live["changes"] if c["kind"] == "add"]
@@ -436,12 +523,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--config", default=None, help="training config (bench/tags-config.json for debian-tags)")
     p.add_argument("--tune", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--grid", default=json.dumps(DEFAULT_GRID),
+                   help="with --tune: JSON {LabelEditor argument: [values]}, every combination scored")
+    p.add_argument("--tune-only", action="store_true", help="stop after --tune (validation documents only)")
+    p.add_argument("--retrained", default=None,
+                   help="a bundle trained on the full data with the same config and seed (else trained here)")
     p.add_argument("--batches", type=int, default=10)
     p.add_argument("--retire-batches", type=int, default=5)
     p.add_argument("--retire", type=int, default=100, help="labels retired in all (trained, not held-out ones)")
     p.add_argument("--clients", type=int, default=4)
     p.add_argument("--steady-s", type=float, default=10.0)
     p.add_argument("--scale-labels", type=int, default=0)
+    p.add_argument("--ablations", action=argparse.BooleanOptionalAction, default=True,
+                   help="also score the live bundle exactly and without each way of placing added labels")
     p.add_argument("--publish", action=argparse.BooleanOptionalAction, default=True)
     args = p.parse_args(argv)
     data = Path(args.data).resolve()
@@ -450,7 +544,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                  if (out / "data-holdout" / "holdout.json").exists()
                  else holdout_dataset(data, out / "data-holdout", args.holdout, args.seed))
     holdout = trained_bundle(out / "data-holdout", out, "holdout", args.config, args.seed)
-    full = trained_bundle(data, out, "full", args.config, args.seed)
+    full = Path(args.retrained).resolve() if args.retrained else trained_bundle(data, out, "full", args.config,
+                                                                                   args.seed)
+    hints = prior_hints(data, held_uids)
     added = new_labels(data, held_uids)
     from training.data import find_split_file
 
@@ -462,8 +558,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     if args.tune:
         val = Truth(data, held_uids, validation_documents(trn, out / "ckpt-holdout"))
-        grid = [(pq, lq) for pq in (0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0) for lq in (0.5, 0.9, 1.0)]
-        result["tuning"] = tune_priors(holdout, added, val, args.filter == "own", out / "tune-scratch", grid)
+        result["tuning"] = tune_priors(holdout, new_labels(data, held_uids, hints), val, args.filter == "own",
+                                       out / "tune-scratch", editor_grid(args.grid))
+        if args.tune_only:
+            print(json.dumps(result["tuning"], indent=1, default=str))
+            return 0
     truth = Truth(data, held_uids, tst)
     held_set = set(held_uids)
     trained_uids = [u for u in Bundle.open(holdout).labels.uids if u not in held_set]
@@ -474,6 +573,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     live_dir = out / "state-live" / "bundles" / result["live"]["all_added_version"]
     preds = {"held-out": bundle_predictions(holdout, truth), "live": bundle_predictions(live_dir, truth),
              "retrained": bundle_predictions(full, truth), "omikuji": omikuji_predictions(data, out, truth, args.seed)}
+    if args.ablations:
+        preds.update(ablations(holdout, live_dir, added, hints, truth, out / "ablation-scratch"))
     result["metrics"] = {name: {s: truth.metrics(pr, excluded) for s, pr in preds.items()}
                          for name, excluded in protocols.items()}
     if args.scale_labels:

@@ -151,6 +151,9 @@ def test_label_requests_are_validated_naming_the_field(bundle_root, synthetic_da
         ({"labels": [good, good]}, "body.labels[1].uid", "also add[0]"),
         ({"labels": [{**good, "uid": rows[0]["uid"]}]}, "body.labels[0].uid", "already a label"),
         ({"labels": [{**good, "title": "qqqq zzzz"}]}, "body.labels[0].title", "vocabulary"),
+        ({"labels": [{**good, "prior": 1.01}]}, "body.labels[0].prior", "less than or equal to 1"),
+        ({"labels": [{**good, "prior": -0.1}]}, "body.labels[0].prior", "greater than or equal to 0"),
+        ({"labels": [{**good, "prior": "high"}]}, "body.labels[0].prior", "number"),
     ]
     with serve(bundle_root, env=env, log_dir=tmp_path) as s, \
             httpx.Client(base_url=s.url, headers=AUTH, timeout=120) as c:
@@ -164,7 +167,7 @@ def test_label_requests_are_validated_naming_the_field(bundle_root, synthetic_da
         assert c.delete("/admin/labels/nope").status_code == 404
         assert c.delete("/admin/labels/" + "x" * 9).json()["details"][0]["field"] == "path.uid"
         # At the edge of the batch limit, a change goes through; refused ones did not count.
-        assert c.post("/admin/labels", json={"labels": [good, {**good, "uid": "n2"}]}).status_code == 200
+        assert c.post("/admin/labels", json={"labels": [good, {**good, "uid": "n2", "prior": 1}]}).status_code == 200
         assert c.delete("/admin/labels/n1").status_code == 200
         assert c.delete(f"/admin/labels/{rows[1]['uid']}").status_code == 200
         r = c.delete(f"/admin/labels/{rows[2]['uid']}")  # the 4th accepted change this minute

@@ -99,6 +99,78 @@ def test_added_labels_enter_the_hnsw_indices_and_the_token_overflow(bundle_root,
                                                    strict=True)) >= 5
 
 
+def test_added_labels_are_candidates_of_every_query_by_meaning_not_only_by_their_words(bundle_root, synthetic_data,
+                                                                                        tmp_path):
+    added = _new_labels(synthetic_data, 20)
+    path = _derive(bundle_root / "v1", tmp_path, LabelChange(add=added), added_shortlist=4)
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["scoring"]["shortlist"]["k_added"] == 4
+    assert "k_added" not in json.loads((bundle_root / "v1" / "manifest.json").read_text())["scoring"]["shortlist"]
+    derived = Predictor.load(path)
+    bundle = derived.bundle
+    L = bundle.manifest.num_labels
+    new_ids = np.arange(L - 20, L)
+    # Texts that share no word with any added label: only a search by meaning can reach them.
+    added_words = {t for lab in added for t in bundle.tokenizer.encode(lab.title)[0]}
+    texts = [r["title"] for r in _label_rows(synthetic_data)[100:200]
+             if not added_words & set(bundle.tokenizer.encode(r["title"])[0])][:20]
+    assert len(texts) >= 5
+    q = derived.encode(texts)
+    scores = q @ np.asarray(bundle.classifiers[new_ids], dtype=np.float32).T + bundle.classifier_bias[new_ids]
+    best = new_ids[np.argsort(-scores, axis=1)[:, :4]]
+    by_words = Predictor(bundle, PredictorOptions(k_w=0, k_mu=0, k_added=0))
+    for text, top, with_search, words_only in zip(texts, best, derived.shortlist(texts), by_words.shortlist(texts),
+                                                  strict=True):
+        assert set(top) <= set(with_search), text
+        assert not set(new_ids) & set(words_only), text
+    # A retired added label is searched no more.
+    retired = _derive(path, tmp_path, LabelChange(retire=[bundle.labels.uids[int(best[0, 0])]]), "d2",
+                      added_shortlist=4)
+    again = Predictor(Bundle.open(retired), PredictorOptions(k_w=0, k_mu=0))
+    assert int(best[0, 0]) not in set(again.shortlist(texts[:1])[0])
+    assert set(best[0, 1:]) <= set(again.shortlist(texts[:1])[0])
+    assert json.loads((retired / "manifest.json").read_text())["scoring"]["shortlist"]["k_added"] == 4
+
+
+def test_an_added_label_gets_what_the_trained_labels_say_its_text_means(bundle_root, synthetic_data, tmp_path):
+    # Labels added with the texts of trained labels: the text map, fitted on the trained labels,
+    # gives them vectors and priors nearer the trained ones than their text alone does.
+    rows = _label_rows(synthetic_data)
+    copies = [NewLabel(f"copy-{i}", rows[i]["title"]) for i in range(0, 120, 3)]
+    parent = Bundle.open(bundle_root / "v1")
+    twins = np.array(parent.labels.ids_of([str(rows[i]["uid"]) for i in range(0, 120, 3)]))
+    w0, b0 = np.asarray(parent.classifiers[twins], dtype=np.float32), parent.classifier_bias[twins]
+    parent.close()
+    gaps = {}
+    for name, editor in (("text", {}), ("mapped", {"text_map_l2": 0.01})):
+        bundle = Predictor.load(_derive(bundle_root / "v1", tmp_path, LabelChange(add=copies), name, **editor)).bundle
+        w, b = np.asarray(bundle.classifiers[-len(copies):], dtype=np.float32), bundle.classifier_bias[-len(copies):]
+        cos = np.sum(w * w0, axis=1) / np.linalg.norm(w, axis=1) / np.linalg.norm(w0, axis=1)
+        gaps[name] = (float(cos.mean()), float(np.abs(b - b0).mean()))
+        bundle.close()
+    assert gaps["mapped"][0] > gaps["text"][0] and gaps["mapped"][1] < gaps["text"][1], gaps
+    with pytest.raises(ValueError, match="text_map_l2"):
+        LabelEditor(text_map_l2=0.0)
+
+
+def test_a_label_said_to_be_common_gets_a_prior_among_the_trained_labels_most_common(bundle_root, synthetic_data,
+                                                                                      tmp_path):
+    words = _new_labels(synthetic_data, 3)
+    added = [NewLabel("common", words[0].title, prior=1.0), NewLabel("rare", words[1].title, prior=0.0),
+             NewLabel("typical", words[2].title)]
+    bundle = Bundle.open(_derive(bundle_root / "v1", tmp_path, LabelChange(add=added), prior_quantile=0.5))
+    trained = np.asarray(bundle.classifier_bias[: bundle.manifest.tree_labels])
+    b = bundle.classifier_bias[-3:]
+    assert b[0] == np.float32(trained.max()) and b[1] == np.float32(trained.min())
+    assert b[2] == np.float32(np.quantile(trained.astype(np.float64), 0.5))
+    lexical = np.load(bundle.path / "token_shortlist_bias.npy")  # the fixture's logistic lexical form
+    assert lexical[-3] == lexical[: bundle.manifest.tree_labels].max()
+    bundle.close()
+    with pytest.raises(LabelChangeRejected, match=r"add\[0\]\.prior"):
+        _derive(bundle_root / "v1", tmp_path, LabelChange(add=[NewLabel("x", words[0].title, prior=1.5)]), "bad")
+    assert not (tmp_path / "bad").exists()
+
+
 def test_retired_labels_are_never_returned_by_any_scorer(bundle_root, synthetic_data, tmp_path):
     rows = _label_rows(synthetic_data)
     parent = Predictor.load(bundle_root / "v1")
@@ -214,6 +286,9 @@ def test_cli_adds_and_retires_labels_offline(bundle_root, synthetic_data, tmp_pa
     labels.write_text('{"uid": "x"}\n')
     assert cli(["labels", "add", str(bundle_root / "v1"), "--labels", str(labels), "--out", str(out)]) == 2
     assert f"{labels}:1" in capsys.readouterr().err
+    labels.write_text('{"uid": "x", "title": "kama", "prior": "high"}\n')
+    assert cli(["labels", "add", str(bundle_root / "v1"), "--labels", str(labels), "--out", str(out)]) == 2
+    assert f"{labels}:1: prior" in capsys.readouterr().err
 
 
 def test_faults_in_a_derived_bundles_own_files_are_refused_naming_the_file(bundle_root, synthetic_data, tmp_path):

@@ -157,7 +157,7 @@ def admin_router(models: RequestModels) -> APIRouter:
                  summary="add labels by their text: a new bundle version derived from the active one, activated; "
                  "queued behind changes in progress")
     async def add_labels(req: AddLabels, state: State) -> LabelChangeResult:
-        labels = [NewLabel(lab.uid, lab.title, lab.content) for lab in req.labels]
+        labels = [NewLabel(lab.uid, lab.title, lab.content, lab.prior) for lab in req.labels]
         return await _change(state, LabelChange(add=labels))
 
     @router.post("/labels/retire", response_model=LabelChangeResult, responses=LABEL_ERRORS,

@@ -96,6 +96,10 @@ def _label_requests(settings: Settings, text: Any) -> tuple[type[BaseModel], typ
         title: text = Field(description="the label's text, encoded as training encoded label titles")
         content: str | None = Field(None, max_length=settings.max_text_chars,
                                     description="more text (read where the bundle was trained on title+content)")
+        prior: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False,
+                                    description="how common the label is expected to be, as a quantile of the "
+                                    "trained labels' priors (0.5: a typical label, 1: as common as the most "
+                                    "common); its text cannot say. Default: the service's for every added label")
 
     class AddLabelsRequest(_Request):
         labels: list[NewLabel] = Field(min_length=1, max_length=settings.max_label_batch,

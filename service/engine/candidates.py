@@ -5,7 +5,9 @@ S = topK_w(HNSW over [w_l, b_l] with query [q, 1]) U topK_mu(HNSW over mu_l) U H
 H = the k_head labels of largest bias b_l (query-independent: the label prior's head), in
 every S (head "always") or only where no query token has a label in the token shortlist
 (head "fallback": the prior answers a text whose words say nothing),
-T = the first k_tok labels of each query token's row of the token shortlist (a lookup).
+T = the first k_tok labels of each query token's row of the token shortlist (a lookup),
+U in a derived bundle the top-k_added of the labels added after training by w_l.q + b_l (exact
+search over their rows: AddedLabels).
 
 One definition: the service serves it and training tunes the scoring on it, over the same
 indices and table the bundle ships.
@@ -20,12 +22,40 @@ from service.engine.lexical import TokenShortlist
 from service.engine.schema import Shortlist
 
 
+class AddedLabels:
+    """The labels added after training as a shortlist source: the k whose w_l.q + b_l is largest,
+    by exact scoring of their rows (a float32 copy of [w_l, b_l]: ~1 KB a label at D = 256).
+
+    Trained labels reach a query through the token rows of its words; a label added by its text
+    has no trained row, and its words need not be the words of its documents.
+    """
+
+    def __init__(self, ids: np.ndarray, w: np.ndarray, b: np.ndarray) -> None:
+        if w.ndim != 2 or len(w) != len(ids) or b.shape != ids.shape:
+            raise ValueError(f"added labels: ids {ids.shape}, w {w.shape}, b {b.shape} do not match")
+        self.ids = np.asarray(ids, dtype=np.int64)
+        self.w = np.ascontiguousarray(w, dtype=np.float32)
+        self.b = np.asarray(b, dtype=np.float32)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def search(self, q: np.ndarray, k: int) -> np.ndarray:
+        """Label ids [B, min(k, N)] of each query's top k (in no particular order)."""
+        if len(self.ids) <= k:
+            return np.broadcast_to(self.ids, (len(q), len(self.ids)))
+        scores = q @ self.w.T
+        scores += self.b
+        return self.ids[np.argpartition(-scores, k - 1, axis=1)[:, :k]]
+
+
 class CandidateSources:
     """The shortlist spec's sources over concrete indices and a token table.
 
     index_w / index_mu are needed when k_w / k_mu > 0, the table when k_tok > 0; bias [L] ranks
-    the head. With `lexical`, each candidate also gets the table's lexical score. Safe to call
-    from several threads at once (searches never modify an index).
+    the head; `added` is searched when k_added > 0 (None or empty: nothing to search). With
+    `lexical`, each candidate also gets the table's lexical score. Safe to call from several
+    threads at once (searches never modify an index).
     """
 
     def __init__(
@@ -37,6 +67,7 @@ class CandidateSources:
         index_mu: VectorIndex | None = None,
         table: TokenShortlist | None = None,
         lexical: bool = False,
+        added: AddedLabels | None = None,
     ) -> None:
         if spec.k_w and index_w is None or spec.k_mu and index_mu is None:
             raise ValueError("k_w / k_mu > 0 need the HNSW index they search")
@@ -51,6 +82,7 @@ class CandidateSources:
         self.index_mu = index_mu if spec.k_mu else None
         self.table = table if spec.k_tok else None
         self.lexical = lexical
+        self.added = added if spec.k_added and added is not None and len(added) else None
         self.head = np.argsort(-np.asarray(bias), kind="stable")[: spec.k_head].astype(np.int64)
 
     def __call__(
@@ -66,6 +98,8 @@ class CandidateSources:
             searched.append(self.index_w.search(np.hstack([q, ones]), spec.k_w))
         if self.index_mu is not None:
             searched.append(self.index_mu.search(q, spec.k_mu))
+        if self.added is not None:
+            searched.append(self.added.search(q, spec.k_added))
         labels = terms = None
         if self.table is not None:
             # Row 0 (padding) is all -1, so padded token slots add nothing.

@@ -54,9 +54,14 @@ OVERFLOW_FILES = (schema.TOKEN_OVERFLOW, schema.TOKEN_OVERFLOW_WEIGHTS)
 
 @dataclass(frozen=True)
 class NewLabel:
+    """A label to add. prior: how common it is expected to be, as a quantile of the trained labels'
+    priors (None: the editor's prior_quantile); a label's text says what it is, not how often it
+    will be used."""
+
     uid: str
     title: str
     content: str | None = None
+    prior: float | None = None
 
 
 @dataclass(frozen=True)
@@ -113,15 +118,28 @@ class LabelEditor:
     (objective 175.71 against 175.87) and keeps debian-deps' P@1 (56.79 against 49.52 at 0.9).
     """
 
-    def __init__(self, prior_quantile: float = 0.95, lexical_quantile: float = 0.5, overflow_width: int = 32) -> None:
+    def __init__(self, prior_quantile: float = 0.95, lexical_quantile: float = 0.5, overflow_width: int = 32,
+                 text_map_l2: float | None = None, text_map_labels: int = 50_000, seed: int = 0,
+                 added_shortlist: int = 0, lexical_per_token: bool = False) -> None:
         for name, q in (("prior_quantile", prior_quantile), ("lexical_quantile", lexical_quantile)):
             if not 0.0 <= q <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {q}")
         if overflow_width < 1:
             raise ValueError(f"overflow_width must be >= 1, got {overflow_width}")
+        if text_map_l2 is not None and not text_map_l2 > 0:
+            raise ValueError(f"text_map_l2 must be > 0 (or None: no map), got {text_map_l2}")
+        if text_map_labels < 1:
+            raise ValueError(f"text_map_labels must be >= 1, got {text_map_labels}")
+        if added_shortlist < 0:
+            raise ValueError(f"added_shortlist must be >= 0, got {added_shortlist}")
         self.prior_quantile = prior_quantile
         self.lexical_quantile = lexical_quantile
         self.overflow_width = overflow_width
+        self.text_map_l2 = text_map_l2
+        self.text_map_labels = text_map_labels
+        self.seed = seed
+        self.added_shortlist = added_shortlist
+        self.lexical_per_token = lexical_per_token
 
     def derive(self, parent: Bundle, change: LabelChange, out_root: str | Path, version: str) -> ChangeReport:
         """Write OUT_ROOT/VERSION: `parent` with `change` applied. Raises LabelChangeRejected
@@ -147,6 +165,8 @@ class LabelEditor:
                 parent=parent.version, base=parent.manifest.lineage.base if parent.manifest.lineage else parent.version,
                 added=len(change.add), retired=len(retired), tree_labels=parent.manifest.tree_labels)
             fields = _manifest_fields(parent, version, len(parent.labels) + len(change.add), lineage)
+            if fields["num_labels"] > lineage.tree_labels:
+                fields["scoring"]["shortlist"]["k_added"] = self.added_shortlist
             linked = {name: parent.manifest.files[name] for name, how in shared.items() if how == "link"}
             written = store.write_manifest(staging, fields, known=linked)
             fields["canary"] = _canaries(staging, [c.text for c in parent.manifest.canary])
@@ -164,12 +184,17 @@ class LabelEditor:
         emb = parent.encoder(1).run(ids, weights)
         trained = parent.manifest.tree_labels
         scale = float(np.median(np.linalg.norm(parent.classifiers[:trained], axis=1)))
-        prior = float(np.quantile(parent.classifier_bias[:trained], self.prior_quantile))
+        prior = float(np.quantile(parent.classifier_bias[:trained], self.prior_quantile))  # the text map's base
+        new_w, new_mu = scale * emb, emb
+        new_b = self._priors(parent.classifier_bias[:trained], add)
+        if self.text_map_l2 is not None:
+            fitted = TextMap.fit(parent, scale, prior, self.text_map_l2, self.text_map_labels, self.seed)
+            new_w, new_b, new_mu = fitted.apply(_embed_titles(parent, [lab.title for lab in add]), new_w, new_b, new_mu)
         # The label vectors in the parent's dtype (float16 in format 2's default); the indices
         # get the stored values, as export gives them.
-        w = np.vstack((parent.classifiers, scale * emb)).astype(parent.vector_dtype)
-        b = np.concatenate((parent.classifier_bias, np.full(len(add), prior, np.float32))).astype(np.float32)
-        mu = np.vstack((parent.centroids, emb)).astype(parent.vector_dtype)
+        w = np.vstack((parent.classifiers, new_w)).astype(parent.vector_dtype)
+        b = np.concatenate((parent.classifier_bias, new_b)).astype(np.float32)
+        mu = np.vstack((parent.centroids, new_mu)).astype(parent.vector_dtype)
         plan.save(schema.CLASSIFIERS, w)
         plan.save(schema.CLASSIFIER_BIAS, b)
         plan.save(schema.CENTROIDS, mu)
@@ -191,8 +216,12 @@ class LabelEditor:
         plan.written.add(schema.LABELS)
         if parent.manifest.scoring.lexical_form == "logistic" and schema.TOKEN_SHORTLIST_BIAS in parent.manifest.files:
             c = np.load(parent.path / schema.TOKEN_SHORTLIST_BIAS)
-            prior_c = float(np.quantile(c[:trained], self.prior_quantile))
-            plan.save(schema.TOKEN_SHORTLIST_BIAS, np.concatenate((c, np.full(len(add), prior_c, np.float32))))
+            plan.save(schema.TOKEN_SHORTLIST_BIAS, np.concatenate((c, self._priors(c[:trained], add))))
+
+    def _priors(self, trained: np.ndarray, add: Sequence[NewLabel]) -> np.ndarray:
+        """Each added label's bias: its prior quantile (or the editor's) of the trained labels' biases."""
+        q = [self.prior_quantile if lab.prior is None else lab.prior for lab in add]
+        return np.quantile(np.asarray(trained, dtype=np.float64), q).astype(np.float32)
 
     def _write_overflow(self, plan: _Plan, ids: np.ndarray, weights: np.ndarray, retired: np.ndarray) -> None:
         """The overflow rows: the parent's entries (those of labels retired now dropped) and the
@@ -205,7 +234,7 @@ class LabelEditor:
         first = len(parent.labels)
         row, col = np.nonzero(ids > 0)  # added label `row`'s col-th token
         entries = [(ids[row, col].astype(np.int64), (first + row).astype(np.int64),
-                    weights[row, col].astype(np.float64) * self._slot_scale(table, parent))]
+                    weights[row, col].astype(np.float64) * self._slot_scale(table, parent, ids[row, col]))]
         if table.overflow is not None:
             tokens, slots = np.nonzero(table.overflow >= 0)
             labels = table.overflow[tokens, slots].astype(np.int64)
@@ -221,12 +250,73 @@ class LabelEditor:
         if table.weights is not None:
             plan.save(schema.TOKEN_OVERFLOW_WEIGHTS, slot_weights)
 
-    def _slot_scale(self, table: Any, parent: Bundle) -> float:
+    def _slot_scale(self, table: Any, parent: Bundle, tokens: np.ndarray) -> np.ndarray | float:
+        """s_lex of each slot's token: the table's quantile, or with lexical_per_token the quantile
+        of the token's own served row (a word that many labels share weighs less in each)."""
         if table.weights is None:
             return 1.0  # no lexical score: the weights only rank the slots
         served = table.weights[:, : max(parent.manifest.scoring.shortlist.k_tok, 1)]
         positive = served[served > 0]
-        return float(np.quantile(positive, self.lexical_quantile)) if positive.size else 0.0
+        overall = float(np.quantile(positive, self.lexical_quantile)) if positive.size else 0.0
+        if not self.lexical_per_token:
+            return overall
+        rows = np.where(served[tokens] > 0, served[tokens], np.nan).astype(np.float64)
+        known = ~np.isnan(rows).all(axis=1)
+        out = np.full(len(tokens), overall)
+        out[known] = np.nanquantile(rows[known], self.lexical_quantile, axis=1)
+        return out
+
+
+class TextMap:
+    """What a label's text says about the vectors training would give it, learned from the
+    trained labels: ridge maps from a label's title embedding E(z) to the residuals of its trained
+    classifier, bias and centroid from what its text alone gives (s E(z), the prior, E(z)).
+
+    A label's text may share few words with the documents that carry it (debian-deps: a library's
+    description and the programs that depend on it); the trained labels show how texts of each
+    kind sit relative to their documents, and an added label gets that, shrunk toward its text
+    alone by l2 (per label: the solve is (X'X / n + l2 I) A = X'Y / n, X = [E(z), 1]).
+    """
+
+    def __init__(self, coef: np.ndarray, dim: int) -> None:
+        self.coef, self.dim = coef, dim
+
+    @classmethod
+    def fit(cls, parent: Bundle, scale: float, prior: float, l2: float, max_labels: int, seed: int) -> TextMap:
+        """Fitted on the parent's trained labels (at most max_labels of them, a seeded sample)."""
+        trained = parent.manifest.tree_labels
+        rows = np.arange(trained)
+        if trained > max_labels:
+            rows = np.sort(np.random.default_rng(seed).choice(trained, max_labels, replace=False))
+        e = _embed_titles(parent, [parent.labels.titles[int(i)] for i in rows])
+        w = np.asarray(parent.classifiers[rows], dtype=np.float32)
+        b = np.asarray(parent.classifier_bias[rows], dtype=np.float32)
+        mu = np.asarray(parent.centroids[rows], dtype=np.float32)
+        x = np.hstack((e, np.ones((len(rows), 1), np.float32))).astype(np.float64)
+        y = np.hstack((w - scale * e, (b - prior)[:, None], mu - e)).astype(np.float64)
+        gram = x.T @ x / len(rows) + l2 * np.eye(x.shape[1])
+        return cls(np.linalg.solve(gram, x.T @ y / len(rows)).astype(np.float32), e.shape[1])
+
+    def apply(self, title_emb: np.ndarray, w: np.ndarray, b: np.ndarray,
+              mu: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """w, b, mu of added labels moved by the map of their title embeddings [N, D]."""
+        d = self.dim
+        delta = np.hstack((title_emb, np.ones((len(title_emb), 1), np.float32))) @ self.coef
+        centroid = mu + delta[:, d + 1 :]
+        centroid /= np.maximum(np.linalg.norm(centroid, axis=1, keepdims=True), 1e-12)
+        return w + delta[:, :d], (b + delta[:, d]).astype(np.float32), centroid
+
+
+_EMBED_AT_ONCE = 2048
+
+
+def _embed_titles(parent: Bundle, titles: Sequence[str]) -> np.ndarray:
+    """E(title) [N, D] float32, a block of titles at a time (a title with no known word: 0)."""
+    encoder, out = parent.encoder(1), []
+    for start in range(0, len(titles), _EMBED_AT_ONCE):
+        ids, weights = parent.tokenizer.encode_batch(list(titles[start : start + _EMBED_AT_ONCE]))
+        out.append(np.nan_to_num(encoder.run(ids, weights)))
+    return np.vstack(out) if out else np.zeros((0, parent.manifest.dim), np.float32)
 
 
 class _Plan:
@@ -295,6 +385,8 @@ def _check_change(parent: Bundle, change: LabelChange) -> np.ndarray:
         seen.setdefault(label.uid, i)
         if not label.title.strip():
             problems.append((f"add[{i}].title", "empty"))
+        if label.prior is not None and not 0.0 <= label.prior <= 1.0:
+            problems.append((f"add[{i}].prior", f"must be a quantile in [0, 1], got {label.prior}"))
     ids: list[int] = []
     gone: dict[str, int] = {}
     for i, uid in enumerate(change.retire):
@@ -357,7 +449,7 @@ def _manifest_fields(parent: Bundle, version: str, num_labels: int, lineage: sch
 
 
 def read_new_labels(path: str | Path) -> list[NewLabel]:
-    """Labels to add from a JSON-lines file ({"uid", "title", "content"?} a line, as an XC label
+    """Labels to add from a JSON-lines file ({"uid", "title", "content"?, "prior"?} a line, as an XC label
     file; .gz read as gzip); ValueError naming the file and line of a bad row."""
     path = Path(path)
     opener = gzip.open if path.name.endswith(".gz") else open
@@ -368,12 +460,15 @@ def read_new_labels(path: str | Path) -> list[NewLabel]:
                 continue
             try:
                 row = json.loads(line)
-                uid, title, content = row["uid"], row["title"], row.get("content")
+                uid, title, content, prior = row["uid"], row["title"], row.get("content"), row.get("prior")
             except (ValueError, KeyError, TypeError, AttributeError) as exc:
-                raise ValueError(f"{path}:{number}: a label is {{\"uid\", \"title\", \"content\"?}}: {exc!r}") from exc
+                raise ValueError(f"{path}:{number}: a label is {{\"uid\", \"title\", \"content\"?, \"prior\"?}}: "
+                                 f"{exc!r}") from exc
             if not isinstance(title, str) or not isinstance(content, str | None) or isinstance(uid, bool):
                 raise ValueError(f"{path}:{number}: title (and content) must be strings")
-            out.append(NewLabel(str(uid), title, content))
+            if prior is not None and (isinstance(prior, bool) or not isinstance(prior, int | float)):
+                raise ValueError(f"{path}:{number}: prior must be a number in [0, 1]")
+            out.append(NewLabel(str(uid), title, content, None if prior is None else float(prior)))
     return out
 
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from service.engine import canary
 from service.engine.bundle import Bundle
-from service.engine.candidates import CandidateSources
+from service.engine.candidates import AddedLabels, CandidateSources
 from service.engine.query import EncodedQueries, QueryEncoder
 from service.engine.schema import BundleError, HeadMode, Scoring
 from service.engine.scorers import LabelScorer, top_k
@@ -34,8 +34,8 @@ class PredictorOptions:
 
     threads: onnxruntime intra-op threads of each encoder call; ef_search: HNSW search breadth
     (a Predictor with its own value searches its own copy of the index); k_w, k_mu, k_head,
-    k_tok, head: the shortlist's sources (schema.Shortlist); lexical_weight: lambda (0 by
-    default when k_tok is 0, since the lexical score reads the token rows).
+    k_tok, head, k_added: the shortlist's sources (schema.Shortlist); lexical_weight: lambda (0
+    by default when k_tok is 0, since the lexical score reads the token rows).
     """
 
     threads: int = 1
@@ -45,6 +45,7 @@ class PredictorOptions:
     k_head: int | None = None
     k_tok: int | None = None
     head: HeadMode | None = None
+    k_added: int | None = None
     lexical_weight: float | None = None
     # False: no encoder session; queries come encoded (predict_encoded_ids), as a shard's do.
     encoder: bool = True
@@ -52,7 +53,7 @@ class PredictorOptions:
     def scoring(self, bundle_scoring: Scoring) -> Scoring:
         """The bundle's scoring with these options applied, validated as a manifest's is."""
         shortlist = bundle_scoring.shortlist.model_dump()
-        for name in ("k_w", "k_mu", "k_head", "k_tok", "head"):
+        for name in ("k_w", "k_mu", "k_head", "k_tok", "head", "k_added"):
             if getattr(self, name) is not None:
                 shortlist[name] = getattr(self, name)
         lexical_weight = self.lexical_weight
@@ -81,6 +82,7 @@ class Predictor:
             index_w=bundle.index("w", ef) if spec.k_w else None,
             index_mu=bundle.index("mu", ef) if spec.k_mu else None,
             table=table, lexical=bool(self.scoring.lexical_weight),
+            added=_added_labels(bundle) if spec.k_added else None,
         )
         self.scorer = LabelScorer.of(bundle.classifiers, bundle.classifier_bias, bundle.centroids, self.scoring)
         self.encoder = bundle.encoder(self.options.threads) if self.options.encoder else None
@@ -258,6 +260,15 @@ class Predictor:
              for i, s in zip(row_ids, row_scores, strict=True) if i >= 0]
             for row_ids, row_scores in zip(id_rows, scores.tolist(), strict=True)
         ]
+
+
+def _added_labels(bundle: Bundle) -> AddedLabels:
+    """The live labels a derived bundle added after training (rows tree_labels..L-1)."""
+    ids = np.arange(bundle.manifest.tree_labels, bundle.manifest.num_labels)
+    if bundle.retired is not None:
+        ids = ids[~bundle.retired[ids]]
+    return AddedLabels(ids, bundle.classifiers[ids], bundle.classifier_bias[ids])
+
 
 def _check_k(k: int) -> None:
     if k < 1:

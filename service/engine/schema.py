@@ -70,7 +70,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 # Format 2 added, each optional (a format-1 bundle has none of them):
 # - the encoder's initializers in encoder.onnx.data (format 1: inside encoder.onnx);
@@ -176,6 +176,18 @@ class Shortlist(_Strict):
     head: HeadMode = "always"
     # The first k_tok labels of each query token's row of token_shortlist.npy.
     k_tok: int = Field(0, ge=0)
+    # Derived bundles (service.engine.label_changes): the k_added live labels added after training
+    # (rows lineage.tree_labels..L-1) whose w_l.q + b_l is largest, by exact search over those rows.
+    # A label added by its text has no row of trained co-occurrences in the token table, and its
+    # words need not be its documents'. Written only when > 0, so a manifest without it reads as before.
+    k_added: int = Field(0, ge=0)
+
+    @model_serializer(mode="wrap")
+    def _omit_unused(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        fields = handler(self)
+        if not self.k_added:
+            fields.pop("k_added", None)
+        return fields
 
     @model_validator(mode="after")
     def _some_source(self) -> Shortlist:
