@@ -125,6 +125,9 @@ def service(bundle_root: Path, synthetic_data: Path, tmp_path_factory: pytest.Te
            # With direct ingress (the low-latency layout) Serve keeps a stopping replica of an app's
            # ingress deployment 30 s for load balancers; every shard app's one deployment counts.
            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0.5",
+           # Serve kills a proxy whose readiness check misses 5 s three times: a proxy starting
+           # HAProxy on 2 cores busy with other work can take longer than that.
+           "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30",
            **LOW_LATENCY_ENV}  # what `shortlist serve-ray` runs on
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)  # Ray's processes, started below, inherit them
