@@ -211,6 +211,8 @@ def ablations(holdout: Path, live_dir: Path, added: list[NewLabel], hints: dict[
         parent.close()
     preds["live with prior hints"] = bundle_predictions(scratch / "hinted", truth)
     preds["live with prior hints, exact"] = bundle_predictions(scratch / "hinted", truth, exact=True)
+    preds["live with prior hints, k_added 50"] = bundle_predictions(scratch / "hinted", truth,
+                                                                   PredictorOptions(k_added=50))
     shutil.rmtree(scratch, ignore_errors=True)
     return preds
 

@@ -55,7 +55,8 @@ VARIANTS = {"held-out": ("held-out", None, False, False), "live": ("live", None,
             "live k_added 50": ("live", PredictorOptions(k_added=50), False, False),
             "live without overflow": ("live", None, False, True),
             "live with prior hints": ("hinted", None, False, False),
-            "live with prior hints, exact": ("hinted", None, True, False)}
+            "live with prior hints, exact": ("hinted", None, True, False),
+            "live with prior hints, k_added 50": ("hinted", PredictorOptions(k_added=50), False, False)}
 
 
 def derive_draw(trained: Path, data: Path, held_uids: list[str], out: Path) -> dict[str, Path]:

@@ -165,7 +165,18 @@ def test_a_label_said_to_be_common_gets_a_prior_among_the_trained_labels_most_co
     assert b[2] == np.float32(np.quantile(trained.astype(np.float64), 0.5))
     lexical = np.load(bundle.path / "token_shortlist_bias.npy")  # the fixture's logistic lexical form
     assert lexical[-3] == lexical[: bundle.manifest.tree_labels].max()
+    # A hinted label may be common beyond its words: the added labels are searched by meaning
+    # from then on, in this version and the versions derived from it, and not without a hint.
+    assert bundle.manifest.scoring.shortlist.k_added == 50
+    later = Bundle.open(_derive(bundle.path, tmp_path, LabelChange(retire=["rare"]), "d2"))
+    assert later.manifest.scoring.shortlist.k_added == 50
+    later.close()
+    unhinted = Bundle.open(_derive(bundle_root / "v1", tmp_path, LabelChange(add=added[2:]), "d3"))
+    assert unhinted.manifest.scoring.shortlist.k_added == 0
+    unhinted.close()
     bundle.close()
+    with pytest.raises(ValueError, match="hinted_shortlist"):
+        LabelEditor(hinted_shortlist=-1)
     with pytest.raises(LabelChangeRejected, match=r"add\[0\]\.prior"):
         _derive(bundle_root / "v1", tmp_path, LabelChange(add=[NewLabel("x", words[0].title, prior=1.5)]), "bad")
     assert not (tmp_path / "bad").exists()
