@@ -97,7 +97,8 @@ def _train(data_dir: Path, cfg: TrainConfig, text_field: str, trn: Split | None 
         candidates = _candidate_sources(cfg, data.num_labels, clf.bias_, indices, tables)
         scorer = LabelScorer(clf.weights_, clf.bias_, centroids.vectors_, IDENTITY, IDENTITY)
         if cfg.tune:
-            tuner = ScoringTuner(cfg.classifier_form, cfg.tune_objective, margin=cfg.tune_source_margin).fit(
+            tuner = ScoringTuner(cfg.classifier_form, cfg.tune_objective, margin=cfg.tune_source_margin,
+                                 level=cfg.tune_source_level, seed=cfg.seed).fit(
                 embed(encoder, data.val_texts, device), data.val_texts.ids.numpy(), data.val_texts.weights.numpy(),
                 data.truths(data.val), candidates, scorer, data.own_labels() if cfg.exclude_own_labels else None)
             scoring, table = tuner.scoring_, tuner.sources_.table

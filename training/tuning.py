@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from service.engine.candidates import CandidateSources
-from service.engine.metrics import Truths, ranking_metrics
+from service.engine.metrics import Truths, aggregate, document_terms, ranking_metrics, resampled_metrics
 from service.engine.schema import Calibrations, Scoring
 from service.engine.scorers import Calibration, LabelScorer, combine_scores, top_k
 from training.config import DEFAULT_OBJECTIVE, check_objective
@@ -28,8 +29,36 @@ CLASSIFIER_CALIBRATIONS = {
 }
 
 
-def objective_value(metrics: dict[str, float], objective: dict[str, float]) -> float:
+# Paired bootstrap resamples of the validation documents behind "significantly below the best"
+# (seeded: a checkpoint's tuning is deterministic), drawn this many (resample, document) counts
+# at a time so that memory stays bounded for any validation size.
+SOURCE_RESAMPLES = 1000
+_RESAMPLE_CHUNK = 1 << 22
+
+
+def objective_value(metrics: dict[str, Any], objective: dict[str, float]) -> Any:
+    """The weighted sum of the metrics (floats, or arrays of per-resample values)."""
     return sum(weight * metrics[name] for name, weight in objective.items())
+
+
+def bootstrap_counts(n: int, resamples: int, rng: np.random.Generator) -> np.ndarray:
+    """int [resamples, n]: how often each of n documents is drawn in each bootstrap resample."""
+    draws = rng.integers(0, n, (resamples, n)) + n * np.arange(resamples)[:, None]
+    return np.bincount(draws.ravel(), minlength=resamples * n).reshape(resamples, n)
+
+
+def below_shares(terms: Sequence[dict[str, np.ndarray]], best: int, objective: dict[str, float],
+                 resamples: int = SOURCE_RESAMPLES, seed: int = 0) -> np.ndarray:
+    """float [len(terms)]: per system (its `document_terms` on the same documents), the share of
+    paired bootstrap resamples of the documents on which its objective is below system `best`'s."""
+    n = len(next(iter(terms[best].values())))
+    rng, below, done = np.random.default_rng(seed), np.zeros(len(terms)), 0
+    while done < resamples:
+        counts = bootstrap_counts(n, min(resamples - done, max(1, _RESAMPLE_CHUNK // max(n, 1))), rng)
+        draws = [objective_value(resampled_metrics(t, counts, list(objective)), objective) for t in terms]
+        below += [np.sum(d < draws[best]) for d in draws]
+        done += len(counts)
+    return below / resamples
 
 
 def default_scoring(form: str, alpha: float, sources: CandidateSources, lexical_form: str) -> Scoring:
@@ -54,18 +83,25 @@ def source_cost(sources: CandidateSources) -> tuple[int, int]:
 
 class ScoringTuner:
     """Grid search maximising `objective` (metric -> weight) on validation documents, over each
-    of the candidate sources given; serves the cheapest sources (source_cost) whose best value
-    is within `margin` of the best of all. After fit: `scoring_` (a manifest's schema.Scoring),
-    `sources_` (the candidate sources chosen), `metrics_`, `value_` and `tried_` (each sources'
-    spec, lexical form and value)."""
+    of the candidate sources given; serves the cheapest sources (source_cost) that are not
+    significantly below the best of all: below its objective on fewer than `level` of
+    SOURCE_RESAMPLES paired bootstrap resamples of the validation documents (each resample
+    scores both; seeded by `seed`), or within `margin` points of it (level 0: margin alone). A
+    costlier source is then served only where it pays beyond the validation split's noise and by
+    more than `margin`. After fit: `scoring_` (a manifest's schema.Scoring), `sources_` (the
+    candidate sources chosen), `metrics_`, `value_` and `tried_` (each sources' spec, lexical
+    form, value, "gap" to the best and "below_share" of resamples on which it is below it)."""
 
     def __init__(self, classifier_form: str = "scaled_bias", objective: dict[str, float] | None = None,
                  alphas: Sequence[float] = ALPHAS, lexical_weights: Sequence[float] = LEXICAL_WEIGHTS,
-                 margin: float = 0.0) -> None:
+                 margin: float = 0.0, level: float = 0.95, seed: int = 0) -> None:
         self.classifier_form = classifier_form
         self.objective = dict(objective or DEFAULT_OBJECTIVE)
         check_objective(self.objective)
-        self.alphas, self.lexical_weights, self.margin = tuple(alphas), tuple(lexical_weights), float(margin)
+        if not (0.0 <= level <= 1.0 and margin >= 0):
+            raise ValueError(f"level must be in [0, 1] and margin >= 0, got {level} and {margin}")
+        self.alphas, self.lexical_weights = tuple(alphas), tuple(lexical_weights)
+        self.margin, self.level, self.seed = float(margin), float(level), int(seed)
 
     def fit(self, q: np.ndarray, tokens: np.ndarray, token_weights: np.ndarray, truths: Truths,
             candidates: Sequence[CandidateSources], scorer: LabelScorer, own: np.ndarray | None = None) -> ScoringTuner:
@@ -88,44 +124,58 @@ class ScoringTuner:
         for i, (sources, cands, lexical) in enumerate(served):
             form = _form(sources)
             if i == widest[form]:
-                scoring, metrics, value = grids[form]
+                scoring, metrics, value, terms = grids[form]
             else:
                 scoring = grids[form][0].model_copy(update={"shortlist": sources.spec})
-                metrics, value = self._evaluate(q, cands, lexical, truths, scorer, own, scoring)
-            spec = sources.spec
-            log.info("k_w=%d k_mu=%d k_tok=%d, lexical form %s: validation %s = %.3f", spec.k_w, spec.k_mu,
-                     spec.k_tok, form, self.objective, value)
-            results.append((value, scoring, metrics, i, float(np.mean((cands >= 0).sum(axis=1)))))
-        best = max(r[0] for r in results)
-        within = [r for r in results if r[0] >= best - self.margin]
-        value, scoring, metrics, i, mean = min(within, key=lambda r: (source_cost(served[r[3]][0]), -r[0]))
+                metrics, value, terms = self._evaluate(q, cands, lexical, truths, scorer, own, scoring)
+            results.append((value, scoring, metrics, terms))
+        i = self._choose([s for s, _, _ in served], results)
         sources, cands, lexical = served[i]
+        value, scoring, metrics, _ = results[i]
         if i != widest[_form(sources)]:
-            scoring, metrics, value = self._grid(q, cands, lexical, truths, sources, scorer, own)
-        self.value_, self.scoring_, self.metrics_, self.sources_, self.mean_candidates_ = (
-            value, scoring, metrics, sources, mean)
-        self.tried_ = [{**served[r[3]][0].spec.model_dump(), "lexical_form": _form(served[r[3]][0]),
-                        "value": round(r[0], 3)} for r in results]
+            scoring, metrics, value, _ = self._grid(q, cands, lexical, truths, sources, scorer, own)
+        self.value_, self.scoring_, self.metrics_, self.sources_ = value, scoring, metrics, sources
+        self.mean_candidates_ = float(np.mean((cands >= 0).sum(axis=1)))
         return self
 
+    def _choose(self, sources: list[CandidateSources], results: list[tuple[float, Scoring, dict, dict]]) -> int:
+        """The cheapest sources not significantly below the best (logged, kept in `tried_`)."""
+        values = [r[0] for r in results]
+        best = int(np.argmax(values))
+        below = below_shares([r[3] for r in results], best, self.objective, seed=self.seed)
+        self.tried_ = []
+        for src, value, share in zip(sources, values, below, strict=True):
+            spec, gap = src.spec, value - values[best]
+            log.info("k_w=%d k_mu=%d k_tok=%d, lexical form %s: validation %s = %.3f (%+.3f to the best, below it "
+                     "on %.1f%% of resamples)", spec.k_w, spec.k_mu, spec.k_tok, _form(src), self.objective, value,
+                     gap, 100 * share)
+            self.tried_.append({**spec.model_dump(), "lexical_form": _form(src), "value": round(value, 3),
+                                "gap": round(gap, 3), "below_share": round(float(share), 3)})
+        acceptable = [i for i, (value, share) in enumerate(zip(values, below, strict=True))
+                      if share < self.level or value >= values[best] - self.margin]
+        return min(acceptable, key=lambda i: (source_cost(sources[i]), -values[i]))
+
     def _evaluate(self, q: np.ndarray, cands: np.ndarray, lexical: np.ndarray | None, truths: Truths,
-                  scorer: LabelScorer, own: np.ndarray | None, scoring: Scoring) -> tuple[dict[str, float], float]:
-        """The metrics and objective of one scoring on these candidates."""
+                  scorer: LabelScorer, own: np.ndarray | None,
+                  scoring: Scoring) -> tuple[dict[str, float], float, dict[str, np.ndarray]]:
+        """The metrics, objective and per-document terms of one scoring on these candidates."""
         logits, sims = scorer.dots(q, cands)
         cal = scoring.calibration
         scores = combine_scores(logits, sims, scoring.alpha, Calibration.of(cal.classifier),
                                 Calibration.of(cal.centroid), lexical, scoring.lexical_weight)
         scores = np.array(scores)  # a copy: an identity calibration hands back its input
         scores[_invalid(cands, own)] = -np.inf
-        metrics = ranking_metrics(_top5(cands, scores), truths, (1, 5))
-        return {k: float(v) for k, v in metrics.items()}, objective_value(metrics, self.objective)
+        terms = document_terms(_top5(cands, scores), truths, (1, 5))
+        metrics = aggregate(terms)
+        return {k: float(v) for k, v in metrics.items()}, objective_value(metrics, self.objective), terms
 
     def _grid(self, q: np.ndarray, cands: np.ndarray, lexical: np.ndarray | None, truths: Truths,
-              sources: CandidateSources, scorer: LabelScorer, own: np.ndarray | None) -> tuple[Scoring, dict, float]:
+              sources: CandidateSources, scorer: LabelScorer,
+              own: np.ndarray | None) -> tuple[Scoring, dict, float, dict[str, np.ndarray]]:
         logits, sims = scorer.dots(q, cands)
         invalid = _invalid(cands, own)
         lexical_form = sources.table.form if sources.table is not None else "shares"
-        best: tuple[float, Scoring, dict[str, float]] | None = None
+        best: tuple[float, Scoring, dict[str, float], dict[str, np.ndarray]] | None = None
         for fi, f in enumerate(CLASSIFIER_CALIBRATIONS[self.classifier_form]):
             for g in CENTROID_CALIBRATIONS:
                 for alpha in self.alphas:
@@ -135,13 +185,14 @@ class ScoringTuner:
                     for lam in self.lexical_weights if lexical is not None else (0.0,):
                         scores = mixed + lam * lexical if lam else mixed.copy()
                         scores[invalid] = -np.inf
-                        metrics = ranking_metrics(_top5(cands, scores), truths, (1, 5))
+                        terms = document_terms(_top5(cands, scores), truths, (1, 5))
+                        metrics = aggregate(terms)
                         value = objective_value(metrics, self.objective)
                         if best is None or value > best[0]:
                             best = (value, _scoring(self.classifier_form, alpha, f, g, lam, sources, lexical_form),
-                                    metrics)
+                                    metrics, terms)
         assert best is not None
-        return best[1], {k: float(v) for k, v in best[2].items()}, best[0]
+        return best[1], {k: float(v) for k, v in best[2].items()}, best[0], best[3]
 
 
 def _form(sources: CandidateSources) -> str:
