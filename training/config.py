@@ -230,8 +230,7 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.index_m < 2:
             raise ValueError("index_m must be >= 2")
-        for name in ("serve_k_w", "serve_k_mu", "serve_k_head", "token_shortlist_width", "tune_k_hnsw",
-                     "tune_source_margin"):
+        for name in ("serve_k_w", "serve_k_mu", "serve_k_head", "token_shortlist_width", "tune_k_hnsw"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         if not 0 <= self.serve_k_tok <= self.token_shortlist_width:
@@ -241,7 +240,7 @@ class TrainConfig:
             )
         if self.serve_k_w + self.serve_k_mu + self.serve_k_tok == 0:
             raise ValueError("serve_k_w, serve_k_mu and serve_k_tok are all 0: serving would have nothing to score")
-        for name in ("lexical_lr", "lexical_l2", "m3_softmax_weight"):
+        for name in ("lexical_lr", "lexical_l2", "m3_softmax_weight", "tune_source_margin"):
             value = getattr(self, name)
             if isinstance(value, bool) or not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")

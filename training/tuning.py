@@ -5,7 +5,7 @@ documents over the candidates the bundle will serve, scored by the engine's own 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -17,6 +17,8 @@ from service.engine.scorers import Calibration, LabelScorer, combine_scores, top
 from training.config import DEFAULT_OBJECTIVE, check_objective
 
 log = logging.getLogger("shortlist.training")
+# A sources' tuned scoring, its metrics, objective value, per-document terms, tuned in full.
+_Valued = tuple[Scoring, dict[str, float], float, dict[str, np.ndarray], bool]
 
 ALPHAS = (0.0, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 # The logistic lexical score chose 0.3-0.5 on debian-tags validation: the grid reaches past it.
@@ -110,8 +112,9 @@ class ScoringTuner:
         to choose from (the first wins ties); own: per document a label id never predicted (-1: none).
 
         The full grid runs on the widest sources of each lexical form; every sources is valued at
-        its form's tuned scoring, and the chosen one is then tuned in full (3 grids, not one per
-        sources: 16 sources took 263 s of a 10^4-label training on the shared machine)."""
+        its form's tuned scoring, and is tuned in full only before it is refused or once chosen (a
+        grid per sources took 263 s of 16 sources' tuning in a 10^4-label training on the shared
+        machine); a sources is not refused for a scoring tuned on another."""
         served = [(sources, *sources(tokens, token_weights, q)) for sources in candidates]
         widest: dict[str, int] = {}
         for i, (sources, _, _) in enumerate(served):
@@ -120,40 +123,62 @@ class ScoringTuner:
                 widest[form] = i
         grids = {form: self._grid(q, served[i][1], served[i][2], truths, served[i][0], scorer, own)
                  for form, i in widest.items()}
-        results = []
+        results: list[_Valued] = []
         for i, (sources, cands, lexical) in enumerate(served):
             form = _form(sources)
             if i == widest[form]:
-                scoring, metrics, value, terms = grids[form]
+                results.append((*grids[form], True))
             else:
                 scoring = grids[form][0].model_copy(update={"shortlist": sources.spec})
-                metrics, value, terms = self._evaluate(q, cands, lexical, truths, scorer, own, scoring)
-            results.append((value, scoring, metrics, terms))
-        i = self._choose([s for s, _, _ in served], results)
-        sources, cands, lexical = served[i]
-        value, scoring, metrics, _ = results[i]
-        if i != widest[_form(sources)]:
-            scoring, metrics, value, _ = self._grid(q, cands, lexical, truths, sources, scorer, own)
-        self.value_, self.scoring_, self.metrics_, self.sources_ = value, scoring, metrics, sources
+                results.append((scoring, *self._evaluate(q, cands, lexical, truths, scorer, own, scoring), False))
+
+        def tune_in_full(i: int) -> None:
+            results[i] = (*self._grid(q, served[i][1], served[i][2], truths, served[i][0], scorer, own), True)
+
+        i = self._choose([s for s, _, _ in served], results, tune_in_full)
+        self.scoring_, self.metrics_, self.value_, _, _ = results[i]
+        self.sources_, cands = served[i][0], served[i][1]
         self.mean_candidates_ = float(np.mean((cands >= 0).sum(axis=1)))
         return self
 
-    def _choose(self, sources: list[CandidateSources], results: list[tuple[float, Scoring, dict, dict]]) -> int:
-        """The cheapest sources not significantly below the best (logged, kept in `tried_`)."""
-        values = [r[0] for r in results]
-        best = int(np.argmax(values))
+    def _choose(self, sources: list[CandidateSources], results: list[_Valued],
+                tune_in_full: Callable[[int], None]) -> int:
+        """The cheapest sources not significantly below the best, tuned in full (each one in
+        `results` tuned in full before it is refused); all logged and kept in `tried_`."""
+        def best() -> int:
+            return int(np.argmax([r[2] for r in results]))
+
+        def acceptable(i: int) -> bool:
+            top = best()
+            below = below_shares([results[top][3], results[i][3]], 0, self.objective, seed=self.seed)[1]
+            return bool(below < self.level or results[i][2] >= results[top][2] - self.margin)
+
+        order = sorted(range(len(sources)), key=lambda i: (source_cost(sources[i]), -results[i][2]))
+        chosen = order[-1]
+        for i in order:
+            ok = acceptable(i)
+            if not ok and not results[i][4]:
+                tune_in_full(i)
+                ok = acceptable(i)
+            if ok:
+                chosen = i
+                break
+        if not results[chosen][4]:
+            tune_in_full(chosen)
+        self._report(sources, results, best())
+        return chosen
+
+    def _report(self, sources: list[CandidateSources], results: list[_Valued], best: int) -> None:
+        values = [r[2] for r in results]
         below = below_shares([r[3] for r in results], best, self.objective, seed=self.seed)
         self.tried_ = []
-        for src, value, share in zip(sources, values, below, strict=True):
+        for src, (_, _, value, _, full), share in zip(sources, results, below, strict=True):
             spec, gap = src.spec, value - values[best]
-            log.info("k_w=%d k_mu=%d k_tok=%d, lexical form %s: validation %s = %.3f (%+.3f to the best, below it "
-                     "on %.1f%% of resamples)", spec.k_w, spec.k_mu, spec.k_tok, _form(src), self.objective, value,
-                     gap, 100 * share)
+            log.info("k_w=%d k_mu=%d k_tok=%d, lexical form %s: validation %s = %.3f%s (%+.3f to the best, below "
+                     "it on %.1f%% of resamples)", spec.k_w, spec.k_mu, spec.k_tok, _form(src), self.objective,
+                     value, "" if full else " at its form's scoring", gap, 100 * share)
             self.tried_.append({**spec.model_dump(), "lexical_form": _form(src), "value": round(value, 3),
-                                "gap": round(gap, 3), "below_share": round(float(share), 3)})
-        acceptable = [i for i, (value, share) in enumerate(zip(values, below, strict=True))
-                      if share < self.level or value >= values[best] - self.margin]
-        return min(acceptable, key=lambda i: (source_cost(sources[i]), -values[i]))
+                                "tuned_in_full": full, "gap": round(gap, 3), "below_share": round(float(share), 3)})
 
     def _evaluate(self, q: np.ndarray, cands: np.ndarray, lexical: np.ndarray | None, truths: Truths,
                   scorer: LabelScorer, own: np.ndarray | None,
