@@ -112,9 +112,9 @@ class ScoringTuner:
         to choose from (the first wins ties); own: per document a label id never predicted (-1: none).
 
         The full grid runs on the widest sources of each lexical form; every sources is valued at
-        its form's tuned scoring, and is tuned in full only before it is refused or once chosen (a
-        grid per sources took 263 s of 16 sources' tuning in a 10^4-label training on the shared
-        machine); a sources is not refused for a scoring tuned on another."""
+        its form's tuned scoring, and tuned in full only before it is refused (not for a scoring
+        tuned on other sources) or once chosen: a grid for each of 16 sources took 263 s of a
+        10^4-label training on the shared machine."""
         served = [(sources, *sources(tokens, token_weights, q)) for sources in candidates]
         widest: dict[str, int] = {}
         for i, (sources, _, _) in enumerate(served):
