@@ -296,6 +296,70 @@ def test_tuning_serves_the_cheapest_sources_within_the_margin(ckpt, tuning_input
     assert source_cost(best.sources_) >= source_cost(cheapest.sources_)
 
 
+def _two_sources(ckpt, tuning_inputs, docs: list[int]) -> tuple:
+    """The tuner's inputs on `docs` only, with a cheap source (the closest centroid) and a costly
+    one (both HNSW searches at 30, 20 labels per token and the head)."""
+    q, tokens, weights, truths, _, scorer = tuning_inputs
+    b, (index_w, index_mu), table = ckpt.classifiers.bias_, ckpt.indices, ckpt.token_table
+    cheap = CandidateSources(Shortlist.served(0, 1, 0, 0, True), b, index_mu=index_mu)
+    costly = CandidateSources(Shortlist.served(30, 30, 20, 32, True), b, index_w=index_w, index_mu=index_mu,
+                              table=table)
+    sub = Truths([_truth(truths, i) for i in docs], truths.inv_propensity)
+    return q[docs], tokens[docs], weights[docs], sub, [cheap, costly], scorer
+
+
+def _truth(truths: Truths, doc: int) -> list[int]:
+    start = int(truths.sizes[:doc].sum())
+    return [int(k % truths.span) for k in truths._keys[start:start + truths.sizes[doc]]]
+
+
+def _fixed(**kwargs) -> ScoringTuner:
+    """A tuner whose every scoring ranks alike (centroid similarity alone), so that a document's
+    value does not depend on the others tuned with it."""
+    return ScoringTuner(alphas=(0.0,), lexical_weights=(0.0,), **{"margin": 0.0, **kwargs})
+
+
+def test_a_costlier_source_is_served_only_where_it_pays_beyond_the_validation_noise(ckpt, tuning_inputs):
+    values = [[t["value"] for t in _fixed().fit(*_two_sources(ckpt, tuning_inputs, [i])).tried_]
+              for i in range(100)]
+    costly_ahead = [i for i, (cheap, costly) in enumerate(values) if costly > cheap]
+    tie = [i for i, (cheap, costly) in enumerate(values) if costly == cheap]
+    assert len(costly_ahead) >= 8 and tie
+    # Two documents, the costly source ahead on one: far ahead, and noise (a quarter of the
+    # resamples draw only the other document).
+    noisy = _two_sources(ckpt, tuning_inputs, [costly_ahead[0], tie[0]])
+    tuned = _fixed().fit(*noisy)
+    assert tuned.tried_[1]["value"] > tuned.tried_[0]["value"] + 10
+    assert tuned.tried_[0]["below_share"] == pytest.approx(0.75, abs=0.05)
+    assert tuned.sources_.spec.k_tok == 0
+    assert _fixed(level=0.0).fit(*noisy).sources_.spec.k_tok == 20  # the margin alone: the rule before
+    # Ahead on eight of nine documents: below on all resamples but the few drawing only the ninth.
+    paying = _two_sources(ckpt, tuning_inputs, [*costly_ahead[:8], tie[0]])
+    tuned = _fixed().fit(*paying)
+    assert tuned.sources_.spec.k_tok == 20 and tuned.tried_[0]["below_share"] >= 0.99
+    assert _fixed(margin=1e9).fit(*paying).sources_.spec.k_tok == 0  # within the margin
+
+
+def test_the_source_bootstrap_is_deterministic_given_a_seed(ckpt, tuning_inputs):
+    inputs = _two_sources(ckpt, tuning_inputs, list(range(0, 120, 3)))
+    first, again = _fixed(seed=3).fit(*inputs), _fixed(seed=3).fit(*inputs)
+    assert first.tried_ == again.tried_ and first.scoring_ == again.scoring_
+    shares = [t["below_share"] for t in first.tried_]
+    assert min(shares) == 0.0 and 0.0 <= max(shares) <= 1.0
+    with pytest.raises(ValueError, match=r"level must be in \[0, 1\]"):
+        ScoringTuner(level=1.5)
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.01, float("nan"), "0.9", True, None])
+def test_tune_source_level_is_validated(value) -> None:
+    with pytest.raises(ValueError, match=r"tune_source_level must be a number in \[0, 1\]"):
+        TrainConfig.from_dict({"tune_source_level": value})
+    for edge in (0, 1.0):
+        assert TrainConfig.from_dict({"tune_source_level": edge}).tune_source_level == edge
+    with pytest.raises(ValueError, match="tune_source_margin must be a finite number >= 0"):
+        TrainConfig.from_dict({"tune_source_margin": value if value != 1.01 else -1})
+
+
 def test_tuning_without_own_labels_scores_what_exclusion_serves(ckpt, tuning_inputs, test_split):
     q, tokens, weights, truths, candidates, scorer = tuning_inputs
     plain = ScoringTuner().fit(*tuning_inputs)
@@ -344,6 +408,30 @@ def test_progress_off_a_terminal_is_a_log_line_every_few_seconds(caplog, monkeyp
     lines = [r.getMessage() for r in caplog.records]
     assert 2 <= len(lines) <= 3 and all("\r" not in line for line in lines)
     assert lines[0].startswith("Module I epoch 1/1: 4/10 (40%)") and "loss=" in lines[0]
+
+
+def test_retune_chooses_the_sources_again_and_keeps_the_rest_of_the_checkpoint(checkpoints, synthetic_data,
+                                                                              tmp_path, capsys):
+    source = checkpoints["v1"]
+    cfg = tmp_path / "tune.json"
+    cfg.write_text(json.dumps({"tune_sources": True, "tune_source_margin": 1e9}))
+    out = tmp_path / "retuned"
+    assert cli_main(["train", "--data", str(synthetic_data), "--out", str(out), "--retune", str(source),
+                     "--config", str(cfg)]) == 0
+    before, after = Checkpoint.load(source), Checkpoint.load(out)
+    assert before.scoring.shortlist.k_w == 20 and after.config["tune_sources"] and after.config["seed"] == 1
+    spec = after.scoring.shortlist
+    assert (spec.k_w, spec.k_mu, spec.k_tok) == (0, 0, 10)  # any source is within the margin: the cheapest
+    choices = TrainConfig.from_dict(after.config).shortlist_choices(has_table=True)
+    assert len(after.metrics["shortlists_tried"]) == len(choices) == 18
+    assert after.metrics["module1"] == before.metrics["module1"]
+    assert {"gap", "below_share"} <= set(after.metrics["shortlists_tried"][0])
+    for name in ("classifiers.npy", "centroids.npy", "encoder.pt", "hnsw_w.bin", "token_shortlist.npz", "tree.npz"):
+        assert (out / name).read_bytes() == (source / name).read_bytes(), name
+    cfg.write_text(json.dumps({"m3_epochs": 1}))
+    assert cli_main(["train", "--data", str(synthetic_data), "--out", str(out), "--retune", str(source),
+                     "--config", str(cfg)]) == 2
+    assert "a retune changes only" in capsys.readouterr().err
 
 
 def test_refit_tree_keeps_the_rest_of_the_checkpoint_and_refuses_other_keys(checkpoints, synthetic_data, tmp_path,

@@ -18,7 +18,7 @@ from service.engine.candidates import CandidateSources
 from service.engine.index import VectorIndex, build_label_indices
 from service.engine.labels import LabelTable
 from service.engine.lexical import TokenShortlist
-from service.engine.schema import HnswParams, Shortlist
+from service.engine.schema import HnswParams, Scoring, Shortlist
 from service.engine.scorers import Calibration, LabelScorer
 from training.ann import AnnParams
 from training.centroids import Centroids, hard_negative_shortlists
@@ -94,18 +94,7 @@ def _train(data_dir: Path, cfg: TrainConfig, text_field: str, trn: Split | None 
             lambda name: lambda starts: Progress(starts, f"bundle's HNSW index of {data.num_labels} {name}",
                                                  enabled=cfg.progress))
     with report.stage("tuning"):
-        candidates = _candidate_sources(cfg, data.num_labels, clf.bias_, indices, tables)
-        scorer = LabelScorer(clf.weights_, clf.bias_, centroids.vectors_, IDENTITY, IDENTITY)
-        if cfg.tune:
-            tuner = ScoringTuner(cfg.classifier_form, cfg.tune_objective, margin=cfg.tune_source_margin).fit(
-                embed(encoder, data.val_texts, device), data.val_texts.ids.numpy(), data.val_texts.weights.numpy(),
-                data.truths(data.val), candidates, scorer, data.own_labels() if cfg.exclude_own_labels else None)
-            scoring, table = tuner.scoring_, tuner.sources_.table
-            report.validation(tuner)
-        else:
-            table = candidates[-1].table
-            scoring = default_scoring(cfg.classifier_form, cfg.alpha, candidates[-1],
-                                      table.form if table is not None else "shares")
+        scoring, table = tune_scoring(cfg, data, encoder, clf, centroids, indices, tables, device, report)
     report.test_module3(data, encoder, LabelScorer.of(clf.weights_, clf.bias_, centroids.vectors_, scoring), device,
                         scoring.alpha)
     report.losses(m1.losses_, clf.losses_, getattr(lexical, "losses_", None))
@@ -131,6 +120,56 @@ def refit_tree(checkpoint: str | Path, data_dir: str | Path, tree_config: dict[s
         ckpt.tree = fit_tree(cfg, data, doc_emb, ckpt.classifiers)
     ckpt.config = asdict(cfg)
     return ckpt
+
+
+# The training config keys a retune may change: the tuning's and the served sources'.
+RETUNE_KEYS = ("tune", "tune_objective", "exclude_own_labels", "alpha", "serve_k_w", "serve_k_mu", "serve_k_tok",
+               "serve_k_head", "tune_sources", "tune_k_hnsw", "tune_source_margin", "tune_source_level")
+
+
+def retune(checkpoint: str | Path, data_dir: str | Path, tune_config: dict[str, Any] | None = None) -> Checkpoint:
+    """`checkpoint` with only its scoring and served sources tuned again (RETUNE_KEYS of its
+    config overridden by `tune_config`) on the same data and validation split, over its own
+    indices and token table (the lexical form training kept: the other one is not stored);
+    the encoder, classifiers, centroids and tree kept. Seconds instead of a training."""
+    unknown = sorted(set(tune_config or {}) - set(RETUNE_KEYS))
+    if unknown:
+        raise ValueError(f"a retune changes only {', '.join(RETUNE_KEYS)}; got {', '.join(unknown)}")
+    ckpt = Checkpoint.load(checkpoint)
+    if ckpt.indices is None:
+        raise ValueError(f"{checkpoint}: a format-1 checkpoint holds no HNSW indices to tune over")
+    cfg = TrainConfig.from_dict({**ckpt.config, **(tune_config or {})})
+    with _torch_settings(cfg):
+        data = TrainingSet.load(Path(data_dir), cfg, ckpt.text_field, np.random.default_rng(cfg.seed))
+        if data.fingerprint != ckpt.fingerprint:
+            raise ValueError(f"{data_dir}: not the data {checkpoint} was trained on (fingerprints differ)")
+        report, device = Report(), torch.device("cpu")
+        ckpt.scoring, ckpt.token_table = tune_scoring(cfg, data, ckpt.encoder, ckpt.classifiers, ckpt.centroids,
+                                                      ckpt.indices, [ckpt.token_table], device, report)
+        w, b, mu = ckpt.classifiers.weights_, ckpt.classifiers.bias_, ckpt.centroids.vectors_
+        report.test_module3(data, ckpt.encoder, LabelScorer.of(w, b, mu, ckpt.scoring), device, ckpt.scoring.alpha)
+    del report.metrics["times"]
+    ckpt.config, ckpt.metrics = asdict(cfg), {**ckpt.metrics, **report.metrics}
+    return ckpt
+
+
+def tune_scoring(cfg: TrainConfig, data: TrainingSet, encoder: SiameseEncoder, clf: OneVsAll, centroids: Centroids,
+                 indices: tuple[VectorIndex, VectorIndex], tables: list[TokenShortlist | None],
+                 device: torch.device, report: Report) -> tuple[Scoring, TokenShortlist | None]:
+    """The scoring and token table served: tuned on the validation documents over the candidate
+    sources (cfg.tune; reported), or the untuned scoring of the configured sources."""
+    candidates = _candidate_sources(cfg, data.num_labels, clf.bias_, indices, tables)
+    if not cfg.tune:
+        table = candidates[-1].table
+        return default_scoring(cfg.classifier_form, cfg.alpha, candidates[-1],
+                               table.form if table is not None else "shares"), table
+    scorer = LabelScorer(clf.weights_, clf.bias_, centroids.vectors_, IDENTITY, IDENTITY)
+    tuner = ScoringTuner(cfg.classifier_form, cfg.tune_objective, margin=cfg.tune_source_margin,
+                         level=cfg.tune_source_level, seed=cfg.seed).fit(
+        embed(encoder, data.val_texts, device), data.val_texts.ids.numpy(), data.val_texts.weights.numpy(),
+        data.truths(data.val), candidates, scorer, data.own_labels() if cfg.exclude_own_labels else None)
+    report.validation(tuner)
+    return tuner.scoring_, tuner.sources_.table
 
 
 def fit_tree(cfg: TrainConfig, data: TrainingSet, doc_emb: np.ndarray, clf: OneVsAll) -> AdversarialTree:

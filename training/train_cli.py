@@ -13,13 +13,17 @@ from pathlib import Path
 from training.aggregated import train_aggregated
 from training.checkpoint import Checkpoint
 from training.config import TrainConfig
-from training.pipeline import refit_tree, train
+from training.pipeline import refit_tree, retune, train
 
 
 def run_cli(args: argparse.Namespace) -> int:
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(message)s")
+    if args.refit_tree and args.retune:
+        raise ValueError("--refit-tree and --retune: one at a time")
     if args.refit_tree:
         return _refit_tree(args)
+    if args.retune:
+        return _retune(args)
     cfg = TrainConfig.from_json(args.config) if args.config else TrainConfig()
     if args.aggregated_rounds is not None:
         cfg = replace(cfg, aggregated_rounds=args.aggregated_rounds)
@@ -39,6 +43,17 @@ def _refit_tree(args: argparse.Namespace) -> int:
     if args.aggregated or args.seed is not None:
         raise ValueError("--refit-tree keeps the checkpoint's data and seed: drop --aggregated and --seed")
     return _save(refit_tree(args.refit_tree, args.data, overrides.get("tree")), args.out)
+
+
+def _retune(args: argparse.Namespace) -> int:
+    overrides: dict = {}
+    if args.config:
+        overrides = json.loads(Path(args.config).read_text(encoding="utf-8"))
+        if not isinstance(overrides, dict):
+            raise ValueError(f"{args.config}: training config must be a JSON object")
+    if args.aggregated or args.seed is not None:
+        raise ValueError("--retune keeps the checkpoint's data and seed: drop --aggregated and --seed")
+    return _save(retune(args.retune, args.data, overrides), args.out)
 
 
 def _save(ckpt: Checkpoint, out_dir: str) -> int:

@@ -5,17 +5,20 @@ documents over the candidates the bundle will serve, scored by the engine's own 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
 from service.engine.candidates import CandidateSources
-from service.engine.metrics import Truths, ranking_metrics
+from service.engine.metrics import Truths, aggregate, document_terms, ranking_metrics, resampled_metrics
 from service.engine.schema import Calibrations, Scoring
 from service.engine.scorers import Calibration, LabelScorer, combine_scores, top_k
 from training.config import DEFAULT_OBJECTIVE, check_objective
 
 log = logging.getLogger("shortlist.training")
+# A sources' tuned scoring, its metrics, objective value, per-document terms, tuned in full.
+_Valued = tuple[Scoring, dict[str, float], float, dict[str, np.ndarray], bool]
 
 ALPHAS = (0.0, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 # The logistic lexical score chose 0.3-0.5 on debian-tags validation: the grid reaches past it.
@@ -28,8 +31,36 @@ CLASSIFIER_CALIBRATIONS = {
 }
 
 
-def objective_value(metrics: dict[str, float], objective: dict[str, float]) -> float:
+# Paired bootstrap resamples of the validation documents behind "significantly below the best"
+# (seeded: a checkpoint's tuning is deterministic), drawn this many (resample, document) counts
+# at a time so that memory stays bounded for any validation size.
+SOURCE_RESAMPLES = 1000
+_RESAMPLE_CHUNK = 1 << 22
+
+
+def objective_value(metrics: dict[str, Any], objective: dict[str, float]) -> Any:
+    """The weighted sum of the metrics (floats, or arrays of per-resample values)."""
     return sum(weight * metrics[name] for name, weight in objective.items())
+
+
+def bootstrap_counts(n: int, resamples: int, rng: np.random.Generator) -> np.ndarray:
+    """int [resamples, n]: how often each of n documents is drawn in each bootstrap resample."""
+    draws = rng.integers(0, n, (resamples, n)) + n * np.arange(resamples)[:, None]
+    return np.bincount(draws.ravel(), minlength=resamples * n).reshape(resamples, n)
+
+
+def below_shares(terms: Sequence[dict[str, np.ndarray]], best: int, objective: dict[str, float],
+                 resamples: int = SOURCE_RESAMPLES, seed: int = 0) -> np.ndarray:
+    """float [len(terms)]: per system (its `document_terms` on the same documents), the share of
+    paired bootstrap resamples of the documents on which its objective is below system `best`'s."""
+    n = len(next(iter(terms[best].values())))
+    rng, below, done = np.random.default_rng(seed), np.zeros(len(terms)), 0
+    while done < resamples:
+        counts = bootstrap_counts(n, min(resamples - done, max(1, _RESAMPLE_CHUNK // max(n, 1))), rng)
+        draws = [objective_value(resampled_metrics(t, counts, list(objective)), objective) for t in terms]
+        below += [np.sum(d < draws[best]) for d in draws]
+        done += len(counts)
+    return below / resamples
 
 
 def default_scoring(form: str, alpha: float, sources: CandidateSources, lexical_form: str) -> Scoring:
@@ -54,18 +85,25 @@ def source_cost(sources: CandidateSources) -> tuple[int, int]:
 
 class ScoringTuner:
     """Grid search maximising `objective` (metric -> weight) on validation documents, over each
-    of the candidate sources given; serves the cheapest sources (source_cost) whose best value
-    is within `margin` of the best of all. After fit: `scoring_` (a manifest's schema.Scoring),
-    `sources_` (the candidate sources chosen), `metrics_`, `value_` and `tried_` (each sources'
-    spec, lexical form and value)."""
+    of the candidate sources given; serves the cheapest sources (source_cost) that are not
+    significantly below the best of all: below its objective on fewer than `level` of
+    SOURCE_RESAMPLES paired bootstrap resamples of the validation documents (each resample
+    scores both; seeded by `seed`), or within `margin` points of it (level 0: margin alone). A
+    costlier source is then served only where it pays beyond the validation split's noise and by
+    more than `margin`. After fit: `scoring_` (a manifest's schema.Scoring), `sources_` (the
+    candidate sources chosen), `metrics_`, `value_` and `tried_` (each sources' spec, lexical
+    form, value, "gap" to the best and "below_share" of resamples on which it is below it)."""
 
     def __init__(self, classifier_form: str = "scaled_bias", objective: dict[str, float] | None = None,
                  alphas: Sequence[float] = ALPHAS, lexical_weights: Sequence[float] = LEXICAL_WEIGHTS,
-                 margin: float = 0.0) -> None:
+                 margin: float = 0.0, level: float = 0.95, seed: int = 0) -> None:
         self.classifier_form = classifier_form
         self.objective = dict(objective or DEFAULT_OBJECTIVE)
         check_objective(self.objective)
-        self.alphas, self.lexical_weights, self.margin = tuple(alphas), tuple(lexical_weights), float(margin)
+        if not (0.0 <= level <= 1.0 and margin >= 0):
+            raise ValueError(f"level must be in [0, 1] and margin >= 0, got {level} and {margin}")
+        self.alphas, self.lexical_weights = tuple(alphas), tuple(lexical_weights)
+        self.margin, self.level, self.seed = float(margin), float(level), int(seed)
 
     def fit(self, q: np.ndarray, tokens: np.ndarray, token_weights: np.ndarray, truths: Truths,
             candidates: Sequence[CandidateSources], scorer: LabelScorer, own: np.ndarray | None = None) -> ScoringTuner:
@@ -74,8 +112,9 @@ class ScoringTuner:
         to choose from (the first wins ties); own: per document a label id never predicted (-1: none).
 
         The full grid runs on the widest sources of each lexical form; every sources is valued at
-        its form's tuned scoring, and the chosen one is then tuned in full (3 grids, not one per
-        sources: 16 sources took 263 s of a 10^4-label training on the shared machine)."""
+        its form's tuned scoring, and tuned in full only before it is refused (not for a scoring
+        tuned on other sources) or once chosen: a grid for each of 16 sources took 263 s of a
+        10^4-label training on the shared machine."""
         served = [(sources, *sources(tokens, token_weights, q)) for sources in candidates]
         widest: dict[str, int] = {}
         for i, (sources, _, _) in enumerate(served):
@@ -84,48 +123,84 @@ class ScoringTuner:
                 widest[form] = i
         grids = {form: self._grid(q, served[i][1], served[i][2], truths, served[i][0], scorer, own)
                  for form, i in widest.items()}
-        results = []
+        results: list[_Valued] = []
         for i, (sources, cands, lexical) in enumerate(served):
             form = _form(sources)
             if i == widest[form]:
-                scoring, metrics, value = grids[form]
+                results.append((*grids[form], True))
             else:
                 scoring = grids[form][0].model_copy(update={"shortlist": sources.spec})
-                metrics, value = self._evaluate(q, cands, lexical, truths, scorer, own, scoring)
-            spec = sources.spec
-            log.info("k_w=%d k_mu=%d k_tok=%d, lexical form %s: validation %s = %.3f", spec.k_w, spec.k_mu,
-                     spec.k_tok, form, self.objective, value)
-            results.append((value, scoring, metrics, i, float(np.mean((cands >= 0).sum(axis=1)))))
-        best = max(r[0] for r in results)
-        within = [r for r in results if r[0] >= best - self.margin]
-        value, scoring, metrics, i, mean = min(within, key=lambda r: (source_cost(served[r[3]][0]), -r[0]))
-        sources, cands, lexical = served[i]
-        if i != widest[_form(sources)]:
-            scoring, metrics, value = self._grid(q, cands, lexical, truths, sources, scorer, own)
-        self.value_, self.scoring_, self.metrics_, self.sources_, self.mean_candidates_ = (
-            value, scoring, metrics, sources, mean)
-        self.tried_ = [{**served[r[3]][0].spec.model_dump(), "lexical_form": _form(served[r[3]][0]),
-                        "value": round(r[0], 3)} for r in results]
+                results.append((scoring, *self._evaluate(q, cands, lexical, truths, scorer, own, scoring), False))
+
+        def tune_in_full(i: int) -> None:
+            results[i] = (*self._grid(q, served[i][1], served[i][2], truths, served[i][0], scorer, own), True)
+
+        i = self._choose([s for s, _, _ in served], results, tune_in_full)
+        self.scoring_, self.metrics_, self.value_, _, _ = results[i]
+        self.sources_, cands = served[i][0], served[i][1]
+        self.mean_candidates_ = float(np.mean((cands >= 0).sum(axis=1)))
         return self
 
+    def _choose(self, sources: list[CandidateSources], results: list[_Valued],
+                tune_in_full: Callable[[int], None]) -> int:
+        """The cheapest sources not significantly below the best, tuned in full (each one in
+        `results` tuned in full before it is refused); all logged and kept in `tried_`."""
+        def best() -> int:
+            return int(np.argmax([r[2] for r in results]))
+
+        def acceptable(i: int) -> bool:
+            top = best()
+            below = below_shares([results[top][3], results[i][3]], 0, self.objective, seed=self.seed)[1]
+            return bool(below < self.level or results[i][2] >= results[top][2] - self.margin)
+
+        order = sorted(range(len(sources)), key=lambda i: (source_cost(sources[i]), -results[i][2]))
+        chosen = order[-1]
+        for i in order:
+            ok = acceptable(i)
+            if not ok and not results[i][4]:
+                tune_in_full(i)
+                ok = acceptable(i)
+            if ok:
+                chosen = i
+                break
+        if not results[chosen][4]:
+            tune_in_full(chosen)
+        self._report(sources, results, best())
+        return chosen
+
+    def _report(self, sources: list[CandidateSources], results: list[_Valued], best: int) -> None:
+        values = [r[2] for r in results]
+        below = below_shares([r[3] for r in results], best, self.objective, seed=self.seed)
+        self.tried_ = []
+        for src, (_, _, value, _, full), share in zip(sources, results, below, strict=True):
+            spec, gap = src.spec, value - values[best]
+            log.info("k_w=%d k_mu=%d k_tok=%d, lexical form %s: validation %s = %.3f%s (%+.3f to the best, below "
+                     "it on %.1f%% of resamples)", spec.k_w, spec.k_mu, spec.k_tok, _form(src), self.objective,
+                     value, "" if full else " at its form's scoring", gap, 100 * share)
+            self.tried_.append({**spec.model_dump(), "lexical_form": _form(src), "value": round(value, 3),
+                                "tuned_in_full": full, "gap": round(gap, 3), "below_share": round(float(share), 3)})
+
     def _evaluate(self, q: np.ndarray, cands: np.ndarray, lexical: np.ndarray | None, truths: Truths,
-                  scorer: LabelScorer, own: np.ndarray | None, scoring: Scoring) -> tuple[dict[str, float], float]:
-        """The metrics and objective of one scoring on these candidates."""
+                  scorer: LabelScorer, own: np.ndarray | None,
+                  scoring: Scoring) -> tuple[dict[str, float], float, dict[str, np.ndarray]]:
+        """The metrics, objective and per-document terms of one scoring on these candidates."""
         logits, sims = scorer.dots(q, cands)
         cal = scoring.calibration
         scores = combine_scores(logits, sims, scoring.alpha, Calibration.of(cal.classifier),
                                 Calibration.of(cal.centroid), lexical, scoring.lexical_weight)
         scores = np.array(scores)  # a copy: an identity calibration hands back its input
         scores[_invalid(cands, own)] = -np.inf
-        metrics = ranking_metrics(_top5(cands, scores), truths, (1, 5))
-        return {k: float(v) for k, v in metrics.items()}, objective_value(metrics, self.objective)
+        terms = document_terms(_top5(cands, scores), truths, (1, 5))
+        metrics = aggregate(terms)
+        return {k: float(v) for k, v in metrics.items()}, objective_value(metrics, self.objective), terms
 
     def _grid(self, q: np.ndarray, cands: np.ndarray, lexical: np.ndarray | None, truths: Truths,
-              sources: CandidateSources, scorer: LabelScorer, own: np.ndarray | None) -> tuple[Scoring, dict, float]:
+              sources: CandidateSources, scorer: LabelScorer,
+              own: np.ndarray | None) -> tuple[Scoring, dict, float, dict[str, np.ndarray]]:
         logits, sims = scorer.dots(q, cands)
         invalid = _invalid(cands, own)
         lexical_form = sources.table.form if sources.table is not None else "shares"
-        best: tuple[float, Scoring, dict[str, float]] | None = None
+        best: tuple[float, Scoring, dict[str, float], dict[str, np.ndarray]] | None = None
         for fi, f in enumerate(CLASSIFIER_CALIBRATIONS[self.classifier_form]):
             for g in CENTROID_CALIBRATIONS:
                 for alpha in self.alphas:
@@ -135,13 +210,14 @@ class ScoringTuner:
                     for lam in self.lexical_weights if lexical is not None else (0.0,):
                         scores = mixed + lam * lexical if lam else mixed.copy()
                         scores[invalid] = -np.inf
-                        metrics = ranking_metrics(_top5(cands, scores), truths, (1, 5))
+                        terms = document_terms(_top5(cands, scores), truths, (1, 5))
+                        metrics = aggregate(terms)
                         value = objective_value(metrics, self.objective)
                         if best is None or value > best[0]:
                             best = (value, _scoring(self.classifier_form, alpha, f, g, lam, sources, lexical_form),
-                                    metrics)
+                                    metrics, terms)
         assert best is not None
-        return best[1], {k: float(v) for k, v in best[2].items()}, best[0]
+        return best[1], {k: float(v) for k, v in best[2].items()}, best[0], best[3]
 
 
 def _form(sources: CandidateSources) -> str:

@@ -115,16 +115,25 @@ def aggregate(
 ) -> dict[str, float]:
     """The metrics (all, or `names`), in percent, of `document_terms` over all documents or the
     given rows (indices, repeats allowed: a bootstrap resample)."""
-    pick = (lambda a: a) if rows is None else (lambda a: a[rows])
-    out: dict[str, float] = {}
+    n = len(next(iter(terms.values()))) if terms else 0
+    counts = np.ones((1, n)) if rows is None else np.bincount(np.asarray(rows), minlength=n)[None, :]
+    return {name: float(values[0]) for name, values in resampled_metrics(terms, counts, names).items()}
+
+
+def resampled_metrics(
+    terms: dict[str, np.ndarray], counts: np.ndarray, names: Sequence[str] | None = None
+) -> dict[str, np.ndarray]:
+    """The metrics (all, or `names`), in percent, of `document_terms` on each of R resamples of
+    the documents, float64 [R] per name; counts [R, N]: how often each document is drawn in each
+    (a paired bootstrap scores every system on the same counts). P@k, nDCG@k: the mean over the
+    drawn documents; PSP@k, PSnDCG@k: the sum of their gains over the sum of their bests."""
+    counts = np.asarray(counts, dtype=np.float64)
+    out: dict[str, np.ndarray] = {}
     for name, values in terms.items():
         if name.endswith(":best") or (names is not None and name not in names):
             continue
-        if name.startswith("PS"):
-            best = pick(terms[name + ":best"]).sum()
-            out[name] = 100.0 * pick(values).sum() / best if best else 0.0
-        else:
-            out[name] = 100.0 * pick(values).mean() if len(pick(values)) else 0.0
+        total = counts @ (terms[name + ":best"] if name.startswith("PS") else np.ones(len(values)))
+        out[name] = 100.0 * np.divide(counts @ values, total, out=np.zeros(len(counts)), where=total > 0)
     return out
 
 
