@@ -204,6 +204,8 @@ def test_config_errors_are_clear(tmp_path: Path) -> None:
         ({"serve_k_w": 0, "serve_k_mu": 0, "serve_k_tok": 0}, "all 0"),
         ({"serve_k_w": -1}, "serve_k_w must be >= 0"),
         ({"serve_k_head": -1}, "serve_k_head must be >= 0"),
+        ({"index_threads": -1}, "index_threads must be >= 0"),
+        ({"threads": -2}, "threads must be >= 0"),
         ({"lexical_form": "softmax"}, "lexical_form must be one of"),
         ({"m3_softmax_weight": -1.0}, "m3_softmax_weight"),
         ({"index_m": 1}, "index_m must be >= 2"),

@@ -56,7 +56,7 @@ def _train(data_dir: Path, cfg: TrainConfig, text_field: str, trn: Split | None 
     device, rng, report = _device(cfg), np.random.default_rng(cfg.seed), Report()
     with report.stage("data"):
         data = TrainingSet.load(data_dir, cfg, text_field, rng, trn)
-    ann = AnnParams(cfg.hnsw_m, cfg.hnsw_ef_construction, cfg.hnsw_ef, _threads(cfg), cfg.progress,
+    ann = AnnParams(cfg.hnsw_m, cfg.hnsw_ef_construction, cfg.hnsw_ef, _index_threads(cfg), cfg.progress,
                    cfg.deterministic)
     encoder = SiameseEncoder(data.tokenizer.vocab_size, cfg.dim, seed=cfg.seed).to(device)
     with report.stage("module1"):
@@ -89,8 +89,9 @@ def _train(data_dir: Path, cfg: TrainConfig, text_field: str, trn: Split | None 
     del doc_emb
     with report.stage("indices"):
         hnsw = HnswParams(M=cfg.index_m, ef_construction=cfg.index_ef_construction, ef_search=cfg.index_ef_search)
+        insertion_threads = 1 if cfg.deterministic else _index_threads(cfg)
         indices = build_label_indices(
-            clf.weights_, clf.bias_, centroids.vectors_, hnsw, cfg.seed, 1 if cfg.deterministic else _threads(cfg),
+            clf.weights_, clf.bias_, centroids.vectors_, hnsw, cfg.seed, insertion_threads,
             lambda name: lambda starts: Progress(starts, f"bundle's HNSW index of {data.num_labels} {name}",
                                                  enabled=cfg.progress))
     with report.stage("tuning"):
@@ -223,3 +224,7 @@ def _device(cfg: TrainConfig) -> torch.device:
 
 def _threads(cfg: TrainConfig) -> int:
     return cfg.threads if cfg.threads > 0 else (os.cpu_count() or 1)
+
+
+def _index_threads(cfg: TrainConfig) -> int:
+    return cfg.index_threads if cfg.index_threads > 0 else _threads(cfg)
