@@ -121,7 +121,8 @@ class LabelEditor:
     On debian-deps (4,224 labels held out, the served model's validation documents: the proxy of
     bench/live_labels_proxy.py) a hint without the search served held-out recall@10 16.15 (the
     labels' exact scores 59.20: a hinted common label sits outside its words' token rows), with
-    it 59.34; without hints the search changed nothing (8.12 either way). Its cost per query is
+    it 59.34; without hints the search changed nothing (8.12 either way); on the model trained
+    without those labels (bench/live_labels.py) hints reached 56.90 with or without it. Its cost per query is
     one [D] x [D, added] product: ~1 KB of float32 per added label.
     """
 
