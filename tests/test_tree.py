@@ -82,6 +82,9 @@ def test_log_pn_sums_to_one_and_padding_has_zero_mass(small_tree):
     z = tree.project(x[:100])
     labels = np.tile(np.arange(11), (100, 1))
     np.testing.assert_allclose(tree.log_prob(z, labels), logp, atol=1e-5)
+    # Taken in blocks of a few rows (how a 10^6-label training bounds its memory), the same values.
+    np.testing.assert_array_equal(tree.log_prob(z, labels, block_bytes=1), tree.log_prob(z, labels))
+    np.testing.assert_array_equal(tree.log_prob(z, labels, block_bytes=5000), tree.log_prob(z, labels))
 
 
 def test_ancestral_samples_follow_pn(small_tree):

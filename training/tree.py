@@ -356,12 +356,22 @@ class LabelTree:
     def project(self, embeddings: np.ndarray) -> np.ndarray:
         return (np.asarray(embeddings, dtype=np.float32) - self.pca_mean_) @ self.pca_components_.T
 
-    def log_prob(self, z: np.ndarray, labels: np.ndarray) -> np.ndarray:
-        """log p_n(labels[b, j] | x_b) for projected inputs z [B, k] and labels [B, J]."""
-        z = np.asarray(z, dtype=np.float64)
-        nodes = self.path_nodes_[labels]  # [B, J, depth]
-        s = np.einsum("bjdk,bk->bjd", self.node_weights_[nodes].astype(np.float64), z) + self._bias_eff[nodes]
-        return log_sigmoid(self.path_signs_[labels] * s).sum(-1)
+    def log_prob(self, z: np.ndarray, labels: np.ndarray, block_bytes: int = 1 << 26) -> np.ndarray:
+        """log p_n(labels[b, j] | x_b) for projected inputs z [B, k] and labels [B, J].
+
+        In blocks of rows: the gathered node weights are [B, J, depth, k] float64, 13 GB for the
+        5 * 10^6 positive pairs of a 10^6-label training if taken at once (it was what stopped one)."""
+        labels = np.asarray(labels)
+        row_bytes = max(1, labels.shape[1] * self.depth_ * (self.node_weights_.shape[1] + 4) * 8)
+        step = max(1, block_bytes // row_bytes)
+        out = np.empty(labels.shape, np.float64)
+        for begin in range(0, len(labels), step):
+            rows = slice(begin, begin + step)
+            zb = np.asarray(z[rows], dtype=np.float64)
+            nodes = self.path_nodes_[labels[rows]]  # [b, J, depth]
+            s = np.einsum("bjdk,bk->bjd", self.node_weights_[nodes].astype(np.float64), zb) + self._bias_eff[nodes]
+            out[rows] = log_sigmoid(self.path_signs_[labels[rows]] * s).sum(-1)
+        return out
 
     def sample(self, z: np.ndarray, num_samples: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         """Ancestral sampling y ~ p_n(.|x): (labels [B, S], log p_n [B, S]); O(k log L) each."""
