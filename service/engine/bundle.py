@@ -420,6 +420,12 @@ class Bundle:
                 raise BundleError(f"{self._encoder_files()}: token id {int(ids[bad // dim, 0])} encodes to a "
                                   "non-finite vector")
 
+    def release_pages(self) -> None:
+        """Hand back the pages of every array map (their data stays in the page cache; the next
+        read maps them again): after the canary, whose tree searches alone read 20 MiB of
+        tree.npz on debian-deps that a process serving the alpha route never reads again."""
+        self._maps.release()
+
     def validation_rows(self) -> list[dict[str, Any]]:
         """Held-out {"text", "target_ind"} rows stored at export, for a quality gate ([] if none);
         BundleError naming the line of a row that is not one."""

@@ -104,6 +104,7 @@ class Predictor:
             predictor = cls(bundle, options)
             if predictor.encoder is not None:  # else its caller checks them (ShardPredictor.check_canaries)
                 canary.check(predictor if predictor.answers_as_exported else cls(bundle))
+                bundle.release_pages()
         except BundleError:
             bundle.close()
             raise

@@ -18,6 +18,10 @@ from service.engine.schema import CalibrationKind, CalibrationSpec, Scoring
 
 _SORT_WHOLE_ROWS = 256  # top_k sorts rows this short outright
 _GATHER_ROWS = 64  # queries whose candidate rows are gathered at once
+# ...and at most this many candidate rows: [rows, C, D] float32, 4 MiB at D = 256, whatever C (a
+# batch's C is its longest row: a 64-token text's token shortlist alone holds 640 labels). With
+# the float16 rows and as_float32's intp indices, 14 MiB at a time; 64 rows of C = 640 took 110.
+_GATHER_AT_ONCE = 4096
 EXACT_CHUNK = 512  # queries scored against all labels at once, at most
 # ...and at most this many (query, label) scores at once: [chunk, L] float32 arrays of 128 MiB
 # (a few live at a time), so exact scoring of 10^6 labels does not need gigabytes.
@@ -148,15 +152,16 @@ class LabelScorer:
         """w_l.q + b_l and mu_l.q [B, C] for candidate ids [B, C] (-1 entries: any value)."""
         # A single row has -1 slots only when it is empty: the single-query path skips the copy.
         safe = np.maximum(cands, 0) if len(cands) > 1 or cands[0, 0] < 0 else cands
-        if len(q) <= _GATHER_ROWS:
+        step = max(1, min(_GATHER_ROWS, _GATHER_AT_ONCE // cands.shape[1]))
+        if len(q) <= step:
             logits, sims = self._dots(safe, q)
         else:
             # The gathered rows are [rows, C, D] floats: in slices, so a batch of 1000 queries
-            # needs ~2 x 9 MB at a time instead of 2 x 135 MB.
+            # needs ~2 x 8 MB at a time instead of 2 x 135 MB or more.
             logits = np.empty(cands.shape, dtype=np.float32)
             sims = np.empty(cands.shape, dtype=np.float32)
-            for start in range(0, len(q), _GATHER_ROWS):
-                part = slice(start, start + _GATHER_ROWS)
+            for start in range(0, len(q), step):
+                part = slice(start, start + step)
                 logits[part], sims[part] = self._dots(safe[part], q[part])
         logits += self.b[safe]
         return logits, sims
