@@ -87,6 +87,34 @@ def test_a_process_that_dies_comes_back_serving_the_recorded_version(bundle_root
     assert not list((state / "processes").glob("*.json"))
 
 
+def _maps_of(pid: int, directory) -> bool:
+    """Whether process `pid` maps a file of `directory`."""
+    with open(f"/proc/{pid}/maps") as f:
+        return any(str(directory) in line for line in f)
+
+
+def test_the_arbiter_shares_the_bundle_it_forked_with_until_another_version_is_active(bundle_root, tmp_path):
+    """The processes start on a bundle the arbiter loaded before forking them (one copy of its
+    pages for all of them); a process that dies comes back on it, and once another version is
+    active the arbiter lets go of the old one."""
+    state = tmp_path / "state"
+    with serve(bundle_root, env=_env(state), log_dir=tmp_path, timeout=120) as s:
+        pids = _wait_for(s.url, {"v2"})
+        assert _maps_of(s.proc.pid, bundle_root / "v2")
+        assert all(_maps_of(int(pid), bundle_root / "v2") for pid in pids)
+        victim = next(iter(pids))
+        os.kill(int(victim), signal.SIGKILL)
+        _wait_for(s.url, {"v2"}, gone=victim)
+        assert _versions_answering(s.url, 10) == {"v2"}
+        r = httpx.post(f"{s.url}/admin/bundles/activate", json={"version": "v1"}, headers=AUTH, timeout=120)
+        assert r.status_code == 200, r.text
+        deadline = time.monotonic() + 10
+        while _maps_of(s.proc.pid, bundle_root / "v2") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _maps_of(s.proc.pid, bundle_root / "v2")
+        assert _versions_answering(s.url, 10) == {"v1"}
+
+
 def test_several_processes_need_a_state_directory_and_the_admin_routes_on_the_main_port(tmp_path):
     with pytest.raises(ValidationError, match="needs state_dir"):
         Settings(processes=2)

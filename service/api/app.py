@@ -27,13 +27,16 @@ from service.api.request_body import RequestBodyMiddleware
 from service.api.schemas import Health, RequestModels
 from service.api.settings import Settings
 from service.engine import heap
+from service.engine.bundle import Bundle
 from service.engine.store import BundleStore
 
 log = logging.getLogger("shortlist.api")
 VERSION = "0.1.0"
 
 
-def build_state(settings: Settings) -> ServiceState:
+def build_state(settings: Settings, preloaded: Bundle | None = None) -> ServiceState:
+    """The service's state; `preloaded`: a bundle opened and checked before this process was
+    forked (service.api.supervisor), which the first load of its version serves."""
     metrics = ServiceMetrics()
 
     def on_swap(_old: str | None, new: str) -> None:
@@ -45,7 +48,7 @@ def build_state(settings: Settings) -> ServiceState:
         quality_gate_min_p1=settings.quality_gate_min_p1, drain_timeout_s=settings.drain_timeout_s,
         on_swap=on_swap, loader_nice=settings.loader_nice, remembered=_remembered(settings),
         check_timeout_s=settings.load_check_timeout_s if settings.load_check_in_child else None,
-        max_pending_changes=settings.max_pending_label_changes,
+        max_pending_changes=settings.max_pending_label_changes, preloaded=preloaded,
     )
     runner = EngineRunner(
         settings.workers, batching=settings.batching, max_batch=settings.batch_max_size,
@@ -110,17 +113,19 @@ def _new_app(state: ServiceState, title: str, lifespan: object = None) -> FastAP
 
 
 def create_app(settings: Settings | None = None, *, state: ServiceState | None = None,
-               admin: bool | None = None, answer: Answer = answer_here) -> FastAPI:
+               admin: bool | None = None, answer: Answer = answer_here,
+               preloaded: Bundle | None = None) -> FastAPI:
     """The service app. With `state` given (a shared registry), the caller owns loading and
     shutdown; otherwise the app loads the configured bundle at startup without blocking
     /healthz, and /readyz turns 200 once it is validated and serving.
 
     `admin` None: admin routes are mounted here when a token is set and no admin port is.
     `answer`: how the prediction routes answer (a sharded service fans out, service.api.ray_app).
+    `preloaded`: see build_state.
     """
     settings = settings or Settings()
     owns_state = state is None
-    state = state or build_state(settings)
+    state = state or build_state(settings, preloaded)
     if settings.access_log:
         setup_logging(settings.log_level)
     if admin is None:

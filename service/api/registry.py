@@ -206,8 +206,12 @@ class BundleRegistry:
         check_timeout_s: float | None = 600.0,
         editor: LabelEditor | None = None,
         max_pending_changes: int = 64,
+        preloaded: Bundle | None = None,
     ) -> None:
         self.store = root if isinstance(root, BundleStore) else BundleStore(root)
+        # A bundle opened and checked by the process this one was forked from (service.api.supervisor):
+        # the first load of its directory serves it, sharing its pages; any other load closes it.
+        self._preloaded = preloaded
         self.editor = editor or LabelEditor()
         self.max_pending_changes = max_pending_changes
         self._pending_changes = 0
@@ -459,7 +463,13 @@ class BundleRegistry:
             raise ActivationFailed(str(exc)) from exc
 
     def _load(self, path: Path, *, check: bool = True) -> Predictor:
+        preloaded, self._preloaded = self._preloaded, None
+        if preloaded is not None and preloaded.path != path:
+            preloaded.close()
+            preloaded = None
         try:
+            if preloaded is not None:  # checked in a child before the forking process opened it
+                return Predictor.checked(preloaded, PredictorOptions(threads=self.engine_threads))
             if check and self.check_timeout_s is not None:
                 check_in_child(path, threads=self.engine_threads, timeout_s=self.check_timeout_s)
             return Predictor.load(path, PredictorOptions(threads=self.engine_threads))
@@ -503,6 +513,9 @@ class BundleRegistry:
         heap.trim()
 
     def close(self) -> None:
+        preloaded, self._preloaded = self._preloaded, None
+        if preloaded is not None:
+            preloaded.close()
         engine, self._active = self._active, None
         if engine is not None:
             engine._retire()

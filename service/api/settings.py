@@ -32,6 +32,9 @@ class Settings(BaseSettings):
     # `process_sync_interval_s` and answered once all serve it (README "Several processes").
     processes: int = Field(1, ge=1, le=64)
     process_sync_interval_s: float = Field(0.2, ge=0.01, le=60.0)
+    # With several processes, the arbiter loads the bundle they start with before forking them,
+    # so its pages (the HNSW graphs included) are shared copy-on-write (service/api/supervisor.py).
+    process_preload: bool = True
 
     # Dynamic batching of concurrent single-text requests: requests queue while every worker
     # is busy and leave together, up to batch_max_size; batch_max_wait_ms > 0 also holds a

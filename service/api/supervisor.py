@@ -9,20 +9,40 @@ MiB on debian-tags, 139 -> 109 MiB on debian-deps). Each process builds its app 
 fork (the registry, its threads and its pid are its own) from the SHORTLIST_* environment,
 and runs uvicorn with the same HTTP limits as a single process. The arbiter restarts a
 process that dies and drains them all on SIGTERM.
+
+Before forking, the arbiter also loads the bundle the processes start with (`process_preload`,
+gunicorn's preload idea applied to the bundle rather than the app): checked in a child process
+as every load is, opened, with the HNSW indices and token table its scoring searches, but no
+onnxruntime session (its threads would not survive a fork; each process makes its own and
+answers the canaries). What hnswlib copied into its own memory (a 52 MB graph on debian-deps)
+and the Python objects of the tokenizer and label table are then pages every process shares
+copy-on-write instead of one copy each. Once another version is recorded as active, the
+arbiter drops its copy within a second (no process serves it any more) and processes forked
+later load their bundle themselves, as every process does after a swap.
 """
 
 from __future__ import annotations
 
 import gc
+import logging
 import math
 from typing import Any
 
 from gunicorn.app.base import BaseApplication
+from gunicorn.arbiter import Arbiter
 from uvicorn_worker import UvicornWorker
 
+from service.api.active_state import ActiveVersionFile
 from service.api.app import create_app
 from service.api.http_protocol import protocol_kwargs
 from service.api.settings import Settings
+from service.engine import heap
+from service.engine.bundle import Bundle
+from service.engine.isolated import check_in_child
+from service.engine.predictor import Predictor, PredictorOptions
+from service.engine.store import BundleStore
+
+log = logging.getLogger("shortlist.supervisor")
 
 
 class ServingWorker(UvicornWorker):
@@ -43,6 +63,7 @@ class ServingProcesses(BaseApplication):  # type: ignore[misc]
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        self.preloaded: Bundle | None = None
         super().__init__()
 
     def load_config(self) -> None:
@@ -67,10 +88,64 @@ class ServingProcesses(BaseApplication):  # type: ignore[misc]
             self.cfg.set(name, value)
 
     def load(self) -> Any:
-        # Runs in each serving process after the fork (no preload): the app and its state are per process.
-        return create_app()
+        # Runs in each serving process after the fork: the app and its state are per process.
+        bundle, self.preloaded = self.preloaded, None  # this process's copy: its registry owns it now
+        return create_app(preloaded=bundle)
 
     def run(self) -> None:
+        self.preloaded = preload(self.settings) if self.settings.process_preload else None
         gc.collect()
         gc.freeze()
-        super().run()
+        try:
+            PreloadingArbiter(self).run()
+        except RuntimeError as exc:  # as BaseApplication.run reports gunicorn's configuration errors
+            raise SystemExit(f"Error: {exc}") from exc
+
+    def drop_stale_preload(self) -> None:
+        """Release the preloaded bundle once the recorded active version is another one."""
+        bundle = self.preloaded
+        if bundle is None:
+            return
+        recorded = ActiveVersionFile(self.settings.state_dir).read() if self.settings.state_dir else None
+        if recorded is not None and recorded != bundle.version:
+            self.preloaded = None
+            bundle.close()
+            del bundle
+            heap.trim()
+            log.info("arbiter released its preloaded bundle: %s is active", recorded)
+
+
+class PreloadingArbiter(Arbiter):  # type: ignore[misc]
+    """gunicorn's arbiter, which also lets go of a preloaded bundle no process serves any more
+    (checked each time it looks after its processes: about once a second, and before a fork)."""
+
+    def manage_workers(self) -> None:
+        self.app.drop_stale_preload()
+        super().manage_workers()
+
+
+
+def preload(settings: Settings) -> Bundle | None:
+    """The bundle the serving processes will start with (the recorded version, else the configured
+    one, else the newest), checked in a child process and opened with the sources its scoring
+    searches, or None (logged) when it cannot be: each process then loads and falls back itself."""
+    store = BundleStore(settings.bundle_root, settings.state_dir)
+    recorded = ActiveVersionFile(settings.state_dir).read() if settings.state_dir else None
+    try:
+        path = store.resolve(recorded or settings.version or store.newest_version())
+        if settings.load_check_in_child:
+            check_in_child(path, threads=settings.engine_threads, timeout_s=settings.load_check_timeout_s)
+        bundle = Bundle.open(path)
+    except Exception as exc:  # whatever refuses a bundle must not stop the arbiter
+        log.warning("the arbiter did not preload a bundle (each process loads its own): %s", exc)
+        return None
+    try:
+        # The indices and token table the processes' scoring searches, opened into this process.
+        Predictor(bundle, PredictorOptions(threads=settings.engine_threads, encoder=False))
+    except Exception as exc:
+        bundle.close()
+        log.warning("the arbiter did not preload %s (each process loads its own): %s", path, exc)
+        return None
+    bundle.release_pages()
+    log.info("arbiter preloaded bundle %s for its processes", bundle.version)
+    return bundle

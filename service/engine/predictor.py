@@ -100,6 +100,12 @@ class Predictor:
             raise
         except Exception as exc:  # a reader's own error type on a damaged file: still a refusal
             raise BundleError(f"{path}: cannot be opened: {type(exc).__name__}: {exc}") from exc
+        return cls.checked(bundle, options)
+
+    @classmethod
+    def checked(cls, bundle: Bundle, options: PredictorOptions | None = None) -> Predictor:
+        """A predictor over an opened bundle, its canaries checked (what `load` does after opening);
+        raises BundleError naming what is wrong, closing the bundle."""
         try:
             predictor = cls(bundle, options)
             if predictor.encoder is not None:  # else its caller checks them (ShardPredictor.check_canaries)
