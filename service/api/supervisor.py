@@ -18,7 +18,8 @@ answers the canaries). What hnswlib copied into its own memory (a 52 MB graph on
 and the Python objects of the tokenizer and label table are then pages every process shares
 copy-on-write instead of one copy each. Once another version is recorded as active, the
 arbiter drops its copy within a second (no process serves it any more) and processes forked
-later load their bundle themselves, as every process does after a swap.
+later load their bundle themselves, as every process does after a swap. The arbiter listens
+once it has preloaded: until then no process answers, not even /healthz.
 """
 
 from __future__ import annotations
