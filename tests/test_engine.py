@@ -301,6 +301,8 @@ def test_label_table_round_trips_and_names_the_bad_line(tmp_path: Path) -> None:
     assert list(loaded.uids) == uids and list(loaded.titles) == titles
     assert loaded.ids_of(["u4499", "nope", "u0", ""]) == [4499, None, 0, None]
     assert LabelTable(["a", "b", "a"], ["x", "y", "z"]).ids_of(["a", "b"]) == [0, 1]  # first occurrence
+    LabelTable(["a", "b", "a"], ["x", "y", "z"]).save(tmp_path / "repeated.jsonl")
+    assert LabelTable.load(tmp_path / "repeated.jsonl").ids_of(["a", "b", "a", "c"]) == [0, 1, 0, None]
 
     lines = path.read_text(encoding="utf-8").splitlines()
     lines[2999] = '{"uid": "u2999"}'
@@ -318,10 +320,11 @@ def test_a_mapped_label_table_reads_every_row_shape_and_refuses_empty_rows(tmp_p
     assert len(table) == 2 and table.row(0) == ("7", "a\nb") and table.row(1) == ("x", "last, no newline")
     assert table.uids[-1] == "x" and table.titles[0:2] == ("a\nb", "last, no newline")
     assert table.uids == ("7", "x") and LabelTable(["7", "x"], ["", ""]).uids == table.uids
+    assert table.ids_of(["x", "7", "y"]) == [1, 0, None]
     with pytest.raises(IndexError):
         table.uids[2]
     path.write_bytes(b"")
-    assert len(LabelTable.load(path)) == 0
+    assert len(LabelTable.load(path)) == 0 and LabelTable.load(path).ids_of(["x"]) == [None]
     path.write_bytes(b'{"uid": "a", "title": "t"}\n\n{"uid": "b", "title": "t"}\n')
     with pytest.raises(ValueError, match=r"labels\.jsonl:2: bad label row"):
         LabelTable.load(path)
