@@ -88,7 +88,7 @@ class MappedRows:
     are shared by every process that serves the bundle, and a row costs 16 bytes (its offsets)
     and ~0.4 us to decode when an answer names it. Rows are found by uid through the uids'
     hashes, sorted (12 bytes a row, computed while the rows are checked): a dict of uid -> row
-    took 2.2 s with the GIL held and 187 MiB at 10^6 labels, built by the first request that
+    took over 2 s with the GIL held and 187 MiB at 10^6 labels, built by the first request that
     named a label.
     """
 
