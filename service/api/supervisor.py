@@ -125,7 +125,6 @@ class PreloadingArbiter(Arbiter):  # type: ignore[misc]
         super().manage_workers()
 
 
-
 def preload(settings: Settings) -> Bundle | None:
     """The bundle the serving processes will start with (the recorded version, else the configured
     one, else the newest), checked in a child process and opened with the sources its scoring
