@@ -2,6 +2,7 @@
 
     python bench/train_speed.py --base /path/to/base-worktree [--new .] [--seeds 0,1,2]
                                 [--data /work/shared/data/debian-deps] [--threads 1] [--publish]
+    python bench/train_speed.py --base ... --summarize [--publish]   # the table of the rows so far
 
 Each worktree trains with its own venv (`WORKTREE/.venv/bin/shortlist`), seed by seed, the two
 commits alternating (base first on even seeds, new first on odd ones, so a drift of the shared
@@ -65,7 +66,7 @@ def train_one(name: str, tree: Path, seed: int, args: argparse.Namespace, engine
     run_logged([cli, "export", str(out / "ckpt"), "--out", str(out / "bundles"), "--version", "b"], log)
     metrics = json.loads((out / "ckpt" / "checkpoint.json").read_text()).get("metrics", {})
     row: dict[str, Any] = {"name": name, "seed": seed, "train_s": train_s, "stages": metrics.get("times", {}),
-                           "peak_rss_mib": metrics.get("peak_rss_mib", {})}
+                           "peak_rss_mib": metrics.get("peak_rss_mib", {}), "validation": _validation(metrics)}
     for protocol in PROTOCOLS:
         _, text = run_logged([str(engine / ".venv" / "bin" / "shortlist"), "eval", str(out / "bundles" / "b"),
                               "--data", str(args.data), "--filter", protocol, "--json"], log)
@@ -74,8 +75,17 @@ def train_one(name: str, tree: Path, seed: int, args: argparse.Namespace, engine
     return row
 
 
+def _validation(metrics: dict[str, Any]) -> dict[str, float]:
+    """The served scoring's validation metrics the training tuned on (own labels left out)."""
+    tuned = metrics.get("validation", {})
+    return {m: tuned[m] for m in METRICS if m in tuned}
+
+
 def summary(rows: list[dict[str, Any]], names: dict[str, str]) -> str:
-    """The markdown table: per commit mean training time and seed-mean metrics; the ratio."""
+    """The markdown table: per commit mean training time and seed-mean metrics over the seeds
+    both commits trained; the ratio."""
+    done = {r["seed"] for r in rows if r["name"] == "base"} & {r["seed"] for r in rows if r["name"] == "new"}
+    rows = [r for r in rows if r["seed"] in done]
     lines = ["| commit | seeds | train (s), mean | " + " | ".join(f"{m} own" for m in METRICS) + " | "
              + " | ".join(f"{m} plain" for m in METRICS) + " |", "|---" * (3 + 2 * len(METRICS)) + "|"]
     means: dict[str, float] = {}
@@ -92,7 +102,9 @@ def summary(rows: list[dict[str, Any]], names: dict[str, str]) -> str:
     for r in rows:
         stages = ", ".join(f"{k.removesuffix('_s')} {v:.0f}" for k, v in r["stages"].items() if k != "total_s")
         own = " / ".join(f"{r['own'][m]:.2f}" for m in METRICS)
-        lines.append(f"- {r['name']} seed {r['seed']}: {r['train_s']:.1f} s; own P@1/P@5/PSP@5 {own}"
+        val = " / ".join(f"{v:.2f}" for v in r.get("validation", {}).values())
+        lines.append(f"- {r['name']} seed {r['seed']}: {r['train_s']:.1f} s; test own P@1/P@5/PSP@5 {own}"
+                     + (f"; validation (tuning's, own left out) {val}" if val else "")
                      + (f"; {stages}" if stages else ""))
     return "\n".join(lines)
 
@@ -106,12 +118,21 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads of each training (config `threads`)")
     p.add_argument("--out", type=Path, default=BENCH_DIR / "out" / "train_speed")
     p.add_argument("--publish", action="store_true", help="write the table to bench/RESULTS.md")
+    p.add_argument("--summarize", action="store_true", help="no training: the table of --out's rows so far")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     trees = {"base": args.base.resolve(), "new": args.new.resolve()}
-    names = {name: revision(tree) for name, tree in trees.items()}
-    rows = []
-    for i, seed in enumerate(int(s) for s in args.seeds.split(",")):
+    revisions = args.out / "revisions.json"  # the commits the rows were trained at
+    names = json.loads(revisions.read_text()) if args.summarize and revisions.is_file() else \
+        {name: revision(tree) for name, tree in trees.items()}
+    if not args.summarize:
+        revisions.write_text(json.dumps(names))
+    rows = json.loads((args.out / "rows.json").read_text()) if args.summarize else []
+    for row in rows:  # rows written before validation was recorded: read from their checkpoints
+        ckpt = args.out / f"{row['name']}-s{row['seed']}" / "ckpt" / "checkpoint.json"
+        if ckpt.is_file():
+            row.setdefault("validation", _validation(json.loads(ckpt.read_text()).get("metrics", {})))
+    for i, seed in enumerate([] if args.summarize else [int(s) for s in args.seeds.split(",")]):
         order = ["base", "new"] if i % 2 == 0 else ["new", "base"]
         for name in order:
             rows.append(train_one(name, trees[name], seed, args, trees["new"]))
