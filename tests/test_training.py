@@ -166,9 +166,9 @@ def test_module3_stops_after_the_first_epoch_that_gains_less_than_min_gain_on_va
     docs, y, label_emb = module3_inputs
     q, truths = test_split[2], test_split[3]
 
-    def fit(min_gain: float, watch: bool) -> OneVsAll:
+    def fit(min_gain: float, watch: bool, epochs: int = 4) -> OneVsAll:
         validation = (lambda w, b: classifier_objective(q, w, b, truths, DEFAULT_OBJECTIVE)) if watch else None
-        return OneVsAll(epochs=4, batch_size=128, train_encoder=False, progress=False, min_gain=min_gain).fit(
+        return OneVsAll(epochs=epochs, batch_size=128, train_encoder=False, progress=False, min_gain=min_gain).fit(
             ckpt.encoder, label_emb, docs, y, None, CPU, np.random.default_rng(0), validation)
 
     every = fit(-1e9, True)
@@ -178,6 +178,8 @@ def test_module3_stops_after_the_first_epoch_that_gains_less_than_min_gain_on_va
     assert len(plateau.losses_) == 2 and plateau.validation_ == every.validation_[:2]
     assert not np.allclose(plateau.weights_, every.weights_)
     assert len(fit(1e9, False).losses_) == 4  # nothing to watch: every epoch
+    two = fit(1e9, True, epochs=2)  # no epoch of two could stop: none is scored
+    assert len(two.losses_) == 2 and two.validation_ == []
 
 
 def test_the_logistic_form_takes_whole_epochs_up_to_its_step_budget_or_its_loss_plateau(ckpt, module3_inputs):

@@ -162,7 +162,9 @@ class OneVsAll:
             self.losses_.append(run_epoch(
                 order, self.batch_size, lambda batch: self._loss(encoder, clf, rows, docs, y, batch, shortlist, device),
                 opts, f"Module III epoch {epoch + 1}/{epochs}", self.progress))
-            if validation is not None and epoch + 1 < epochs and self._plateaued(validation, clf):
+            # Only an epoch before the last can stop, and only once one before it was scored: none
+            # is scored in a training of 2 epochs (10^6 labels: an exact pass over all labels saved).
+            if validation is not None and epoch + 1 < epochs and epochs > 2 and self._plateaued(validation, clf):
                 log.info("Module III: validation objective %s by epoch; stopped after epoch %d (gain < %g)",
                          [round(v, 2) for v in self.validation_], epoch + 1, self.min_gain)
                 break
