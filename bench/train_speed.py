@@ -119,22 +119,26 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=BENCH_DIR / "out" / "train_speed")
     p.add_argument("--publish", action="store_true", help="write the table to bench/RESULTS.md")
     p.add_argument("--summarize", action="store_true", help="no training: the table of --out's rows so far")
+    p.add_argument("--only", choices=["base", "new"], default=None,
+                   help="train this commit alone, added to --out's rows (a re-run of one side)")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     trees = {"base": args.base.resolve(), "new": args.new.resolve()}
     revisions = args.out / "revisions.json"  # the commits the rows were trained at
-    names = json.loads(revisions.read_text()) if args.summarize and revisions.is_file() else \
-        {name: revision(tree) for name, tree in trees.items()}
+    names = json.loads(revisions.read_text()) if revisions.is_file() else {}
     if not args.summarize:
+        names.update({name: revision(tree) for name, tree in trees.items() if args.only in (None, name)})
         revisions.write_text(json.dumps(names))
-    rows = json.loads((args.out / "rows.json").read_text()) if args.summarize else []
+    names.update({name: revision(tree) for name, tree in trees.items() if name not in names})
+    rows = json.loads((args.out / "rows.json").read_text()) if args.summarize or args.only else []
+    rows = [r for r in rows if r["name"] != args.only]
     for row in rows:  # rows written before validation was recorded: read from their checkpoints
         ckpt = args.out / f"{row['name']}-s{row['seed']}" / "ckpt" / "checkpoint.json"
         if ckpt.is_file():
             row.setdefault("validation", _validation(json.loads(ckpt.read_text()).get("metrics", {})))
     for i, seed in enumerate([] if args.summarize else [int(s) for s in args.seeds.split(",")]):
         order = ["base", "new"] if i % 2 == 0 else ["new", "base"]
-        for name in order:
+        for name in [n for n in order if args.only in (None, n)]:
             rows.append(train_one(name, trees[name], seed, args, trees["new"]))
             (args.out / "rows.json").write_text(json.dumps(rows, indent=1))
     body = summary(rows, names)
