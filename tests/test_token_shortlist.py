@@ -248,6 +248,10 @@ def test_fit_token_logistic_learns_which_token_points_at_which_label():
     np.testing.assert_array_equal(again[0], weights)
     first, _, _ = fit_token_logistic(docs, x, y, table, 1, **kwargs)
     assert first[:, 0].any() and not first[:, 1].any()
+    # tol: it stops at the first epoch that lowers the loss by less than that share, early
+    stopped = fit_token_logistic(docs, x, y, table, 2, **{**kwargs, "epochs": 1000, "tol": 1e-2})[2]
+    gains = [(a - b) / a for a, b in zip(stopped[:-1], stopped[1:], strict=True)]
+    assert len(stopped) < 1000 and gains[-1] < 1e-2 and min(gains[:-1]) >= 1e-2
     with pytest.raises(ValueError, match="k must be in"):
         fit_token_logistic(docs, x, y, table, 3, **kwargs)
     with pytest.raises(ValueError, match="documents"):

@@ -28,7 +28,7 @@ from training.encoder import EncodedTexts, embed
 from training.pipeline import train
 from training.progress import Progress
 from training.token_shortlist import TokenTable
-from training.tuning import LEXICAL_WEIGHTS, ScoringTuner, objective_value, source_cost
+from training.tuning import LEXICAL_WEIGHTS, ScoringTuner, classifier_objective, objective_value, source_cost
 
 CPU = torch.device("cpu")
 IDENTITY = Calibration("identity")
@@ -161,13 +161,35 @@ def test_a_softmax_term_trains_a_different_model_of_the_same_quality(ckpt, modul
     assert _p1(fitted[1.0], q, truths) > _p1(fitted[0.0], q, truths) - 10.0
 
 
-def test_the_logistic_form_takes_whole_epochs_up_to_its_step_budget(ckpt, module3_inputs):
+def test_module3_stops_after_the_first_epoch_that_gains_less_than_min_gain_on_validation(ckpt, module3_inputs,
+                                                                                        test_split):
+    docs, y, label_emb = module3_inputs
+    q, truths = test_split[2], test_split[3]
+
+    def fit(min_gain: float, watch: bool, epochs: int = 4) -> OneVsAll:
+        validation = (lambda w, b: classifier_objective(q, w, b, truths, DEFAULT_OBJECTIVE)) if watch else None
+        return OneVsAll(epochs=epochs, batch_size=128, train_encoder=False, progress=False, min_gain=min_gain).fit(
+            ckpt.encoder, label_emb, docs, y, None, CPU, np.random.default_rng(0), validation)
+
+    every = fit(-1e9, True)
+    assert len(every.losses_) == 4 and len(every.validation_) == 3  # the last epoch needs no score
+    assert every.validation_[-1] > every.validation_[0]  # the objective watched is the one trained for
+    plateau = fit(1e9, True)  # no epoch gains that much: stopped after the second
+    assert len(plateau.losses_) == 2 and plateau.validation_ == every.validation_[:2]
+    assert not np.allclose(plateau.weights_, every.weights_)
+    assert len(fit(1e9, False).losses_) == 4  # nothing to watch: every epoch
+    two = fit(1e9, True, epochs=2)  # no epoch of two could stop: none is scored
+    assert len(two.losses_) == 2 and two.validation_ == []
+
+
+def test_the_logistic_form_takes_whole_epochs_up_to_its_step_budget_or_its_loss_plateau(ckpt, module3_inputs):
     docs, y, _ = module3_inputs
     labels = EncodedTexts.of(ckpt.tokenizer, list(ckpt.labels.titles))
     steps_per_epoch = -(-len(docs) // 256)
-    for max_steps, epochs in ((10**6, 30), (3 * steps_per_epoch + 1, 3), (1, 1)):
+    # lexical_tol 0: every epoch the step budget allows; 1: stopped by the first epoch after the first
+    for max_steps, tol, epochs in ((10**6, 0.0, 30), (3 * steps_per_epoch + 1, 0.0, 3), (1, 0.0, 1), (10**6, 1.0, 2)):
         cfg = TrainConfig.from_dict({"lexical_form": "logistic", "lexical_epochs": 30, "lexical_batch_size": 256,
-                                     "lexical_max_steps": max_steps}, TrainConfig.tiny())
+                                     "lexical_max_steps": max_steps, "lexical_tol": tol}, TrainConfig.tiny())
         table = TokenTable.of(cfg).fit(docs, y, labels, ckpt.tokenizer.vocab_size, CPU)
         assert len(table.losses_) == epochs
 
@@ -212,6 +234,8 @@ def test_config_errors_are_clear(tmp_path: Path) -> None:
         ({"index_ef_search": 0}, "index_ef_search must be >= 1"),
         ({"aggregated_validation": 1.0}, r"aggregated_validation must be in \[0, 1\)"),
         ({"aggregated_step": 0.0}, r"aggregated_step must be in \(0, 1\]"),
+        ({"m3_min_gain": "1"}, "m3_min_gain must be null or a finite number"),
+        ({"m3_min_gain": float("inf")}, "m3_min_gain must be null or a finite number"),
     ]:
         with pytest.raises(ValueError, match=message):
             TrainConfig.from_dict(change)

@@ -23,7 +23,7 @@ from service.engine.scorers import Calibration, LabelScorer
 from training.ann import AnnParams
 from training.centroids import Centroids, hard_negative_shortlists
 from training.checkpoint import Checkpoint
-from training.classifiers import OneVsAll
+from training.classifiers import OneVsAll, Validation
 from training.config import TrainConfig
 from training.data import Split, find_split_file
 from training.dataset import TrainingSet
@@ -34,7 +34,7 @@ from training.siamese import SiameseTrainer
 from training.token_shortlist import TokenTable
 from training.tree_lexical import TokenRows
 from training.tree_train import AdversarialTree
-from training.tuning import ScoringTuner, default_scoring
+from training.tuning import ScoringTuner, classifier_objective, default_scoring
 
 log = logging.getLogger("shortlist.training")
 IDENTITY = Calibration("identity")
@@ -70,7 +70,8 @@ def _train(data_dir: Path, cfg: TrainConfig, text_field: str, trn: Split | None 
         if m3.negatives == "shortlist":
             negatives = hard_negative_shortlists(doc_emb, label_emb, mu, cfg.m2_k_w, cfg.m2_k_mu, ann, cfg.seed)
         del mu  # each [L, D] array is 1 GB at 10^6 labels: dropped as soon as it is no longer needed
-        clf = m3.fit(encoder, label_emb, data.docs, data.y, negatives, device, rng)
+        clf = m3.fit(encoder, label_emb, data.docs, data.y, negatives, device, rng,
+                     _module3_validation(cfg, data, encoder, device))
         del negatives
         if cfg.m3_train_encoder:  # the encoder moved: the centroids live in the served encoder's space
             del label_emb, doc_emb
@@ -98,7 +99,7 @@ def _train(data_dir: Path, cfg: TrainConfig, text_field: str, trn: Split | None 
         scoring, table = tune_scoring(cfg, data, encoder, clf, centroids, indices, tables, device, report)
     report.test_module3(data, encoder, LabelScorer.of(clf.weights_, clf.bias_, centroids.vectors_, scoring), device,
                         scoring.alpha)
-    report.losses(m1.losses_, clf.losses_, getattr(lexical, "losses_", None))
+    report.losses(m1.losses_, clf.losses_, getattr(lexical, "losses_", None), clf.validation_)
     return Checkpoint(
         tokenizer=data.tokenizer, labels=LabelTable(data.labels.uids, data.labels.titles), encoder=encoder.cpu(),
         classifiers=clf, centroids=centroids, scoring=scoring, hnsw=hnsw, indices=indices, token_table=table,
@@ -182,6 +183,18 @@ def fit_tree(cfg: TrainConfig, data: TrainingSet, doc_emb: np.ndarray, clf: OneV
     model.fit(doc_emb, data.trn.targets, data.num_labels, tokens=tokens, module3=(clf.weights_, clf.bias_))
     model.arrays_["classifier_weights"] = _as_stored(model.arrays_["classifier_weights"], cfg)
     return model
+
+
+def _module3_validation(cfg: TrainConfig, data: TrainingSet, encoder: SiameseEncoder,
+                        device: torch.device) -> Validation | None:
+    """Module III's early stop (m3_min_gain): the tune_objective of the classifiers alone on the
+    validation documents, embedded by the encoder as it is then (Module III fine-tunes it), own
+    labels left out as the tuning leaves them."""
+    if cfg.m3_min_gain is None or not len(data.val):
+        return None
+    truths, own = data.truths(data.val), data.own_labels() if cfg.exclude_own_labels else None
+    return lambda weights, bias: classifier_objective(embed(encoder, data.val_texts, device), weights, bias, truths,
+                                                      cfg.tune_objective, own)
 
 
 @contextmanager

@@ -79,9 +79,12 @@ class Report:
                  "lexical_weight=%s -> %s", tuner.mean_candidates_, s.lexical_form, s.alpha,
                  s.calibration.model_dump(), s.lexical_weight, self.metrics["validation"])
 
-    def losses(self, module1: list[float], module3: list[float], lexical: list[float] | None) -> None:
+    def losses(self, module1: list[float], module3: list[float], lexical: list[float] | None,
+               module3_validation: list[float] | None = None) -> None:
         self.metrics["losses"] = {"module1": [round(x, 5) for x in module1],
                                   "module3": [round(x, 5) for x in module3]}
+        if module3_validation:  # the objective Module III's early stop watched, after each epoch
+            self.metrics["module3_validation"] = [round(x, 3) for x in module3_validation]
         if lexical is not None:
             self.metrics["losses_lexical"] = [round(x, 5) for x in lexical]
 

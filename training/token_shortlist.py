@@ -90,6 +90,7 @@ def fit_token_logistic(
     *,
     epochs: int,
     max_steps: int | None = None,
+    tol: float = 0.0,
     lr: float,
     l2: float,
     batch_size: int,
@@ -103,7 +104,8 @@ def fit_token_logistic(
     P(l is a target of x) = sigmoid(sum_t x_t W[t, l] + c_l) is fitted where it is served: on
     each training document's token candidates (the labels of its tokens' first k slots), with
     binary cross-entropy summed over them, averaged over documents, plus l2 * ||W||^2. A
-    document's targets outside its candidates cannot be scored by it and are left out.
+    document's targets outside its candidates cannot be scored by it and are left out. Stops
+    after the first epoch whose loss is less than `tol` (relative) below the one before.
     doc_tokens / doc_weights: padded token ids and their tf-idf weights [N, T], as served.
     """
     if not 1 <= k <= table.shape[1]:
@@ -145,6 +147,8 @@ def fit_token_logistic(
             opt.step()
             total += float(fit.detach())
         losses.append(total / max(len(order), 1))
+        if len(losses) > 1 and losses[-2] - losses[-1] < tol * losses[-2]:
+            break
     mask = torch.from_numpy(slots >= 0).to(device)
     weights = np.zeros(table.shape, dtype=np.float32)
     weights[:, :k] = (theta.detach() * mask).cpu().numpy()
@@ -178,15 +182,15 @@ class TokenTable:
 
     def __init__(self, width: int = 20, forms: tuple[str, ...] = ("shares", "logistic"), served_k: int = 10,
                  epochs: int = 100, lr: float = 0.05, l2: float = 1e-5, batch_size: int = 1024, seed: int = 0,
-                 max_steps: int | None = None) -> None:
-        self.width, self.forms, self.served_k, self.max_steps = width, forms, served_k, max_steps
+                 max_steps: int | None = None, tol: float = 0.0) -> None:
+        self.width, self.forms, self.served_k, self.max_steps, self.tol = width, forms, served_k, max_steps, tol
         self.epochs, self.lr, self.l2, self.batch_size, self.seed = epochs, lr, l2, batch_size, seed
 
     @classmethod
     def of(cls, cfg: TrainConfig) -> TokenTable:
         forms = ("shares", "logistic") if cfg.lexical_form == "auto" else (cfg.lexical_form,)
         return cls(cfg.token_shortlist_width, forms, max(cfg.serve_k_tok, 1), cfg.lexical_epochs, cfg.lexical_lr,
-                   cfg.lexical_l2, cfg.lexical_batch_size, cfg.seed, cfg.lexical_max_steps)
+                   cfg.lexical_l2, cfg.lexical_batch_size, cfg.seed, cfg.lexical_max_steps, cfg.lexical_tol)
 
     def fit(self, docs: EncodedTexts, y: sp.csr_matrix, label_texts: EncodedTexts, vocab_size: int,
             device: torch.device) -> TokenTable:
@@ -197,8 +201,8 @@ class TokenTable:
         if "logistic" in self.forms:
             weights, bias, self.losses_ = fit_token_logistic(
                 docs.ids.numpy(), docs.weights.numpy(), y, labels, self.served_k, epochs=self.epochs,
-                max_steps=self.max_steps, lr=self.lr, l2=self.l2, batch_size=self.batch_size, seed=self.seed,
-                device=device,
+                max_steps=self.max_steps, tol=self.tol, lr=self.lr, l2=self.l2, batch_size=self.batch_size,
+                seed=self.seed, device=device,
             )
             self.tables_.append(TokenShortlist(labels, weights, "logistic", bias))
         return self

@@ -53,7 +53,7 @@ class LexicalStart:
 
 def lexical_start(tokens: TokenRows, targets: Sequence[Sequence[int]], num_labels: int, width: int,
                   fitted: bool, epochs: int = 100, lr: float = 0.05, l2: float = 1e-5, seed: int = 0,
-                  max_steps: int | None = None) -> LexicalStart:
+                  max_steps: int | None = None, tol: float = 0.0) -> LexicalStart:
     """Each token's row of labels, and U, h at zero or (fitted) at the one-vs-all logistic model
     of the tokens restricted to the rows (training.token_shortlist.fit_token_logistic)."""
     y = _target_matrix(targets, num_labels)
@@ -63,7 +63,7 @@ def lexical_start(tokens: TokenRows, targets: Sequence[Sequence[int]], num_label
     hit_bias = np.zeros(num_labels, np.float32)
     if fitted:
         weights, bias, _ = fit_token_logistic(tokens.doc_ids, tokens.doc_weights, y, table, width, epochs=epochs,
-                                              max_steps=max_steps, lr=lr, l2=l2, batch_size=1024, seed=seed,
+                                              max_steps=max_steps, tol=tol, lr=lr, l2=l2, batch_size=1024, seed=seed,
                                               device=torch.device("cpu"))
         hit_bias = (bias + MISS).astype(np.float32)
     valid = table >= 0

@@ -73,6 +73,8 @@ DEFAULT_CONFIG: dict[str, Any] = {
     # ...and at most this many steps, as the token table's (TrainConfig.lexical_max_steps): 100
     # epochs of 10^6 documents were 100,000 steps; debian-deps and debian-tags reach neither cap.
     "lexical_max_steps": 4000,
+    # ...and stops once an epoch lowers its loss by less than this share (as TrainConfig.lexical_tol).
+    "lexical_tol": 1e-3,
     "lexical_lr": 0.05,
     "lexical_l2": 1e-5,
     "epochs": 3,
@@ -402,7 +404,7 @@ class AdversarialTree:
             t0 = time.perf_counter()
             lexical = lexical_start(tokens, targets, num_labels, int(cfg["lexical_width"]), one_vs_all,
                                     int(cfg["lexical_epochs"]), float(cfg["lexical_lr"]), float(cfg["lexical_l2"]),
-                                    self.seed, int(cfg["lexical_max_steps"]))
+                                    self.seed, int(cfg["lexical_max_steps"]), float(cfg["lexical_tol"]))
             log.info("tree classifier: lexical rows (%d pairs)%s in %.1fs", len(lexical.keys),
                      " and their one-vs-all start" if one_vs_all else "", time.perf_counter() - t0)
         clf = classifier_from_config(cfg, self.seed, progress=self.progress).fit(

@@ -13,7 +13,7 @@ import numpy as np
 from service.engine.candidates import CandidateSources
 from service.engine.metrics import Truths, aggregate, document_terms, ranking_metrics, resampled_metrics
 from service.engine.schema import Calibrations, Scoring
-from service.engine.scorers import Calibration, LabelScorer, combine_scores, top_k
+from service.engine.scorers import Calibration, LabelScorer, combine_scores, exact_chunk, top_k
 from training.config import DEFAULT_OBJECTIVE, check_objective
 
 log = logging.getLogger("shortlist.training")
@@ -243,3 +243,19 @@ def exact_metrics(scorer: LabelScorer, q: np.ndarray, truths: Truths, alpha: flo
     ids, _ = scorer.exact_top_k(q, 5, alpha)
     m = ranking_metrics(ids, truths, (1, 3, 5))
     return {k: round(float(m[k]), 3) for k in ("P@1", "P@3", "P@5", "nDCG@5", "PSP@1", "PSP@3", "PSP@5")}
+
+
+def classifier_objective(q: np.ndarray, weights: np.ndarray, bias: np.ndarray, truths: Truths,
+                         objective: dict[str, float], own: np.ndarray | None = None) -> float:
+    """`objective` of the classifiers alone (w_l . q + b_l) over all labels, exactly: the
+    validation value Module III's early stop watches. own: per query a label never predicted."""
+    ids = np.empty((len(q), 5), dtype=np.int64)
+    chunk = exact_chunk(len(weights))
+    for start in range(0, len(q), chunk):
+        part = slice(start, start + chunk)
+        scores = q[part] @ weights.T + bias
+        if own is not None:
+            rows = np.flatnonzero(own[part] >= 0)
+            scores[rows, own[part][rows]] = -np.inf
+        ids[part] = top_k(scores, 5)[0]
+    return float(objective_value(ranking_metrics(ids, truths, (1, 5)), objective))
