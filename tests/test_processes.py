@@ -20,9 +20,9 @@ from shortlist.testing import serve
 ACTIVE = re.compile(r'^shortlist_active_bundle\{pid="(\d+)",version="([^"]+)"\} 1\.0$', re.M)
 
 
-def _env(state_dir) -> dict[str, str]:
+def _env(state_dir, preload: bool = True) -> dict[str, str]:
     return {"SHORTLIST_ADMIN_TOKEN": TOKEN, "SHORTLIST_STATE_DIR": str(state_dir), "SHORTLIST_PROCESSES": "2",
-            "SHORTLIST_ACCESS_LOG": "false"}
+            "SHORTLIST_ACCESS_LOG": "false", "SHORTLIST_PROCESS_PRELOAD": str(preload).lower()}
 
 
 def _serving(url: str) -> dict[str, str]:
@@ -52,9 +52,10 @@ def _versions_answering(url: str, n: int) -> set[str]:
     return seen
 
 
-def test_an_activation_on_one_process_is_served_by_every_process(bundle_root, tmp_path):
+@pytest.mark.parametrize("preload", [True, False], ids=["arbiter-preloads", "each-process-loads"])
+def test_an_activation_on_one_process_is_served_by_every_process(bundle_root, tmp_path, preload):
     state = tmp_path / "state"
-    with serve(bundle_root, env=_env(state), log_dir=tmp_path, timeout=120) as s:
+    with serve(bundle_root, env=_env(state, preload), log_dir=tmp_path, timeout=120) as s:
         pids = _wait_for(s.url, {"v2"})
         r = httpx.post(f"{s.url}/admin/bundles/activate", json={"version": "v1"}, headers=AUTH, timeout=120)
         assert r.status_code == 200, r.text

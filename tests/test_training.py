@@ -244,7 +244,9 @@ def test_config_errors_are_clear(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match=f"{name} must be >= 1"):
             TrainConfig.from_dict({name: 0})
         assert getattr(TrainConfig.from_dict({name: 1}), name) == 1
-    for name in ("lexical_lr", "lexical_l2"):
+    assert TrainConfig.from_dict({"lexical_tol": 0.0}).lexical_tol == 0.0  # every epoch runs
+    assert TrainConfig.from_dict({"m3_min_gain": 0.0}).m3_min_gain == 0.0
+    for name in ("lexical_lr", "lexical_l2", "lexical_tol"):
         for bad_value in (-1e-9, float("nan"), "0.1"):
             with pytest.raises(ValueError, match=f"{name} must be a finite number >= 0"):
                 TrainConfig.from_dict({name: bad_value})
