@@ -193,6 +193,38 @@ def test_relative_assignment_keeps_a_label_on_the_members_close_to_the_closest()
         TrainConfig(aggregated_validation=0.0).validate()
 
 
+def test_soft_labels_weigh_each_member_by_its_score_over_the_closest_members() -> None:
+    """The same two groups at keep ratio 0: every member keeps label 0; the homogeneous group's
+    members weigh 1, the mixed group's e1 member 1 and the others their score over its (1/5: the
+    label vector is the normalised sum 5 e1 + e2 + e3 + e4). The closest member alone weighs 1."""
+    features = np.vstack([np.tile([1.0, 0, 0, 0], (4, 1)), np.eye(4)]).astype(np.float32)
+    members = sp.csr_matrix(np.kron(np.eye(2), np.ones((1, 4))))
+    imputer = EagleImputer(iterations=0, assignment="relative", keep_ratio=0.0).fit(
+        features, members, sp.csr_matrix(np.ones((2, 1))))
+    assert imputer.impute() == [[0]] * 8
+    np.testing.assert_allclose(np.ravel(imputer.impute_weights()), [1, 1, 1, 1, 1, 0.2, 0.2, 0.2], rtol=1e-5)
+    closest = EagleImputer(iterations=0, assignment="closest").fit(features, members, sp.csr_matrix(np.ones((2, 1))))
+    assert closest.impute_weights() == [[1.0], [], [], [], [1.0], [], [], []]
+
+
+def test_module3_takes_a_soft_label_as_its_target() -> None:
+    """A positive's weight is its binary cross-entropy target, on both of Module III's paths."""
+    import torch
+    import torch.nn.functional as F
+
+    from training.classifiers import _all_labels_bce, _positives_and_negatives
+    from training.dataset import target_matrix
+
+    y = target_matrix([[1, 3], [0]], 5, [[0.25, 1.0], [0.5]])
+    np.testing.assert_allclose(y.toarray(), [[0, 0.25, 0, 1, 0], [0.5, 0, 0, 0, 0]])
+    logits = torch.linspace(-2, 2, 10).reshape(2, 5)
+    dense = F.binary_cross_entropy_with_logits(logits, torch.from_numpy(y.toarray()), reduction="sum") / 2
+    torch.testing.assert_close(_all_labels_bce(logits, y, torch.device("cpu")), dense)
+    cols, targets = _positives_and_negatives(y, np.array([[2, 3], [4, -1]]))
+    assert cols.tolist() == [[1, 3, 2, -1], [0, -1, 4, -1]]
+    assert targets.tolist() == [[0.25, 1.0, 0, 0], [0.5, 0, 0, 0]]
+
+
 @pytest.mark.parametrize("grouping", ["random", "clustered"])
 def test_the_keep_ratio_chosen_on_held_out_groups_recovers_labels_the_closest_member_drops(
         planted: dict[str, Path], grouping: str) -> None:

@@ -78,11 +78,11 @@ def train_aggregated(data_dir: str | Path, config: TrainConfig | None = None, te
     started = time.monotonic()
     docs_tfidf, labels_tfidf = tfidf_spaces(grouped.texts, labels.texts, cfg)
     imputer = fit_imputer(grouped, docs_tfidf, len(labels), cfg, labels_tfidf)
-    targets = imputer.impute()
+    targets, weights = imputer.impute(), _weights(imputer, cfg)
     seconds = time.monotonic() - started
     log.info("aggregated: %d documents in %d groups, labels imputed in %.1f s (TF-IDF)",
              len(grouped), len(grouped.group_uids), seconds)
-    ckpt = train(data_dir, cfg, text_field, trn=xc_data.Split(grouped.uids, grouped.texts, targets))
+    ckpt = train(data_dir, cfg, text_field, trn=xc_data.Split(grouped.uids, grouped.texts, targets, weights))
     _record_round(ckpt, grouped, seconds, imputer, None)
     for _ in range(2, cfg.aggregated_rounds + 1):
         ckpt = next_round(data_dir, ckpt, cfg, text_field)
@@ -99,14 +99,19 @@ def next_round(data_dir: str | Path, ckpt: Checkpoint, config: TrainConfig, text
         emb, label_emb = (embed(ckpt.encoder, EncodedTexts.of(ckpt.tokenizer, t), torch.device("cpu"))
                           for t in (grouped.texts, labels.texts))
     imputer = fit_imputer(grouped, emb, len(labels), config, label_emb)
-    targets = imputer.impute()
+    targets, weights = imputer.impute(), _weights(imputer, config)
     seconds = time.monotonic() - started
     rounds = ckpt.metrics.get("aggregated", {})
     log.info("aggregated round %d: labels imputed in %.1f s (encoder embeddings)", rounds.get("rounds", 1) + 1,
              seconds)
-    new = train(data_dir, config, text_field, trn=xc_data.Split(grouped.uids, grouped.texts, targets))
+    new = train(data_dir, config, text_field, trn=xc_data.Split(grouped.uids, grouped.texts, targets, weights))
     _record_round(new, grouped, seconds, imputer, rounds)
     return new
+
+
+def _weights(imputer: EagleImputer, cfg: TrainConfig) -> list[list[float]] | None:
+    """The imputed labels' weights when cfg.aggregated_soft_labels (None: every label 1)."""
+    return imputer.impute_weights() if cfg.aggregated_soft_labels else None
 
 
 def _record_round(ckpt: Checkpoint, grouped: GroupedSplit, imputation_s: float, imputer: EagleImputer,

@@ -225,7 +225,7 @@ class OneVsAll:
         shared_target = torch.from_numpy(yb[:, union].toarray()).to(device)
         # A document's own positives among the shared columns are already counted in its own.
         return (torch.cat([own, q @ w[n:].T + b[n:]], dim=1), torch.cat([target, shared_target], dim=1),
-                torch.cat([valid, 1.0 - shared_target], dim=1))
+                torch.cat([valid, (shared_target == 0).float()], dim=1))
 
     def save(self, directory: Path) -> None:
         np.save(directory / WEIGHTS_FILE, np.ascontiguousarray(self.weights_, dtype=np.float32))
@@ -241,10 +241,14 @@ class OneVsAll:
 def _all_labels_bce(logits: torch.Tensor, yb: sp.csr_matrix, device: torch.device) -> torch.Tensor:
     """Binary cross-entropy summed over every label, averaged over the batch's documents, as
     softplus(z) summed less the positives' z: the same loss as F.binary_cross_entropy_with_logits
-    on a dense target without building the target, in fewer passes over the [B, L] logits."""
+    on a dense target without building the target, in fewer passes over the [B, L] logits (a
+    positive's target is its weight, yb's value: 1 unless the labels were imputed soft)."""
     rows = torch.from_numpy(np.repeat(np.arange(yb.shape[0]), np.diff(yb.indptr))).to(device)
     cols = torch.from_numpy(yb.indices.astype(np.int64)).to(device)
-    return (F.softplus(logits).sum() - logits[rows, cols].sum()) / yb.shape[0]
+    positives = logits[rows, cols]
+    if not np.all(yb.data == 1):
+        positives = positives * torch.from_numpy(yb.data.astype(np.float32)).to(device)
+    return (F.softplus(logits).sum() - positives.sum()) / yb.shape[0]
 
 
 def _arrays(clf: _Classifiers) -> tuple[np.ndarray, np.ndarray]:
@@ -255,7 +259,7 @@ def _arrays(clf: _Classifiers) -> tuple[np.ndarray, np.ndarray]:
 
 def _positives_and_negatives(yb: sp.csr_matrix, negatives: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per document its positives then its shortlisted negatives that are not positives: label
-    columns [B, W] (-1 where empty) and 0/1 targets [B, W]."""
+    columns [B, W] (-1 where empty) and targets [B, W]: a positive's weight (yb's value), 0 elsewhere."""
     counts = np.diff(yb.indptr)
     rows = np.repeat(np.arange(yb.shape[0]), counts)
     pos = np.full((yb.shape[0], max(int(counts.max(initial=0)), 1)), -1, dtype=np.int64)
@@ -267,5 +271,5 @@ def _positives_and_negatives(yb: sp.csr_matrix, negatives: np.ndarray) -> tuple[
     hit = keys[np.minimum(np.searchsorted(keys, neg_keys), len(keys) - 1)] == neg_keys if len(keys) else False
     cols = np.concatenate([pos, np.where((neg < 0) | hit, -1, neg)], axis=1)
     tgt = np.zeros(cols.shape, dtype=np.float32)
-    tgt[:, : pos.shape[1]] = pos >= 0
+    tgt[rows, np.arange(len(rows)) - np.repeat(yb.indptr[:-1], counts)] = yb.data
     return cols, tgt

@@ -182,6 +182,10 @@ class TrainConfig:
     # closest score in clustered groups of 4 and 0.7 in random ones (bench/RESULTS.md).
     aggregated_assignment: str = "relative"
     aggregated_keep_ratio: float | None = None
+    # Soft imputed labels (the relative assignment): a member's label weighs its score over its
+    # group's closest member's, as Module III's target and in the label's centroid (Module I
+    # takes every kept label as a positive).
+    aggregated_soft_labels: bool = False
     # Beyond the paper (training/eagle.py): centre the features on the documents' mean (TF-IDF
     # rows share a large non-negative common part that otherwise draws every frequent label to
     # the most generic member), and add each label's text as a group of one carrying the label.

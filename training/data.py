@@ -39,13 +39,17 @@ class Split:
     uids: list[str]
     texts: list[str]
     targets: list[list[int]]
+    # Per target a weight in (0, 1] (None: every target 1): how sure a label is, as imputed from
+    # group labels (training/aggregated.py); Module III and the centroids weigh positives by it.
+    weights: list[list[float]] | None = None
 
     def __len__(self) -> int:
         return len(self.uids)
 
     def subset(self, rows: list[int]) -> Split:
         return Split(
-            [self.uids[i] for i in rows], [self.texts[i] for i in rows], [self.targets[i] for i in rows]
+            [self.uids[i] for i in rows], [self.texts[i] for i in rows], [self.targets[i] for i in rows],
+            None if self.weights is None else [self.weights[i] for i in rows],
         )
 
 

@@ -64,7 +64,8 @@ class TrainingSet:
         return cls(
             labels, trn, val, tst, tokenizer, EncodedTexts.of(tokenizer, trn.texts),
             EncodedTexts.of(tokenizer, labels.texts), EncodedTexts.of(tokenizer, val.texts),
-            EncodedTexts.of(tokenizer, tst.texts) if tst else None, target_matrix(trn.targets, len(labels)),
+            EncodedTexts.of(tokenizer, tst.texts) if tst else None,
+            target_matrix(trn.targets, len(labels), trn.weights),
             1.0 / propensities(freq, len(trn)), xc_data.fingerprint(data_dir, counts),
         )
 
@@ -82,8 +83,12 @@ class TrainingSet:
                 if val.targets[i]]
 
 
-def target_matrix(targets: list[list[int]], num_labels: int) -> sp.csr_matrix:
+def target_matrix(targets: list[list[int]], num_labels: int,
+                  weights: list[list[float]] | None = None) -> sp.csr_matrix:
+    """[documents, labels]: 1 (or the target's weight) at each document's targets."""
     indptr = np.zeros(len(targets) + 1, dtype=np.int64)
     indptr[1:] = np.cumsum([len(t) for t in targets])
     indices = np.fromiter((x for t in targets for x in t), dtype=np.int64, count=int(indptr[-1]))
-    return sp.csr_matrix((np.ones(len(indices), dtype=np.float32), indices, indptr), shape=(len(targets), num_labels))
+    data = (np.ones(len(indices), dtype=np.float32) if weights is None
+            else np.fromiter((w for ws in weights for w in ws), dtype=np.float32, count=int(indptr[-1])))
+    return sp.csr_matrix((data, indices, indptr), shape=(len(targets), num_labels))

@@ -206,16 +206,31 @@ class EagleImputer:
         holding the label is expected to have ("expected"), or to every member whose score reaches
         keep_ratio_ times the closest member's ("relative": all of a homogeneous group's members,
         the closest alone when the others are far)."""
+        assigned = self._assigned()
+        return [assigned.indices[assigned.indptr[i] : assigned.indptr[i + 1]].tolist() for i in range(self._num_docs)]
+
+    def impute_weights(self) -> list[list[float]]:
+        """Per document, a weight in (0, 1] for each of impute()'s labels (same order): with the
+        relative assignment the member's score over its group's closest member's (1 for the
+        closest, and for all where the closest does not score above 0), else 1. Members of a
+        group of alike documents score alike, and the one that carries a label is often not the
+        closest: a soft label keeps it on all of them, surer on the closer ones."""
+        assigned = self._assigned()
+        return [assigned.data[assigned.indptr[i] : assigned.indptr[i + 1]].tolist() for i in range(self._num_docs)]
+
+    def _assigned(self) -> sp.csr_matrix:
+        """[documents, labels]: the imputed labels, valued by their weights (impute_weights)."""
         if self.assignment == "relative":
-            picks, labels = self._relative(self._space, self.label_vectors_, self.keep_ratio_)
+            picks, labels, weights = self._relative(self._space, self.label_vectors_, self.keep_ratio_)
         else:
             counts = self._expected_counts() if self.assignment == "expected" else None
             picks, labels = self._closest(self._space, self.label_vectors_, counts)
-        n = self._num_docs
-        assigned = sp.csr_matrix((np.ones(len(picks), np.float32), (picks, labels)),
-                                 shape=(n, self.label_vectors_.shape[0]))
-        assigned.sum_duplicates()
-        return [assigned.indices[assigned.indptr[i] : assigned.indptr[i + 1]].tolist() for i in range(n)]
+            weights = np.ones(len(picks), np.float32)
+        assigned = sp.csr_matrix((weights.astype(np.float32), (picks, labels)),
+                                 shape=(self._num_docs, self.label_vectors_.shape[0]))
+        assigned.sum_duplicates()  # a document is in one group: no (document, label) twice
+        assigned.data = np.minimum(assigned.data, 1.0)
+        return assigned
 
     def scores(self, docs: np.ndarray) -> np.ndarray:
         """[len(docs), L]: each document's inner product with every label vector (a group-level
@@ -233,13 +248,16 @@ class EagleImputer:
         keep = rank < (1 if counts is None else counts[pair_of[order]])
         return docs[order[keep]], self.pair_label_[pair_of[order[keep]]]
 
-    def _relative(self, space: _Space, v: Vectors, ratio: float) -> tuple[np.ndarray, np.ndarray]:
-        """Per pair, every member whose score reaches ratio times the best member's: (documents, labels)."""
+    def _relative(self, space: _Space, v: Vectors, ratio: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per pair, every member whose score reaches ratio times the best member's: (documents,
+        labels, their scores over the best's, in [0, 1]; 1 where the best is not positive)."""
         starts, docs = self.pair_members_
         pair_of = np.repeat(np.arange(len(self.pair_label_)), np.diff(starts))
         scores = space.dots(docs, v, self.pair_label_[pair_of])
-        keep = scores >= _keep_threshold(np.maximum.reduceat(scores, starts[:-1])[pair_of], ratio)
-        return docs[keep], self.pair_label_[pair_of[keep]]
+        best = np.maximum.reduceat(scores, starts[:-1])[pair_of]
+        keep = scores >= _keep_threshold(best, ratio)
+        relative = np.where(best > 0, np.clip(scores / np.where(best > 0, best, 1.0), 0.0, 1.0), 1.0)
+        return docs[keep], self.pair_label_[pair_of[keep]], relative[keep]
 
     def _expected_counts(self) -> np.ndarray:
         """Per pair, how many members of a group of its size hold its label, given that one does:
