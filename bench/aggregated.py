@@ -1,14 +1,15 @@
 """Training from aggregated labels (EAGLE) against naive group labels and the true labels.
 
     python bench/aggregated.py --data ../shared/data/debian-tags [--group-sizes 2 4 8]
-        [--groupings random clustered] [--protocol plain|own] [--systems naive eagle-paper eagle eagle-2]
+        [--groupings random clustered] [--protocol plain|own] [--systems naive eagle-paper eagle eagle-hard eagle-2]
         [--config FILE] [--publish]
 
 For each group size and grouping, grouped data is made from the dataset (`shortlist data
 aggregate`) and models are trained and exported, then scored on the test split through the
 served engine: naive (each member gets all its group's labels); eagle-paper (the paper's
 Algorithm 1 on TF-IDF and Algorithm 2: closest member); eagle (the defaults: centred features,
-label texts as groups of one, the relative assignment; training/eagle.py); eagle-2 (eagle's
+label texts as groups of one, the relative assignment with soft labels; training/eagle.py);
+eagle-hard (eagle with every imputed label weighing 1, as before soft labels); eagle-2 (eagle's
 model, labels imputed again in its encoder space, trained again); and the true per-document
 labels (once). Prints P@1 / P@5 / PSP@5, the share of the naive-to-true P@1 gap each system
 recovers with a 95% paired bootstrap interval, imputation time against training time, and the
@@ -38,7 +39,7 @@ from training.aggregate_data import aggregate as make_grouped
 from training.config import TrainConfig
 
 NAMES = ("P@1", "P@5", "PSP@5")
-SYSTEMS = ("naive", "eagle-paper", "eagle", "eagle-2")
+SYSTEMS = ("naive", "eagle-paper", "eagle", "eagle-hard", "eagle-2")
 # The paper's method: Algorithm 1 with T = 10, lambda = 0.5 (set before any measurement) on raw
 # (uncentred) TF-IDF without label texts, Algorithm 2's single closest member.
 PAPER = {"aggregated_iterations": 10, "aggregated_step": 0.5, "aggregated_validation": 0.0,
@@ -160,6 +161,7 @@ def _setting(args, cfg: TrainConfig, out: Path, size: int, grouping: str, table:
     builds = {"naive": lambda: _train(_naive_data(grouped, out / f"data-naive-{tag}"), cfg),
               "eagle-paper": lambda: _train(grouped, replace(cfg, **PAPER), aggregated=True),
               "eagle": lambda: _train(grouped, cfg, aggregated=True),
+              "eagle-hard": lambda: _train(grouped, replace(cfg, aggregated_soft_labels=False), aggregated=True),
               "eagle-2": lambda: _next_round(grouped, out / f"eagle-{tag}" / "ckpt", cfg)}
     row = {"setting": tag, "true_train_s": true_info["times"]["total_s"], "systems": [],
            "imputed": _imputation_quality(args.data, grouped, cfg, out / f"eagle-{tag}" / "ckpt",
@@ -244,7 +246,7 @@ def _report(args, rows: list[dict], table: dict, cfg: TrainConfig) -> str:
             m = aggregate(table[(name, tag)], names=NAMES)
             gap = row.get(f"{name}_gap")
             gap_s = f"{100 * gap[0]:.0f}% ({100 * gap[1]:.0f}..{100 * gap[2]:.0f})" if gap else ""
-            quality = row["imputed"].get(name)
+            quality = row["imputed"].get("eagle" if name == "eagle-hard" else name)  # the same labels
             quality_s = f"{quality[0]:.2f} / {quality[1]:.2f}" if quality else ""
             times = (f"{row[f'{name}_imputation_s']:.1f} / {row[f'{name}_train_s']:.0f} "
                      f"({100 * row[f'{name}_imputation_s'] / row[f'{name}_train_s']:.1f}%)"
