@@ -29,6 +29,11 @@ method; training/config.py says which are on by default and bench/RESULTS.md wha
   With r = 1 this is Algorithm 2, with r = 0 the naive group labels. r is chosen on the held-out
   groups (_choose_keep_ratio): the r whose imputed labels, read off each held-out member's
   nearest documents of other groups, rank the held-out groups' own labels first.
+  impute_weights gives each kept label the member's score over the closest member's (soft
+  labels; training/aggregated.py passes them to training when aggregated_soft_labels): the
+  member ranking is weak in groups of alike documents (bench/RESULTS.md: on clustered groups of
+  debian-tags a member holding the label outscores one without it 75% of the time), so a label
+  kept on a farther member is kept, but less surely.
 
 Features are rows of a matrix fixed before training: sparse TF-IDF (the first round) or the
 trained encoder's embeddings (a second round). Everything is vectorised over the (group,
