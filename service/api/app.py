@@ -104,6 +104,10 @@ def _new_app(state: ServiceState, title: str, lifespan: object = None) -> FastAP
     # of a CDN, so the interactive docs work where the host has no internet (air-gapped clusters).
     app = FastAPIOffline(title=title, version=VERSION, lifespan=lifespan,  # type: ignore[arg-type]
                          description="Extreme multi-label label shortlisting: top-k labels for short texts.")
+    # No redirect of "/v1/predict/" to "/v1/predict": Starlette builds its Location from the
+    # client's Host header (a redirect anywhere the client names), and a POST sent there again
+    # carries its body along. A path with a trailing slash is a 404 like any unknown path.
+    app.router.redirect_slashes = False
     app.state.service = state
     install_error_handlers(app)
     app.add_middleware(RequestBodyMiddleware, max_bytes=settings.max_body_bytes)
