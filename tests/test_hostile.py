@@ -7,6 +7,7 @@ and the server keeps serving."""
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 
 import httpx
@@ -163,3 +164,40 @@ def test_scanning_paths_and_methods_adds_no_metric_series(client):
     # at most one series per method (and the first /metrics answer), not one per path
     assert after.count("shortlist_http_requests_total{") <= before + 6
 
+
+def _hostile_copy(root, source: str, version: str, edit) -> None:
+    """A copy of bundle `source` named `version`, passed to `edit(directory, manifest)`; the
+    manifest is written back after (it is not itself checksummed)."""
+    shutil.copytree(root / source, root / version)
+    manifest = json.loads((root / version / "manifest.json").read_text())
+    manifest["version"] = version
+    raw = edit(root / version, manifest)
+    (root / version / "manifest.json").write_bytes(raw if raw is not None else json.dumps(manifest).encode())
+
+
+def test_hostile_bundles_are_refused_and_neither_listing_nor_start_up_breaks(bundle_root_copy, tmp_path):
+    root = bundle_root_copy
+    deep = b"[" * 100_000 + b"]" * 100_000
+    # Python's json recursed on the first: the listing answered 500 and start-up died without a word.
+    _hostile_copy(root, "v1", "nested", lambda d, m: json.dumps(m).encode()[:-1] + b', "metrics": ' + deep + b"}")
+    # Under the parser's depth limit, but deeper than the answer's serializer goes (listing 500).
+    _hostile_copy(root, "v1", "deep-metrics", lambda d, m: m.update(metrics={"a": json.loads("[" * 40 + "]" * 40)}))
+    # A file that leads outside its bundle (the checksum is the real file's: it matches).
+    _hostile_copy(root, "v1", "symlinked", lambda d, m: (d / "labels.jsonl").unlink() or
+                  (d / "labels.jsonl").symlink_to(root / "v2" / "labels.jsonl") or m.update(files={
+                      **m["files"], "labels.jsonl": json.loads((root / "v2" / "manifest.json").read_text())["files"][
+                          "labels.jsonl"]}))
+    env = {"SHORTLIST_ADMIN_TOKEN": TOKEN, "SHORTLIST_LOAD_CHECK_IN_CHILD": "false"}
+    # The version asked for does not exist: start-up falls back, listing every bundle to do so.
+    with serve(root, version="gone", env=env, log_dir=tmp_path) as s, httpx.Client(base_url=s.url, timeout=60) as c:
+        served = c.get("/readyz").json()["version"]
+        r = c.get("/admin/bundles", headers=AUTH)
+        assert r.status_code == 200, r.text
+        assert {b["version"] for b in r.json()["bundles"]} == {"v1", "v2", "symlinked"}  # unreadable ones skipped
+        for version, named in (("nested", "depth limit"), ("deep-metrics", "nested deeper than 32"),
+                               ("symlinked", "symlink leading outside")):
+            r = c.post("/admin/bundles/activate", json={"version": version}, headers=AUTH)
+            assert r.status_code == 422 and named in r.json()["message"], (version, r.text)
+            assert c.post("/v1/predict", json={"text": "x"}).json()["version"] == served
+        log = s.log()
+    assert '"unhandled_error"' not in log

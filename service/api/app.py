@@ -6,6 +6,7 @@ import asyncio
 import gc
 import json
 import logging
+import traceback
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -190,6 +191,12 @@ async def initial_load(state: ServiceState) -> None:
         state.metrics.failed_activations.labels("startup").inc()
         error_log.error(json.dumps({"event": "startup_load_failed", "message": str(exc),
                                     "bundle_root": str(state.settings.bundle_root)}))
+    except Exception as exc:
+        # Anything else would end this task unseen, leaving /readyz at 503 with nothing in the log.
+        state.metrics.failed_activations.labels("startup").inc()
+        error_log.error(json.dumps({"event": "startup_load_failed", "message": f"{type(exc).__name__}: {exc}",
+                                    "bundle_root": str(state.settings.bundle_root),
+                                    "traceback": traceback.format_exc()}))
     if state.group is not None:
         # Only now: following another process's activation before the first load would race it.
         state.group.start()

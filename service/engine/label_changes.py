@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import orjson
 
 from service.engine import canary, schema, store
 from service.engine.bundle import Bundle
@@ -477,7 +478,7 @@ def read_new_labels(path: str | Path) -> list[NewLabel]:
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = orjson.loads(line)
                 uid, title, content, prior = row["uid"], row["title"], row.get("content"), row.get("prior")
             except (ValueError, KeyError, TypeError, AttributeError) as exc:
                 raise ValueError(f"{path}:{number}: a label is {{\"uid\", \"title\", \"content\"?, \"prior\"?}}: "
