@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 import socket
+import unicodedata
 
 import httpx
 import pytest
@@ -22,7 +23,8 @@ JSON = {"content-type": "application/json"}
 
 @pytest.fixture(scope="module")
 def hostile(bundle_root, tmp_path_factory):
-    env = {"SHORTLIST_ADMIN_TOKEN": TOKEN, "SHORTLIST_ACCESS_LOG": "false"}
+    env = {"SHORTLIST_ADMIN_TOKEN": TOKEN, "SHORTLIST_ACCESS_LOG": "false",
+           "SHORTLIST_STATE_DIR": str(tmp_path_factory.mktemp("hostile-state"))}
     with serve(bundle_root, env=env, log_dir=tmp_path_factory.mktemp("hostile")) as s:
         yield s
 
@@ -153,6 +155,21 @@ def test_an_admin_route_checks_the_token_before_reading_the_body(client, route):
     if route != "/admin/bundles/rollback":  # it reads no body
         r = client.post(route, content=b'{"version": ', headers={**JSON, **AUTH})
         assert r.status_code == 400 and r.json()["error"] == "malformed_json", r.text
+
+
+LOOKALIKE_UIDS = [(" L1", "whitespace"), ("L1\u200b", "invisible"), ("a\u0007b", "control"),
+                  (unicodedata.normalize("NFD", "caf\u00e9"), "normal form C")]
+
+
+@pytest.mark.parametrize(("uid", "reason"), LOOKALIKE_UIDS, ids=["padded", "zero-width", "control", "decomposed"])
+def test_a_new_label_uid_that_would_look_like_another_is_refused(client, uid, reason):
+    # Uids are compared code point by code point: each of these was a new label beside one that
+    # looks the same, which a client excluding "the same" uid got back.
+    before = client.get("/readyz").json()["version"]
+    r = client.post("/admin/labels", json={"labels": [{"uid": uid, "title": "kama zani"}]}, headers=AUTH)
+    assert r.status_code == 422, r.text
+    assert r.json()["details"][0]["field"] == "body.labels[0].uid" and reason in r.json()["message"], r.json()
+    assert client.get("/readyz").json()["version"] == before
 
 
 def test_scanning_paths_and_methods_adds_no_metric_series(client):
