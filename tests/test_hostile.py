@@ -22,23 +22,19 @@ JSON = {"content-type": "application/json"}
 
 
 @pytest.fixture(scope="module")
-def hostile(bundle_root, tmp_path_factory):
+def client(bundle_root, tmp_path_factory):
+    """A client of one server for the whole module (admin on, a state directory for label changes)."""
     env = {"SHORTLIST_ADMIN_TOKEN": TOKEN, "SHORTLIST_ACCESS_LOG": "false",
            "SHORTLIST_STATE_DIR": str(tmp_path_factory.mktemp("hostile-state"))}
-    with serve(bundle_root, env=env, log_dir=tmp_path_factory.mktemp("hostile")) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(hostile):
-    with httpx.Client(base_url=hostile.url, timeout=30) as c:
+    log_dir = tmp_path_factory.mktemp("hostile")
+    with serve(bundle_root, env=env, log_dir=log_dir) as s, httpx.Client(base_url=s.url, timeout=30) as c:
         yield c
 
 
-def _exchange(server, raw: bytes) -> tuple[int, dict]:
-    """Send raw bytes, read until the server closes, and parse its one answer."""
-    host, port = server.url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=10) as sock:
+def _exchange(client: httpx.Client, raw: bytes) -> tuple[int, dict]:
+    """Send raw bytes to the client's server, read until it closes, and parse its one answer."""
+    url = client.base_url
+    with socket.create_connection((url.host, url.port), timeout=10) as sock:
         sock.sendall(raw)
         chunks = []
         while chunk := sock.recv(65536):
@@ -73,8 +69,8 @@ MALFORMED_HTTP = [
 
 
 @pytest.mark.parametrize(("what", "raw", "named"), MALFORMED_HTTP, ids=[m[0] for m in MALFORMED_HTTP])
-def test_a_request_the_http_parser_refuses_gets_a_json_400_naming_why(hostile, client, what, raw, named):
-    status, body = _exchange(hostile, raw)
+def test_a_request_the_http_parser_refuses_gets_a_json_400_naming_why(client, what, raw, named):
+    status, body = _exchange(client, raw)
     assert status == 400 and body["error"] == "malformed_http", (what, body)
     assert named.lower() in body["message"].lower(), (what, body)
     _still_serving(client)
@@ -124,19 +120,19 @@ def test_a_value_quoted_in_a_refusal_is_cut_to_a_few_dozen_characters(client):
     assert r.status_code == 404 and "(20001 characters)" in r.json()["message"] and len(r.content) < 2000
 
 
-def test_a_trailing_slash_is_a_404_not_a_redirect_to_the_clients_host(hostile):
+def test_a_trailing_slash_is_a_404_not_a_redirect_to_the_clients_host(client):
     # Starlette's redirect built its Location from the Host header: "http://evil.example/v1/predict",
     # where the client would send its POST body again.
     raw = (b"POST /v1/predict/ HTTP/1.1\r\nhost: evil.example\r\ncontent-type: application/json\r\n"
            b"content-length: 13\r\nconnection: close\r\n\r\n" + BODY)
-    status, body = _exchange(hostile, raw)
+    status, body = _exchange(client, raw)
     assert status == 404 and body["error"] == "not_found"
 
 
-def test_a_websocket_upgrade_is_answered_as_plain_http(hostile):
+def test_a_websocket_upgrade_is_answered_as_plain_http(client):
     raw = (b"GET /healthz HTTP/1.1\r\nhost: x\r\nupgrade: websocket\r\nconnection: Upgrade, close\r\n"
            b"sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\nsec-websocket-version: 13\r\n\r\n")
-    status, body = _exchange(hostile, raw)
+    status, body = _exchange(client, raw)
     assert status == 200 and body["status"] == "ok"
 
 
