@@ -372,7 +372,7 @@ def _deep(depth: int, kind: str) -> bytes:
 def _parser_abuse() -> list[tuple[str, bytes, str]]:
     """Bodies that make a JSON parser recurse or convert without bound, wherever they sit."""
     cases = []
-    for depth in (1_000, 5_000, 50_000):
+    for depth in (2_000, 5_000, 50_000):  # the parser stops past 1024 levels
         for kind in ("array", "object"):
             value = _deep(depth, kind)
             cases += [(f"{kind} nested {depth} deep as k", b'{"text": "x", "k": ' + value + b"}", "too deeply"),

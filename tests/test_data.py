@@ -122,3 +122,18 @@ def test_generated_data_is_seeded_and_loadable(tmp_path: Path) -> None:
     # power law: the most frequent label is far more common than the median one
     counts = sorted((sum(lab in t for t in trn.targets) for lab in range(50)), reverse=True)
     assert counts[0] >= 5 * max(counts[25], 1)
+
+
+@pytest.mark.parametrize(("line", "reason"), [
+    ('{"uid": "d", "title": "t", "target_ind": ' + "[" * 5000 + "]" * 5000 + "}", "depth limit"),
+    ('{"uid": "d", "title": "t", "target_ind": [' + "1" * 5000 + "]}", "number"),
+    ('{"uid": "d", "title": "t", "target_ind": [0], "target_rel": [NaN]}', "expected a JSON value"),
+    ('{"uid": "d", "title": "a \\ud800", "target_ind": [0]}', "surrogate"),
+], ids=["nested 5000 deep", "5000-digit integer", "NaN", "lone surrogate"])
+def test_lines_json_parsers_disagree_on_are_refused_with_file_and_line(tmp_path: Path, line: str,
+                                                                        reason: str) -> None:
+    # Python's json module recursed (a RecursionError traceback), refused a 5,000-digit integer
+    # without saying where, and took NaN and lone surrogates (unwritable to a UTF-8 bundle).
+    d = _dataset(tmp_path, raw_doc_lines={1: line})
+    with pytest.raises(ValueError, match=rf"trn\.json\.gz:2: malformed line, not JSON \(.*{reason}"):
+        load_split(d, "trn", "title", 2)

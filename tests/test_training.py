@@ -257,6 +257,13 @@ def test_config_errors_are_clear(tmp_path: Path) -> None:
     bad.write_text("[1]")
     with pytest.raises(ValueError, match="must be a JSON object"):
         TrainConfig.from_json(bad)
+    # Python's json recursed on this one (a RecursionError traceback from `shortlist train`).
+    bad.write_text('{"alpha": ' + "[" * 5000 + "]" * 5000 + "}")
+    with pytest.raises(ValueError, match="cfg.json: cannot read training config: depth limit"):
+        TrainConfig.from_json(bad)
+    bad.write_text('{"alpha": NaN}')
+    with pytest.raises(ValueError, match="cfg.json: cannot read training config"):
+        TrainConfig.from_json(bad)
 
 
 def test_cli_trains_picks_the_better_lexical_form_and_reports_bad_data(synthetic_data, tmp_path, capsys, caplog):

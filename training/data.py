@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+import orjson
 
 TextField = Literal["title", "title+content"]
 SPLIT_SUFFIXES = (".json.gz", ".json", ".jsonl", ".jsonl.gz")
@@ -91,7 +92,7 @@ def iter_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
                 if not line.strip():
                     continue
                 try:
-                    row = json.loads(line)
+                    row = orjson.loads(line)
                 except json.JSONDecodeError as exc:
                     raise ValueError(f"{path}:{lineno}: malformed line, not JSON ({exc.msg})") from None
                 if not isinstance(row, dict):

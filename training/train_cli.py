@@ -8,11 +8,10 @@ import json
 import logging
 import sys
 from dataclasses import replace
-from pathlib import Path
 
 from training.aggregated import train_aggregated
 from training.checkpoint import Checkpoint
-from training.config import TrainConfig
+from training.config import TrainConfig, read_config_file
 from training.pipeline import refit_tree, retune, train
 
 
@@ -37,8 +36,8 @@ def run_cli(args: argparse.Namespace) -> int:
 def _refit_tree(args: argparse.Namespace) -> int:
     overrides: dict = {}
     if args.config:
-        overrides = json.loads(Path(args.config).read_text(encoding="utf-8"))
-        if not isinstance(overrides, dict) or set(overrides) - {"tree"}:
+        overrides = read_config_file(args.config)
+        if set(overrides) - {"tree"}:
             raise ValueError(f"{args.config}: with --refit-tree the config may hold only a \"tree\" object")
     if args.aggregated or args.seed is not None:
         raise ValueError("--refit-tree keeps the checkpoint's data and seed: drop --aggregated and --seed")
@@ -48,9 +47,7 @@ def _refit_tree(args: argparse.Namespace) -> int:
 def _retune(args: argparse.Namespace) -> int:
     overrides: dict = {}
     if args.config:
-        overrides = json.loads(Path(args.config).read_text(encoding="utf-8"))
-        if not isinstance(overrides, dict):
-            raise ValueError(f"{args.config}: training config must be a JSON object")
+        overrides = read_config_file(args.config)
     if args.aggregated or args.seed is not None:
         raise ValueError("--retune keeps the checkpoint's data and seed: drop --aggregated and --seed")
     return _save(retune(args.retune, args.data, overrides), args.out)

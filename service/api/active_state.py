@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import orjson
+
 from service.engine.schema import BundleError, validate_version_name
 from service.engine.store import utc_now
 
@@ -50,7 +52,7 @@ class ActiveVersionFile:
 
     def _record(self) -> tuple[str | None, list[str]]:
         try:
-            record = json.loads(self.path.read_text(encoding="utf-8"))
+            record = orjson.loads(self.path.read_bytes())
             version = record["version"]
             validate_version_name(version)
             history = [v for v in record.get("history", []) if isinstance(v, str)]

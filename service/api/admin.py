@@ -12,9 +12,9 @@ import re
 from collections.abc import Callable
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Path
+from fastapi import APIRouter, Path
 
-from service.api.dependencies import State, require_admin
+from service.api.dependencies import AdminRoute, State
 from service.api.errors import ApiError
 from service.api.observability import error_log
 from service.api.predict import documented
@@ -128,7 +128,7 @@ async def _change(state: State, change: LabelChange, single_uid: bool = False) -
 
 
 def admin_router(models: RequestModels) -> APIRouter:
-    router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)], tags=["admin"])
+    router = APIRouter(prefix="/admin", route_class=AdminRoute, tags=["admin"])
     AddLabels, RetireLabels, Uid = models.add_labels, models.retire_labels, models.uid  # noqa: N806
 
     @router.get("/bundles", response_model=BundleList, responses=documented(401, 403, 429))

@@ -6,6 +6,7 @@ import asyncio
 import gc
 import json
 import logging
+import traceback
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -104,6 +105,10 @@ def _new_app(state: ServiceState, title: str, lifespan: object = None) -> FastAP
     # of a CDN, so the interactive docs work where the host has no internet (air-gapped clusters).
     app = FastAPIOffline(title=title, version=VERSION, lifespan=lifespan,  # type: ignore[arg-type]
                          description="Extreme multi-label label shortlisting: top-k labels for short texts.")
+    # No redirect of "/v1/predict/" to "/v1/predict": Starlette builds its Location from the
+    # client's Host header (a redirect anywhere the client names), and a POST sent there again
+    # carries its body along. A path with a trailing slash is a 404 like any unknown path.
+    app.router.redirect_slashes = False
     app.state.service = state
     install_error_handlers(app)
     app.add_middleware(RequestBodyMiddleware, max_bytes=settings.max_body_bytes)
@@ -186,6 +191,12 @@ async def initial_load(state: ServiceState) -> None:
         state.metrics.failed_activations.labels("startup").inc()
         error_log.error(json.dumps({"event": "startup_load_failed", "message": str(exc),
                                     "bundle_root": str(state.settings.bundle_root)}))
+    except Exception as exc:
+        # Anything else would end this task unseen, leaving /readyz at 503 with nothing in the log.
+        state.metrics.failed_activations.labels("startup").inc()
+        error_log.error(json.dumps({"event": "startup_load_failed", "message": f"{type(exc).__name__}: {exc}",
+                                    "bundle_root": str(state.settings.bundle_root),
+                                    "traceback": traceback.format_exc()}))
     if state.group is not None:
         # Only now: following another process's activation before the first load would race it.
         state.group.start()

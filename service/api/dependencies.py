@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import hmac
 import time
+from collections.abc import Callable, Coroutine
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Any
 
-from fastapi import Depends, Header
+from fastapi import Depends
 from starlette.requests import Request
+from starlette.responses import Response
 
 from service.api.batching import EngineRunner
 from service.api.errors import ApiError
 from service.api.observability import ServiceMetrics
 from service.api.processes import ProcessGroup
 from service.api.registry import BundleRegistry, Engine, NoBundle
+from service.api.request_body import StrictJsonRoute
 from service.api.schemas import RequestModels
 from service.api.settings import Settings
 
@@ -108,16 +111,17 @@ class lease_engine(AbstractContextManager[Engine]):  # noqa: N801 - entered as `
         self._lease.__exit__(*exc)
 
 
-async def require_admin(state: State, request: Request,
-                        authorization: Annotated[str | None, Header(include_in_schema=False)] = None) -> None:
+def require_admin(request: Request) -> None:
     """A bearer token equal to the configured admin token (compared in constant time), from a
     client that has not spent its budget of wrong tokens (429 with Retry-After)."""
+    state = service_state(request)
     client = request.client.host if request.client else "unknown"
     wait = state.auth_failures.retry_after(client)
     if wait is not None:
         raise ApiError(429, "too_many_requests", f"too many wrong admin tokens from {client}: retry in {wait} s",
                        headers={"Retry-After": str(wait)})
     challenge = {"WWW-Authenticate": "Bearer"}
+    authorization = request.headers.get("authorization")
     if not authorization:
         raise ApiError(401, "unauthorized", "admin routes need an Authorization: Bearer token", headers=challenge)
     scheme, _, token = authorization.partition(" ")
@@ -127,3 +131,18 @@ async def require_admin(state: State, request: Request,
     if expected is None or not hmac.compare_digest(token.strip().encode(), expected.get_secret_value().encode()):
         state.auth_failures.record(client)
         raise ApiError(403, "forbidden", "wrong admin token")
+
+
+class AdminRoute(StrictJsonRoute):
+    """An admin route: the token is checked before anything else of the request is read, so a
+    client without it learns nothing from how its body or path would have been taken (a
+    dependency would run only after FastAPI parsed the body: a 400 on malformed JSON first)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def authorized(request: Request) -> Response:
+            require_admin(request)
+            return await handler(request)
+
+        return authorized

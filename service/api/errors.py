@@ -23,6 +23,26 @@ _HTTP_CODES = {400: "bad_request", 404: "not_found", 405: "method_not_allowed", 
                413: "body_too_large", 429: "too_many_requests"}
 
 
+SHOWN_CHARS = 64
+
+
+def shown(value: str) -> str:
+    """A client's value quoted in an error message, cut to SHOWN_CHARS characters: an answer
+    naming a 100,000-character uid or header must not be larger than what was wrong with it."""
+    if len(value) <= SHOWN_CHARS:
+        return repr(value)
+    return f"{value[:SHOWN_CHARS]!r}... ({len(value)} characters)"
+
+
+class BodyRefused(ValueError):
+    """A body that is not acceptable JSON for a reason the parser's syntax error would not name
+    (not UTF-8, nested too deeply, a number out of range): `code` and `message` of its 400."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
 class ApiError(Exception):
     """A request answered with an error status and the one error body."""
 
@@ -89,7 +109,8 @@ async def _http_error(request: Request, exc: Exception) -> Response:
         # FastAPI reports a client gone mid-body as a 400 "error parsing the body": there is no
         # one to answer; the observability middleware counts it apart from errors.
         raise exc.__cause__
-    where = f"{request.method} {request.url.path}"
+    path = request.url.path
+    where = f"{request.method} {path if len(path) <= SHOWN_CHARS else shown(path)}"
     message = f"{where}: {exc.detail}"
     code = _HTTP_CODES.get(exc.status_code, "http_error")
     if exc.status_code == 400 and exc.__cause__ is not None:
@@ -98,14 +119,9 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 def _parse_failure(cause: BaseException, code: str, message: str) -> tuple[str, str]:
-    """Name why the JSON parser gave up on a body (FastAPI reports them all as one 400)."""
-    if isinstance(cause, UnicodeDecodeError):
-        return "invalid_encoding", f"body is not valid UTF-8: {cause.reason} at byte {cause.start}"
-    if isinstance(cause, RecursionError):
-        return "malformed_json", "body is not acceptable JSON: nested too deeply"
-    if isinstance(cause, ValueError) and "digits" in str(cause):
-        # CPython refuses int() of more than sys.get_int_max_str_digits() digits (4300).
-        return "malformed_json", "body is not acceptable JSON: an integer with too many digits"
+    """Name why a body was not taken as JSON (FastAPI reports every such failure as one 400)."""
+    if isinstance(cause, BodyRefused):
+        return cause.code, cause.message
     return code, message
 
 

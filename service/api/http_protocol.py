@@ -10,19 +10,24 @@ long, was read to its end. Here, with the byte counting done before the parser s
 - a request head (request line and headers) must be complete within `max_header_bytes` (431,
   closed, the rest never read) and within `header_timeout_s` of its first byte, or of the
   connection for its first request (408 if some of it came, else closed silently);
-- a body must be complete within `body_timeout_s` of its head (408, closed).
+- a body must be complete within `body_timeout_s` of its head (408, closed);
+- a request the HTTP parser refuses (a malformed request line or header, a Content-Length that is
+  not a number or sits beside Transfer-Encoding, a bad chunk size) gets 400 with the one error
+  body naming what the parser found, not uvicorn's plain-text "Invalid HTTP request received.".
 """
 
 from __future__ import annotations
 
 import asyncio
+import sys
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from service.api.errors import error_json
 
-_REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large", 503: b"Service Unavailable"}
+_REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large",
+            503: b"Service Unavailable"}
 _HEAD_END = b"\r\n\r\n"
 # Set in a request's scope state when its body timed out (the app then sees the client gone).
 BODY_TIMED_OUT = "body_timed_out"
@@ -116,6 +121,14 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._refuse(408, "request_timeout", f"the body did not arrive within {self.body_timeout_s:g} s",
                      state.get("request_id"))
 
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn calls this from the `except httptools.HttpParserError` of data_received: the
+        exception in hand says what was wrong (e.g. "Transfer-Encoding can't be present with
+        Content-Length", "Invalid character in chunk size")."""
+        exc = sys.exc_info()[1]
+        reason = str(exc) if exc is not None and str(exc) else msg
+        self._refuse(400, "malformed_http", f"the request is not valid HTTP/1.1: {reason}")
+
     def _refuse(self, status: int, code: str, message: str, request_id: str | None = None) -> None:
         """Answer with the one error body and close, whatever the parser was in the middle of."""
         self._disarm()
@@ -142,4 +155,7 @@ def protocol_kwargs(settings: Any) -> dict[str, Any]:
         "http": guarded_protocol(settings.max_connections, settings.header_timeout_s, settings.max_header_bytes,
                                  settings.body_timeout_s),
         "timeout_keep_alive": settings.keep_alive_timeout_s,
+        # The service has no WebSocket route: an Upgrade request is answered as plain HTTP rather
+        # than handed to a WebSocket library whose handshake answers outside the app (a bare 403).
+        "ws": "none",
     }

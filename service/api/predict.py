@@ -14,9 +14,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from service.api.dependencies import lease_engine, service_state
-from service.api.errors import ApiError, invalid
+from service.api.errors import ApiError, invalid, shown
 from service.api.http_protocol import REQUESTS_IN_PROGRESS
 from service.api.registry import Engine
+from service.api.request_body import StrictJsonRoute
 from service.api.schemas import EchoResponse, ErrorResponse, PredictResponse, RequestModels
 from service.api.settings import Settings
 from service.engine.labels import LabelTable
@@ -75,7 +76,7 @@ def _excluded_ids(uids: list[str] | None, engine: Engine) -> tuple[int, ...]:
     ids = engine.bundle.labels.ids_of(uids)
     for i, (uid, row) in enumerate(zip(uids, ids, strict=True)):
         if row is None:
-            raise invalid(f"body.exclude[{i}]", f"unknown label uid {uid!r} in bundle {engine.version}")
+            raise invalid(f"body.exclude[{i}]", f"unknown label uid {shown(uid)} in bundle {engine.version}")
     return tuple(sorted(set(ids)))
 
 
@@ -108,7 +109,7 @@ async def answer_here(request: Request, scorer: str, req: Any, params: dict[str,
 
 
 def predict_router(models: RequestModels, settings: Settings, answer: Answer = answer_here) -> APIRouter:
-    router = APIRouter()
+    router = APIRouter(route_class=StrictJsonRoute)
     PredictRequest, TreePredictRequest = models.predict, models.tree_predict  # noqa: N806
 
     @router.post("/v1/predict", response_model=PredictResponse, responses=PREDICT_ERRORS,

@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from service.api.registry import ActivationFailed, ActivationInProgress, BundleNotFound, BundleRegistry
 
 log = logging.getLogger("shortlist.processes")
@@ -114,7 +116,7 @@ class ProcessGroup:
         for path in self.dir.glob("*.json"):
             try:
                 pid = int(path.stem)
-                record = json.loads(path.read_text(encoding="utf-8"))
+                record = orjson.loads(path.read_bytes())
             except (ValueError, OSError):
                 continue
             if not process_alive(pid):

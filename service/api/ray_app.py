@@ -52,7 +52,7 @@ from starlette.responses import Response
 from service.api.active_state import HISTORY_LENGTH, ActiveVersionFile
 from service.api.app import apply_runtime_tuning, create_app
 from service.api.dependencies import MinuteBudget, ServiceState, lease_engine
-from service.api.errors import ApiError, invalid
+from service.api.errors import ApiError, invalid, shown
 from service.api.observability import ServiceMetrics, error_log
 from service.api.predict import json_response, label_rows
 from service.api.registry import (
@@ -191,7 +191,7 @@ class ShardedEngine(Leased):
         missing = unknown_excluded(exclude, answers)
         if missing:
             i = missing[0]
-            raise invalid(f"body.exclude[{i}]", f"unknown label uid {exclude[i]!r} in bundle {self.version}")
+            raise invalid(f"body.exclude[{i}]", f"unknown label uid {shown(exclude[i])} in bundle {self.version}")
         results = merge_answers(answers, req.k)
         return json_response({"version": self.version, "results": [label_rows(r) for r in results]})
 

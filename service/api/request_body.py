@@ -1,5 +1,6 @@
 """Request bodies at the door: UTF-8 JSON only, uncompressed (415), at most `max_bytes` (413),
 answered with the one error body. (How long a body may take: service.api.http_protocol.)
+The JSON itself is parsed as RFC 8259 defines it (StrictJsonRoute), never more leniently.
 
 A middleware rather than dependencies: Starlette's own limiter answers a declared oversize
 body with a plain-text 413 from outside the app's middleware (no error body, no request id),
@@ -9,10 +10,19 @@ dependency solver (5% of predict's req/s at one connection, bench/http_bench.py)
 
 from __future__ import annotations
 
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import orjson
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.api.errors import error_json
+from service.api.errors import BodyRefused, error_json, shown
+
+_NOT_JSON_NUMBERS = (b"NaN", b"Infinity", b"-Infinity")
 
 
 class RequestBodyMiddleware:
@@ -50,15 +60,17 @@ def _body_refusal(headers: dict[bytes, bytes]) -> tuple[int, str, str] | None:
     """Why a body with these headers is refused (415), or None for uncompressed UTF-8 JSON."""
     encoding = headers.get(b"content-encoding", b"identity").decode("latin-1").strip().lower()
     if encoding not in ("", "identity"):
-        return 415, "unsupported_media_type", f"content-encoding {encoding!r} is not accepted: send it uncompressed"
+        return 415, "unsupported_media_type", (f"content-encoding {shown(encoding)} is not accepted: "
+                                               "send it uncompressed")
     value = headers.get(b"content-type", b"").decode("latin-1")
     media, _, rest = value.partition(";")
     if media.strip().lower() != "application/json":
-        return 415, "unsupported_media_type", f"content-type must be application/json, got {value or 'none'!r}"
+        got = shown(value) if value else "none"
+        return 415, "unsupported_media_type", f"content-type must be application/json, got {got}"
     for param in rest.split(";"):
         name, _, arg = param.partition("=")
         if name.strip().lower() == "charset" and arg.strip().strip('"').lower() not in ("utf-8", "utf8"):
-            return 415, "unsupported_media_type", f"only UTF-8 bodies are accepted, got charset {arg.strip()!r}"
+            return 415, "unsupported_media_type", f"only UTF-8 bodies are accepted, got charset {shown(arg.strip())}"
     return None
 
 
@@ -74,3 +86,53 @@ def _content_length(headers: dict[bytes, bytes]) -> int | None:
         return int(headers[b"content-length"])
     except (KeyError, ValueError):
         return None
+
+
+class StrictJsonRequest(Request):
+    """A request whose JSON body is parsed by orjson, which follows RFC 8259 where Python's json
+    module (FastAPI's parser) does not: NaN and Infinity are not numbers, a body is UTF-8 (json
+    also decodes UTF-16 and UTF-32 and skips a byte order mark), nesting stops at 1024 levels
+    without recursing in Python, and a number is parsed without converting thousands of digits.
+    A syntax error stays a json.JSONDecodeError (FastAPI's 400 naming where); the rest are named
+    (errors.BodyRefused)."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            body = await self.body()
+            try:
+                self._json = orjson.loads(body)
+            except orjson.JSONDecodeError as exc:
+                raise _named(body, exc) from None
+        return self._json
+
+
+def _named(body: bytes, exc: orjson.JSONDecodeError) -> Exception:
+    """What to raise for a body orjson refused: the reason in words where orjson's are unclear."""
+    at = f"at byte {exc.pos}"
+    if body.startswith(b"\xef\xbb\xbf"):
+        return BodyRefused("invalid_encoding", "body starts with a UTF-8 byte order mark: send UTF-8 without one")
+    if "UTF-8" in exc.msg:
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError as bad:
+            return BodyRefused("invalid_encoding", f"body is not valid UTF-8: {bad.reason} at byte {bad.start}")
+    if "depth limit" in exc.msg:
+        return BodyRefused("malformed_json", "body is not acceptable JSON: nested too deeply (over 1024 levels)")
+    if "infinity when parsed" in exc.msg:
+        return BodyRefused("malformed_json", f"body is not acceptable JSON: a number with too many digits or out of "
+                           f"a double's range {at}")
+    if body[exc.pos:].lstrip().startswith(_NOT_JSON_NUMBERS):
+        return BodyRefused("malformed_json", f"body is not valid JSON: NaN and Infinity are not JSON numbers {at}")
+    return exc
+
+
+class StrictJsonRoute(APIRoute):
+    """A route whose body is read as StrictJsonRequest."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def strict(request: Request) -> Response:
+            return await handler(StrictJsonRequest(request.scope, request.receive))
+
+        return strict

@@ -12,13 +12,13 @@ by service.engine.canary, which needs a Predictor.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+import orjson
 
 from service.engine.encoder import OnnxEncoder
 from service.engine.index import VectorIndex
@@ -154,6 +154,10 @@ class Bundle:
                 raise BundleError(f"{self.path / MANIFEST}: unknown file {name} listed")
             if not (self.path / name).is_file():
                 raise BundleError(f"{self.path / name}: listed in the manifest but missing")
+            if (self.path / name).resolve().parent != self.path.resolve():
+                # A bundle's files are its own: a symlink out of it serves whatever that path
+                # holds later (or any file the service may read), not what was exported.
+                raise BundleError(f"{self.path / name}: a symlink leading outside the bundle directory")
         self._unverified = set(files) if verify_checksums else set()
         for name in sorted(set(files) - ON_FIRST_NEED):
             self._verify(name)
@@ -495,7 +499,7 @@ def _first_non_finite(arr: np.ndarray) -> int | None:
 
 def _validation_row(line: bytes, num_labels: int, where: str) -> dict[str, Any]:
     try:
-        row = json.loads(line)
+        row = orjson.loads(line)
         text, targets = row["text"], row["target_ind"]
     except (ValueError, KeyError, TypeError) as exc:
         raise BundleError(f"{where}: bad validation row: {exc!r}") from exc

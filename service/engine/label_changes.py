@@ -36,12 +36,14 @@ import gzip
 import json
 import shutil
 import time
+import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import orjson
 
 from service.engine import canary, schema, store
 from service.engine.bundle import Bundle
@@ -386,6 +388,20 @@ def _rows_of(token: np.ndarray, label: np.ndarray, weight: np.ndarray, vocab: in
     return labels, weights
 
 
+def _lookalike_uid(uid: str) -> str | None:
+    """Why a new uid would look like another one it is not (uids are compared code point by code
+    point: "caf\u00e9" and "cafe\u0301", "R1" and " R1 " or "R1\u200b" would be distinct labels
+    that a person, or a client excluding one, cannot tell apart), or None."""
+    if uid != uid.strip():
+        return f"{uid[:64]!r} has leading or trailing whitespace"
+    if unicodedata.normalize("NFC", uid) != uid:
+        return f"{uid[:64]!r} is not in Unicode normal form C (the same text composed would be another uid)"
+    hidden = next((ch for ch in uid if unicodedata.category(ch) in ("Cc", "Cf", "Co", "Cn")), None)
+    if hidden is not None:
+        return f"{uid[:64]!r} holds a control, invisible or unassigned character (U+{ord(hidden):04X})"
+    return None
+
+
 def _check_change(parent: Bundle, change: LabelChange) -> np.ndarray:
     """The ids to retire; LabelChangeRejected naming every problem of the change."""
     problems: list[tuple[str, str]] = []
@@ -401,6 +417,9 @@ def _check_change(parent: Bundle, change: LabelChange) -> np.ndarray:
                 "already a label"
             problems.append((f"add[{i}].uid", f"{label.uid!r} is {state}"))
         seen.setdefault(label.uid, i)
+        lookalike = _lookalike_uid(label.uid)
+        if lookalike is not None:
+            problems.append((f"add[{i}].uid", lookalike))
         if not label.title.strip():
             problems.append((f"add[{i}].title", "empty"))
         if label.prior is not None and not 0.0 <= label.prior <= 1.0:
@@ -477,7 +496,7 @@ def read_new_labels(path: str | Path) -> list[NewLabel]:
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = orjson.loads(line)
                 uid, title, content, prior = row["uid"], row["title"], row.get("content"), row.get("prior")
             except (ValueError, KeyError, TypeError, AttributeError) as exc:
                 raise ValueError(f"{path}:{number}: a label is {{\"uid\", \"title\", \"content\"?, \"prior\"?}}: "

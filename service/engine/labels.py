@@ -218,7 +218,7 @@ def _raise_at_bad_row(path: str | Path, chunk: list[bytes], start: int) -> None:
     """Re-parse a chunk that failed row by row, to name the file and line at fault."""
     for offset, line in enumerate(chunk):
         try:
-            row = json.loads(line)
+            row = orjson.loads(line)
             str(row["uid"]), str(row["title"])
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"{path}:{start + offset + 1}: bad label row: {exc}") from exc

@@ -70,7 +70,15 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 # Format 2 added, each optional (a format-1 bundle has none of them):
 # - the encoder's initializers in encoder.onnx.data (format 1: inside encoder.onnx);
@@ -268,6 +276,10 @@ class Lineage(_Strict):
     tree_labels: int = Field(ge=0)
 
 
+# How deep the manifest's free-form records (metrics, data fingerprint, training config) may nest.
+MAX_RECORD_DEPTH = 32
+
+
 class Manifest(_Strict):
     format_version: int
     version: str
@@ -290,6 +302,20 @@ class Manifest(_Strict):
     lineage: Lineage | None = None
     # LEGACY: written by exports before 2026-11-24 (the tree's beam is in tree.npz); ignored.
     tree_default_beam: int | None = Field(None, exclude=True)
+
+    @field_validator("data_fingerprint", "metrics", "training_config")
+    @classmethod
+    def _shallow(cls, value: dict[str, Any]) -> dict[str, Any]:
+        """Free-form records nest a few levels (export writes at most 5): one nested hundreds deep
+        could not be answered in GET /admin/bundles (pydantic's serializer stops at its depth limit)."""
+        depth, level = 1, [value]
+        while level:
+            level = [v for x in level for v in (x.values() if isinstance(x, dict) else x)
+                     if isinstance(v, dict | list)]
+            depth += bool(level)
+            if depth > MAX_RECORD_DEPTH:
+                raise ValueError(f"nested deeper than {MAX_RECORD_DEPTH} levels")
+        return value
 
     @model_validator(mode="after")
     def _fields_of_format(self) -> Manifest:

@@ -10,7 +10,6 @@ bundle in one place: a name found in both is refused, never guessed.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
+import orjson
 from pydantic import ValidationError
 
 from service.engine.schema import (
@@ -36,7 +36,7 @@ from service.engine.schema import (
 def read_manifest(bundle_dir: str | Path) -> Manifest:
     path = Path(bundle_dir) / MANIFEST
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
+        raw = orjson.loads(path.read_bytes())
     except FileNotFoundError as exc:
         raise BundleError(f"{path}: missing manifest") from exc
     except (OSError, ValueError) as exc:

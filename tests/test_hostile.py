@@ -1,0 +1,216 @@
+"""A hostile client against a real `shortlist serve` over loopback: requests the HTTP parser
+refuses, bodies that are not RFC 8259 JSON, values a refusal would echo, redirects built from the
+Host header, WebSocket upgrades, admin routes probed without a token, and scanners that would blow
+up the metrics' label sets. Every refusal is a 4xx with the one error body naming what was wrong,
+and the server keeps serving."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import unicodedata
+
+import httpx
+import pytest
+
+from shortlist.testing import serve
+
+TOKEN = "hostile-admin-token"
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+JSON = {"content-type": "application/json"}
+
+
+@pytest.fixture(scope="module")
+def client(bundle_root, tmp_path_factory):
+    """A client of one server for the whole module (admin on, a state directory for label changes)."""
+    env = {"SHORTLIST_ADMIN_TOKEN": TOKEN, "SHORTLIST_ACCESS_LOG": "false",
+           "SHORTLIST_STATE_DIR": str(tmp_path_factory.mktemp("hostile-state"))}
+    log_dir = tmp_path_factory.mktemp("hostile")
+    with serve(bundle_root, env=env, log_dir=log_dir) as s, httpx.Client(base_url=s.url, timeout=30) as c:
+        yield c
+
+
+def _exchange(client: httpx.Client, raw: bytes) -> tuple[int, dict]:
+    """Send raw bytes to the client's server, read until it closes, and parse its one answer."""
+    url = client.base_url
+    with socket.create_connection((url.host, url.port), timeout=10) as sock:
+        sock.sendall(raw)
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    head, _, body = b"".join(chunks).partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), json.loads(body)
+
+
+def _still_serving(client: httpx.Client) -> None:
+    assert client.post("/v1/predict", json={"text": "still serving"}).status_code == 200
+
+
+BODY = b'{"text": "x"}'
+POST = b"POST /v1/predict HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+MALFORMED_HTTP = [
+    # (what, raw request, a word of what the answer must name)
+    ("Content-Length beside Transfer-Encoding",
+     POST + b"content-length: 13\r\ntransfer-encoding: chunked\r\n\r\nd\r\n" + BODY + b"\r\n0\r\n\r\n",
+     "Transfer-Encoding"),
+    ("two Content-Lengths", POST + b"content-length: 13\r\ncontent-length: 5\r\n\r\n" + BODY, "Content-Length"),
+    ("a Content-Length that is not a number", POST + b"content-length: -1\r\n\r\n" + BODY, "Content-Length"),
+    ("a Content-Length past 64 bits", POST + b"content-length: " + b"9" * 30 + b"\r\n\r\n" + BODY, "Content-Length"),
+    ("a chunk size that is not hex", POST + b"transfer-encoding: chunked\r\n\r\nzz\r\n" + BODY + b"\r\n0\r\n\r\n",
+     "chunk size"),
+    ("an unknown method", b"FOO /healthz HTTP/1.1\r\nhost: x\r\n\r\n", "method"),
+    ("a control character in the path", b"GET /\x01 HTTP/1.1\r\nhost: x\r\n\r\n", "url"),
+    ("a NUL in a header value", b"GET /healthz HTTP/1.1\r\nhost: x\r\nx-a: b\x00c\r\n\r\n", "header value"),
+    ("a folded header line", b"GET /healthz HTTP/1.1\r\nhost: x\r\nx-a: b\r\n  c\r\n\r\n", "whitespace"),
+    ("an unknown HTTP version", b"GET /healthz HTTP/9.9\r\nhost: x\r\n\r\n", "version"),
+    ("the start of a TLS handshake", b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + b"\x00" * 40, "method"),
+]
+
+
+@pytest.mark.parametrize(("what", "raw", "named"), MALFORMED_HTTP, ids=[m[0] for m in MALFORMED_HTTP])
+def test_a_request_the_http_parser_refuses_gets_a_json_400_naming_why(client, what, raw, named):
+    status, body = _exchange(client, raw)
+    assert status == 400 and body["error"] == "malformed_http", (what, body)
+    assert named.lower() in body["message"].lower(), (what, body)
+    _still_serving(client)
+
+
+NOT_RFC_8259 = [
+    # (what, body, error code, a word of the message)
+    ("NaN", b'{"text": "x", "alpha": NaN}', "malformed_json", "NaN and Infinity"),
+    ("Infinity", b'{"text": "x", "k": Infinity}', "malformed_json", "NaN and Infinity"),
+    ("-Infinity in a list", b'{"text": "x", "exclude": [-Infinity]}', "malformed_json", "NaN and Infinity"),
+    ("a number past a double", b'{"text": "x", "k": 1e400}', "malformed_json", "range"),
+    ("a UTF-8 byte order mark", b'\xef\xbb\xbf{"text": "x"}', "invalid_encoding", "byte order mark"),
+    ("UTF-16", '{"text": "x"}'.encode("utf-16"), "invalid_encoding", "UTF-8"),
+    ("UTF-32", '{"text": "x"}'.encode("utf-32"), "invalid_encoding", "UTF-8"),
+    ("a lone surrogate escape", b'{"text": "a \\ud800 b"}', "malformed_json", "surrogate"),
+    ("a surrogate encoded as UTF-8", b'{"text": "a \xed\xa0\x80 b"}', "invalid_encoding", "UTF-8"),
+    ("nesting past 1024 levels", b'{"text": "x", "zz": ' + b"[" * 1100 + b"]" * 1100 + b"}", "malformed_json",
+     "too deeply"),
+]
+ROUTES_WITH_BODIES = ["/v1/predict", "/v1/predict/tree", "/admin/bundles/activate", "/admin/labels",
+                      "/admin/labels/retire"]
+
+
+@pytest.mark.parametrize("route", ROUTES_WITH_BODIES)
+@pytest.mark.parametrize(("what", "body", "code", "named"), NOT_RFC_8259, ids=[n[0] for n in NOT_RFC_8259])
+def test_a_body_that_is_not_rfc_8259_json_is_a_400_naming_why(client, route, what, body, code, named):
+    # Python's json module (FastAPI's parser) took NaN and Infinity as numbers, decoded UTF-16
+    # and UTF-32 and skipped a byte order mark.
+    r = client.post(route, content=body, headers={**JSON, **AUTH})
+    assert r.status_code == 400, (what, r.text)
+    assert r.json()["error"] == code and named in r.json()["message"], (what, r.json())
+    _still_serving(client)
+
+
+def test_json_nested_up_to_the_parsers_limit_is_a_422_naming_the_field(client):
+    r = client.post("/v1/predict", content=b'{"text": "x", "k": ' + b"[" * 1000 + b"]" * 1000 + b"}", headers=JSON)
+    assert r.status_code == 422 and r.json()["details"][0]["field"] == "body.k", r.text
+
+
+def test_a_value_quoted_in_a_refusal_is_cut_to_a_few_dozen_characters(client):
+    r = client.post("/v1/predict", json={"text": "x", "exclude": ["u" * 100_000]})
+    assert r.status_code == 422 and r.json()["details"][0]["field"] == "body.exclude[0]"
+    assert "(100000 characters)" in r.json()["message"] and len(r.content) < 2000, len(r.content)
+    r = client.post("/v1/predict", content=BODY, headers={"content-type": "text/" + "x" * 20_000})
+    assert r.status_code == 415 and "(20005 characters)" in r.json()["message"] and len(r.content) < 2000
+    r = client.get("/" + "p" * 20_000)
+    assert r.status_code == 404 and "(20001 characters)" in r.json()["message"] and len(r.content) < 2000
+
+
+def test_a_trailing_slash_is_a_404_not_a_redirect_to_the_clients_host(client):
+    # Starlette's redirect built its Location from the Host header: "http://evil.example/v1/predict",
+    # where the client would send its POST body again.
+    raw = (b"POST /v1/predict/ HTTP/1.1\r\nhost: evil.example\r\ncontent-type: application/json\r\n"
+           b"content-length: 13\r\nconnection: close\r\n\r\n" + BODY)
+    status, body = _exchange(client, raw)
+    assert status == 404 and body["error"] == "not_found"
+
+
+def test_a_websocket_upgrade_is_answered_as_plain_http(client):
+    raw = (b"GET /healthz HTTP/1.1\r\nhost: x\r\nupgrade: websocket\r\nconnection: Upgrade, close\r\n"
+           b"sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\nsec-websocket-version: 13\r\n\r\n")
+    status, body = _exchange(client, raw)
+    assert status == 200 and body["status"] == "ok"
+
+
+ADMIN_POSTS = ["/admin/bundles/activate", "/admin/bundles/rollback", "/admin/labels", "/admin/labels/retire"]
+
+
+@pytest.mark.parametrize("route", ADMIN_POSTS)
+def test_an_admin_route_checks_the_token_before_reading_the_body(client, route):
+    for body in (b'{"version": ', b"\xff\xfe", b'{"labels": NaN}'):
+        r = client.post(route, content=body, headers=JSON)
+        assert r.status_code == 401 and r.json()["error"] == "unauthorized", (route, body, r.text)
+    r = client.post(route, content=b'{"version": ', headers={**JSON, "authorization": "Bearer wrong"})
+    assert r.status_code == 403, r.text
+    r = client.delete("/admin/labels/" + "u" * 300)
+    assert r.status_code == 401, r.text
+    if route != "/admin/bundles/rollback":  # it reads no body
+        r = client.post(route, content=b'{"version": ', headers={**JSON, **AUTH})
+        assert r.status_code == 400 and r.json()["error"] == "malformed_json", r.text
+
+
+LOOKALIKE_UIDS = [(" L1", "whitespace"), ("L1\u200b", "invisible"), ("a\u0007b", "control"),
+                  (unicodedata.normalize("NFD", "caf\u00e9"), "normal form C")]
+
+
+@pytest.mark.parametrize(("uid", "reason"), LOOKALIKE_UIDS, ids=["padded", "zero-width", "control", "decomposed"])
+def test_a_new_label_uid_that_would_look_like_another_is_refused(client, uid, reason):
+    # Uids are compared code point by code point: each of these was a new label beside one that
+    # looks the same, which a client excluding "the same" uid got back.
+    before = client.get("/readyz").json()["version"]
+    r = client.post("/admin/labels", json={"labels": [{"uid": uid, "title": "kama zani"}]}, headers=AUTH)
+    assert r.status_code == 422, r.text
+    assert r.json()["details"][0]["field"] == "body.labels[0].uid" and reason in r.json()["message"], r.json()
+    assert client.get("/readyz").json()["version"] == before
+
+
+def test_scanning_paths_and_methods_adds_no_metric_series(client):
+    before = client.get("/metrics").text.count("shortlist_http_requests_total{")
+    for i in range(30):
+        client.request(["GET", "POST", "PROPFIND", "DELETE", "PATCH"][i % 5], f"/scan-{i}/x%2Fy")
+    after = client.get("/metrics").text
+    assert 'route="unmatched"' in after
+    # at most one series per method (and the first /metrics answer), not one per path
+    assert after.count("shortlist_http_requests_total{") <= before + 6
+
+
+def _hostile_copy(root, source: str, version: str, edit) -> None:
+    """A copy of bundle `source` named `version`, passed to `edit(directory, manifest)`; the
+    manifest is written back after (it is not itself checksummed)."""
+    shutil.copytree(root / source, root / version)
+    manifest = json.loads((root / version / "manifest.json").read_text())
+    manifest["version"] = version
+    raw = edit(root / version, manifest)
+    (root / version / "manifest.json").write_bytes(raw if raw is not None else json.dumps(manifest).encode())
+
+
+def test_hostile_bundles_are_refused_and_neither_listing_nor_start_up_breaks(bundle_root_copy, tmp_path):
+    root = bundle_root_copy
+    deep = b"[" * 100_000 + b"]" * 100_000
+    # Python's json recursed on the first: the listing answered 500 and start-up died without a word.
+    _hostile_copy(root, "v1", "nested", lambda d, m: json.dumps(m).encode()[:-1] + b', "metrics": ' + deep + b"}")
+    # Under the parser's depth limit, but deeper than the answer's serializer goes (listing 500).
+    _hostile_copy(root, "v1", "deep-metrics", lambda d, m: m.update(metrics={"a": json.loads("[" * 40 + "]" * 40)}))
+    # A file that leads outside its bundle (the checksum is the real file's: it matches).
+    _hostile_copy(root, "v1", "symlinked", lambda d, m: (d / "labels.jsonl").unlink() or
+                  (d / "labels.jsonl").symlink_to(root / "v2" / "labels.jsonl") or m.update(files={
+                      **m["files"], "labels.jsonl": json.loads((root / "v2" / "manifest.json").read_text())["files"][
+                          "labels.jsonl"]}))
+    env = {"SHORTLIST_ADMIN_TOKEN": TOKEN, "SHORTLIST_LOAD_CHECK_IN_CHILD": "false"}
+    # The version asked for does not exist: start-up falls back, listing every bundle to do so.
+    with serve(root, version="gone", env=env, log_dir=tmp_path) as s, httpx.Client(base_url=s.url, timeout=60) as c:
+        served = c.get("/readyz").json()["version"]
+        r = c.get("/admin/bundles", headers=AUTH)
+        assert r.status_code == 200, r.text
+        assert {b["version"] for b in r.json()["bundles"]} == {"v1", "v2", "symlinked"}  # unreadable ones skipped
+        for version, named in (("nested", "depth limit"), ("deep-metrics", "nested deeper than 32"),
+                               ("symlinked", "symlink leading outside")):
+            r = c.post("/admin/bundles/activate", json={"version": version}, headers=AUTH)
+            assert r.status_code == 422 and named in r.json()["message"], (version, r.text)
+            assert c.post("/v1/predict", json={"text": "x"}).json()["version"] == served
+        log = s.log()
+    assert '"unhandled_error"' not in log
