@@ -32,6 +32,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+import numpy as np
+
 T = TypeVar("T")
 
 log = logging.getLogger("shortlist.heap")
@@ -113,9 +115,28 @@ _huge_pages = sys.platform == "linux"
 
 
 def use_huge_pages(enabled: bool) -> None:
-    """Whether loads give an index's memory huge pages from now on (`in_huge_pages`); on by default on Linux."""
+    """Whether loads give an index's memory huge pages from now on (`in_huge_pages`, `resident_copy`);
+    on by default on Linux."""
     global _huge_pages
     _huge_pages = enabled and sys.platform == "linux"
+
+
+def huge_pages() -> bool:
+    return _huge_pages and _LIBC is not None
+
+
+def resident_copy(values: np.ndarray) -> np.ndarray:
+    """A copy of `values` (a file map's rows) in this process's memory, advised for huge pages
+    before it is written, so that it is faulted in as huge pages where the kernel has them."""
+    out = np.empty(values.shape, dtype=values.dtype)
+    if huge_pages() and out.nbytes >= 2 * _HUGE_PAGE:
+        start = out.__array_interface__["data"][0]
+        first = -(-start // _HUGE_PAGE) * _HUGE_PAGE
+        length = ((start + out.nbytes) // _HUGE_PAGE) * _HUGE_PAGE - first
+        if length > 0:
+            _LIBC.madvise(first, length, _MADV_HUGEPAGE)
+    np.copyto(out, values)
+    return out
 
 
 def in_huge_pages(load: Callable[[], T], nbytes: int) -> T:
@@ -123,7 +144,7 @@ def in_huge_pages(load: Callable[[], T], nbytes: int) -> T:
     it mapped, in pieces of at least `nbytes` (the block, not a concurrent request's buffers), is
     given transparent huge pages where the kernel has them. Best effort: any refusal leaves the
     memory as it was."""
-    if not _huge_pages or _LIBC is None or nbytes < 2 * _HUGE_PAGE:
+    if not huge_pages() or nbytes < 2 * _HUGE_PAGE:
         return load()
     before = _anonymous_ranges()
     out = load()
