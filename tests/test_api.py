@@ -351,6 +351,7 @@ def test_serve_refuses_an_invalid_setting_naming_it(bundle_root, variable, value
 @pytest.mark.parametrize(("field", "inside", "outside"), [
     ("loader_nice", [0, 19], [-1, 20]),
     ("heap_tuning", [True, False], ["maybe", 2]),
+    ("huge_pages", [True, False], ["maybe", 2]),
     ("max_exclude", [0, 5000], [-1, "many"]),
 ])
 def test_new_settings_are_bounded_at_and_past_the_edge(field, inside, outside):

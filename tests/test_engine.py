@@ -161,6 +161,23 @@ def test_an_index_the_scoring_does_not_search_is_never_read_and_is_checked_befor
         Predictor(predictor.bundle, PredictorOptions(k_mu=5))
 
 
+def test_label_vectors_are_served_from_memory_with_huge_pages_and_from_the_maps_without(bundle_root):
+    from service.engine import heap
+
+    texts = ["alpha beta", "", "completely unknown zzqx", "gamma"]
+    resident = Predictor.load(bundle_root / "v1")
+    heap.use_huge_pages(False)
+    try:
+        mapped = Predictor.load(bundle_root / "v1")
+    finally:
+        heap.use_huge_pages(True)
+    assert not _mapped(resident.scorer.w) and not _mapped(resident.scorer.mu)  # copies, made once per bundle
+    assert resident.scorer.w is Predictor(resident.bundle).scorer.w
+    assert _mapped(mapped.scorer.w) and _mapped(mapped.scorer.mu)
+    for a, b in zip(resident.predict_ids(texts, k=10), mapped.predict_ids(texts, k=10), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.fixture(scope="module")
 def predictor(bundle_root) -> Predictor:
     return Predictor.load(bundle_root / "v1")

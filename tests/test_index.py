@@ -56,3 +56,37 @@ def test_wrong_dimension_or_count_is_refused(saved_index) -> None:
         VectorIndex.load(path, dim=32, count=len(vectors), ef_search=40)
     with pytest.raises(ValueError, match="holds 3000 vectors, expected 2999"):
         VectorIndex.load(path, dim=33, count=2999, ef_search=40)
+
+
+_THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+_LOAD_AND_COUNT = """
+import sys
+from pathlib import Path
+from service.engine import heap
+from service.engine.index import VectorIndex
+heap.use_huge_pages(sys.argv[2] == "on")
+index = VectorIndex.load(sys.argv[1], dim=256, count=6000, ef_search=40)
+line = next(l for l in Path("/proc/self/smaps_rollup").read_text().splitlines() if l.startswith("AnonHugePages:"))
+print(int(line.split()[1]))
+"""
+
+
+@pytest.mark.skipif(not _THP.exists() or "[never]" in _THP.read_text(), reason="no transparent huge pages here")
+def test_an_index_gets_huge_pages_unless_turned_off(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    rng = np.random.default_rng(5)
+    vectors = rng.standard_normal((6000, 256)).astype(np.float32)  # a 6.6 MB graph block
+    path = tmp_path / "hnsw.bin"
+    VectorIndex.build(vectors, M=8, ef_construction=32, ef_search=40, seed=1).save(path)
+    huge_kib = {mode: int(subprocess.run([sys.executable, "-c", _LOAD_AND_COUNT, str(path), mode], check=True,
+                                         capture_output=True, text=True, timeout=120).stdout)
+                for mode in ("on", "off")}
+    assert huge_kib["on"] - huge_kib["off"] >= 2048  # at least one 2 MiB page of the block
+    queries = rng.standard_normal((100, 256)).astype(np.float32)
+    with_pages = VectorIndex.load(path, dim=256, count=6000, ef_search=40).search(queries, 10)
+    theirs = hnswlib.Index(space="ip", dim=256)
+    theirs.load_index(str(path), max_elements=6000)
+    theirs.set_ef(40)
+    assert np.array_equal(with_pages, theirs.knn_query(queries, k=10)[0].astype(np.int64))

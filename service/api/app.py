@@ -173,6 +173,7 @@ def apply_runtime_tuning(settings: Settings) -> None:
     """Process-wide settings the service runs with, whatever ASGI server started the app."""
     if settings.heap_tuning:
         heap.tune_for_loads()
+    heap.use_huge_pages(settings.huge_pages)
     # Everything imported so far lives for the whole process: moving it out of the cyclic
     # collector's generations makes the periodic full collections (which hold the GIL and
     # so stall every request) short. Reference counting still frees objects as usual.

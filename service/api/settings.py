@@ -97,6 +97,11 @@ class Settings(BaseSettings):
     # page-faults with the GIL held, stalling requests in flight.
     loader_nice: int = Field(0, ge=0, le=19)
     heap_tuning: bool = False
+    # On Linux, the memory hnswlib copies an HNSW index into is given transparent huge pages
+    # (service/engine/heap.py): its searches stop missing the TLB on nearly every vector read.
+    # On by default where it applies (a bundle that searches an index of 4 MiB or more; bench/
+    # RESULTS.md, issue 22); false leaves the kernel's default pages.
+    huge_pages: bool = True
     # Every bundle is first loaded, and its canaries answered, in a child process (service/engine/
     # isolated.py): native code that crashes or hangs on a bundle that passed every structural
     # check takes down that child, and the bundle is refused, instead of the serving process.

@@ -129,6 +129,7 @@ def preload(settings: Settings) -> Bundle | None:
     """The bundle the serving processes will start with (the recorded version, else the configured
     one, else the newest), checked in a child process and opened with the sources its scoring
     searches, or None (logged) when it cannot be: each process then loads and falls back itself."""
+    heap.use_huge_pages(settings.huge_pages)
     store = BundleStore(settings.bundle_root, settings.state_dir)
     recorded = ActiveVersionFile(settings.state_dir).read() if settings.state_dir else None
     try:

@@ -20,6 +20,7 @@ from typing import Any, Literal
 import numpy as np
 import orjson
 
+from service.engine import heap
 from service.engine.encoder import OnnxEncoder
 from service.engine.index import VectorIndex
 from service.engine.labels import LabelTable
@@ -60,6 +61,9 @@ from service.engine.tokenizer import Tokenizer
 from service.engine.tree import TreeScorer
 
 IndexName = Literal["w", "mu"]
+# The label vectors a scorer gathers rows of are copied into the process's memory, in huge pages,
+# when they take at most this much together (Bundle.label_vectors); larger ones stay file maps.
+RESIDENT_VECTORS_MAX_BYTES = 256 << 20
 _CHECK_BATCH = 256  # token ids a run when the encoder is checked (Bundle._check_encoder)
 # Files opened (and checksummed) on first need rather than at opening: the shortlist sources.
 ON_FIRST_NEED = frozenset((HNSW_W, HNSW_MU, TOKEN_SHORTLIST, *(n for names in LEXICAL_FILES.values() for n in names)))
@@ -85,6 +89,7 @@ class Bundle:
         self._table: TokenShortlist | None = None
         self._encoders: dict[int, OnnxEncoder] = {}
         self._maps = MappedArrays()
+        self._label_vectors: tuple[np.ndarray, np.ndarray] | None = None
         self._unverified: set[str] = set()
         self._lock = threading.Lock()
 
@@ -424,6 +429,24 @@ class Bundle:
                 raise BundleError(f"{self._encoder_files()}: token id {int(ids[bad // dim, 0])} encodes to a "
                                   "non-finite vector")
 
+    def label_vectors(self) -> tuple[np.ndarray, np.ndarray]:
+        """The classifier and centroid rows [L, D] as the scorer reads them: with huge pages on
+        (service.engine.heap) and both within RESIDENT_VECTORS_MAX_BYTES, copies in this process's
+        memory in huge pages, made once per bundle (so processes forked after a preload share
+        them); else the file maps themselves.
+
+        A query gathers ~100 rows of each, scattered over the whole array: from a file map in
+        4 KiB pages nearly every row is a TLB miss (debian-deps, 16-text batches: 1,500 -> 680 us
+        a text; one text: 220 -> 64 us; bench/RESULTS.md, issue 22).
+        """
+        with self._lock:
+            if self._label_vectors is None:
+                w, mu = self.classifiers, self.centroids
+                if heap.huge_pages() and w.nbytes + mu.nbytes <= RESIDENT_VECTORS_MAX_BYTES:
+                    w, mu = heap.resident_copy(w), heap.resident_copy(mu)
+                self._label_vectors = (w, mu)
+            return self._label_vectors
+
     def release_pages(self) -> None:
         """Hand back the pages of every array map (their data stays in the page cache; the next
         read maps them again): after the canary, whose tree searches alone read 20 MiB of
@@ -449,6 +472,7 @@ class Bundle:
             if hasattr(self, name):
                 setattr(self, name, None)
         with self._lock:
+            self._label_vectors = None
             self._indices.clear()
             self._table = None
             self._encoders.clear()

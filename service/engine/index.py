@@ -76,10 +76,15 @@ class VectorIndex:
             raise ValueError(f"{path}: index holds {state['cur_element_count']} vectors, expected {count}")
         # The level-0 block hnswlib is about to allocate, at exactly its size: glibc's best fit
         # then picks the same free chunk for both calls, the one the prefault made resident.
-        heap.prefault(state["max_elements"] * state["size_data_per_element"])
+        nbytes = state["max_elements"] * state["size_data_per_element"]
         index = hnswlib.Index.__new__(hnswlib.Index)
-        try:
+
+        def copy_in() -> None:
+            heap.prefault(nbytes)
             index.__setstate__((state,))
+
+        try:
+            heap.in_huge_pages(copy_in, nbytes)
         except (RuntimeError, ValueError, TypeError) as exc:
             raise ValueError(f"{path}: cannot load hnsw index of dim {dim}: {exc}") from exc
         return cls(index, ef_search)

@@ -84,7 +84,8 @@ class Predictor:
             table=table, lexical=bool(self.scoring.lexical_weight),
             added=_added_labels(bundle) if spec.k_added else None,
         )
-        self.scorer = LabelScorer.of(bundle.classifiers, bundle.classifier_bias, bundle.centroids, self.scoring)
+        w, mu = bundle.label_vectors()
+        self.scorer = LabelScorer.of(w, bundle.classifier_bias, mu, self.scoring)
         self.encoder = bundle.encoder(self.options.threads) if self.options.encoder else None
         self.queries = QueryEncoder(bundle.tokenizer, self.encoder) if self.encoder is not None else None
         # Retired labels (service.engine.label_changes) are never returned, by any scorer.
