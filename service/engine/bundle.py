@@ -443,7 +443,12 @@ class Bundle:
             if self._label_vectors is None:
                 w, mu = self.classifiers, self.centroids
                 if heap.huge_pages() and w.nbytes + mu.nbytes <= RESIDENT_VECTORS_MAX_BYTES:
-                    w, mu = heap.resident_copy(w), heap.resident_copy(mu)
+                    # Each copy reads its whole map in: hand those pages back before the next
+                    # copy, or a load's peak holds both arrays twice (debian-deps: +61 MiB).
+                    w = heap.resident_copy(w)
+                    self._maps.release()
+                    mu = heap.resident_copy(mu)
+                    self._maps.release()
                 self._label_vectors = (w, mu)
             return self._label_vectors
 
