@@ -214,3 +214,18 @@ def test_hostile_bundles_are_refused_and_neither_listing_nor_start_up_breaks(bun
             assert c.post("/v1/predict", json={"text": "x"}).json()["version"] == served
         log = s.log()
     assert '"unhandled_error"' not in log
+
+
+def test_manifest_records_nest_up_to_the_limit_and_no_deeper(bundle_root):
+    from pydantic import ValidationError
+
+    from service.engine.schema import MAX_RECORD_DEPTH, Manifest
+
+    manifest = json.loads((bundle_root / "v1" / "manifest.json").read_text())
+
+    def nested(depth: int) -> dict:  # the record itself is the first level
+        return {"a": json.loads("[" * (depth - 1) + "]" * (depth - 1))}
+
+    Manifest.model_validate({**manifest, "metrics": nested(MAX_RECORD_DEPTH)})
+    with pytest.raises(ValidationError, match=f"nested deeper than {MAX_RECORD_DEPTH}"):
+        Manifest.model_validate({**manifest, "metrics": nested(MAX_RECORD_DEPTH + 1)})
