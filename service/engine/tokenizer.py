@@ -32,35 +32,40 @@ _TOKEN_RE = re.compile(r"\w+")
 def normalize_text(text: str) -> str:
     """NFKC-normalise and lower-case, so full-width and composed forms share tokens.
 
-    The text first gets U+034F (combining grapheme joiner) after every MAX_COMBINING_RUN
-    combining characters in a row, as Unicode's Stream-Safe Text Format does (UAX #15): NFKC
-    sorts each run by combining class with an insertion sort (CPython), so a base letter and
-    2,000 marks in descending class took 6 ms against 60 us for 2,000 ASCII characters.
-    Ordinary text has no such runs (its tokens are unchanged), and neither the marks nor the
-    joiner are word characters.
+    A text not in NFKC first gets U+034F (combining grapheme joiner) after every
+    MAX_COMBINING_RUN combining characters in a row, as Unicode's Stream-Safe Text Format does
+    (UAX #15): NFKC sorts each run by combining class with an insertion sort (CPython), so a
+    base letter and 2,000 marks in descending class took 6 ms against 60 us for 2,000 ASCII
+    characters. Ordinary text has no such runs (its tokens are unchanged), and neither the marks
+    nor the joiner are word characters. A text in NFKC needs no sort (CPython's check, linear,
+    says no to marks out of order).
     """
     if text.isascii():  # NFKC leaves ASCII as it is
         return text.lower()
     normalized = _recent.get(text)
     if normalized is not None:
         return normalized
+    if unicodedata.is_normalized("NFKC", text):
+        return text.lower()
     return unicodedata.normalize("NFKC", _stream_safe(text)).lower()
 
 
 def normalized_length_exceeds(text: str, limit: int) -> bool:
     """Whether normalize_text(text), what the tokenizer reads, is longer than `limit` characters:
-    NFKC can make a character up to 18 (U+FDFA). Costs about the limit's worth of normalisation
-    however long the text grows (counting stops past the limit), and nothing past a scan when no
-    character of the text can grow that far. The normalised form of a text within the limit is
-    kept for normalize_text (RECENT_NORMALIZED texts), which would otherwise redo the work."""
-    if text.isascii():
-        return len(text) > limit
+    NFKC can make a character up to 18 (U+FDFA). Costs a scan for a text in NFKC already, else
+    about the limit's worth of normalisation however long the text grows (counting stops past
+    the limit). The normalised form of a text within the limit is kept for normalize_text
+    (RECENT_NORMALIZED texts): the service checks a request's texts before its engine call."""
+    if text.isascii() or unicodedata.is_normalized("NFKC", text):
+        return len(text.lower()) > limit  # only U+0130 grows under lower(), and it is not ASCII
     safe = _stream_safe(text)
     tables = _unicode_tables()
-    # A bound first: len(normalize_text) <= len(NFKD), as composition only shortens and lower()
-    # lengthens only U+0130, which NFKD makes two characters.
-    if len(safe) + len(tables.growing.findall(safe)) * (tables.max_growth - 1) <= limit:
-        return False
+    # len(normalize_text) <= len(NFKD): composition only shortens, and lower() lengthens only
+    # U+0130, which NFKD makes two characters.
+    if len(safe) <= limit and tables.growing.search(safe) is None:
+        normalized = unicodedata.normalize("NFKC", safe).lower()  # as long as `safe` at most
+        _remember(text, normalized)
+        return len(normalized) > limit
     pieces, total, start = [], 0, 0
     while start < len(safe):
         # Pieces split before a character that no normalisation joins to what precedes it, so
@@ -98,11 +103,13 @@ def _remember(text: str, normalized: str) -> None:
 
 class _UnicodeTables(NamedTuple):
     combining: frozenset[str]  # characters that NFKD makes combining characters only
-    long_run: re.Pattern[str]  # a run that may hold more than MAX_COMBINING_RUN of them
+    # A run of more than MAX_COMBINING_RUN of them: in the BMP (matched from a run's start, so a
+    # search is linear), and anywhere (every astral character taken as one, checked after).
+    bmp_long_run: re.Pattern[str]
+    long_run: re.Pattern[str]
     bmp_run: re.Pattern[str]  # MAX_COMBINING_RUN of them in the BMP, followed by another
     split_point: re.Pattern[str]  # a character no normalisation joins to the one before it
     growing: re.Pattern[str]  # a character NFKD makes several (every astral one is taken as such)
-    max_growth: int  # the most characters NFKD makes of one
 
 
 def load_unicode_tables() -> None:
@@ -126,7 +133,7 @@ def _unicode_tables() -> _UnicodeTables:
     joins_back = {chr(int(d.split()[1], 16)) for d in decompositions if d and d[0] != "<" and len(d.split()) == 2}
     joins_back.update(map(chr, range(0x1161, 0x1176)), map(chr, range(0x11A8, 0x11C3)))
     combining_class = list(map(unicodedata.combining, map(chr, range(0x110000))))
-    combining, unsafe, growing, max_growth = set(), set(), set(), 1
+    combining, unsafe, growing = set(), set(), set()
     # Other characters are starters of their own: not combining, unsafe only if they join back.
     for cp in compress(range(0x110000), map(operator.or_, map(bool, decompositions), combining_class)):
         char = chr(cp)
@@ -137,17 +144,17 @@ def _unicode_tables() -> _UnicodeTables:
             unsafe.add(char)
         if len(nfkd) > 1:
             growing.add(char)
-            max_growth = max(max_growth, len(nfkd))
     unsafe.update(c for c in joins_back if ord(c) <= 0xFFFF)
     unsafe = {c for c in unsafe if ord(c) <= 0xFFFF}  # every astral character is unsafe (below)
-    bmp_combining = _char_class(c for c in combining if ord(c) <= 0xFFFF)
+    bmp = _char_class(c for c in combining if ord(c) <= 0xFFFF)
+    anywhere = f"{bmp}\U00010000-\U0010ffff"
     return _UnicodeTables(
         frozenset(combining),
-        re.compile(f"[{bmp_combining}\U00010000-\U0010ffff]{{{MAX_COMBINING_RUN + 1},}}"),
-        re.compile(f"[{bmp_combining}]{{{MAX_COMBINING_RUN}}}(?=[{bmp_combining}])"),
+        re.compile(f"(?<![{bmp}])[{bmp}]{{{MAX_COMBINING_RUN + 1}}}"),
+        re.compile(f"(?<![{anywhere}])[{anywhere}]{{{MAX_COMBINING_RUN + 1}}}"),
+        re.compile(f"[{bmp}]{{{MAX_COMBINING_RUN}}}(?=[{bmp}])"),
         re.compile(f"[^{_char_class(unsafe)}\U00010000-\U0010ffff]"),
         re.compile(f"[{_char_class(c for c in growing if ord(c) <= 0xFFFF)}\U00010000-\U0010ffff]"),
-        max_growth,
     )
 
 
@@ -167,10 +174,12 @@ def _char_class(chars: Iterable[str]) -> str:
 def _stream_safe(text: str) -> str:
     """`text` with a joiner after every MAX_COMBINING_RUN combining characters in a row."""
     tables = _unicode_tables()
+    if _ASTRAL.search(text) is None:
+        if tables.bmp_long_run.search(text) is None:
+            return text
+        return tables.bmp_run.sub(_JOINED, text)
     if tables.long_run.search(text) is None:
         return text
-    if _ASTRAL.search(text) is None:
-        return tables.bmp_run.sub(_JOINED, text)
     out, run = [], 0  # astral characters: the same rule, one character at a time
     for char in text:
         if char in tables.combining:
