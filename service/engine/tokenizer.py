@@ -120,8 +120,8 @@ def load_unicode_tables() -> None:
 
 @functools.cache
 def _unicode_tables() -> _UnicodeTables:
-    """The character classes of normalize_text and normalized_length, from the running Python's
-    unicodedata (the Unicode version its NFKC follows), built once a process (~0.1 s).
+    """The character classes of normalize_text and normalized_length_exceeds, from the running
+    Python's unicodedata (the Unicode version its NFKC follows), built once a process (~0.25 s).
 
     The regular expressions name BMP characters only and take every astral character as a
     candidate (re tests an astral range by range, ~200 ns a character against ~3 ns for a BMP
