@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from service.engine.jsonlines import iter_text_lines
 from service.engine.metrics import label_frequencies, propensities, ranking_metrics, shortlist_recall
 from service.engine.predictor import Predictor
 from training.data import LabelSet, Split, load_labels, load_split, own_label_ids
@@ -41,15 +42,12 @@ def filtered_pairs(protocol: str, docs: Split, labels: LabelSet | None) -> list[
 def read_filter_file(path: Path, num_docs: int, num_labels: int | None) -> list[list[int]]:
     """A filter file's pairs per document; errors name the file and line."""
     out: list[list[int]] = [[] for _ in range(num_docs)]
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path}: cannot read filter file: {exc}") from None
-    for lineno, line in enumerate(lines, 1):
+    for lineno, line in iter_text_lines(path, "filter file"):
         if not line.strip() or line.lstrip().startswith("#"):
             continue
         parts = line.split()
-        if len(parts) != 2 or not all(p.isdigit() for p in parts):
+        # ASCII digits: str.isdigit() also takes "²" (int() refuses it) and "٣" (int() reads 3).
+        if len(parts) != 2 or not all(p.isascii() and p.isdigit() for p in parts):
             raise ValueError(f"{path}:{lineno}: expected two non-negative integers 'test_row label_row', got {line!r}")
         row, label = int(parts[0]), int(parts[1])
         if row >= num_docs or (num_labels is not None and label >= num_labels):
@@ -71,6 +69,8 @@ def evaluate_bundle(
     predictor: Predictor | None = None,
 ) -> dict[str, Any]:
     """P@1/3/5, nDCG@1/3/5, PSP@1/3/5 (propensities from trn), shortlist recall and queries/s."""
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be >= 1 (documents evaluated), got {limit}")
     predictor = predictor or Predictor.load(bundle_dir)
     manifest = predictor.bundle.manifest
     field, num_labels = text_field or manifest.text_field, manifest.num_labels

@@ -272,12 +272,16 @@ GROUPS = [{"uid": "g0", "target_ind": [0, 1]}, {"uid": "7", "target_ind": [2]}]
 
 
 @pytest.mark.parametrize(("docs", "groups", "message"), [
-    ([{**DOCS[0], "group": None}, DOCS[1]], GROUPS, r"trn\.json\.gz:1: field 'group' must be a string or an integer"),
+    ([{**DOCS[0], "group": None}, DOCS[1]], GROUPS,
+     r"trn\.json\.gz:1: field 'group' must be a non-empty string or an integer, got null"),
+    ([{**DOCS[0], "uid": None}, DOCS[1]], GROUPS, r"trn\.json\.gz:1: field 'uid' must be a non-empty string, got null"),
+    (DOCS, [GROUPS[0], {"uid": {"id": 7}, "target_ind": [2]}], r"groups\.json\.gz:2: field 'uid' must be a non-empty "
+     r"string or an integer, got an object"),
     ([{k: v for k, v in DOCS[0].items() if k != "group"}, DOCS[1]], GROUPS, r"trn\.json\.gz:1: missing field 'group'"),
     ([DOCS[0], {**DOCS[1], "group": "g9"}], GROUPS, r"trn\.json\.gz:2: group 'g9' is not in groups\.json\.gz"),
     ([DOCS[0]], GROUPS, r"groups\.json\.gz:2: group '7' has no document"),
     (DOCS, [GROUPS[0], {"uid": "7", "target_ind": [3]}], r"groups\.json\.gz:2: target_ind 3 out of range"),
-    (DOCS, [GROUPS[0], {"uid": "7", "target_ind": ["2"]}], r"groups\.json\.gz:2: target_ind must be a list"),
+    (DOCS, [GROUPS[0], {"uid": "7", "target_ind": ["2"]}], r"groups\.json\.gz:2: target_ind\[0\] must be an integer"),
     (DOCS, [GROUPS[0], GROUPS[1], {"uid": "g0", "target_ind": []}], r"groups\.json\.gz:3: group 'g0' listed twice"),
     (DOCS, [GROUPS[0], {"target_ind": [1]}], r"groups\.json\.gz:2: missing field 'uid'"),
 ])

@@ -353,6 +353,7 @@ def test_serve_refuses_an_invalid_setting_naming_it(bundle_root, variable, value
     ("heap_tuning", [True, False], ["maybe", 2]),
     ("huge_pages", [True, False], ["maybe", 2]),
     ("max_exclude", [0, 5000], [-1, "many"]),
+    ("max_normalized_chars", [2000, 10**6], [1999, 0]),  # below max_text_chars (2000): refused
 ])
 def test_new_settings_are_bounded_at_and_past_the_edge(field, inside, outside):
     from pydantic import ValidationError

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -73,7 +75,7 @@ def test_negative_or_non_integer_target(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r":1: target_ind -1 out of range"):
         load_split(d, "trn", "title", 2)
     d = _dataset(tmp_path, docs=[{**DOCS[0], "target_ind": ["0"]}])
-    with pytest.raises(ValueError, match=r":1: target_ind must be a list of integers"):
+    with pytest.raises(ValueError, match=r":1: target_ind\[0\] must be an integer label row, got a string"):
         load_split(d, "trn", "title", 2)
 
 
@@ -137,3 +139,94 @@ def test_lines_json_parsers_disagree_on_are_refused_with_file_and_line(tmp_path:
     d = _dataset(tmp_path, raw_doc_lines={1: line})
     with pytest.raises(ValueError, match=rf"trn\.json\.gz:2: malformed line, not JSON \(.*{reason}"):
         load_split(d, "trn", "title", 2)
+
+
+# A value of the wrong JSON type is an error naming the file, line and field, never coerced
+# (a null uid was the uid "None"; 12 and "12" were one uid), and an empty split is no figure.
+WRONG_TYPES = [
+    ("a null uid", {"uid": None}, r":2: field 'uid' must be a non-empty string, got null"),
+    ("an object uid", {"uid": {"a": 1}}, r":2: field 'uid' must be a non-empty string, got an object"),
+    ("a number uid", {"uid": 12}, r":2: field 'uid' must be a non-empty string, got the number 12"),
+    ("a blank uid", {"uid": " "}, r":2: field 'uid' must be a non-empty string, got an empty string"),
+    ("a float label row", {"target_ind": [1, 0.0]}, r":2: target_ind\[1\] must be an integer label row, got the "
+     r"number 0\.0"),
+    ("a bool label row", {"target_ind": [True, 0]}, r":2: target_ind\[0\] must be an integer label row, got true"),
+    ("a string relevance", {"target_rel": [1.0, "1"]}, r":2: target_rel\[1\] must be a finite number >= 0, got a "
+     r"string"),
+    ("a negative relevance", {"target_rel": [-1, 1]}, r":2: target_rel\[0\] must be a finite number >= 0"),
+    ("a bool relevance", {"target_rel": [1, False]}, r":2: target_rel\[1\] must be a finite number >= 0, got false"),
+]
+
+
+@pytest.mark.parametrize(("what", "change", "message"), WRONG_TYPES, ids=[w[0] for w in WRONG_TYPES])
+def test_a_document_field_of_the_wrong_json_type_is_refused_naming_it(tmp_path: Path, what, change, message) -> None:
+    d = _dataset(tmp_path, docs=[DOCS[0], {**DOCS[1], **change}])
+    with pytest.raises(ValueError, match=r"trn\.json\.gz" + message):
+        load_split(d, "trn", "title", 2)
+
+
+@pytest.mark.parametrize(("what", "labels", "message"), [
+    ("a null uid", [LABELS[0], {**LABELS[1], "uid": None}], r"lbl\.json\.gz:2: field 'uid' must be a non-empty string"),
+    ("a number uid", [{**LABELS[0], "uid": 7}, LABELS[1]], r"lbl\.json\.gz:1: field 'uid' must be a non-empty string, "
+     r"got the number 7"),
+    ("a duplicate uid", [LABELS[0], {**LABELS[1], "uid": "a"}], r"lbl\.json\.gz:2: uid 'a' is also the uid of line 1"),
+])
+def test_a_label_file_uid_that_is_not_a_unique_string_is_refused(tmp_path: Path, what, labels, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        load_labels(_dataset(tmp_path, labels=labels))
+
+
+def test_an_empty_split_is_refused_not_measured(tmp_path: Path) -> None:
+    d = _dataset(tmp_path)
+    (d / "trn.json.gz").unlink()
+    (d / "trn.jsonl").write_text("\n  \n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"trn\.jsonl: no documents"):
+        load_split(d, "trn", "title", 2)
+
+
+@pytest.mark.parametrize("suffix", [".json.gz", ".jsonl"])
+def test_bytes_that_are_not_utf8_are_named_by_line_and_column(tmp_path: Path, suffix: str) -> None:
+    d = _dataset(tmp_path, suffix=suffix)
+    raw = b"".join(json.dumps(r).encode() + b"\n" for r in DOCS[:1]) + b'{"uid": "d\xff2", "title": "x"}\n'
+    path = d / f"trn{suffix}"
+    path.write_bytes(gzip.compress(raw) if suffix.endswith(".gz") else raw)
+    with pytest.raises(ValueError, match=rf"trn{suffix.replace('.', '[.]')}:2: malformed line, not UTF-8: byte 0xff "
+                       r"at column 11"):
+        load_split(d, "trn", "title", 2)
+
+
+LABEL_FILES = [
+    ("a null uid", b'{"uid": null, "title": "kama"}\n', r":1: field 'uid' must be a non-empty string, got null"),
+    ("a number uid", b'{"uid": 5, "title": "kama"}\n', r":1: field 'uid' must be a non-empty string, got the number 5"),
+    ("a uid twice", b'{"uid": "n1", "title": "kama"}\n{"uid": "n1", "title": "zani"}\n',
+     r":2: uid 'n1' is also the uid of line 1"),
+    ("a number title", b'{"uid": "n1", "title": 7}\n', r":1: field 'title' must be a string, got the number 7"),
+    ("bytes not UTF-8", b'{"uid": "n1", "title": "kama"}\n{"uid": "n2", "title": "\xff"}\n',
+     r":2: malformed line, not UTF-8: byte 0xff at column 25"),
+    ("no labels", b"\n", r": no labels"),
+]
+
+
+@pytest.mark.parametrize(("what", "content", "message"), LABEL_FILES, ids=[c[0] for c in LABEL_FILES])
+def test_labels_add_refuses_a_bad_labels_file_naming_file_line_and_field(bundle_root, tmp_path, capsys, what, content,
+                                                                         message) -> None:
+    from shortlist.cli import main
+
+    labels = tmp_path / "new.jsonl"
+    labels.write_bytes(content)
+    assert main(["labels", "add", str(bundle_root / "v1"), "--labels", str(labels), "--out", str(tmp_path)]) == 2
+    assert re.search(re.escape(str(labels)) + message, capsys.readouterr().err)
+    assert not any(p.is_dir() for p in tmp_path.iterdir())  # no bundle written
+
+
+def test_eval_of_an_empty_split_fails_instead_of_reporting_zeros(bundle_root, synthetic_data, tmp_path, capsys) -> None:
+    from shortlist.cli import main
+
+    data = tmp_path / "data"
+    shutil.copytree(synthetic_data, data)
+    (data / "tst.json.gz").unlink()
+    (data / "tst.jsonl").write_text("\n")
+    assert main(["eval", str(bundle_root / "v1"), "--data", str(data)]) == 2
+    assert "tst.jsonl: no documents" in capsys.readouterr().err
+    assert main(["eval", str(bundle_root / "v1"), "--data", str(synthetic_data), "--limit", "0"]) == 2
+    assert "limit must be >= 1" in capsys.readouterr().err

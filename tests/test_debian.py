@@ -63,7 +63,7 @@ def _packages_text(count: int = NUM_PACKAGES) -> str:
 def _write_list(folder: Path, text: str, compression: str, name: str = "example.org_debian_main_Packages") -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{name}{compression}"
-    data = text.encode("utf-8")
+    data = text.encode("utf-8", "surrogateescape")  # a lone \udcXX is the byte XX, not UTF-8
     if compression == ".gz":
         data = gzip.compress(data)
     elif compression == ".xz":
@@ -186,6 +186,16 @@ def test_bad_lists_get_errors_naming_the_file(tmp_path: Path, text: str | None, 
     with pytest.raises(ValueError, match=message) as err:
         build_debian_tags(tmp_path / "out", lists=[path], min_tag_count=1)
     assert "bad_Packages" in str(err.value)
+
+
+@pytest.mark.parametrize("compression", COMPRESSIONS)
+def test_bytes_that_are_not_utf8_are_named_by_line_and_column(tmp_path: Path, compression: str) -> None:
+    # A decoder names the offset of its buffer ("position 8191"), which no editor shows.
+    path = _write_list(tmp_path, _packages_text(3) + "Package: z\nDescription: caf\udce9\n", compression,
+                       name="bad_Packages")
+    line = (_packages_text(3) + "Package: z\n").count("\n") + 1
+    with pytest.raises(ValueError, match=rf"bad_Packages[.a-z0-9]*:{line}: not UTF-8: byte 0xe9 at column 17"):
+        build_debian_tags(tmp_path / "out", lists=[path], min_tag_count=1)
 
 
 def test_missing_list_and_bad_min_count_are_clear(tmp_path: Path) -> None:

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import math
+import random
+import unicodedata
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from service.engine.tokenizer import Tokenizer, word_tokens
+from service.engine.tokenizer import (
+    MAX_COMBINING_RUN,
+    Tokenizer,
+    normalize_text,
+    normalized_length_exceeds,
+    word_tokens,
+)
 
 
 @pytest.fixture()
@@ -86,3 +94,43 @@ def test_one_text_batches_exactly_like_a_row_of_a_larger_batch() -> None:
         np.testing.assert_array_equal(one_ids[0], ids[row, :width])
         np.testing.assert_array_equal(one_w[0], weights[row, :width])
         assert not ids[row, width:].any()
+
+
+# Characters normalisation treats specially: combining marks of several classes (and a
+# character NFKD makes two marks), Hangul jamo that compose with what precedes them, a
+# half-width voiced mark, characters that grow (U+FDFA by 18), a final-sigma pair, astral marks
+# and vowel signs, the joiner itself.
+_SPECIAL = ([chr(c) for c in range(0x300, 0x370, 7)] + list("\u0316\u0323\u0f73\uff9e\uff76\u1100\u1161\u11a8\u3131"
+            "\u314f\uac00\ufdfa\ufb01\u0130\u03a3\u0391 ae\u2026\u3300\u09c7\u09be\u0958\u2adc\u0344\u1e08\u212b\u034f")
+            + ["\U0001133e", "\U00011347", "\U0001d15e", "\U0001d165", "\U0001f600"])
+
+
+def test_the_normalised_length_limit_is_the_length_the_tokenizer_reads() -> None:
+    rng = random.Random(0)
+    for _ in range(1000):
+        length = rng.randint(1, 1500) if rng.random() < 0.2 else rng.randint(1, 30)
+        text = "".join(rng.choice(_SPECIAL) for _ in range(length))
+        normalized = normalize_text(text)
+        assert normalized_length_exceeds(text, len(normalized) - 1), repr(text[:60])
+        assert normalized_length_exceeds(text, len(normalized) // 2)
+        # Within the limit, the form it kept (normalised in pieces) is the one the tokenizer reads.
+        assert not normalized_length_exceeds(text, len(normalized))
+        assert normalize_text(text) == normalized
+
+
+def test_ordinary_text_normalises_as_nfkc_lowercased() -> None:
+    for text in ["Ｆｕｌｌ－ｗｉｄｔｈ ＡＢＣ", "ﬁnance ½ …", "Ἀθῆναι ΟΔΟΣ", "e\u0301te\u0301", "한국어 ㄱㅏ",
+                 "ｶﾞｷﾞ", "İstanbul", "Zalgo: " + "a" + "\u0301\u0316" * 15]:
+        assert normalize_text(text) == unicodedata.normalize("NFKC", text).lower()
+
+
+def test_a_long_run_of_combining_marks_is_cut_every_30_as_unicode_stream_safe_text() -> None:
+    # NFKC sorts a run of marks by class with an insertion sort: a run of 2,000 in descending
+    # class was quadratic. A joiner after every 30 bounds the sort; the words are the same.
+    text = "word e" + "\u0301" * 999 + "\u0316" * 1000 + " other"
+    normalized = normalize_text(text)
+    assert normalized.count("\u034f") == (1999 - 1) // MAX_COMBINING_RUN
+    assert word_tokens(text) == ["word", "é", "other"]
+    # A run in the astral planes is cut the same way.
+    astral = normalize_text("x" + "\U0001d165\U0001d167" * 40 + "\u0301")
+    assert astral.count("\u034f") == 80 // MAX_COMBINING_RUN

@@ -5,6 +5,7 @@ part is also fitted on its own here, on v1's data and encoder."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -234,12 +235,21 @@ def test_config_errors_are_clear(tmp_path: Path) -> None:
         ({"index_ef_search": 0}, "index_ef_search must be >= 1"),
         ({"aggregated_validation": 1.0}, r"aggregated_validation must be in \[0, 1\)"),
         ({"aggregated_step": 0.0}, r"aggregated_step must be in \(0, 1\]"),
-        ({"m3_min_gain": "1"}, "m3_min_gain must be null or a finite number"),
+        # A value of another JSON type is refused, never coerced ("256" is not a dim, true not 1).
+        ({"m3_min_gain": "1"}, "'m3_min_gain' must be a number or null, got a string"),
+        ({"dim": "256"}, "'dim' must be an integer, got a string"),
+        ({"seed": 1.5}, "'seed' must be an integer, got the number 1.5"),
+        ({"threads": True}, "'threads' must be an integer, got true"),
+        ({"progress": "no"}, "'progress' must be true or false, got a string"),
+        ({"tune_objective": [1]}, "'tune_objective' must be an object, got a list"),
         ({"m3_min_gain": float("inf")}, "m3_min_gain must be null or a finite number"),
     ]:
         with pytest.raises(ValueError, match=message):
             TrainConfig.from_dict(change)
     assert TrainConfig.from_dict({"serve_k_head": 0}).serve_k_head == 0  # no head at all
+    assert TrainConfig.from_dict({"dim": 64.0}).dim == 64  # a whole number is an integer, as in JSON Schema
+    # Every field's kind is known to the check (a new kind of field would be a KeyError).
+    assert TrainConfig.from_dict(dataclasses.asdict(TrainConfig.tiny())) == TrainConfig.tiny()
     for name in ("lexical_epochs", "lexical_batch_size"):
         with pytest.raises(ValueError, match=f"{name} must be >= 1"):
             TrainConfig.from_dict({name: 0})
@@ -247,9 +257,11 @@ def test_config_errors_are_clear(tmp_path: Path) -> None:
     assert TrainConfig.from_dict({"lexical_tol": 0.0}).lexical_tol == 0.0  # every epoch runs
     assert TrainConfig.from_dict({"m3_min_gain": 0.0}).m3_min_gain == 0.0
     for name in ("lexical_lr", "lexical_l2", "lexical_tol"):
-        for bad_value in (-1e-9, float("nan"), "0.1"):
+        for bad_value in (-1e-9, float("nan")):
             with pytest.raises(ValueError, match=f"{name} must be a finite number >= 0"):
                 TrainConfig.from_dict({name: bad_value})
+        with pytest.raises(ValueError, match=f"'{name}' must be a number, got a string"):
+            TrainConfig.from_dict({name: "0.1"})
         assert getattr(TrainConfig.from_dict({name: 0.0}), name) == 0.0
     # the edge: only the token shortlist, at the table's full width
     TrainConfig.from_dict({"serve_k_w": 0, "serve_k_mu": 0, "serve_k_tok": 20, "token_shortlist_width": 20})
@@ -387,11 +399,12 @@ def test_the_source_bootstrap_is_deterministic_given_a_seed(ckpt, tuning_inputs)
 
 @pytest.mark.parametrize("value", [-0.1, 1.01, float("nan"), "0.9", True, None])
 def test_tune_source_level_is_validated(value) -> None:
-    with pytest.raises(ValueError, match=r"tune_source_level must be a number in \[0, 1\]"):
+    # out of range, or (a string, true, null) not a number at all
+    with pytest.raises(ValueError, match=r"tune_source_level( must be a number in \[0, 1\]|' must be a number, got)"):
         TrainConfig.from_dict({"tune_source_level": value})
     for edge in (0, 1.0):
         assert TrainConfig.from_dict({"tune_source_level": edge}).tune_source_level == edge
-    with pytest.raises(ValueError, match="tune_source_margin must be a finite number >= 0"):
+    with pytest.raises(ValueError, match="tune_source_margin( must be a finite number >= 0|' must be a number, got)"):
         TrainConfig.from_dict({"tune_source_margin": value if value != 1.01 else -1})
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import orjson
 
+from service.engine.jsonlines import json_kind
 from service.engine.schema import LEXICAL_FORMS, VECTOR_DTYPES
 
 CLASSIFIER_FORMS = ("paper", "scaled_bias")
@@ -229,6 +230,7 @@ class TrainConfig:
         unknown = sorted(set(d) - {f.name for f in fields(cls)})
         if unknown:
             raise ValueError(f"unknown training config keys: {', '.join(unknown)}")
+        d = {f.name: _json_value(f.name, f.type, d[f.name]) for f in fields(cls) if f.name in d}
         out = cls(**{**asdict(base or cls()), **d})
         out.validate()
         return out
@@ -237,7 +239,10 @@ class TrainConfig:
     def from_json(cls, path: str | Path) -> TrainConfig:
         d = read_config_file(path)
         preset = d.pop("preset", None)
-        return cls.from_dict(d, cls.tiny() if preset == "tiny" else None)
+        try:
+            return cls.from_dict(d, cls.tiny() if preset == "tiny" else None)
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
 
     def validate(self) -> None:
         _choice("classifier_form", self.classifier_form, CLASSIFIER_FORMS)
@@ -289,6 +294,25 @@ class TrainConfig:
         if self.aggregated_assignment == "relative" and ratio is None and self.aggregated_validation == 0:
             raise ValueError("aggregated_assignment 'relative' needs aggregated_keep_ratio or "
                              "aggregated_validation > 0 to choose it on")
+
+
+# The JSON values each kind of field takes (a field of another kind is a KeyError: add it here).
+_JSON_KINDS: dict[str, tuple[str, tuple[type, ...]]] = {
+    "int": ("an integer", (int,)), "float": ("a number", (int, float)), "bool": ("true or false", (bool,)),
+    "str": ("a string", (str,)), "float | None": ("a number or null", (int, float, type(None))),
+    "dict[str, float]": ("an object", (dict,)), "dict[str, Any]": ("an object", (dict,)),
+}
+
+
+def _json_value(name: str, kind: str, value: Any) -> Any:
+    """A config value of the JSON kind its field takes, never coerced ("256" is not a dim, true is
+    not 1); a whole number written with a fraction (256.0) is the integer, as JSON Schema says."""
+    wanted, types = _JSON_KINDS[kind]
+    if kind == "int" and isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) != (bool in types) or not isinstance(value, types):
+        raise ValueError(f"training config {name!r} must be {wanted}, got {json_kind(value)}")
+    return value
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -10,16 +10,17 @@ it plainly instead of a traceback from deep inside.
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
-from collections.abc import Iterator, Sequence
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-import orjson
+
+from service.engine.jsonlines import iter_rows, json_kind, row_uid
 
 TextField = Literal["title", "title+content"]
 SPLIT_SUFFIXES = (".json.gz", ".json", ".jsonl", ".jsonl.gz")
@@ -84,22 +85,29 @@ def _require_split_file(data_dir: str | Path, split: str) -> Path:
     return path
 
 
-def iter_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    opener = gzip.open if path.name.endswith(".gz") else open
-    try:
-        with opener(path, "rt", encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = orjson.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{path}:{lineno}: malformed line, not JSON ({exc.msg})") from None
-                if not isinstance(row, dict):
-                    raise ValueError(f"{path}:{lineno}: malformed line, expected a JSON object")
-                yield lineno, row
-    except (OSError, EOFError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path}: cannot read file: {exc}") from None
+def row_targets(row: dict[str, Any], path: Path, lineno: int, num_labels: int | None) -> list[int]:
+    """target_ind: label rows (integers in range; duplicates dropped, as a hit must count once in
+    P@k), and target_rel, when present, a non-negative number for each."""
+    if "target_ind" not in row:
+        raise ValueError(f"{path}:{lineno}: missing field 'target_ind'")
+    target = row["target_ind"]
+    if not isinstance(target, list):
+        raise ValueError(f"{path}:{lineno}: target_ind must be a list of label rows, got {json_kind(target)}")
+    for i, t in enumerate(target):
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise ValueError(f"{path}:{lineno}: target_ind[{i}] must be an integer label row, got {json_kind(t)}")
+        if t < 0 or (num_labels is not None and t >= num_labels):
+            raise ValueError(
+                f"{path}:{lineno}: target_ind {t} out of range (the label file has {num_labels} labels)"
+            )
+    rel = row.get("target_rel")
+    if rel is not None:
+        if not isinstance(rel, list) or len(rel) != len(target):
+            raise ValueError(f"{path}:{lineno}: target_rel must be a list as long as target_ind")
+        for i, r in enumerate(rel):
+            if isinstance(r, bool) or not isinstance(r, int | float) or not 0 <= r < math.inf:
+                raise ValueError(f"{path}:{lineno}: target_rel[{i}] must be a finite number >= 0, got {json_kind(r)}")
+    return list(dict.fromkeys(target))
 
 
 def row_text(row: dict[str, Any], text_field: TextField, path: Path, lineno: int) -> str:
@@ -125,13 +133,18 @@ def load_labels(data_dir: str | Path, text_field: TextField = "title") -> LabelS
     uids: list[str] = []
     titles: list[str] = []
     texts: list[str] = []
+    line_of: dict[str, int] = {}
     for lineno, row in iter_rows(path):
-        if "uid" not in row:
-            raise ValueError(f"{path}:{lineno}: missing field 'uid'")
+        uid = row_uid(row, path, lineno)
         text = row_text(row, text_field, path, lineno)
         if not text:
-            raise ValueError(f"{path}:{lineno}: empty label text (label {row['uid']!r})")
-        uids.append(str(row["uid"]))
+            raise ValueError(f"{path}:{lineno}: empty label text (label {uid!r})")
+        if uid in line_of:
+            # A label is found by its uid (exclude, the own-label filter, label changes).
+            raise ValueError(f"{path}:{lineno}: uid {uid!r} is also the uid of line {line_of[uid]}: label uids "
+                             "must be unique")
+        line_of[uid] = lineno
+        uids.append(uid)
         titles.append(row["title"].strip())
         texts.append(text)
     if not uids:
@@ -149,27 +162,13 @@ def load_split(
     texts: list[str] = []
     targets: list[list[int]] = []
     for lineno, row in iter_rows(path):
-        for name in ("uid", "target_ind"):
-            if name not in row:
-                raise ValueError(f"{path}:{lineno}: missing field {name!r}")
-        text = row_text(row, text_field, path, lineno)
-        target = row["target_ind"]
-        if not isinstance(target, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in target
-        ):
-            raise ValueError(f"{path}:{lineno}: target_ind must be a list of integers")
-        for t in target:
-            if t < 0 or (num_labels is not None and t >= num_labels):
-                raise ValueError(
-                    f"{path}:{lineno}: target_ind {t} out of range (the label file has {num_labels} labels)"
-                )
-        rel = row.get("target_rel")
-        if rel is not None and (not isinstance(rel, list) or len(rel) != len(target)):
-            raise ValueError(f"{path}:{lineno}: target_rel must be a list as long as target_ind")
-        uids.append(str(row["uid"]))
-        texts.append(text)
-        # Duplicates in target_ind would count a hit twice in P@k.
-        targets.append(list(dict.fromkeys(target)))
+        uid = row_uid(row, path, lineno)
+        targets.append(row_targets(row, path, lineno, num_labels))
+        texts.append(row_text(row, text_field, path, lineno))
+        uids.append(uid)
+    if not uids:
+        # An empty split would train on nothing, or evaluate to 0.00 as if measured.
+        raise ValueError(f"{path}: no documents")
     return Split(uids, texts, targets)
 
 

@@ -30,7 +30,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from service.engine.jsonlines import not_utf8
+
 APT_LISTS_DIR = Path("/var/lib/apt/lists")
+# Lists are read with bytes that are not UTF-8 kept (as lone surrogates), so iter_stanzas can
+# name the line and column of one, not the offset of a decoder's buffer.
+_UNDECODED = "surrogateescape"
 _COMPRESSIONS = ("", ".lz4", ".xz", ".gz")
 # Placeholders and bookkeeping tags in debtags, not properties of a package.
 DEFAULT_DROP_TAGS = (r"::TODO$", r"^special::")
@@ -83,8 +88,8 @@ def _open_lz4(path: Path) -> TextIO:
         if proc.returncode != 0:
             msg = proc.stderr.decode(errors="replace").strip()
             raise ValueError(f"{path}: cannot decompress: {msg}") from None
-        return io.StringIO(proc.stdout.decode("utf-8"))
-    return lz4.frame.open(path, "rt", encoding="utf-8")
+        return io.StringIO(proc.stdout.decode("utf-8", "surrogateescape"))
+    return lz4.frame.open(path, "rt", encoding="utf-8", errors=_UNDECODED)
 
 
 def open_list(path: str | Path) -> TextIO:
@@ -96,12 +101,12 @@ def open_list(path: str | Path) -> TextIO:
         if path.suffix == ".lz4":
             return _open_lz4(path)
         if path.suffix == ".xz":
-            return lzma.open(path, "rt", encoding="utf-8")
+            return lzma.open(path, "rt", encoding="utf-8", errors=_UNDECODED)
         if path.suffix == ".gz":
-            return gzip.open(path, "rt", encoding="utf-8")
+            return gzip.open(path, "rt", encoding="utf-8", errors=_UNDECODED)
         if path.suffix == ".bz2":
-            return bz2.open(path, "rt", encoding="utf-8")
-        return path.open("r", encoding="utf-8")
+            return bz2.open(path, "rt", encoding="utf-8", errors=_UNDECODED)
+        return path.open("r", encoding="utf-8", errors=_UNDECODED)
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"{path}: cannot read package list: {exc}") from None
 
@@ -116,6 +121,8 @@ def iter_stanzas(lines: Iterable[str], source: str = "<text>") -> Iterator[dict[
     key: str | None = None
     for lineno, raw in enumerate(lines, 1):
         line = raw.rstrip("\r\n")
+        if (why := not_utf8(line)) is not None:
+            raise ValueError(f"{source}:{lineno}: {why}")
         if not line.strip():
             if fields:
                 yield fields

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import scipy.sparse as sp
 
+from service.engine.jsonlines import json_kind, row_uid
 from training import data as xc_data
 
 
@@ -57,15 +58,13 @@ def load_grouped(data_dir: str | Path, text_field: xc_data.TextField, num_labels
     texts: list[str] = []
     group_of: list[int] = []
     for lineno, row in xc_data.iter_rows(path):
-        for name in ("uid", "group"):
-            if name not in row:
-                raise ValueError(f"{path}:{lineno}: missing field {name!r} (grouped data names each document's group)")
-        group = row["group"]
-        if isinstance(group, bool) or not isinstance(group, str | int):
-            raise ValueError(f"{path}:{lineno}: field 'group' must be a string or an integer")
-        if str(group) not in row_of:
-            raise ValueError(f"{path}:{lineno}: group {str(group)!r} is not in {groups_path.name}")
-        uids.append(str(row["uid"]))
+        uid = row_uid(row, path, lineno)
+        if "group" not in row:
+            raise ValueError(f"{path}:{lineno}: missing field 'group' (grouped data names each document's group)")
+        group = _group_uid(row["group"], path, lineno, "group")
+        if group not in row_of:
+            raise ValueError(f"{path}:{lineno}: group {group!r} is not in {groups_path.name}")
+        uids.append(uid)
         texts.append(xc_data.row_text(row, text_field, path, lineno))
         group_of.append(row_of[str(group)])
     counts = np.bincount(np.asarray(group_of, dtype=np.int64), minlength=len(group_uids))
@@ -78,26 +77,29 @@ def load_grouped(data_dir: str | Path, text_field: xc_data.TextField, num_labels
     return GroupedSplit(uids, texts, np.asarray(group_of, dtype=np.int64), group_uids, group_targets)
 
 
+def _group_uid(value: object, path: Path, lineno: int, name: str) -> str:
+    """A group's id as the documents and the groups file both name it: a non-empty string or an
+    integer (1 and "1" are the same group); anything else is an error, not stringified."""
+    if isinstance(value, bool) or not isinstance(value, str | int) or (isinstance(value, str) and not value.strip()):
+        raise ValueError(f"{path}:{lineno}: field {name!r} must be a non-empty string or an integer, "
+                         f"got {json_kind(value)}")
+    return str(value)
+
+
 def _load_groups(path: Path, num_labels: int) -> tuple[list[str], list[list[int]], list[int]]:
     uids: list[str] = []
     targets: list[list[int]] = []
     lines: list[int] = []
     seen: set[str] = set()
     for lineno, row in xc_data.iter_rows(path):
-        for name in ("uid", "target_ind"):
-            if name not in row:
-                raise ValueError(f"{path}:{lineno}: missing field {name!r}")
-        uid, target = str(row["uid"]), row["target_ind"]
+        if "uid" not in row:
+            raise ValueError(f"{path}:{lineno}: missing field 'uid'")
+        uid = _group_uid(row["uid"], path, lineno, "uid")
         if uid in seen:
             raise ValueError(f"{path}:{lineno}: group {uid!r} listed twice")
-        if not isinstance(target, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in target):
-            raise ValueError(f"{path}:{lineno}: target_ind must be a list of integers")
-        for t in target:
-            if not 0 <= t < num_labels:
-                raise ValueError(f"{path}:{lineno}: target_ind {t} out of range ({num_labels} labels)")
+        targets.append(xc_data.row_targets(row, path, lineno, num_labels))
         seen.add(uid)
         uids.append(uid)
-        targets.append(list(dict.fromkeys(target)))
         lines.append(lineno)
     if not uids:
         raise ValueError(f"{path}: no groups")

@@ -14,6 +14,7 @@ from fastapi import APIRouter, FastAPI
 from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api.active_state import ActiveVersionFile
 from service.api.admin import admin_router
@@ -99,6 +100,34 @@ def _probes() -> APIRouter:
     return router
 
 
+class HeadAsGetMiddleware:
+    """HEAD answered on every GET route, as GET without its body (RFC 9110 9.3.2: a server
+    answering GET should answer HEAD); FastAPI's routes take only the methods they list, so
+    HEAD /docs or /admin/bundles was a 405. Inside the observability middleware: the access log
+    and metrics name HEAD."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            await self.app(scope, receive, send)
+            return
+
+        async def without_body(message: Message) -> None:
+            if message["type"] == "http.response.body":
+                message = {**message, "body": b""}
+            await send(message)
+
+        # A copy: uvicorn reads the method from its own scope to send no body for HEAD.
+        as_get = {**scope, "method": "GET"}
+        try:
+            await self.app(as_get, receive, without_body)
+        finally:
+            if "route" in as_get:  # the route the metrics name
+                scope["route"] = as_get["route"]
+
+
 def _new_app(state: ServiceState, title: str, lifespan: object = None) -> FastAPI:
     settings = state.settings
     # FastAPIOffline: /docs (Swagger UI) and /redoc from assets packaged with the service instead
@@ -111,6 +140,7 @@ def _new_app(state: ServiceState, title: str, lifespan: object = None) -> FastAP
     app.router.redirect_slashes = False
     app.state.service = state
     install_error_handlers(app)
+    app.add_middleware(HeadAsGetMiddleware)
     app.add_middleware(RequestBodyMiddleware, max_bytes=settings.max_body_bytes)
     # Added last, so outermost: request ids, metrics and the access log cover every response.
     app.add_middleware(ObservabilityMiddleware, metrics=state.metrics, access_log_enabled=settings.access_log)

@@ -8,13 +8,14 @@ from collections.abc import Callable, Coroutine
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Annotated, Any
+from urllib.parse import unquote_to_bytes
 
 from fastapi import Depends
 from starlette.requests import Request
 from starlette.responses import Response
 
 from service.api.batching import EngineRunner
-from service.api.errors import ApiError
+from service.api.errors import ApiError, invalid, shown
 from service.api.observability import ServiceMetrics
 from service.api.processes import ProcessGroup
 from service.api.registry import BundleRegistry, Engine, NoBundle
@@ -121,7 +122,12 @@ def require_admin(request: Request) -> None:
         raise ApiError(429, "too_many_requests", f"too many wrong admin tokens from {client}: retry in {wait} s",
                        headers={"Retry-After": str(wait)})
     challenge = {"WWW-Authenticate": "Bearer"}
-    authorization = request.headers.get("authorization")
+    sent = request.headers.getlist("authorization")
+    if len(sent) > 1:
+        # Which one counts is up to each proxy and framework on the way (Starlette: the first):
+        # refused, not guessed.
+        raise ApiError(400, "bad_request", f"{len(sent)} Authorization headers: send one")
+    authorization = sent[0] if sent else None
     if not authorization:
         raise ApiError(401, "unauthorized", "admin routes need an Authorization: Bearer token", headers=challenge)
     scheme, _, token = authorization.partition(" ")
@@ -131,6 +137,17 @@ def require_admin(request: Request) -> None:
     if expected is None or not hmac.compare_digest(token.strip().encode(), expected.get_secret_value().encode()):
         state.auth_failures.record(client)
         raise ApiError(403, "forbidden", "wrong admin token")
+
+
+def require_utf8_path(request: Request) -> None:
+    """A path that is UTF-8 once percent-decoded: Starlette decodes other bytes as U+FFFD, so
+    DELETE /admin/labels/%FF%FE looked up the label '\ufffd\ufffd' (a 404 naming another uid)."""
+    raw = request.scope.get("raw_path") or request.scope["path"].encode("utf-8")
+    try:
+        unquote_to_bytes(raw).decode("utf-8")
+    except UnicodeDecodeError:
+        path = raw.decode("ascii", "backslashreplace")
+        raise invalid("path", f"not UTF-8 once percent-decoded: {shown(path)}", status=400) from None
 
 
 class AdminRoute(StrictJsonRoute):
@@ -143,6 +160,7 @@ class AdminRoute(StrictJsonRoute):
 
         async def authorized(request: Request) -> Response:
             require_admin(request)
+            require_utf8_path(request)
             return await handler(request)
 
         return authorized

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, model_validator
 
 from service.api.settings import Settings
 from service.engine.schema import VERSION_RE
+from service.engine.tokenizer import load_unicode_tables, normalized_length_exceeds
 
 # A text must hold something besides ASCII whitespace (spelled out: regex engines disagree on
 # what else `\s` covers, and the schema must mean to a client what it means to the validator).
@@ -27,6 +28,22 @@ def _whole(value: Any) -> Any:
 
 # An integer as JSON Schema defines it: any number with no fraction (never a string or a bool).
 Whole = Annotated[int, BeforeValidator(_whole)]
+
+
+def _normalized_within(limit: int) -> AfterValidator:
+    """A text's limit in the form the tokenizer reads (NFKC): the tokenizer's work follows that
+    length, which a character can multiply by 18. Checked at the edge, before texts share an
+    engine call with other requests' (service.api.batching), so a refusal names its own field;
+    counting stops past the limit, so a refusal costs about the limit's worth of work."""
+
+    def check(text: str) -> str:
+        if normalized_length_exceeds(text, limit):
+            raise ValueError(f"longer than {limit} characters after Unicode NFKC normalisation (the form the "
+                             f"tokenizer reads: one character can become up to 18), the limit "
+                             f"SHORTLIST_MAX_NORMALIZED_CHARS")
+        return text
+
+    return AfterValidator(check)
 
 
 class _Request(BaseModel):
@@ -53,7 +70,10 @@ class RequestModels:
     """The request bodies under the limits of `settings`."""
 
     def __init__(self, settings: Settings) -> None:
-        Text = Annotated[str, StringConstraints(min_length=1, max_length=settings.max_text_chars, pattern=NON_BLANK)]  # noqa: N806
+        load_unicode_tables()  # built here, not by the first request that needs them (~0.25 s)
+        normalized = _normalized_within(settings.normalized_text_limit)
+        Text = Annotated[str, StringConstraints(min_length=1, max_length=settings.max_text_chars, pattern=NON_BLANK),  # noqa: N806
+                         normalized]
         Texts = Annotated[list[Text], Field(min_length=1, max_length=settings.max_batch)]  # noqa: N806
 
         class _Predict(_OneOfText):
@@ -83,18 +103,19 @@ class RequestModels:
             text: str
 
         self.predict, self.tree_predict, self.echo = PredictRequest, TreePredictRequest, EchoRequest
-        self.add_labels, self.retire_labels, self.uid = _label_requests(settings, Text)
+        self.add_labels, self.retire_labels, self.uid = _label_requests(settings, Text, normalized)
 
 
-def _label_requests(settings: Settings, text: Any) -> tuple[type[BaseModel], type[BaseModel], Any]:
-    """The admin label-change bodies under the limits of `settings` (`text`: a request's text type),
-    and the type of a uid (a path parameter too)."""
+def _label_requests(settings: Settings, text: Any, normalized: AfterValidator) -> tuple[type[BaseModel],
+                                                                                       type[BaseModel], Any]:
+    """The admin label-change bodies under the limits of `settings` (`text`: a request's text type;
+    `normalized`: its limit after normalisation), and the type of a uid (a path parameter too)."""
     Uid = Annotated[str, StringConstraints(min_length=1, max_length=settings.max_uid_chars, pattern=NON_BLANK)]  # noqa: N806
 
     class NewLabel(_Request):
         uid: Uid = Field(description="the label's id, unique among the bundle's labels (live or retired)")
         title: text = Field(description="the label's text, encoded as training encoded label titles")
-        content: str | None = Field(None, max_length=settings.max_text_chars,
+        content: Annotated[str, normalized] | None = Field(None, max_length=settings.max_text_chars,
                                     description="more text (read where the bundle was trained on title+content)")
         prior: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False,
                                     description="how common the label is expected to be, as a quantile of the "

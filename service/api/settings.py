@@ -50,6 +50,10 @@ class Settings(BaseSettings):
 
     # Request limits.
     max_text_chars: int = Field(2000, ge=1)
+    # What the tokenizer reads is the text after NFKC normalisation, which makes a character up to
+    # 18 (U+FDFA): a text must also be at most this long in that form (None: 2 x max_text_chars;
+    # ordinary text grows little, 2,000 ligatures "ﬁ" make 4,000).
+    max_normalized_chars: int | None = Field(None, ge=1)
     max_k: int = Field(100, ge=1)
     max_batch: int = Field(128, ge=1)
     max_body_bytes: int = Field(1_048_576, ge=64)
@@ -127,6 +131,18 @@ class Settings(BaseSettings):
             raise ValueError("processes > 1 serves the admin routes on the main port: unset admin_port "
                              "(SHORTLIST_ADMIN_PORT)")
         return self
+
+    @model_validator(mode="after")
+    def _normalized_at_least_raw(self) -> Settings:
+        if self.max_normalized_chars is not None and self.max_normalized_chars < self.max_text_chars:
+            raise ValueError(f"max_normalized_chars ({self.max_normalized_chars}) is below max_text_chars "
+                             f"({self.max_text_chars}): ASCII texts the text limit takes would be refused")
+        return self
+
+    @property
+    def normalized_text_limit(self) -> int:
+        """Characters a text may have after normalisation (max_normalized_chars, resolved)."""
+        return self.max_normalized_chars if self.max_normalized_chars is not None else 2 * self.max_text_chars
 
     def environment(self) -> dict[str, str]:
         """These settings as SHORTLIST_* variables, from which another process builds the same Settings."""

@@ -1,0 +1,83 @@
+"""JSON-lines files (one JSON object a line, `.gz` read as gzip), read with every problem a
+ValueError naming the file and line: the training data's files and the label files of
+`shortlist labels add`. Parsed by orjson, as every JSON the service reads (RFC 8259: no NaN,
+nesting bounded), and bytes that are not UTF-8 are named by line and column, not by the offset
+of a decoder's buffer."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+# Bytes that are not UTF-8, as a file read with errors="surrogateescape" holds them.
+_UNDECODED = re.compile("[\udc80-\udcff]")
+
+
+def not_utf8(line: str) -> str | None:
+    """What is not UTF-8 in a line read with errors="surrogateescape" (None: nothing)."""
+    found = _UNDECODED.search(line)
+    if found is None:
+        return None
+    return f"not UTF-8: byte 0x{ord(found.group()) - 0xDC00:02x} at column {found.start() + 1}"
+
+
+def iter_text_lines(path: Path, what: str = "file") -> Iterator[tuple[int, str]]:
+    """(line number, line) of a plain UTF-8 text file (a filter file, a uids file); `what` names
+    the file in the error when it cannot be read."""
+    try:
+        lines = path.read_text(encoding="utf-8", errors="surrogateescape").splitlines()
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read {what}: {exc}") from None
+    for lineno, line in enumerate(lines, 1):
+        if (why := not_utf8(line)) is not None:
+            raise ValueError(f"{path}:{lineno}: {why}")
+        yield lineno, line
+
+
+def iter_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, object) for every line that is not blank."""
+    opener = gzip.open if path.name.endswith(".gz") else open
+    try:
+        with opener(path, "rt", encoding="utf-8", errors="surrogateescape") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = orjson.loads(line)
+                except json.JSONDecodeError as exc:
+                    why = not_utf8(line) or f"not JSON ({exc.msg})"
+                    raise ValueError(f"{path}:{lineno}: malformed line, {why}") from None
+                if not isinstance(row, dict):
+                    raise ValueError(f"{path}:{lineno}: malformed line, expected a JSON object")
+                yield lineno, row
+    except (OSError, EOFError) as exc:
+        raise ValueError(f"{path}: cannot read file: {exc}") from None
+
+
+def json_kind(value: Any) -> str:
+    """A JSON value's kind for a message: 'null', 'true', 'the number 1.5', 'an object', ..."""
+    if value is None or isinstance(value, bool):
+        return json.dumps(value)
+    if isinstance(value, int | float):
+        shown = repr(value)
+        return f"the number {shown if len(shown) <= 24 else shown[:24] + '...'}"
+    if isinstance(value, str):
+        return "an empty string" if not value.strip() else "a string"
+    return "an object" if isinstance(value, dict) else "a list"
+
+
+def row_uid(row: dict[str, Any], path: Path, lineno: int, name: str = "uid") -> str:
+    """The row's uid: a string with something besides whitespace. Anything else is an error, not
+    stringified: null would become the uid "None" and 1 the same uid as "1"."""
+    if name not in row:
+        raise ValueError(f"{path}:{lineno}: missing field {name!r}")
+    uid = row[name]
+    if not isinstance(uid, str) or not uid.strip():
+        raise ValueError(f"{path}:{lineno}: field {name!r} must be a non-empty string, got {json_kind(uid)}")
+    return uid
