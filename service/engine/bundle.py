@@ -446,11 +446,11 @@ class Bundle:
             if self._label_vectors is None:
                 w, mu = self.classifiers, self.centroids
                 if heap.huge_pages() and w.nbytes + mu.nbytes <= RESIDENT_VECTORS_MAX_BYTES:
-                    # Each copy reads its whole map in: hand those pages back before the next
-                    # copy, or a load's peak holds both arrays twice (debian-deps: +61 MiB).
-                    w = heap.resident_copy(w)
-                    self._maps.release()
-                    mu = heap.resident_copy(mu)
+                    # A copy reads its map in: those pages are handed back piece by piece as
+                    # they are copied, or a load's peak holds an array twice (debian-deps: +20
+                    # MiB; both arrays, before the maps were released between them: +61).
+                    w = heap.resident_copy(w, lambda start, stop, of=w: self._maps.release_rows(of, start, stop))
+                    mu = heap.resident_copy(mu, lambda start, stop, of=mu: self._maps.release_rows(of, start, stop))
                     self._maps.release()
                 self._label_vectors = (w, mu)
             return self._label_vectors
