@@ -30,7 +30,7 @@ Exclusions = Sequence[Collection[int]]
 # lexical terms (C the rows' longest shortlist), and glibc's heap keeps what a pass grew it to.
 # debian-deps, the test split in batches of 1000: a serving process grew by 25 MiB, 256 at a
 # time by 9 (bench/RESULTS.md, issue 21).
-QUERIES_PER_PASS = 256
+QUERIES_PER_PASS = 128
 
 
 @dataclass(frozen=True)
