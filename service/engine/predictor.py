@@ -28,8 +28,8 @@ class Prediction(NamedTuple):
 Exclusions = Sequence[Collection[int]]
 # Queries shortlisted and scored at once: a pass holds [rows, C] candidate ids, their scores and
 # lexical terms (C the rows' longest shortlist), and glibc's heap keeps what a pass grew it to.
-# debian-deps, the test split in batches of 1000: a serving process grew by 25 MiB, 256 at a
-# time by 9 (bench/RESULTS.md, issue 21).
+# debian-deps, the test split in batches of 1000: the heap grew by 25 MiB at 1000 a pass, by 9
+# at 128, at the same queries/s (bench/RESULTS.md, issue 21).
 QUERIES_PER_PASS = 128
 
 
