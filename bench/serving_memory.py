@@ -139,12 +139,10 @@ def _open(ctx: dict[str, Any], path: Path) -> None:
 
 
 def _predictor(ctx: dict[str, Any]) -> None:
-    from service.engine import Predictor, PredictorOptions, canary
+    from service.engine import Predictor, PredictorOptions
 
-    ctx["predictor"] = Predictor(ctx["bundle"], PredictorOptions(threads=1))
-    canary.check(ctx["predictor"])
-    if hasattr(ctx["bundle"], "release_pages"):  # an engine from before it (comparisons on PYTHONPATH)
-        ctx["bundle"].release_pages()
+    # What Predictor.load does once the bundle is open: the sources, the canaries, pages handed back.
+    ctx["predictor"] = Predictor.checked(ctx["bundle"], PredictorOptions(threads=1))
 
 
 def _tree_queries(texts: list[str]) -> Callable[[dict[str, Any]], None]:

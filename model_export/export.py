@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from model_export.onnx_export import check_parity, export_encoder, parity_texts
+from model_export.onnx_export import DEFAULT_TABLE_DTYPE, as_served, check_parity, export_encoder, parity_texts
 from service.engine import canary, schema, store
 from service.engine.bundle import Bundle
 from service.engine.index import build_label_indices
@@ -31,15 +31,17 @@ def default_version() -> str:
 
 
 def export_checkpoint(ckpt_dir: str | Path, root: str | Path, version: str | None = None,
-                      ef_search: int | None = None, n_parity: int = 1000) -> Path:
-    """Write ROOT/VERSION from a checkpoint; returns the bundle's path once it loads as served."""
+                      ef_search: int | None = None, n_parity: int = 1000,
+                      encoder_dtype: str = DEFAULT_TABLE_DTYPE) -> Path:
+    """Write ROOT/VERSION from a checkpoint; returns the bundle's path once it loads as served.
+    `encoder_dtype`: how the encoder's token embedding table is stored (float16 or float32)."""
     t0 = time.perf_counter()
     ckpt = Checkpoint.load(ckpt_dir)
     _check_shapes(ckpt, Path(ckpt_dir))
     version = schema.validate_version_name(version or default_version())
     staging = store.staging_dir(Path(root), version)
     try:
-        fields = _write_files(ckpt, staging, version, ef_search, n_parity)
+        fields = _write_files(ckpt, staging, version, ef_search, n_parity, encoder_dtype)
         store.write_manifest(staging, fields)
         staged = Bundle.open(staging, staged=True)
         predictor = Predictor(staged)
@@ -59,11 +61,11 @@ def export_checkpoint(ckpt_dir: str | Path, root: str | Path, version: str | Non
 
 
 def _write_files(ckpt: Checkpoint, staging: Path, version: str, ef_search: int | None,
-                 n_parity: int) -> dict[str, Any]:
+                 n_parity: int, encoder_dtype: str) -> dict[str, Any]:
     """Every file of the bundle but the manifest; returns the manifest's fields."""
-    export_encoder(ckpt.encoder, staging / schema.ENCODER)
+    export_encoder(ckpt.encoder, staging / schema.ENCODER, encoder_dtype)
     texts = parity_texts(ckpt.tokenizer, [*(r["text"] for r in ckpt.validation), *ckpt.labels.titles], n_parity)
-    worst = check_parity(ckpt.encoder, staging / schema.ENCODER, ckpt.tokenizer, texts)
+    worst = check_parity(as_served(ckpt.encoder, encoder_dtype), staging / schema.ENCODER, ckpt.tokenizer, texts)
     log.info("onnx parity: max |onnxruntime - torch| = %.2e over %d texts", worst, len(texts))
     ckpt.tokenizer.save(staging / schema.TOKENIZER)
     ckpt.labels.save(staging / schema.LABELS)
@@ -89,7 +91,8 @@ def _write_files(ckpt: Checkpoint, staging: Path, version: str, ef_search: int |
         "version": version, "dim": int(w.shape[1]), "num_labels": int(w.shape[0]),
         "vocab_size": ckpt.tokenizer.vocab_size, "text_field": ckpt.text_field,
         "scoring": ckpt.scoring.model_dump(), "hnsw": hnsw.model_dump(), "data_fingerprint": ckpt.fingerprint,
-        "training_config": ckpt.config, "metrics": {"training": ckpt.metrics, "onnx_parity_max_abs": worst},
+        "training_config": ckpt.config, "metrics": {"training": ckpt.metrics, "onnx_parity_max_abs": worst,
+                    "encoder_table_dtype": encoder_dtype},
         "vector_dtype": vectors.name,
     }
 
@@ -116,5 +119,6 @@ def validation_metrics(predictor: Predictor, rows: list[dict]) -> dict[str, floa
 
 def run_cli(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    export_checkpoint(args.checkpoint, args.out, args.version, ef_search=args.ef_search, n_parity=args.parity_texts)
+    export_checkpoint(args.checkpoint, args.out, args.version, ef_search=args.ef_search, n_parity=args.parity_texts,
+                      encoder_dtype=args.encoder_dtype)
     return 0

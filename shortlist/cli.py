@@ -67,6 +67,9 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--version", help="bundle version name (default: a UTC timestamp)")
     p.add_argument("--ef-search", type=int, default=None)
     p.add_argument("--parity-texts", type=int, default=1000, help="texts in the ONNX parity check")
+    p.add_argument("--encoder-dtype", choices=("float16", "float32"), default="float16",
+                   help="storage of the encoder's token embedding table (float16: half the serving memory "
+                        "it maps; the embeddings are computed in float32 either way)")
     p.set_defaults(handler="model_export.export:run_cli")
 
 

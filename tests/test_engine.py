@@ -218,6 +218,23 @@ def test_batch_results_equal_single_results(predictor):
         assert np.allclose(scores[0], batch_scores[row], atol=1e-6)
 
 
+def test_a_batch_longer_than_a_pass_answers_as_its_texts_alone(predictor):
+    """Batches are scored QUERIES_PER_PASS queries at a time (a bounded working set): the
+    passes' answers join in order, each text with its own exclusions."""
+    from service.engine.predictor import QUERIES_PER_PASS
+
+    titles = predictor.bundle.labels.titles
+    texts = [titles[i % predictor.num_labels] for i in range(QUERIES_PER_PASS + 5)]
+    plain, _ = predictor.predict_ids(texts, k=5)
+    exclude = [[]] * (len(texts) - 1) + [[int(plain[-1, 0])]]
+    ids, scores = predictor.predict_ids(texts, k=5, exclude=exclude)
+    assert ids.shape == (len(texts), 5) and plain[-1, 0] not in ids[-1]
+    for row in (0, QUERIES_PER_PASS - 1, QUERIES_PER_PASS, len(texts) - 1):
+        alone_ids, alone_scores = predictor.predict_ids([texts[row]], k=5, exclude=[exclude[row]])
+        assert alone_ids[0].tolist() == ids[row].tolist()
+        np.testing.assert_allclose(alone_scores[0], scores[row], atol=1e-6)
+
+
 def test_results_are_sorted_unique_and_k_long(predictor):
     ids, scores = predictor.predict_ids([predictor.bundle.labels.titles[0], ""], k=10)
     for row_ids, row_scores in zip(ids, scores, strict=True):

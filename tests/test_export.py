@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from model_export.export import export_checkpoint
-from model_export.onnx_export import PARITY_TOLERANCE, parity_texts
+from model_export.onnx_export import PARITY_TOLERANCE, as_served, parity_texts
 from service.engine import BundleError, Predictor
 from service.engine.schema import MANIFEST, REQUIRED_FILES, sha256_file
 from service.engine.store import newest_version
@@ -28,8 +28,10 @@ def test_onnx_matches_torch_on_1000_texts_including_edge_cases(checkpoints, bund
     predictor = Predictor.load(bundle_root / "v1")
     served = np.vstack([predictor.encode(texts[i : i + 100]) for i in range(0, 1000, 100)])
     ids, weights = ckpt.tokenizer.encode_batch(texts)
+    # torch with the table's values as the graph stores them (float16 by default)
+    encoder = as_served(ckpt.encoder, predictor.bundle.encoder(1).table.dtype)
     with torch.no_grad():
-        ref = ckpt.encoder(torch.from_numpy(ids), torch.from_numpy(weights)).numpy()
+        ref = encoder(torch.from_numpy(ids), torch.from_numpy(weights)).numpy()
     assert np.abs(served - ref).max() <= PARITY_TOLERANCE
     # the empty and all-unknown texts are valid inputs that map to the zero vector
     assert np.all(served[0] == 0) and np.all(served[texts.index("zzqxj qqqvvk xxyyzz")] == 0)

@@ -40,6 +40,34 @@ def test_pages_a_check_read_are_handed_back(tmp_path: Path) -> None:
     np.testing.assert_array_equal(arr[12345], values[12345])  # still readable: mapped again on access
 
 
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads Linux's /proc/self/smaps")
+def test_a_resident_copy_hands_back_the_maps_pages_as_it_goes(tmp_path: Path) -> None:
+    """The label vectors' copy in memory (Bundle.label_vectors) never holds the whole map too:
+    the rows copied are handed back piece by piece; the copy is exact."""
+    from service.engine import heap
+
+    path = tmp_path / "big.npy"
+    values = np.arange(1 << 21, dtype=np.float32).reshape(-1, 64)  # 8 MiB, four pieces of 2 MiB
+    np.save(path, values)
+    maps = MappedArrays()
+    arr = maps.npy(path)
+    resident: list[int] = []
+
+    def copied(start: int, stop: int) -> None:
+        maps.release_rows(arr, start, stop)
+        resident.append(_resident_kib(path))
+
+    previous, heap.RESIDENT_COPY_BYTES = heap.RESIDENT_COPY_BYTES, 2 << 20
+    try:
+        copy = heap.resident_copy(arr, copied)
+    finally:
+        heap.RESIDENT_COPY_BYTES = previous
+    np.testing.assert_array_equal(copy, values)
+    assert len(resident) == 4 and max(resident) < 3 * 1024  # never more than a piece or so of the 8 MiB
+    maps.release_rows(np.ones(4), 0, 4)  # an array over none of its maps: nothing happens
+    np.testing.assert_array_equal(arr[-1], values[-1])  # the map reads again
+
+
 def test_npz_members_are_mapped_where_they_lie_and_checked(tmp_path: Path) -> None:
     arrays = {"big": np.random.default_rng(0).random((300, 40)).astype(np.float16), "small": np.arange(3)}
     np.savez(tmp_path / "a.npz", **arrays)

@@ -410,6 +410,9 @@ class Bundle:
         the vocabulary, or holds NaN in some row, would otherwise fail only on the requests
         whose text holds that token."""
         vocab, dim = self.manifest.vocab_size, self.manifest.dim
+        if encoder.table.shape[0] != vocab:
+            raise BundleError(f"{self._encoder_files()}: token embedding table of {encoder.table.shape[0]} rows, "
+                              f"for a vocabulary of {vocab} token ids")
         batches = [(np.zeros((1, 1), np.int64), np.zeros((1, 1), np.float32))]
         # Small batches: onnxruntime's memory arena keeps the largest run's buffers for the
         # session's life (4,096 ids a run left 18 MiB in every serving process, 256 leave 2.5).
@@ -443,11 +446,11 @@ class Bundle:
             if self._label_vectors is None:
                 w, mu = self.classifiers, self.centroids
                 if heap.huge_pages() and w.nbytes + mu.nbytes <= RESIDENT_VECTORS_MAX_BYTES:
-                    # Each copy reads its whole map in: hand those pages back before the next
-                    # copy, or a load's peak holds both arrays twice (debian-deps: +61 MiB).
-                    w = heap.resident_copy(w)
-                    self._maps.release()
-                    mu = heap.resident_copy(mu)
+                    # A copy reads its map in: those pages are handed back piece by piece as
+                    # they are copied, or a load's peak holds an array twice (debian-deps: +20
+                    # MiB; both arrays, before the maps were released between them: +61).
+                    w = heap.resident_copy(w, lambda start, stop, of=w: self._maps.release_rows(of, start, stop))
+                    mu = heap.resident_copy(mu, lambda start, stop, of=mu: self._maps.release_rows(of, start, stop))
                     self._maps.release()
                 self._label_vectors = (w, mu)
             return self._label_vectors

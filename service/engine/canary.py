@@ -4,7 +4,7 @@ before it is served."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -15,18 +15,22 @@ if TYPE_CHECKING:
     from service.engine.bundle import Bundle
 
 
-class CanaryTarget(Protocol):
-    """What the canaries ask of a predictor (service.engine.predictor.Predictor, which calls
-    this module on load: a protocol here keeps the import one way)."""
+class TreeTarget(Protocol):
+    """What check_tree asks of a route (service.engine.predictor.TreeRoute, whose module calls
+    this one on load: a protocol here keeps the import one way)."""
 
     bundle: Bundle
 
     @property
     def num_labels(self) -> int: ...
 
-    def predict_ids(self, texts: list[str], k: int, alpha: float | None = None) -> tuple[np.ndarray, np.ndarray]: ...
-
     def predict_tree_ids(self, texts: list[str], k: int) -> tuple[np.ndarray, np.ndarray]: ...
+
+
+class CanaryTarget(TreeTarget, Protocol):
+    """What check asks of a predictor (service.engine.predictor.Predictor)."""
+
+    def predict_ids(self, texts: list[str], k: int, alpha: float | None = None) -> tuple[np.ndarray, np.ndarray]: ...
 
 CANARY_K = 5
 # How far a reproduced top score may drift from export's (ONNX on another CPU, BLAS kernels).
@@ -42,37 +46,62 @@ def record(predictor: CanaryTarget, texts: Sequence[str]) -> list[CanaryQuery]:
     ]
 
 
+def check_tree(route: TreeTarget) -> None:
+    """Raise BundleError unless the tree route answers every check text with finite scores and
+    label ids, and each canary text with some label (check's test of the tree path, on a route
+    that needs neither the shortlist sources nor the label vectors: Predictor.checked)."""
+    texts = check_texts(route.bundle)
+    _answered(route.bundle, route.num_labels, lambda: {"tree": route.predict_tree_ids(texts, k=CANARY_K)})
+
+
+Answers = dict[str, tuple[np.ndarray, np.ndarray]]  # path -> (ids, scores) of the check texts
+
+
+def _answered(bundle: Bundle, num_labels: int, answers: Callable[[], Answers]) -> Answers:
+    """answers(), each path checked: finite scores, label ids in range, a label for every canary
+    text that had one at export."""
+    try:
+        paths = answers()
+    except BundleError:
+        raise
+    except Exception as exc:  # any runtime failure on the path disqualifies the bundle
+        raise BundleError(f"{bundle.path}: canary query failed: {type(exc).__name__}: {exc}") from exc
+    canaries = bundle.manifest.canary
+    for name, (path_ids, path_scores) in paths.items():
+        found = path_ids >= 0
+        if not np.all(np.isfinite(path_scores[found])) or np.any(path_ids >= num_labels):
+            raise BundleError(f"{bundle.path}: canary queries at {name} produced non-finite scores or bad label ids")
+        answered = [c.top_ids != [] for c in canaries]
+        if not found[: len(canaries)].any(axis=1)[answered].all():
+            raise BundleError(f"{bundle.path}: canary queries at {name}: a canary text found no label")
+    return paths
+
+
 def check_texts(bundle: Bundle) -> list[str]:
     """The texts `check` asks: the canaries, three label titles, the empty text."""
     return [c.text for c in bundle.manifest.canary] + list(bundle.labels.titles[:3]) + [""]
 
 
-def check(predictor: CanaryTarget) -> None:
+def check(predictor: CanaryTarget, tree: bool = True) -> None:
     """Raise BundleError unless the bundle reproduces its canaries and every scorer path a
     request can select (alpha 0, between and 1, and the bundle's; each shortlist source, which
-    every query searches; the tree) answers each text with finite scores and label ids."""
+    every query searches; the tree, unless `tree` is False: check_tree checked it) answers
+    each text with finite scores and label ids."""
     bundle = predictor.bundle
     canaries = bundle.manifest.canary
     # Label titles too: a canary set may miss a source (no canary text matches a token row).
     texts = check_texts(bundle)
-    try:
-        ids, scores = predictor.predict_ids(texts, k=CANARY_K)
-        paths = {"bundle's alpha": (ids, scores)}
+
+    def answers() -> Answers:
+        paths = {"bundle's alpha": predictor.predict_ids(texts, k=CANARY_K)}
         for alpha in (0.0, 0.5, 1.0):
             paths[f"alpha {alpha}"] = predictor.predict_ids(texts, k=CANARY_K, alpha=alpha)
-        if bundle.tree is not None:
+        if tree and bundle.tree is not None:
             paths["tree"] = predictor.predict_tree_ids(texts, k=CANARY_K)
-    except BundleError:
-        raise
-    except Exception as exc:  # any runtime failure on the path disqualifies the bundle
-        raise BundleError(f"{bundle.path}: canary query failed: {type(exc).__name__}: {exc}") from exc
-    for name, (path_ids, path_scores) in paths.items():
-        found = path_ids >= 0
-        if not np.all(np.isfinite(path_scores[found])) or np.any(path_ids >= predictor.num_labels):
-            raise BundleError(f"{bundle.path}: canary queries at {name} produced non-finite scores or bad label ids")
-        answered = [c.top_ids != [] for c in canaries]
-        if not found[: len(canaries)].any(axis=1)[answered].all():
-            raise BundleError(f"{bundle.path}: canary queries at {name}: a canary text found no label")
+        return paths
+
+    paths = _answered(bundle, predictor.num_labels, answers)
+    ids, scores = paths["bundle's alpha"]
     for c, row_ids, row_scores in zip(canaries, ids[: len(canaries)], scores[: len(canaries)], strict=True):
         if not c.top_ids:
             continue

@@ -45,6 +45,8 @@ _M_ARENA_MAX = -8
 # mallopt takes an int: the largest trim threshold, hence the largest block `prefault` can
 # hand on (a larger freed block is returned to the OS at once, so touching it would be waste).
 _TRIM_THRESHOLD = 2**31 - 1
+# resident_copy copies this many bytes of rows at a time.
+RESIDENT_COPY_BYTES = 4 << 20
 
 
 def _libc() -> ctypes.CDLL | None:
@@ -125,9 +127,11 @@ def huge_pages() -> bool:
     return _huge_pages and _LIBC is not None
 
 
-def resident_copy(values: np.ndarray) -> np.ndarray:
-    """A copy of `values` (a file map's rows) in this process's memory, advised for huge pages
-    before it is written, so that it is faulted in as huge pages where the kernel has them."""
+def resident_copy(values: np.ndarray, copied: Callable[[int, int], None] | None = None) -> np.ndarray:
+    """A copy of `values` (a file map's rows, [n, ...]) in this process's memory, advised for huge pages
+    before it is written, so that it is faulted in as huge pages where the kernel has them.
+    copied(start, stop): called after each piece of rows is copied (RESIDENT_COPY_BYTES), e.g.
+    to hand back the map's pages of those rows, so the copy never holds the whole map too."""
     out = np.empty(values.shape, dtype=values.dtype)
     if huge_pages() and out.nbytes >= 2 * _HUGE_PAGE:
         start = out.__array_interface__["data"][0]
@@ -135,7 +139,12 @@ def resident_copy(values: np.ndarray) -> np.ndarray:
         length = ((start + out.nbytes) // _HUGE_PAGE) * _HUGE_PAGE - first
         if length > 0:
             _LIBC.madvise(first, length, _MADV_HUGEPAGE)
-    np.copyto(out, values)
+    rows = max(1, RESIDENT_COPY_BYTES // max(1, out[:1].nbytes))
+    for start in range(0, len(out), rows):
+        stop = min(start + rows, len(out))
+        np.copyto(out[start:stop], values[start:stop])
+        if copied is not None:
+            copied(start, stop)
     return out
 
 

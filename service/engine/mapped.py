@@ -71,6 +71,22 @@ class MappedArrays:
         self._maps.append(mm)
         return np.frombuffer(mm, dtype=dtype, count=count, offset=offset).reshape(shape)
 
+    def release_rows(self, values: np.ndarray, start: int, stop: int) -> None:
+        """Drop this process's pages of rows start..stop-1 of `values` (the pages wholly inside
+        them), an array over one of these maps; a no-op for any other array."""
+        if not hasattr(mmap, "MADV_DONTNEED") or not values.flags.c_contiguous:
+            return
+        address = values.__array_interface__["data"][0]
+        row = values.strides[0] if values.ndim else values.nbytes
+        for mm in self._maps:
+            base = np.frombuffer(mm, dtype=np.uint8, count=1).__array_interface__["data"][0]
+            if base <= address and address + values.nbytes <= base + len(mm):
+                first = -(-(address - base + start * row) // mmap.PAGESIZE) * mmap.PAGESIZE
+                end = (address - base + stop * row) // mmap.PAGESIZE * mmap.PAGESIZE
+                if end > first:
+                    mm.madvise(mmap.MADV_DONTNEED, first, end - first)
+                return
+
     def release(self) -> None:
         """Drop every mapped page from this process (the page cache keeps them)."""
         if not hasattr(mmap, "MADV_DONTNEED"):

@@ -26,6 +26,11 @@ class Prediction(NamedTuple):
 
 # Per text, label ids never to return (Predictor.predict_ids).
 Exclusions = Sequence[Collection[int]]
+# Queries shortlisted and scored at once: a pass holds [rows, C] candidate ids, their scores and
+# lexical terms (C the rows' longest shortlist), and glibc's heap keeps what a pass grew it to.
+# debian-deps, the test split in batches of 1000: the heap grew by 25 MiB at 1000 a pass, by 9
+# at 128, at the same queries/s (bench/RESULTS.md, issue 21).
+QUERIES_PER_PASS = 128
 
 
 @dataclass(frozen=True)
@@ -63,9 +68,10 @@ class PredictorOptions:
         return Scoring.model_validate(fields)
 
 
-class Predictor:
-    """Log-time top-k over a bundle (DESIGN.md, "Log-time prediction"): the candidates of
-    service.engine.candidates scored by service.engine.scorers.LabelScorer.
+class TreeRoute:
+    """A bundle's queries encoded and its tree scorer's route (/v1/predict/tree): what loads
+    without the alpha route's shortlist sources and label vectors (Predictor adds them), so
+    that a load checks the tree's answers before those are in memory (Predictor.checked).
 
     All methods are safe to call from several threads at once.
     """
@@ -73,70 +79,18 @@ class Predictor:
     def __init__(self, bundle: Bundle, options: PredictorOptions | None = None) -> None:
         self.bundle = bundle
         self.options = options or PredictorOptions()
-        self.scoring = self.options.scoring(bundle.manifest.scoring)
-        spec = self.scoring.shortlist
-        ef = self.options.ef_search
-        table = bundle.token_table() if spec.k_tok else None
-        self.sources = CandidateSources(
-            spec, bundle.classifier_bias,
-            index_w=bundle.index("w", ef) if spec.k_w else None,
-            index_mu=bundle.index("mu", ef) if spec.k_mu else None,
-            table=table, lexical=bool(self.scoring.lexical_weight),
-            added=_added_labels(bundle) if spec.k_added else None,
-        )
-        w, mu = bundle.label_vectors()
-        self.scorer = LabelScorer.of(w, bundle.classifier_bias, mu, self.scoring)
         self.encoder = bundle.encoder(self.options.threads) if self.options.encoder else None
         self.queries = QueryEncoder(bundle.tokenizer, self.encoder) if self.encoder is not None else None
         # Retired labels (service.engine.label_changes) are never returned, by any scorer.
         self.retired = bundle.retired
-
-    @classmethod
-    def load(cls, path: str | Path, options: PredictorOptions | None = None) -> Predictor:
-        """Open the bundle at `path`, check it (files, shapes, sources, canaries) and predict
-        with `options`; raises BundleError naming what is wrong, releasing what was opened."""
-        try:
-            bundle = Bundle.open(path)
-        except BundleError:
-            raise
-        except Exception as exc:  # a reader's own error type on a damaged file: still a refusal
-            raise BundleError(f"{path}: cannot be opened: {type(exc).__name__}: {exc}") from exc
-        return cls.checked(bundle, options)
-
-    @classmethod
-    def checked(cls, bundle: Bundle, options: PredictorOptions | None = None) -> Predictor:
-        """A predictor over an opened bundle, its canaries checked (what `load` does after opening);
-        raises BundleError naming what is wrong, closing the bundle."""
-        try:
-            predictor = cls(bundle, options)
-            if predictor.encoder is not None:  # else its caller checks them (ShardPredictor.check_canaries)
-                canary.check(predictor if predictor.answers_as_exported else cls(bundle))
-                bundle.release_pages()
-        except BundleError:
-            bundle.close()
-            raise
-        except Exception as exc:  # anything else on the load path also disqualifies the bundle
-            bundle.close()
-            raise BundleError(f"{bundle.path}: {type(exc).__name__}: {exc}") from exc
-        return predictor
 
     @property
     def version(self) -> str:
         return self.bundle.version
 
     @property
-    def answers_as_exported(self) -> bool:
-        """Does this predictor answer as export's did (the bundle's scoring and search breadth)?"""
-        ef = self.options.ef_search
-        return self.scoring == self.bundle.manifest.scoring and ef in (None, self.bundle.manifest.hnsw.ef_search)
-
-    @property
     def num_labels(self) -> int:
         return self.bundle.manifest.num_labels
-
-    @property
-    def alpha(self) -> float:
-        return self.scoring.alpha
 
     def encode(self, texts: Sequence[str]) -> np.ndarray:
         return self._encode(texts)[2]
@@ -146,70 +100,6 @@ class Predictor:
         if self.queries is None:
             raise LookupError("this predictor has no encoder (PredictorOptions.encoder=False): predict_encoded_ids")
         return self.queries(texts)
-
-    def shortlist(self, texts: Sequence[str]) -> list[np.ndarray]:
-        """The candidate labels S of each text (sorted label ids)."""
-        tokens, weights, q = self._encode(texts)
-        return [row[row >= 0] for row in self.sources(tokens, weights, q)[0]]
-
-    def _check_alpha(self, alpha: float | None) -> float:
-        a = self.alpha if alpha is None else float(alpha)
-        if not 0.0 <= a <= 1.0:
-            raise ValueError(f"alpha must be in [0, 1], got {alpha}")
-        return a
-
-    def predict_ids(
-        self, texts: Sequence[str], k: int = 10, alpha: float | None = None, exclude: Exclusions | None = None
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Top-k label ids int64 [B, k] (-1 where fewer were found) and scores float32 [B, k].
-
-        exclude: per text, label ids never to return (the text's own label when texts and labels
-        are the same kind of thing, items a user has already); the rest of S is ranked as usual.
-        """
-        return self.predict_encoded_ids(self._encode(texts), k, alpha, exclude)
-
-    def predict_encoded_ids(
-        self, queries: EncodedQueries, k: int = 10, alpha: float | None = None, exclude: Exclusions | None = None,
-        head: np.ndarray | None = None,
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """predict_ids of queries encoded already (QueryEncoder of a bundle with this one's
-        tokenizer and encoder: the shards of one parent share them).
-
-        head: bool [B], whether the head joins each query's shortlist, overriding the "fallback"
-        rule's own test (no query token has a label in its row), which a shard cannot make for
-        its parent: its rows hold only its own labels (service.engine.sharding).
-        """
-        _check_k(k)
-        a = self._check_alpha(alpha)
-        excluded = self._check_exclude(exclude, len(queries.q))
-        tokens, weights, q = queries
-        cands, lexical = self.sources(tokens, weights, q, head)
-        scores = self.scorer.score(q, cands, a, lexical)
-        if excluded is not None:
-            scores[_excluded_mask(cands, excluded)] = -np.inf
-        if self.retired is not None:
-            scores[self.retired[np.maximum(cands, 0)]] = -np.inf
-        idx, best = top_k(scores, k)
-        return _pad(cands[np.arange(len(cands))[:, None], idx], best, k)
-
-    def predict_exact_ids(
-        self, texts: Sequence[str], k: int = 10, alpha: float | None = None, exclude: Exclusions | None = None
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """The same scores over all L labels (brute force): the baseline the shortlist approximates."""
-        _check_k(k)
-        a = self._check_alpha(alpha)
-        excluded = self._check_exclude(exclude, len(texts))
-        tokens, weights, q = self._encode(texts)
-        table, k_tok = self.sources.table, self.scoring.shortlist.k_tok
-
-        def lexical(rows: slice) -> np.ndarray:
-            return table.dense_scores(tokens[rows], weights[rows], self.num_labels, k_tok)
-
-        if self.retired is not None:
-            retired = np.flatnonzero(self.retired)
-            excluded = [np.concatenate((retired, row)) for row in excluded or [np.zeros(0, np.int64)] * len(texts)]
-        ids, best = self.scorer.exact_top_k(q, k, a, lexical if table is not None else None, excluded)
-        return _pad(ids, best, k)
 
     def predict_tree_ids(
         self, texts: Sequence[str], k: int = 10, beam: int | None = None, exclude: Exclusions | None = None
@@ -250,11 +140,6 @@ class Predictor:
             out.append(arr.astype(np.int64, copy=False))
         return out if any(len(ids) for ids in out) else None
 
-    def predict(
-        self, texts: Sequence[str], k: int = 10, alpha: float | None = None, exclude: Exclusions | None = None
-    ) -> list[list[Prediction]]:
-        return self._named(*self.predict_ids(texts, k, alpha, exclude))
-
     def predict_tree(
         self, texts: Sequence[str], k: int = 10, beam: int | None = None, exclude: Exclusions | None = None
     ) -> list[list[Prediction]]:
@@ -268,6 +153,155 @@ class Predictor:
              for i, s in zip(row_ids, row_scores, strict=True) if i >= 0]
             for row_ids, row_scores in zip(id_rows, scores.tolist(), strict=True)
         ]
+
+
+class Predictor(TreeRoute):
+    """Log-time top-k over a bundle (DESIGN.md, "Log-time prediction"): the candidates of
+    service.engine.candidates scored by service.engine.scorers.LabelScorer; and the tree route.
+
+    All methods are safe to call from several threads at once.
+    """
+
+    def __init__(self, bundle: Bundle, options: PredictorOptions | None = None) -> None:
+        super().__init__(bundle, options)
+        self.scoring = self.options.scoring(bundle.manifest.scoring)
+        spec = self.scoring.shortlist
+        ef = self.options.ef_search
+        table = bundle.token_table() if spec.k_tok else None
+        self.sources = CandidateSources(
+            spec, bundle.classifier_bias,
+            index_w=bundle.index("w", ef) if spec.k_w else None,
+            index_mu=bundle.index("mu", ef) if spec.k_mu else None,
+            table=table, lexical=bool(self.scoring.lexical_weight),
+            added=_added_labels(bundle) if spec.k_added else None,
+        )
+        w, mu = bundle.label_vectors()
+        self.scorer = LabelScorer.of(w, bundle.classifier_bias, mu, self.scoring)
+
+    @classmethod
+    def load(cls, path: str | Path, options: PredictorOptions | None = None) -> Predictor:
+        """Open the bundle at `path`, check it (files, shapes, sources, canaries) and predict
+        with `options`; raises BundleError naming what is wrong, releasing what was opened."""
+        try:
+            bundle = Bundle.open(path)
+        except BundleError:
+            raise
+        except Exception as exc:  # a reader's own error type on a damaged file: still a refusal
+            raise BundleError(f"{path}: cannot be opened: {type(exc).__name__}: {exc}") from exc
+        return cls.checked(bundle, options)
+
+    @classmethod
+    def checked(cls, bundle: Bundle, options: PredictorOptions | None = None) -> Predictor:
+        """A predictor over an opened bundle, its canaries checked (what `load` does after opening);
+        raises BundleError naming what is wrong, closing the bundle."""
+        try:
+            if bundle.tree is not None and (options or PredictorOptions()).encoder:
+                # The tree route's canaries first, and its pages handed back before the index and
+                # label vectors load: its searches read ~26 MiB of tree.npz (debian-deps), which
+                # a load then never holds beside those (peak RSS -30 MiB).
+                canary.check_tree(TreeRoute(bundle, options))
+                bundle.release_pages()
+            predictor = cls(bundle, options)
+            if predictor.encoder is not None:  # else its caller checks them (ShardPredictor.check_canaries)
+                canary.check(predictor if predictor.answers_as_exported else cls(bundle), tree=False)
+                bundle.release_pages()
+        except BundleError:
+            bundle.close()
+            raise
+        except Exception as exc:  # anything else on the load path also disqualifies the bundle
+            bundle.close()
+            raise BundleError(f"{bundle.path}: {type(exc).__name__}: {exc}") from exc
+        return predictor
+
+    @property
+    def answers_as_exported(self) -> bool:
+        """Does this predictor answer as export's did (the bundle's scoring and search breadth)?"""
+        ef = self.options.ef_search
+        return self.scoring == self.bundle.manifest.scoring and ef in (None, self.bundle.manifest.hnsw.ef_search)
+
+    @property
+    def alpha(self) -> float:
+        return self.scoring.alpha
+
+    def shortlist(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """The candidate labels S of each text (sorted label ids)."""
+        tokens, weights, q = self._encode(texts)
+        return [row[row >= 0] for row in self.sources(tokens, weights, q)[0]]
+
+    def _check_alpha(self, alpha: float | None) -> float:
+        a = self.alpha if alpha is None else float(alpha)
+        if not 0.0 <= a <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+        return a
+
+    def predict_ids(
+        self, texts: Sequence[str], k: int = 10, alpha: float | None = None, exclude: Exclusions | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k label ids int64 [B, k] (-1 where fewer were found) and scores float32 [B, k].
+
+        exclude: per text, label ids never to return (the text's own label when texts and labels
+        are the same kind of thing, items a user has already); the rest of S is ranked as usual.
+        """
+        return self.predict_encoded_ids(self._encode(texts), k, alpha, exclude)
+
+    def predict_encoded_ids(
+        self, queries: EncodedQueries, k: int = 10, alpha: float | None = None, exclude: Exclusions | None = None,
+        head: np.ndarray | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """predict_ids of queries encoded already (QueryEncoder of a bundle with this one's
+        tokenizer and encoder: the shards of one parent share them).
+
+        head: bool [B], whether the head joins each query's shortlist, overriding the "fallback"
+        rule's own test (no query token has a label in its row), which a shard cannot make for
+        its parent: its rows hold only its own labels (service.engine.sharding).
+        """
+        _check_k(k)
+        a = self._check_alpha(alpha)
+        excluded = self._check_exclude(exclude, len(queries.q))
+        n = len(queries.q)
+        if n <= QUERIES_PER_PASS:
+            return self._predict_pass(queries, k, a, excluded, head)
+        parts = [self._predict_pass(EncodedQueries(*(x[i : i + QUERIES_PER_PASS] for x in queries)), k, a,
+                                    None if excluded is None else excluded[i : i + QUERIES_PER_PASS],
+                                    None if head is None else head[i : i + QUERIES_PER_PASS])
+                 for i in range(0, n, QUERIES_PER_PASS)]
+        return np.concatenate([ids for ids, _ in parts]), np.concatenate([scores for _, scores in parts])
+
+    def _predict_pass(self, queries: EncodedQueries, k: int, a: float, excluded: list[np.ndarray] | None,
+                      head: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        tokens, weights, q = queries
+        cands, lexical = self.sources(tokens, weights, q, head)
+        scores = self.scorer.score(q, cands, a, lexical)
+        if excluded is not None:
+            scores[_excluded_mask(cands, excluded)] = -np.inf
+        if self.retired is not None:
+            scores[self.retired[np.maximum(cands, 0)]] = -np.inf
+        idx, best = top_k(scores, k)
+        return _pad(cands[np.arange(len(cands))[:, None], idx], best, k)
+
+    def predict_exact_ids(
+        self, texts: Sequence[str], k: int = 10, alpha: float | None = None, exclude: Exclusions | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The same scores over all L labels (brute force): the baseline the shortlist approximates."""
+        _check_k(k)
+        a = self._check_alpha(alpha)
+        excluded = self._check_exclude(exclude, len(texts))
+        tokens, weights, q = self._encode(texts)
+        table, k_tok = self.sources.table, self.scoring.shortlist.k_tok
+
+        def lexical(rows: slice) -> np.ndarray:
+            return table.dense_scores(tokens[rows], weights[rows], self.num_labels, k_tok)
+
+        if self.retired is not None:
+            retired = np.flatnonzero(self.retired)
+            excluded = [np.concatenate((retired, row)) for row in excluded or [np.zeros(0, np.int64)] * len(texts)]
+        ids, best = self.scorer.exact_top_k(q, k, a, lexical if table is not None else None, excluded)
+        return _pad(ids, best, k)
+
+    def predict(
+        self, texts: Sequence[str], k: int = 10, alpha: float | None = None, exclude: Exclusions | None = None
+    ) -> list[list[Prediction]]:
+        return self._named(*self.predict_ids(texts, k, alpha, exclude))
 
 
 def _added_labels(bundle: Bundle) -> AddedLabels:

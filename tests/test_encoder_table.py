@@ -1,0 +1,73 @@
+"""The encoder's token embedding table stored as float16 (the export's default) answers as the
+float32 table does; a table of another dtype, or of another number of rows than the vocabulary,
+is refused with a message naming it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _api_helpers import sample_titles
+
+from model_export.export import export_checkpoint
+from service.engine import BundleError, Predictor
+from service.engine.schema import ENCODER, ENCODER_DATA, MANIFEST, sha256_file
+
+
+@pytest.fixture(scope="module")
+def float32_table_bundle(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """v1's checkpoint exported with the float32 table (`shortlist export --encoder-dtype float32`)."""
+    return export_checkpoint(checkpoints["v1"], tmp_path_factory.mktemp("table32"), "v1", n_parity=50,
+                             encoder_dtype="float32")
+
+
+def test_a_float16_table_answers_as_the_float32_one(bundle_root: Path, float32_table_bundle: Path,
+                                                    synthetic_data: Path) -> None:
+    texts = sample_titles(synthetic_data, 100)
+    half, single = Predictor.load(bundle_root / "v1"), Predictor.load(float32_table_bundle)
+    assert half.bundle.encoder(1).table.dtype == "float16" and single.bundle.encoder(1).table.dtype == "float32"
+    sizes = [(b / ENCODER_DATA).stat().st_size for b in (bundle_root / "v1", float32_table_bundle)]
+    assert sizes[0] < 0.6 * sizes[1]
+    assert np.abs(half.encode(texts) - single.encode(texts)).max() < 2e-3
+    ids_h, scores_h = half.predict_ids(texts, k=5)
+    ids_s, scores_s = single.predict_ids(texts, k=5)
+    overlap = np.mean([len(set(a) & set(b)) / 5 for a, b in zip(ids_h.tolist(), ids_s.tolist(), strict=True)])
+    assert overlap >= 0.97 and np.mean(ids_h[:, 0] == ids_s[:, 0]) >= 0.97
+    assert np.abs(scores_h - scores_s).max() < 1e-2
+
+
+def _rewrite_table(bundle: Path, change: Callable[[np.ndarray], np.ndarray]) -> None:
+    """The bundle's encoder with its table changed, the manifest's checksums updated (a fault
+    of the export, not of the files after it)."""
+    import onnx  # the train extra's: the service itself never imports it
+    from onnx import numpy_helper
+
+    model = onnx.load(str(bundle / ENCODER))
+    table = max(model.graph.initializer, key=lambda t: int(np.prod(t.dims)))
+    table.CopyFrom(numpy_helper.from_array(change(numpy_helper.to_array(table)), table.name))
+    (bundle / ENCODER_DATA).unlink()  # onnx appends to an existing data file
+    onnx.save_model(model, str(bundle / ENCODER), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=ENCODER_DATA, size_threshold=1024)
+    manifest = json.loads((bundle / MANIFEST).read_text())
+    for name in (ENCODER, ENCODER_DATA):
+        manifest["files"][name] = sha256_file(bundle / name)
+    (bundle / MANIFEST).write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    # cast to float32 after the Gather, so onnxruntime would serve it
+    (lambda t: t.astype(np.float64),
+     r"token embedding table '[^']+' is float64 \[\d+, \d+\], expected float32 or float16"),
+    (lambda t: t[:-1], r"token embedding table of \d+ rows, for a vocabulary of \d+ token ids"),
+], ids=["float64", "one-row-short"])
+def test_a_table_of_another_dtype_or_shape_is_refused(bundle_root: Path, tmp_path: Path,
+                                                      change: Callable[[np.ndarray], np.ndarray], message: str) -> None:
+    bundle = tmp_path / "v1"
+    shutil.copytree(bundle_root / "v1", bundle)
+    _rewrite_table(bundle, change)
+    with pytest.raises(BundleError, match=message):
+        Predictor.load(bundle)
