@@ -13,7 +13,7 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from service.engine.encoder import ENCODER_INPUTS, ENCODER_OUTPUT, TABLE_DTYPES, OnnxEncoder
+from service.engine.encoder import ENCODER_INPUTS, ENCODER_OUTPUT, OnnxEncoder
 from service.engine.schema import ENCODER_DATA
 from service.engine.tokenizer import Tokenizer
 from training.encoder import SiameseEncoder
@@ -24,6 +24,7 @@ PARITY_TOLERANCE = 1e-5
 # Gather (onnxruntime's CPU Gather and Cast take float16): every serving process maps half the
 # pages (debian-deps: 36 -> 18 MiB). The query embedding moves by at most ~2e-4 a coordinate.
 DEFAULT_TABLE_DTYPE = "float16"
+TABLE_DTYPES = ("float16", "float32")
 
 
 def export_encoder(encoder: SiameseEncoder, path: Path, table_dtype: str = DEFAULT_TABLE_DTYPE) -> None:

@@ -29,7 +29,7 @@ def test_onnx_matches_torch_on_1000_texts_including_edge_cases(checkpoints, bund
     served = np.vstack([predictor.encode(texts[i : i + 100]) for i in range(0, 1000, 100)])
     ids, weights = ckpt.tokenizer.encode_batch(texts)
     # torch with the table's values as the graph stores them (float16 by default)
-    encoder = as_served(ckpt.encoder, predictor.bundle.encoder(1).table.dtype)
+    encoder = as_served(ckpt.encoder, predictor.bundle.manifest.metrics["encoder_table_dtype"])
     with torch.no_grad():
         ref = encoder(torch.from_numpy(ids), torch.from_numpy(weights)).numpy()
     assert np.abs(served - ref).max() <= PARITY_TOLERANCE

@@ -410,9 +410,6 @@ class Bundle:
         the vocabulary, or holds NaN in some row, would otherwise fail only on the requests
         whose text holds that token."""
         vocab, dim = self.manifest.vocab_size, self.manifest.dim
-        if encoder.table.shape[0] != vocab:
-            raise BundleError(f"{self._encoder_files()}: token embedding table of {encoder.table.shape[0]} rows, "
-                              f"for a vocabulary of {vocab} token ids")
         batches = [(np.zeros((1, 1), np.int64), np.zeros((1, 1), np.float32))]
         # Small batches: onnxruntime's memory arena keeps the largest run's buffers for the
         # session's life (4,096 ids a run left 18 MiB in every serving process, 256 leave 2.5).

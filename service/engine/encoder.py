@@ -15,14 +15,9 @@ import numpy as np
 os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
 import onnxruntime as ort  # noqa: E402
 
-from service.engine.onnx_table import EmbeddingTable, embedding_table  # noqa: E402
-
 log = logging.getLogger("shortlist.engine")
 ENCODER_INPUTS = ("ids", "weights")
 ENCODER_OUTPUT = "embedding"
-# The token embedding table's dtypes a graph may store (float16: cast to float32 after the Gather,
-# model_export/onnx_export.py; half the table's pages, the dominant part of the graph).
-TABLE_DTYPES = ("float32", "float16")
 
 
 @functools.cache
@@ -70,7 +65,6 @@ class OnnxEncoder:
         if len(outputs) != 1 or outputs[0].name != ENCODER_OUTPUT:
             raise ValueError(f"{path}: encoder must have one output named {ENCODER_OUTPUT!r}")
         self.dim = outputs[0].shape[-1]
-        self.table = _checked_table(path, self.dim)
         self._output_names = [ENCODER_OUTPUT]
 
     def run(self, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
@@ -78,16 +72,3 @@ class OnnxEncoder:
         # call (~3 us of a ~16 us single-query run).
         return self.session.run(self._output_names, {"ids": ids, "weights": weights})[0]
 
-
-def _checked_table(path: str | Path, dim: int | str) -> EmbeddingTable:
-    """The graph's token embedding table, refused unless float32 or float16 [rows, dim]: another
-    dtype cast after its Gather would still answer, but not as any export wrote it."""
-    try:
-        table = embedding_table(path)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{path}: cannot read the token embedding table: {exc}") from exc
-    width = table.shape[-1] if table.shape else None
-    if table.dtype not in TABLE_DTYPES or len(table.shape) != 2 or (isinstance(dim, int) and width != dim):
-        raise ValueError(f"{path}: token embedding table {table.name!r} is {table.dtype} {list(table.shape)}, "
-                         f"expected {' or '.join(TABLE_DTYPES)} [vocab_size, {dim}]")
-    return table
