@@ -31,19 +31,16 @@ an exported one does, its canaries recorded again.
 
 from __future__ import annotations
 
-import argparse
-import gzip
 import json
 import shutil
 import time
 import unicodedata
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import orjson
 
 from service.engine import canary, schema, store
 from service.engine.bundle import Bundle
@@ -483,52 +480,3 @@ def _canaries(staging: Path, texts: list[str]) -> list[dict[str, Any]]:
 def _manifest_fields(parent: Bundle, version: str, num_labels: int, lineage: schema.Lineage) -> dict[str, Any]:
     fields = parent.manifest.model_dump(exclude={"format_version", "created_at", "files", "canary", "lineage"})
     return {**fields, "version": version, "num_labels": num_labels, "lineage": lineage.model_dump()}
-
-
-def read_new_labels(path: str | Path) -> list[NewLabel]:
-    """Labels to add from a JSON-lines file ({"uid", "title", "content"?, "prior"?} a line, as an XC label
-    file; .gz read as gzip); ValueError naming the file and line of a bad row."""
-    path = Path(path)
-    opener = gzip.open if path.name.endswith(".gz") else open
-    out = []
-    with opener(path, "rt", encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = orjson.loads(line)
-                uid, title, content, prior = row["uid"], row["title"], row.get("content"), row.get("prior")
-            except (ValueError, KeyError, TypeError, AttributeError) as exc:
-                raise ValueError(f"{path}:{number}: a label is {{\"uid\", \"title\", \"content\"?, \"prior\"?}}: "
-                                 f"{exc!r}") from exc
-            if not isinstance(title, str) or not isinstance(content, str | None) or isinstance(uid, bool):
-                raise ValueError(f"{path}:{number}: title (and content) must be strings")
-            if prior is not None and (isinstance(prior, bool) or not isinstance(prior, int | float)):
-                raise ValueError(f"{path}:{number}: prior must be a number in [0, 1]")
-            out.append(NewLabel(str(uid), title, content, None if prior is None else float(prior)))
-    return out
-
-
-def run_cli(args: argparse.Namespace) -> int:
-    """`shortlist labels add|remove BUNDLE ...`: the derived bundle, written and checked offline."""
-    parent_dir = Path(args.bundle)
-    out_root = Path(args.out) if args.out else parent_dir.resolve().parent
-    if args.labels_command == "add":
-        change = LabelChange(add=read_new_labels(args.labels))
-    else:
-        uids = list(args.uids)
-        if args.uids_file:
-            uids += [line.strip() for line in Path(args.uids_file).read_text(encoding="utf-8").splitlines()
-                     if line.strip()]
-        change = LabelChange(retire=uids)
-    parent = Predictor.load(parent_dir).bundle
-    try:
-        lineage = parent.manifest.lineage
-        version = args.version or derived_version(lineage.base if lineage else parent.version,
-                                                  lambda v: (out_root / v).exists())
-        report = LabelEditor().derive(parent, change, out_root, schema.validate_version_name(version))
-    finally:
-        parent.close()
-    Predictor.load(out_root / version).bundle.close()  # what was written passes the checks the service runs
-    print(json.dumps({**asdict(report), "path": str(out_root / version)}))
-    return 0
