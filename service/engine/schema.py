@@ -172,6 +172,14 @@ class BundleError(ValueError):
     """A bundle that must not be served; the message names the file and what is wrong."""
 
 
+def _without_zero(fields: dict[str, Any], name: str) -> dict[str, Any]:
+    """A model's serialized fields without `name` where it is 0: a field added later is written only
+    where it is used, so every manifest that does not use it reads as before."""
+    if not fields.get(name):
+        fields.pop(name, None)
+    return fields
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -212,10 +220,7 @@ class Shortlist(_Strict):
 
     @model_serializer(mode="wrap")
     def _omit_unused(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        fields = handler(self)
-        if not self.k_added:
-            fields.pop("k_added", None)
-        return fields
+        return _without_zero(handler(self), "k_added")
 
     @model_validator(mode="after")
     def _some_source(self) -> Shortlist:
@@ -262,10 +267,7 @@ class HnswParams(_Strict):
 
     @model_serializer(mode="wrap")
     def _omit_unprojected(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        fields = handler(self)
-        if not self.projection_dim:
-            fields.pop("projection_dim", None)
-        return fields
+        return _without_zero(handler(self), "projection_dim")
 
 
 class CanaryQuery(_Strict):
