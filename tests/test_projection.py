@@ -80,6 +80,15 @@ def test_a_damaged_projection_is_refused_naming_its_file(rows_and_queries, tmp_p
         VectorIndex.load(tmp_path / "i.bin", dim=64, count=len(rows), ef_search=20, projection_dim=16)
 
 
+def test_an_unreadable_projection_is_refused_naming_its_file(rows_and_queries, tmp_path) -> None:
+    rows = rows_and_queries[0]
+    VectorIndex.build(rows, M=8, ef_construction=40, ef_search=20, seed=0, projection_dim=16).save(tmp_path / "i.bin")
+    path = tmp_path / "i_projection.npy"
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(ValueError, match=r"i_projection\.npy: unreadable projection"):
+        VectorIndex.load(tmp_path / "i.bin", dim=64, count=len(rows), ef_search=20, projection_dim=16)
+
+
 def test_retune_builds_projected_indices_and_export_serves_them(projected_bundle, bundle_root) -> None:
     predictor = Predictor.load(projected_bundle)  # checksums, shapes, canaries
     manifest = predictor.bundle.manifest

@@ -228,8 +228,8 @@ class Projection:
         """The projection saved at `path`, checked: ValueError naming the file and what is wrong."""
         try:
             stored = np.load(path, allow_pickle=False)
-        except (OSError, ValueError, EOFError) as exc:
-            raise ValueError(f"{path}: unreadable projection: {exc}") from exc
+        except Exception as exc:  # numpy parses a header with Python's tokenizer: any error type
+            raise ValueError(f"{path}: unreadable projection: {type(exc).__name__}: {exc}") from exc
         want = (input_dim + 1, dim)
         if stored.dtype != np.float32 or stored.shape != want:
             raise ValueError(f"{path}: expected float32 {want} (rows of dimension {input_dim} onto {dim}), "
