@@ -30,7 +30,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--retune", metavar="CKPT",
                    help="keep CKPT (trained on the same --data) and tune only its scoring and served sources again "
                         "on its validation split; --config may hold only the tuning's keys (tune_*, serve_k_*, "
-                        "alpha, exclude_own_labels) overriding CKPT's")
+                        "alpha, exclude_own_labels) overriding CKPT's, and index_* keys, which build its HNSW "
+                        "indices again first")
     p.set_defaults(handler="training.train_cli:run_cli")
 
 

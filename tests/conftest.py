@@ -12,7 +12,7 @@ import pytest
 
 from model_export.export import export_checkpoint
 from training.config import TrainConfig
-from training.pipeline import train
+from training.pipeline import retune, train
 from training.synthetic import generate
 
 SYNTHETIC = {"num_labels": 300, "train_docs": 1500, "test_docs": 300, "seed": 0}
@@ -56,3 +56,17 @@ def bundle_root_copy(bundle_root_template: Path, tmp_path: Path) -> Path:
     dst = tmp_path / "bundles"
     shutil.copytree(bundle_root_template, dst)
     return dst
+
+
+# The projection of the projected fixture bundle: half the tiny preset's dim (32).
+PROJECTION_DIM = 16
+
+
+@pytest.fixture(scope="session")
+def projected_bundle(checkpoints: dict[str, Path], synthetic_data: Path,
+                     tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Checkpoint "v1" with its indices built again over a projection (`shortlist train --retune` with
+    index_projection_dim), its scoring tuned over them and exported as bundle "p1"; tests must not modify it."""
+    ckpt_dir = tmp_path_factory.mktemp("ckpt-projected")
+    retune(checkpoints["v1"], synthetic_data, {"index_projection_dim": PROJECTION_DIM}).save(ckpt_dir)
+    return export_checkpoint(ckpt_dir, tmp_path_factory.mktemp("bundles-projected"), "p1")

@@ -70,7 +70,7 @@ def test_missing_or_unknown_files_are_rejected(bundle_root_copy):
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    ({"format_version": 99}, "bundle format 99, this engine reads 1, 2"),
+    ({"format_version": 99}, "bundle format 99, this engine reads 1, 2, 3"),
     ({"new_field": 1}, "invalid manifest.*new_field"),
     ({"scoring": {"alpha": 1.5}}, "invalid manifest.*alpha"),
 ])

@@ -1,5 +1,10 @@
 """Approximate nearest labels during training (hard negatives in Modules I and II), on the
-serving engine's index (rows centred, which HNSW needs for embeddings that share a direction)."""
+serving engine's index (rows centred, which HNSW needs for embeddings that share a direction).
+
+Unprojected (no projection_dim): the bundle's indices are projected to shrink what a serving
+process holds for its whole life, and their candidates are scored in full after; these indices
+live for one training stage, and their neighbours are the negatives themselves, so the ranking
+the projection approximates would change what is trained (not measured: left as it was)."""
 
 from __future__ import annotations
 

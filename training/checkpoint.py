@@ -8,7 +8,8 @@ Layout of CKPT_DIR (each part saved by the object that fitted it):
   encoder.pt             state_dict of training.encoder.SiameseEncoder
   classifiers.npy, classifier_bias.npy   training.classifiers.OneVsAll
   centroids.npy          training.centroids.Centroids
-  hnsw_w.bin, hnsw_mu.bin   the bundle's indices (service.engine.index), the scoring tuned on them
+  hnsw_w.bin, hnsw_mu.bin   the bundle's indices (service.engine.index), the scoring tuned on them,
+                         with hnsw_w_projection.npy, hnsw_mu_projection.npy when hnsw.projection_dim > 0
   token_shortlist.npz    optional: training.token_shortlist (the table and its chosen form)
   tree.npz               optional: training.tree_train.AdversarialTree
   validation.jsonl       optional: held-out {"text", "target_ind"} rows for a bundle's quality gate
@@ -74,7 +75,7 @@ class Checkpoint:
         self.classifiers.save(out)
         self.centroids.save(out)
         if self.indices is not None:
-            self.indices[0].save(out / HNSW_W)
+            self.indices[0].save(out / HNSW_W)  # with its projection file, if it has one
             self.indices[1].save(out / HNSW_MU)
         if self.token_table is not None:
             save_table(self.token_table, out)
@@ -106,8 +107,8 @@ class Checkpoint:
         hnsw = HnswParams.model_validate(meta["hnsw"]) if "hnsw" in meta else _FORMAT1_HNSW
         indices = None
         if (ckpt / HNSW_W).is_file():
-            indices = (VectorIndex.load(ckpt / HNSW_W, meta["dim"] + 1, meta["num_labels"], hnsw.ef_search),
-                       VectorIndex.load(ckpt / HNSW_MU, meta["dim"], meta["num_labels"], hnsw.ef_search))
+            indices = tuple(VectorIndex.load(ckpt / file, dim, meta["num_labels"], hnsw.ef_search, hnsw.projection_dim)
+                            for file, dim in ((HNSW_W, meta["dim"] + 1), (HNSW_MU, meta["dim"])))
         validation = []
         if (ckpt / VALIDATION).is_file():
             validation = [json.loads(line) for line in (ckpt / VALIDATION).read_text(encoding="utf-8").splitlines()]

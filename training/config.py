@@ -108,6 +108,14 @@ class TrainConfig:
     index_m: int = 24
     index_ef_construction: int = 200
     index_ef_search: int = 50
+    # Rows of more dimensions than this are indexed projected onto their top index_projection_dim
+    # principal directions (HnswParams.projection_dim); rows of at most this many, or with 0, as
+    # they are. The index only finds candidates, scored from the full rows after; hnswlib's
+    # float32 copy of each row shrinks by dim / index_projection_dim and a search computes
+    # shorter products. debian-deps validation (D = 256, k_mu 50, the same scoring; bench/RESULTS.md,
+    # issue 21): 128 kept P@1 / P@5 / PSP@5 within 0.25 point (the objective -0.35, inside
+    # tune_source_margin), the centroid graph 52 -> 31 MB, its search 94 -> 71 us; 64 lost 0.8 of PSP@5.
+    index_projection_dim: int = 128
     # Scoring (alpha, calibrations, lexical weight): tuned on validation when `tune`, to
     # maximise sum of weight * metric (TUNABLE_METRICS); a single metric picks noisily.
     tune: bool = True
@@ -263,7 +271,7 @@ class TrainConfig:
         if self.index_m < 2:
             raise ValueError("index_m must be >= 2")
         for name in ("serve_k_w", "serve_k_mu", "serve_k_head", "token_shortlist_width", "tune_k_hnsw", "threads",
-                     "index_threads"):
+                     "index_threads", "index_projection_dim"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         if not 0 <= self.serve_k_tok <= self.token_shortlist_width:

@@ -89,12 +89,8 @@ def _train(data_dir: Path, cfg: TrainConfig, text_field: str, trn: Split | None 
             tree = fit_tree(cfg, data, doc_emb, clf)
     del doc_emb
     with report.stage("indices"):
-        hnsw = HnswParams(M=cfg.index_m, ef_construction=cfg.index_ef_construction, ef_search=cfg.index_ef_search)
-        insertion_threads = 1 if cfg.deterministic else _index_threads(cfg)
-        indices = build_label_indices(
-            clf.weights_, clf.bias_, centroids.vectors_, hnsw, cfg.seed, insertion_threads,
-            lambda name: lambda starts: Progress(starts, f"bundle's HNSW index of {data.num_labels} {name}",
-                                                 enabled=cfg.progress))
+        hnsw = index_params(cfg)
+        indices = _build_indices(cfg, hnsw, clf, centroids)
     with report.stage("tuning"):
         scoring, table = tune_scoring(cfg, data, encoder, clf, centroids, indices, tables, device, report)
     report.test_module3(data, encoder, LabelScorer.of(clf.weights_, clf.bias_, centroids.vectors_, scoring), device,
@@ -124,23 +120,51 @@ def refit_tree(checkpoint: str | Path, data_dir: str | Path, tree_config: dict[s
     return ckpt
 
 
-# The training config keys a retune may change: the tuning's and the served sources'.
+def index_params(cfg: TrainConfig) -> HnswParams:
+    """The bundle's HNSW parameters from the training config: projected where the rows (dim D, or
+    D + 1 with the bias) have more dimensions than index_projection_dim."""
+    projection = cfg.index_projection_dim if cfg.index_projection_dim < cfg.dim else 0
+    return HnswParams(M=cfg.index_m, ef_construction=cfg.index_ef_construction, ef_search=cfg.index_ef_search,
+                      projection_dim=projection)
+
+
+def _build_indices(cfg: TrainConfig, hnsw: HnswParams, clf: OneVsAll,
+                   centroids: Centroids) -> tuple[VectorIndex, VectorIndex]:
+    insertion_threads = 1 if cfg.deterministic else _index_threads(cfg)
+    return build_label_indices(
+        clf.weights_, clf.bias_, centroids.vectors_, hnsw, cfg.seed, insertion_threads,
+        lambda name: lambda starts: Progress(starts, f"bundle's HNSW index of {len(clf.bias_)} {name}",
+                                             enabled=cfg.progress))
+
+
+# The training config keys a retune may change: the tuning's and the served sources', and the
+# indices' (which are then built again before the tuning).
+INDEX_KEYS = ("index_m", "index_ef_construction", "index_ef_search", "index_projection_dim", "index_threads")
 RETUNE_KEYS = ("tune", "tune_objective", "exclude_own_labels", "alpha", "serve_k_w", "serve_k_mu", "serve_k_tok",
-               "serve_k_head", "tune_sources", "tune_k_hnsw", "tune_source_margin", "tune_source_level")
+               "serve_k_head", "tune_sources", "tune_k_hnsw", "tune_source_margin", "tune_source_level", *INDEX_KEYS)
 
 
 def retune(checkpoint: str | Path, data_dir: str | Path, tune_config: dict[str, Any] | None = None) -> Checkpoint:
     """`checkpoint` with only its scoring and served sources tuned again (RETUNE_KEYS of its
     config overridden by `tune_config`) on the same data and validation split, over its own
     indices and token table (the lexical form training kept: the other one is not stored);
-    the encoder, classifiers, centroids and tree kept. Seconds instead of a training."""
+    the encoder, classifiers, centroids and tree kept. Seconds instead of a training. Index
+    keys that change the checkpoint's HNSW parameters build its indices again first (minutes)."""
     unknown = sorted(set(tune_config or {}) - set(RETUNE_KEYS))
     if unknown:
         raise ValueError(f"a retune changes only {', '.join(RETUNE_KEYS)}; got {', '.join(unknown)}")
     ckpt = Checkpoint.load(checkpoint)
+    # The indices the checkpoint holds, whatever its config says (a config of an older version
+    # lacks the newer keys, which would read as today's defaults).
+    held = {"index_m": ckpt.hnsw.M, "index_ef_construction": ckpt.hnsw.ef_construction,
+            "index_ef_search": ckpt.hnsw.ef_search, "index_projection_dim": ckpt.hnsw.projection_dim}
+    cfg = TrainConfig.from_dict({**ckpt.config, **held, **(tune_config or {})})
+    if index_params(cfg) != ckpt.hnsw:
+        with _torch_settings(cfg):
+            ckpt.hnsw = index_params(cfg)
+            ckpt.indices = _build_indices(cfg, ckpt.hnsw, ckpt.classifiers, ckpt.centroids)
     if ckpt.indices is None:
         raise ValueError(f"{checkpoint}: a format-1 checkpoint holds no HNSW indices to tune over")
-    cfg = TrainConfig.from_dict({**ckpt.config, **(tune_config or {})})
     with _torch_settings(cfg):
         data = TrainingSet.load(Path(data_dir), cfg, ckpt.text_field, np.random.default_rng(cfg.seed))
         if data.fingerprint != ckpt.fingerprint:

@@ -33,7 +33,9 @@ from service.engine.schema import (
     ENCODER,
     ENCODER_DATA,
     HNSW_MU,
+    HNSW_MU_PROJECTION,
     HNSW_W,
+    HNSW_W_PROJECTION,
     KNOWN_FILES,
     LABELS,
     LEXICAL_FILES,
@@ -66,7 +68,8 @@ IndexName = Literal["w", "mu"]
 RESIDENT_VECTORS_MAX_BYTES = 256 << 20
 _CHECK_BATCH = 256  # token ids a run when the encoder is checked (Bundle._check_encoder)
 # Files opened (and checksummed) on first need rather than at opening: the shortlist sources.
-ON_FIRST_NEED = frozenset((HNSW_W, HNSW_MU, TOKEN_SHORTLIST, *(n for names in LEXICAL_FILES.values() for n in names)))
+INDEX_FILES = frozenset((HNSW_W, HNSW_MU, HNSW_W_PROJECTION, HNSW_MU_PROJECTION))
+ON_FIRST_NEED = frozenset((*INDEX_FILES, TOKEN_SHORTLIST, *(n for names in LEXICAL_FILES.values() for n in names)))
 
 
 class Bundle:
@@ -314,10 +317,14 @@ class Bundle:
         with self._lock:
             index = self._indices.get((name, ef))
             if index is None:
-                file, dim = (HNSW_W, m.dim + 1) if name == "w" else (HNSW_MU, m.dim)
+                file, projection, dim = (HNSW_W, HNSW_W_PROJECTION, m.dim + 1) if name == "w" else (
+                    HNSW_MU, HNSW_MU_PROJECTION, m.dim)
                 self._verify(file)
+                if m.hnsw.projection_dim:
+                    self._verify(projection)
                 try:
-                    index = VectorIndex.load(self.path / file, dim=dim, count=m.num_labels, ef_search=ef)
+                    index = VectorIndex.load(self.path / file, dim=dim, count=m.num_labels, ef_search=ef,
+                                             projection_dim=m.hnsw.projection_dim)
                 except ValueError as exc:
                     raise BundleError(str(exc)) from exc
                 self._indices[(name, ef)] = index
@@ -337,7 +344,7 @@ class Bundle:
     def _open_token_table(self) -> TokenShortlist:
         m = self.manifest
         p = self.path / TOKEN_SHORTLIST
-        for name in sorted(ON_FIRST_NEED - {HNSW_W, HNSW_MU}):
+        for name in sorted(ON_FIRST_NEED - INDEX_FILES):
             if name in m.files:
                 self._verify(name)
         labels = self._load_array(TOKEN_SHORTLIST)

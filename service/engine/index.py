@@ -11,7 +11,7 @@ import hnswlib
 import numpy as np
 
 from service.engine import heap
-from service.engine.schema import HnswParams
+from service.engine.schema import HnswParams, projection_file
 
 # hnswlib's saved-index layout (HierarchicalNSW::saveIndex, unchanged since 0.6): offsetLevel0,
 # max_elements, cur_element_count, size_data_per_element, label_offset, offsetData (size_t),
@@ -32,13 +32,20 @@ class VectorIndex:
     ef 50 was 0.21; centred, 0.83. (Lifting rows onto a sphere, the textbook MIPS-to-NN
     reduction, did worse still: 0.09, every query being near-orthogonal to every row.)
 
+    With a `Projection` the graph holds the centred rows projected onto their top principal
+    directions and is searched with the queries projected the same way: an index that only
+    finds candidates (their scores are computed from the stored rows afterwards) needs far
+    fewer dimensions than the rows have, and hnswlib keeps a float32 copy of every vector it
+    indexes (debian-deps, 42K centroids, D = 256: 52 MiB of the serving process's heap).
+
     Searches never modify the index, so concurrent `search` calls from several threads
     are safe (hnswlib releases the GIL while it searches).
     """
 
-    def __init__(self, index: hnswlib.Index, ef_search: int) -> None:
+    def __init__(self, index: hnswlib.Index, ef_search: int, projection: Projection | None = None) -> None:
         self._index = index
-        self.dim = index.dim
+        self.projection = projection
+        self.dim = index.dim if projection is None else projection.input_dim  # of the rows and queries
         self.count = index.get_current_count()
         self.ef_search = int(ef_search)
         index.set_ef(self.ef_search)
@@ -53,21 +60,34 @@ class VectorIndex:
         seed: int = 0,
         threads: int = -1,
         progress: Callable[[range], Iterable[int]] | None = None,
+        projection_dim: int = 0,
     ) -> VectorIndex:
-        """An index of `vectors`' rows. `progress` wraps the starts of the row blocks inserted in
-        turn (a training bar); one block at a time with one thread makes the graph one call would."""
-        centred = centred_rows(vectors)
+        """An index of `vectors`' rows, projected onto their top `projection_dim` principal
+        directions when > 0. `progress` wraps the starts of the row blocks inserted in turn (a
+        training bar); one block at a time with one thread makes the graph one call would."""
+        projection = None
+        if projection_dim:
+            projection = Projection.fit(vectors, projection_dim)
+            centred = projection.rows(vectors)
+        else:
+            centred = centred_rows(vectors)
         index = hnswlib.Index(space="ip", dim=centred.shape[1])
         index.init_index(max_elements=len(vectors), M=M, ef_construction=ef_construction, random_seed=seed)
         starts = range(0, len(centred), _INSERT_ROWS_AT_ONCE)
         for start in progress(starts) if progress is not None else starts:
             block = centred[start : start + _INSERT_ROWS_AT_ONCE]
             index.add_items(block, np.arange(start, start + len(block)), num_threads=threads)
-        return cls(index, ef_search)
+        return cls(index, ef_search, projection)
 
     @classmethod
-    def load(cls, path: str | Path, dim: int, count: int, ef_search: int) -> VectorIndex:
+    def load(cls, path: str | Path, dim: int, count: int, ef_search: int, projection_dim: int = 0) -> VectorIndex:
+        """The index saved at `path` over `count` rows of dimension `dim`; with `projection_dim`
+        > 0 its projection too (schema.projection_file names the file beside it)."""
         path = Path(path)
+        projection = None
+        if projection_dim:
+            projection = Projection.load(path.with_name(projection_file(path.name)), dim, projection_dim)
+            dim = projection_dim
         try:
             state = _read_saved_index(path, dim)
         except (OSError, ValueError, struct.error) as exc:
@@ -87,32 +107,44 @@ class VectorIndex:
             heap.in_huge_pages(copy_in, nbytes)
         except (RuntimeError, ValueError, TypeError) as exc:
             raise ValueError(f"{path}: cannot load hnsw index of dim {dim}: {exc}") from exc
-        return cls(index, ef_search)
+        return cls(index, ef_search, projection)
 
     def add(self, vectors: np.ndarray, reference: np.ndarray) -> None:
-        """Append rows as ids count, count + 1, ... (labels added after training), centred as the
-        rows already indexed were. The index keeps only centred rows, so the mean they were
-        centred by is recovered from `reference`, the uncentred vectors of its first rows.
+        """Append rows as ids count, count + 1, ... (labels added after training), centred (and
+        projected) as the rows already indexed were. A projected index stores the mean it
+        subtracts; an unprojected one keeps only centred rows, so that mean is recovered from
+        `reference`, the uncentred vectors of its first rows.
         Never call this on an index that serves: searches may not run beside an insertion."""
-        n = min(len(reference), self.count, 256)
-        stored = np.asarray(self._index.get_items(np.arange(n)), dtype=np.float64)
-        mean = (np.asarray(reference[:n], dtype=np.float64) - stored).mean(axis=0)
-        centred = (np.asarray(vectors, dtype=np.float64) - mean).astype(np.float32)
+        if self.projection is not None:
+            centred = self.projection.rows(vectors)
+        else:
+            n = min(len(reference), self.count, 256)
+            stored = np.asarray(self._index.get_items(np.arange(n)), dtype=np.float64)
+            mean = (np.asarray(reference[:n], dtype=np.float64) - stored).mean(axis=0)
+            centred = (np.asarray(vectors, dtype=np.float64) - mean).astype(np.float32)
         self._index.resize_index(self.count + len(centred))
         # One insertion thread: the same additions make the same graph.
         self._index.add_items(centred, np.arange(self.count, self.count + len(centred)), num_threads=1)
         self.count += len(centred)
 
-    def save(self, path: str | Path) -> None:
+    def save(self, path: str | Path) -> list[Path]:
+        """Write the index to `path` (and its projection beside it); returns the files written."""
+        path = Path(path)
         self._index.save_index(str(path))
+        if self.projection is None:
+            return [path]
+        return [path, self.projection.save(path.with_name(projection_file(path.name)))]
 
     def search(self, queries: np.ndarray, k: int, threads: int = 1) -> np.ndarray:
-        """Ids [B, k] of the rows with the largest inner product with each query, best first.
+        """Ids [B, k] of the rows with the largest inner product with each query, best first
+        (in the projection, if the index has one).
 
         hnswlib searches max(ef_search, k) candidates. `threads` > 1 splits a large batch of
         queries (offline use); serving calls use one.
         """
         k = min(k, self.count)
+        if self.projection is not None:
+            queries = self.projection.queries(queries)
         try:
             labels, _ = self._index.knn_query(queries, k=k, num_threads=threads)
         except RuntimeError:
@@ -138,6 +170,77 @@ class VectorIndex:
 
 _CENTRE_ROWS_AT_ONCE = 1 << 16
 _INSERT_ROWS_AT_ONCE = 1 << 14
+# How far a stored projection's columns may be from orthonormal (float32 rounding is ~1e-6).
+_ORTHONORMAL_TOLERANCE = 1e-3
+
+
+class Projection:
+    """Rows and queries onto the top-d principal directions of an index's centred rows.
+
+    components [D, d] (orthonormal columns, each column's largest entry positive, so a fit is
+    the same on any LAPACK) and offset [d], the rows' mean projected: a row x is stored as
+    x @ components - offset, its centred row projected, and a query q searched as q @ components
+    (the offset shifts every row's inner product with q by the same amount). Inner products in
+    the projection rank rows as the full ones do up to the variance the dropped directions hold:
+    the index's candidates are scored in full afterwards, so it only has to find them.
+    """
+
+    def __init__(self, components: np.ndarray, offset: np.ndarray) -> None:
+        self.components = np.ascontiguousarray(components, dtype=np.float32)
+        self.offset = np.ascontiguousarray(offset, dtype=np.float32)
+        self.input_dim, self.dim = self.components.shape
+
+    @classmethod
+    def fit(cls, vectors: np.ndarray, dim: int) -> Projection:
+        """The top-`dim` principal directions of `vectors`' rows (covariance summed in float64 a
+        block of rows at a time: no centred copy of all rows)."""
+        rows, width = np.shape(vectors)
+        if not 1 <= dim < width:
+            raise ValueError(f"projection_dim {dim} must be in [1, {width}) for rows of dimension {width}")
+        mean = np.asarray(vectors).mean(axis=0, dtype=np.float64)
+        cov = np.zeros((width, width))
+        for start in range(0, rows, _CENTRE_ROWS_AT_ONCE):
+            block = np.asarray(vectors[start : start + _CENTRE_ROWS_AT_ONCE], dtype=np.float64) - mean
+            cov += block.T @ block
+        _, vectors_by_variance = np.linalg.eigh(cov)  # ascending
+        components = vectors_by_variance[:, ::-1][:, :dim]
+        components *= np.sign(components[np.abs(components).argmax(axis=0), np.arange(dim)])
+        return cls(components, mean @ components)
+
+    def rows(self, vectors: np.ndarray) -> np.ndarray:
+        """float32 [n, d]: rows centred and projected as the indexed rows were."""
+        out = np.empty((len(vectors), self.dim), dtype=np.float32)
+        for start in range(0, len(out), _CENTRE_ROWS_AT_ONCE):
+            block = np.asarray(vectors[start : start + _CENTRE_ROWS_AT_ONCE], dtype=np.float32)
+            out[start : start + len(block)] = block @ self.components - self.offset
+        return out
+
+    def queries(self, queries: np.ndarray) -> np.ndarray:
+        return np.asarray(queries, dtype=np.float32) @ self.components
+
+    def save(self, path: Path) -> Path:
+        """float32 [D + 1, d]: the components, then the offset as the last row."""
+        np.save(path, np.vstack((self.components, self.offset[None, :])))
+        return path
+
+    @classmethod
+    def load(cls, path: Path, input_dim: int, dim: int) -> Projection:
+        """The projection saved at `path`, checked: ValueError naming the file and what is wrong."""
+        try:
+            stored = np.load(path, allow_pickle=False)
+        except Exception as exc:  # numpy parses a header with Python's tokenizer: any error type
+            raise ValueError(f"{path}: unreadable projection: {type(exc).__name__}: {exc}") from exc
+        want = (input_dim + 1, dim)
+        if stored.dtype != np.float32 or stored.shape != want:
+            raise ValueError(f"{path}: expected float32 {want} (rows of dimension {input_dim} onto {dim}), "
+                             f"found {stored.dtype} {stored.shape}")
+        if not np.isfinite(stored).all():
+            raise ValueError(f"{path}: non-finite values")
+        components = stored[:-1]
+        gram = components.T.astype(np.float64) @ components
+        if np.abs(gram - np.eye(dim)).max() > _ORTHONORMAL_TOLERANCE:
+            raise ValueError(f"{path}: the components are not orthonormal (not a projection export wrote)")
+        return cls(components, stored[-1])
 
 
 def centred_rows(vectors: np.ndarray) -> np.ndarray:
@@ -161,7 +264,8 @@ def build_label_indices(
     graphs that depend on their timing. `progress(name)` wraps each build's row blocks."""
     wb = np.hstack([np.asarray(w, dtype=np.float32), np.asarray(b, dtype=np.float32)[:, None]])
     return tuple(VectorIndex.build(x, params.M, params.ef_construction, params.ef_search, seed, threads=threads,
-                                   progress=progress(name) if progress is not None else None)
+                                   progress=progress(name) if progress is not None else None,
+                                   projection_dim=params.projection_dim)
                  for name, x in (("classifiers", wb), ("centroids", mu)))  # type: ignore[return-value]
 
 

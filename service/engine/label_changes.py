@@ -221,11 +221,12 @@ class LabelEditor:
              np.hstack((parent.classifiers[ref].astype(np.float32), parent.classifier_bias[ref, None]))),
             (schema.HNSW_MU, mu[first:].astype(np.float32), parent.centroids[ref].astype(np.float32)),
         ):
-            index = VectorIndex.load(parent.path / file, dim=added.shape[1], count=first,
-                                     ef_search=parent.manifest.hnsw.ef_search)
+            hnsw = parent.manifest.hnsw
+            index = VectorIndex.load(parent.path / file, dim=added.shape[1], count=first, ef_search=hnsw.ef_search,
+                                     projection_dim=hnsw.projection_dim)
             index.add(added, reference)
-            index.save(plan.staging / file)
-            plan.written.add(file)
+            # A projected index keeps its parent's projection (rewritten, the same values).
+            plan.written.update(p.name for p in index.save(plan.staging / file))
         labels_path = plan.staging / schema.LABELS
         shutil.copyfile(parent.path / schema.LABELS, labels_path)
         with labels_path.open("a", encoding="utf-8") as f:

@@ -17,6 +17,12 @@ A bundle is a directory BUNDLE_ROOT/VERSION, immutable once written:
   centroids.npy          [L, D] mu_l, the manifest's vector_dtype (memory-mapped)
   hnsw_w.bin             service.engine.index.VectorIndex over [w_l, b_l] (MIPS, rows centred, dim D + 1)
   hnsw_mu.bin            service.engine.index.VectorIndex over mu_l (MIPS, rows centred, dim D)
+  hnsw_w_projection.npy  format 3, with hnsw.projection_dim d > 0 (and then required): float32
+  hnsw_mu_projection.npy [D' + 1, d], D' the index's input dimension (D + 1 for hnsw_w, D for
+                         hnsw_mu): rows 0..D'-1 the top-d principal directions of the centred rows
+                         (orthonormal columns), row D' the rows' mean projected; the index then holds
+                         the rows projected, (x - mean) @ P, dim d, and is searched with q @ P
+                         (service.engine.index.Projection)
   token_shortlist.npy    optional: [vocab_size, M] int32, per token id the labels it co-occurred
                          with most in training, most first, -1 padded (row 0, padding, all -1)
   token_shortlist_shares.npy   optional: [vocab_size, M] float32 in [0, 1], P(label | token)
@@ -88,9 +94,12 @@ from pydantic import (
 # - labels changed after training (Manifest.lineage, the token overflow, retired labels, a tree
 #   over the first tree_labels labels);
 # - tree.npz's lexical arrays, a scoring term of the tree classifier (TREE_ARRAYS_SINCE).
-# Every format-1 bundle reads as it did.
-FORMAT_VERSION = 2
-READABLE_FORMATS = (1, 2)
+# Format 3 added, optional: HNSW indices over the rows projected onto their top principal
+# directions (`HnswParams.projection_dim`, the projection files); an index of another dimension
+# than the manifest's dim is a new index layout, which readers before it must refuse.
+# Every format-1 and format-2 bundle reads as it did.
+FORMAT_VERSION = 3
+READABLE_FORMATS = (1, 2, 3)
 VectorDtype = Literal["float32", "float16"]
 VECTOR_DTYPES: tuple[str, ...] = ("float32", "float16")
 
@@ -114,10 +123,21 @@ SHARD_LABELS = "shard_labels.npy"
 TOKEN_OVERFLOW = "token_overflow.npy"
 TOKEN_OVERFLOW_WEIGHTS = "token_overflow_weights.npy"
 RETIRED_LABELS = "labels_retired.npy"
+
+
+def projection_file(index_file: str) -> str:
+    """The file of an index file's projection (hnsw_mu.bin -> hnsw_mu_projection.npy), in a bundle
+    or a checkpoint: listed exactly when hnsw.projection_dim > 0."""
+    return f"{Path(index_file).stem}_projection.npy"
+
+
+HNSW_W_PROJECTION = projection_file(HNSW_W)
+HNSW_MU_PROJECTION = projection_file(HNSW_MU)
+PROJECTION_FILES = (HNSW_W_PROJECTION, HNSW_MU_PROJECTION)
 REQUIRED_FILES = (ENCODER, TOKENIZER, LABELS, CLASSIFIERS, CLASSIFIER_BIAS, CENTROIDS, HNSW_W, HNSW_MU)
 OPTIONAL_FILES = (
     ENCODER_DATA, TREE, VALIDATION, TOKEN_SHORTLIST, TOKEN_SHORTLIST_SHARES, TOKEN_SHORTLIST_WEIGHTS,
-    TOKEN_SHORTLIST_BIAS, SHARD_LABELS, TOKEN_OVERFLOW, TOKEN_OVERFLOW_WEIGHTS, RETIRED_LABELS,
+    TOKEN_SHORTLIST_BIAS, SHARD_LABELS, TOKEN_OVERFLOW, TOKEN_OVERFLOW_WEIGHTS, RETIRED_LABELS, *PROJECTION_FILES,
 )
 KNOWN_FILES = frozenset((*REQUIRED_FILES, *OPTIONAL_FILES))
 
@@ -151,6 +171,14 @@ _HASH_CHUNK = 1 << 20
 
 class BundleError(ValueError):
     """A bundle that must not be served; the message names the file and what is wrong."""
+
+
+def _without_zero(fields: dict[str, Any], name: str) -> dict[str, Any]:
+    """A model's serialized fields without `name` where it is 0: a field added later is written only
+    where it is used, so every manifest that does not use it reads as before."""
+    if not fields.get(name):
+        fields.pop(name, None)
+    return fields
 
 
 class _Strict(BaseModel):
@@ -193,10 +221,7 @@ class Shortlist(_Strict):
 
     @model_serializer(mode="wrap")
     def _omit_unused(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        fields = handler(self)
-        if not self.k_added:
-            fields.pop("k_added", None)
-        return fields
+        return _without_zero(handler(self), "k_added")
 
     @model_validator(mode="after")
     def _some_source(self) -> Shortlist:
@@ -236,6 +261,14 @@ class HnswParams(_Strict):
     M: int = Field(ge=2)
     ef_construction: int = Field(ge=1)
     ef_search: int = Field(ge=1)
+    # d > 0 (format 3): each index holds its rows projected onto their top-d principal directions
+    # and finds candidates in d dimensions (the scores are computed from the stored rows after);
+    # 0: the rows themselves. Written only when > 0, so a manifest without it reads as before.
+    projection_dim: int = Field(0, ge=0)
+
+    @model_serializer(mode="wrap")
+    def _omit_unprojected(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_zero(handler(self), "projection_dim")
 
 
 class CanaryQuery(_Strict):
@@ -320,7 +353,7 @@ class Manifest(_Strict):
 
     @model_validator(mode="after")
     def _fields_of_format(self) -> Manifest:
-        """What only format 2 may hold, each named when a format-1 manifest claims it; a lineage's
+        """What only a later format may hold, each named when an earlier manifest claims it; a lineage's
         tree within the labels."""
         if self.format_version < 2:
             wrong = []
@@ -332,9 +365,24 @@ class Manifest(_Strict):
                 wrong.append("a lineage (labels changed after training) needs format_version 2")
             if wrong:
                 raise ValueError("; ".join(wrong))
+        if self.format_version < 3 and self.hnsw.projection_dim:
+            raise ValueError(f"hnsw.projection_dim {self.hnsw.projection_dim} needs format_version 3")
+        self._projection_files()
         if self.lineage is not None and self.lineage.tree_labels > self.num_labels:
             raise ValueError(f"lineage.tree_labels {self.lineage.tree_labels} > num_labels {self.num_labels}")
         return self
+
+    def _projection_files(self) -> None:
+        """The projection files are listed exactly when the indices are projected, onto fewer
+        dimensions than the rows have (as many would only add a product to every query)."""
+        d = self.hnsw.projection_dim
+        for name in PROJECTION_FILES:
+            if d and name not in self.files:
+                raise ValueError(f"hnsw.projection_dim is {d} but {name} is not listed")
+            if not d and name in self.files:
+                raise ValueError(f"{name} is listed but hnsw.projection_dim is 0 (the indices are not projected)")
+        if d >= self.dim:
+            raise ValueError(f"hnsw.projection_dim {d} must be below dim {self.dim}")
 
     @property
     def has_tree(self) -> bool:
