@@ -10,7 +10,6 @@ import array
 import functools
 import json
 import math
-import operator
 import re
 import threading
 import unicodedata
@@ -127,17 +126,21 @@ def _unicode_tables() -> _UnicodeTables:
     candidate (re tests an astral range by range, ~200 ns a character against ~3 ns for a BMP
     bitmap): an astral character is never a split point, and a run of them is checked one
     character at a time."""
-    decompositions = list(map(unicodedata.decomposition, map(chr, range(0x110000))))
+    # No list of every code point's values (+18 MiB at the peak of every process that builds
+    # these): the classes in bytes, the few thousand decompositions by code point.
+    everything = range(0x110000)
+    combining_class = bytes(map(unicodedata.combining, map(chr, everything)))
+    decompositions = {cp: unicodedata.decomposition(chr(cp))
+                      for cp in compress(everything, map(unicodedata.decomposition, map(chr, everything)))}
     # Characters that canonical composition joins to the one before them: the second of every
     # two-character canonical decomposition, and Hangul's vowel and final jamo.
-    joins_back = {chr(int(d.split()[1], 16)) for d in decompositions if d and d[0] != "<" and len(d.split()) == 2}
+    joins_back = {chr(int(d.split()[1], 16)) for d in decompositions.values() if d[0] != "<" and len(d.split()) == 2}
     joins_back.update(map(chr, range(0x1161, 0x1176)), map(chr, range(0x11A8, 0x11C3)))
-    combining_class = list(map(unicodedata.combining, map(chr, range(0x110000))))
     combining, unsafe, growing = set(), set(), set()
     # Other characters are starters of their own: not combining, unsafe only if they join back.
-    for cp in compress(range(0x110000), map(operator.or_, map(bool, decompositions), combining_class)):
+    for cp in sorted(decompositions.keys() | set(compress(everything, combining_class))):
         char = chr(cp)
-        nfkd = unicodedata.normalize("NFKD", char) if decompositions[cp] else char
+        nfkd = unicodedata.normalize("NFKD", char) if cp in decompositions else char
         if all(combining_class[ord(c)] for c in nfkd):
             combining.add(char)
         if combining_class[ord(nfkd[0])] or nfkd[0] in joins_back:
