@@ -169,3 +169,24 @@ def test_sharding_refuses_bad_requests(bundle_root: Path, sharded_root: Path, tm
         shard_bundle(bundle_root / "v1", 2, sharded_root)
     with pytest.raises(ValueError, match="is a shard already"):
         shard_bundle(sharded_root / "v1" / "shard-0-of-3", 2, tmp_path)
+
+
+def test_a_projected_bundle_shards_into_projected_shards_that_answer_as_it(projected_bundle: Path,
+                                                                           synthetic_data: Path, tmp_path: Path):
+    """Each shard builds its HNSW indices over a projection of its own rows (the parent's
+    projection_dim), files and manifest consistent, and the shards together answer as the parent."""
+    assert main(["shard", str(projected_bundle), "--shards", "2", "--out", str(tmp_path)]) == 0
+    parent = Predictor.load(projected_bundle)
+    dim = parent.bundle.manifest.hnsw.projection_dim
+    assert dim > 0
+    for d in shard_dirs(tmp_path / "p1"):
+        shard = Predictor.load(d)  # every check of a projected bundle, its own canaries
+        assert shard.bundle.manifest.hnsw.projection_dim == dim
+        assert {"hnsw_w_projection.npy", "hnsw_mu_projection.npy"} <= set(shard.bundle.manifest.files)
+    texts, truths = held_out(synthetic_data)
+    exact = PredictorOptions(k_w=0, k_mu=0)
+    sharded = ShardedPredictor.load(tmp_path / "p1", exact).predict(texts, k=10)
+    assert_same_answers([[(p.id, p.uid, p.score) for p in row] for row in sharded],
+                        Predictor.load(projected_bundle, exact).predict(texts, k=10))
+    got = ShardedPredictor.load(tmp_path / "p1").predict(texts, k=10)
+    assert abs(p_at_5(got, truths) - p_at_5(parent.predict(texts, k=10), truths)) <= 0.5
