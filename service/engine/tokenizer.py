@@ -55,8 +55,10 @@ def normalized_length_exceeds(text: str, limit: int) -> bool:
     about the limit's worth of normalisation however long the text grows (counting stops past
     the limit). The normalised form of a text within the limit is kept for normalize_text
     (RECENT_NORMALIZED texts): the service checks a request's texts before its engine call."""
-    if text.isascii() or unicodedata.is_normalized("NFKC", text):
-        return len(text.lower()) > limit  # only U+0130 grows under lower(), and it is not ASCII
+    if text.isascii():  # every request's text: no copy (lower() keeps an ASCII text's length)
+        return len(text) > limit
+    if unicodedata.is_normalized("NFKC", text):
+        return len(text.lower()) > limit  # only U+0130 grows under lower()
     safe = _stream_safe(text)
     tables = _unicode_tables()
     # len(normalize_text) <= len(NFKD): composition only shortens, and lower() lengthens only
