@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from training.data import fingerprint, load_labels, load_split
+from training.data import fingerprint, load_labels, load_split, same_data
 from training.synthetic import generate
 
 LABELS = [{"uid": "a", "title": "alpha", "content": "first"}, {"uid": "b", "title": "beta", "content": "second"}]
@@ -105,9 +105,25 @@ def test_fingerprint_follows_content(tmp_path: Path) -> None:
     a = _dataset(tmp_path / "a")
     b = _dataset(tmp_path / "b", docs=DOCS[:1])
     fa, fb = fingerprint(a, {"trn": 2}), fingerprint(b)
-    assert fa["sha256"] == fingerprint(_dataset(tmp_path / "c"))["sha256"]
     assert fa["sha256"] != fb["sha256"]
     assert fa["counts"] == {"trn": 2} and set(fa["files"]) == {"lbl.json.gz", "trn.json.gz"}
+    # The same rows compressed again at another time (gzip's header holds a time stamp): the same data.
+    c = tmp_path / "c"
+    shutil.copytree(a, c)
+    raw = gzip.decompress((a / "trn.json.gz").read_bytes())
+    (c / "trn.json.gz").write_bytes(gzip.compress(raw, mtime=123456789))
+    assert (c / "trn.json.gz").read_bytes() != (a / "trn.json.gz").read_bytes()
+    assert fingerprint(c)["sha256"] == fa["sha256"]
+
+
+def test_checkpoint_fingerprinted_by_file_bytes_still_matches(tmp_path: Path) -> None:
+    a = _dataset(tmp_path / "a")
+    stored = fingerprint(a, {"trn": 2}, content=False)
+    assert same_data(a, fingerprint(a, {"trn": 2}), stored)
+    assert same_data(a, fingerprint(a, {"trn": 2}), fingerprint(a, {"trn": 2}))
+    b = _dataset(tmp_path / "b", docs=DOCS[:1])
+    assert not same_data(b, fingerprint(b, {"trn": 2}), stored)
+    assert not same_data(b, fingerprint(b, {"trn": 2}), fingerprint(a, {"trn": 2}))
 
 
 def test_generated_data_is_seeded_and_loadable(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ it plainly instead of a traceback from deep inside.
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import math
@@ -172,25 +173,36 @@ def load_split(
     return Split(uids, texts, targets)
 
 
-def _sha256(path: Path) -> str:
+def _sha256(path: Path, content: bool = True) -> str:
+    """sha256 of a file's content: a `.gz` file's decompressed bytes, so that compressing the same
+    rows again (gzip's header holds a time stamp and a name) names the same data."""
     h = hashlib.sha256()
-    with path.open("rb") as f:
+    with (gzip.open if content and path.name.endswith(".gz") else open)(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
 
 
-def fingerprint(data_dir: str | Path, counts: dict[str, int] | None = None) -> dict[str, Any]:
-    """sha256 of each dataset file plus row counts, so a checkpoint names the data it saw."""
+def fingerprint(data_dir: str | Path, counts: dict[str, int] | None = None, content: bool = True) -> dict[str, Any]:
+    """sha256 of each dataset file's content plus row counts, so a checkpoint names the data it
+    saw. `content=False` hashes the files' bytes, as checkpoints written before 2026-11-27 did."""
     files = {}
     for split in ("trn", "tst", "lbl", "groups"):
         path = find_split_file(data_dir, split)
         if path is not None:
-            files[path.name] = _sha256(path)
+            files[path.name] = _sha256(path, content)
     combined = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
     return {
         "dataset": str(Path(data_dir).resolve().name),
         "sha256": combined,
         "files": files,
         "counts": dict(counts or {}),
+        **({"hashed": "content"} if content else {}),
     }
+
+
+def same_data(data_dir: str | Path, current: dict[str, Any], stored: dict[str, Any]) -> bool:
+    """Whether `stored` (a checkpoint's fingerprint) names the data whose fingerprint is `current`."""
+    if "hashed" not in stored:
+        current = fingerprint(data_dir, current.get("counts"), content=False)
+    return current == stored

@@ -25,7 +25,7 @@ from training.centroids import Centroids, hard_negative_shortlists
 from training.checkpoint import Checkpoint
 from training.classifiers import OneVsAll, Validation
 from training.config import TrainConfig
-from training.data import Split, find_split_file
+from training.data import Split, find_split_file, same_data
 from training.dataset import TrainingSet
 from training.encoder import SiameseEncoder, embed
 from training.progress import Progress
@@ -104,6 +104,11 @@ def _train(data_dir: Path, cfg: TrainConfig, text_field: str, trn: Split | None 
     )
 
 
+def _require_same_data(data_dir: str | Path, data: TrainingSet, ckpt: Checkpoint, checkpoint: str | Path) -> None:
+    if not same_data(data_dir, data.fingerprint, ckpt.fingerprint):
+        raise ValueError(f"{data_dir}: not the data {checkpoint} was trained on (fingerprints differ)")
+
+
 def refit_tree(checkpoint: str | Path, data_dir: str | Path, tree_config: dict[str, Any] | None = None) -> Checkpoint:
     """`checkpoint` with only its tree route fitted again (the encoder, Modules I-III, the token
     table and the scoring kept), on the same data and split: the tree's config is the
@@ -112,8 +117,7 @@ def refit_tree(checkpoint: str | Path, data_dir: str | Path, tree_config: dict[s
     cfg = TrainConfig.from_dict({**ckpt.config, "tree": {**ckpt.config.get("tree", {}), **(tree_config or {})}})
     with _torch_settings(cfg):
         data = TrainingSet.load(Path(data_dir), cfg, ckpt.text_field, np.random.default_rng(cfg.seed))
-        if data.fingerprint != ckpt.fingerprint:
-            raise ValueError(f"{data_dir}: not the data {checkpoint} was trained on (fingerprints differ)")
+        _require_same_data(data_dir, data, ckpt, checkpoint)
         doc_emb = embed(ckpt.encoder, data.docs, torch.device("cpu"))
         ckpt.tree = fit_tree(cfg, data, doc_emb, ckpt.classifiers)
     ckpt.config = asdict(cfg)
@@ -167,8 +171,7 @@ def retune(checkpoint: str | Path, data_dir: str | Path, tune_config: dict[str, 
         raise ValueError(f"{checkpoint}: a format-1 checkpoint holds no HNSW indices to tune over")
     with _torch_settings(cfg):
         data = TrainingSet.load(Path(data_dir), cfg, ckpt.text_field, np.random.default_rng(cfg.seed))
-        if data.fingerprint != ckpt.fingerprint:
-            raise ValueError(f"{data_dir}: not the data {checkpoint} was trained on (fingerprints differ)")
+        _require_same_data(data_dir, data, ckpt, checkpoint)
         report, device = Report(), torch.device("cpu")
         ckpt.scoring, ckpt.token_table = tune_scoring(cfg, data, ckpt.encoder, ckpt.classifiers, ckpt.centroids,
                                                       ckpt.indices, [ckpt.token_table], device, report)
