@@ -45,8 +45,9 @@ def reindex(bundle_dir: Path, out_root: Path, dim: int) -> Path:
     try:
         hnsw = m.hnsw.model_copy(update={"projection_dim": dim})
         seed = int(m.training_config.get("seed", 0))
-        w, b, mu = (np.asarray(a, dtype=np.float32) for a in (parent.classifiers, parent.classifier_bias,
-                                                             parent.centroids))
+        every = np.arange(m.num_labels)
+        w, b, mu = (parent.vector_rows(schema.CLASSIFIERS, every), np.asarray(parent.classifier_bias),
+                    parent.vector_rows(schema.CENTROIDS, every))
         t0 = time.perf_counter()
         written = {p.name for index, file in zip(build_label_indices(w, b, mu, hnsw, seed),
                                                   (schema.HNSW_W, schema.HNSW_MU), strict=True)

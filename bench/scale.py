@@ -255,11 +255,15 @@ EF_PROBES = (50, 100, 200, 400)
 def _index_recall(bundle: Any, predictor: Any, texts: Sequence[str], k: int) -> dict[str, Any]:
     """Each HNSW index's own recall: its top k against the exact top k by inner product, at the
     bundle's ef_search and at each of EF_PROBES (one query at a time: ms per search)."""
+    from service.engine import schema
+
     q = predictor.encode(texts)
     out: dict[str, Any] = {}
-    for name, vectors, queries in (("hnsw_w", np.hstack([bundle.classifiers, bundle.classifier_bias[:, None]]),
+    every = np.arange(bundle.manifest.num_labels)
+    w, mu = (bundle.vector_rows(name, every) for name in (schema.CLASSIFIERS, schema.CENTROIDS))
+    for name, vectors, queries in (("hnsw_w", np.hstack([w, bundle.classifier_bias[:, None]]),
                                     np.hstack([q, np.ones((len(q), 1), np.float32)])),
-                                   ("hnsw_mu", bundle.centroids, q)):
+                                   ("hnsw_mu", mu, q)):
         dense = np.asarray(vectors, dtype=np.float32)
         exact = np.vstack([np.argpartition(-(queries[i : i + 50] @ dense.T), k, axis=1)[:, :k]
                            for i in range(0, len(queries), 50)])

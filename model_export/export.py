@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from model_export.onnx_export import DEFAULT_TABLE_DTYPE, as_served, check_parity, export_encoder, parity_texts
-from service.engine import canary, schema, store
+from service.engine import canary, schema, store, vectors
 from service.engine.bundle import Bundle
 from service.engine.index import build_label_indices
 from service.engine.metrics import ranking_metrics, shortlist_recall
@@ -32,16 +32,19 @@ def default_version() -> str:
 
 def export_checkpoint(ckpt_dir: str | Path, root: str | Path, version: str | None = None,
                       ef_search: int | None = None, n_parity: int = 1000,
-                      encoder_dtype: str = DEFAULT_TABLE_DTYPE) -> Path:
+                      encoder_dtype: str = DEFAULT_TABLE_DTYPE, vector_dtype: str | None = None) -> Path:
     """Write ROOT/VERSION from a checkpoint; returns the bundle's path once it loads as served.
-    `encoder_dtype`: how the encoder's token embedding table is stored (float16 or float32)."""
+    `encoder_dtype`: how the encoder's token embedding table is stored (float16 or float32);
+    `vector_dtype`: how the label vectors are (service.engine.vectors; default: the training
+    config's, which the scoring was tuned on)."""
     t0 = time.perf_counter()
     ckpt = Checkpoint.load(ckpt_dir)
     _check_shapes(ckpt, Path(ckpt_dir))
     version = schema.validate_version_name(version or default_version())
     staging = store.staging_dir(Path(root), version)
     try:
-        fields = _write_files(ckpt, staging, version, ef_search, n_parity, encoder_dtype)
+        fields = _write_files(ckpt, staging, version, ef_search, n_parity, encoder_dtype,
+                              vector_dtype or ckpt.config.get("vector_dtype", "float32"))
         store.write_manifest(staging, fields)
         staged = Bundle.open(staging, staged=True)
         predictor = Predictor(staged)
@@ -61,7 +64,7 @@ def export_checkpoint(ckpt_dir: str | Path, root: str | Path, version: str | Non
 
 
 def _write_files(ckpt: Checkpoint, staging: Path, version: str, ef_search: int | None,
-                 n_parity: int, encoder_dtype: str) -> dict[str, Any]:
+                 n_parity: int, encoder_dtype: str, vector_dtype: str) -> dict[str, Any]:
     """Every file of the bundle but the manifest; returns the manifest's fields."""
     export_encoder(ckpt.encoder, staging / schema.ENCODER, encoder_dtype)
     texts = parity_texts(ckpt.tokenizer, [*(r["text"] for r in ckpt.validation), *ckpt.labels.titles], n_parity)
@@ -70,10 +73,12 @@ def _write_files(ckpt: Checkpoint, staging: Path, version: str, ef_search: int |
     ckpt.tokenizer.save(staging / schema.TOKENIZER)
     ckpt.labels.save(staging / schema.LABELS)
     w, b, mu = ckpt.classifiers.weights_, ckpt.classifiers.bias_, ckpt.centroids.vectors_
-    vectors = np.dtype(ckpt.config.get("vector_dtype", "float32"))
-    for name, array, dtype in ((schema.CLASSIFIERS, w, vectors), (schema.CLASSIFIER_BIAS, b, np.float32),
-                               (schema.CENTROIDS, mu, vectors)):
-        np.save(staging / name, np.ascontiguousarray(array, dtype=dtype))
+    np.save(staging / schema.CLASSIFIER_BIAS, np.ascontiguousarray(b, dtype=np.float32))
+    for name, array in ((schema.CLASSIFIERS, w), (schema.CENTROIDS, mu)):
+        values, scales = vectors.quantize(array, vector_dtype)
+        np.save(staging / name, values)
+        if scales is not None:
+            np.save(staging / schema.SCALES_FILES[name], scales)
     index_w, index_mu = ckpt.indices or build_label_indices(w, b, mu, ckpt.hnsw, ckpt.seed)
     index_w.save(staging / schema.HNSW_W)
     index_mu.save(staging / schema.HNSW_MU)
@@ -81,7 +86,8 @@ def _write_files(ckpt: Checkpoint, staging: Path, version: str, ef_search: int |
         for name, array in lexical_files(ckpt.token_table).items():
             np.save(staging / name, array)
     if ckpt.tree is not None:
-        arrays = {**ckpt.tree.arrays_, "classifier_weights": ckpt.tree.arrays_["classifier_weights"].astype(vectors)}
+        tree_dtype = schema.tree_vector_dtype(vector_dtype)
+        arrays = {**ckpt.tree.arrays_, "classifier_weights": ckpt.tree.arrays_["classifier_weights"].astype(tree_dtype)}
         np.savez(staging / schema.TREE, **arrays)  # stored, not compressed: the engine maps its big members
     if ckpt.validation:
         with (staging / schema.VALIDATION).open("w", encoding="utf-8") as f:
@@ -93,7 +99,7 @@ def _write_files(ckpt: Checkpoint, staging: Path, version: str, ef_search: int |
         "scoring": ckpt.scoring.model_dump(), "hnsw": hnsw.model_dump(), "data_fingerprint": ckpt.fingerprint,
         "training_config": ckpt.config, "metrics": {"training": ckpt.metrics, "onnx_parity_max_abs": worst,
                     "encoder_table_dtype": encoder_dtype},
-        "vector_dtype": vectors.name,
+        "vector_dtype": vector_dtype,
     }
 
 
@@ -120,5 +126,5 @@ def validation_metrics(predictor: Predictor, rows: list[dict]) -> dict[str, floa
 def run_cli(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     export_checkpoint(args.checkpoint, args.out, args.version, ef_search=args.ef_search, n_parity=args.parity_texts,
-                      encoder_dtype=args.encoder_dtype)
+                      encoder_dtype=args.encoder_dtype, vector_dtype=args.vector_dtype)
     return 0

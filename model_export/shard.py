@@ -79,12 +79,16 @@ def _write_shard(parent: Bundle, index: int, count: int, out: Path) -> None:
             _link_or_copy(parent.path / name, out / name)
     labels = parent.labels
     LabelTable([labels.uids[i] for i in ids], [labels.titles[i] for i in ids]).save(out / schema.LABELS)
-    w, b, mu = (np.ascontiguousarray(a[ids]) for a in (parent.classifiers, parent.classifier_bias, parent.centroids))
-    for name, array in ((schema.CLASSIFIERS, w), (schema.CLASSIFIER_BIAS, b), (schema.CENTROIDS, mu),
-                        (schema.SHARD_LABELS, ids)):
-        np.save(out / name, array)
+    b = np.ascontiguousarray(parent.classifier_bias[ids])
+    arrays = {schema.CLASSIFIERS: parent.classifiers[ids], schema.CLASSIFIER_BIAS: b,
+              schema.CENTROIDS: parent.centroids[ids], schema.SHARD_LABELS: ids,
+              schema.CLASSIFIER_SCALES: parent.classifier_scales, schema.CENTROID_SCALES: parent.centroid_scales}
+    for name, array in arrays.items():
+        if array is not None:
+            np.save(out / name, np.ascontiguousarray(array if name not in schema.SCALES_FILES.values() else array[ids]))
     seed = int(m.training_config.get("seed", 0))
-    index_w, index_mu = build_label_indices(w, b, mu, m.hnsw, seed)
+    index_w, index_mu = build_label_indices(parent.vector_rows(schema.CLASSIFIERS, ids), b,
+                                            parent.vector_rows(schema.CENTROIDS, ids), m.hnsw, seed)
     index_w.save(out / schema.HNSW_W)
     index_mu.save(out / schema.HNSW_MU)
     k_tok = _write_token_table(parent, ids, out)

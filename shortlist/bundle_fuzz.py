@@ -82,6 +82,8 @@ def _npy_rewrite(change: Callable[[np.ndarray, np.random.Generator], np.ndarray]
 
 
 def _poke(arr: np.ndarray, rng: np.random.Generator, value: float) -> np.ndarray:
+    if arr.dtype.kind != "f" and not np.isfinite(value):
+        arr = arr.astype(np.float32)  # int8 label vectors: NaN only fits in another dtype, refused as such
     arr.reshape(-1)[int(rng.integers(arr.size))] = value
     return arr
 
@@ -102,6 +104,10 @@ NPY_ID_FAULTS: dict[str, Mutation] = {
     "id_out_of_range": _npy_rewrite(_bad_id),
     "dtype": _npy_rewrite(lambda a, rng: a.astype(np.int64)),
     "shape": _npy_rewrite(lambda a, rng: a[:, :-1]),
+}
+# classifier_scales.npy, centroid_scales.npy: float32 >= 0.
+NPY_SCALE_FAULTS: dict[str, Mutation] = {
+    **NPY_FLOAT_FAULTS, "negative": _npy_rewrite(lambda a, rng: _poke(a, rng, -1.0 - float(rng.random()))),
 }
 # labels_retired.npy: sorted distinct label ids.
 RETIRED_FAULTS: dict[str, Mutation] = {
@@ -352,7 +358,8 @@ def catalogue(files: list[str]) -> list[tuple[str, str, Mutation, bool]]:
         targeted: dict[str, Mutation] = {}
         if name.endswith(".npy"):
             targeted = {"token_shortlist.npy": NPY_ID_FAULTS, "token_overflow.npy": NPY_ID_FAULTS,
-                        "labels_retired.npy": RETIRED_FAULTS}.get(name, NPY_FLOAT_FAULTS)
+                        "labels_retired.npy": RETIRED_FAULTS, "classifier_scales.npy": NPY_SCALE_FAULTS,
+                        "centroid_scales.npy": NPY_SCALE_FAULTS}.get(name, NPY_FLOAT_FAULTS)
         elif name.startswith("hnsw_"):
             targeted = HNSW_FAULTS
         elif name == "tree.npz":

@@ -71,6 +71,9 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--encoder-dtype", choices=("float16", "float32"), default="float16",
                    help="storage of the encoder's token embedding table (float16: half the serving memory "
                         "it maps; the embeddings are computed in float32 either way)")
+    p.add_argument("--vector-dtype", choices=("float16", "float32", "int8"), default=None,
+                   help="storage of the label vectors (default: the training config's vector_dtype, the "
+                        "values its scoring was tuned on; int8: a float32 scale per row, half float16's memory)")
     p.set_defaults(handler="model_export.export:run_cli")
 
 

@@ -44,8 +44,9 @@ def _mapped(arr: np.ndarray) -> bool:
 def test_valid_bundle_loads_and_memory_maps_its_arrays(bundle_root):
     predictor = Predictor.load(bundle_root / "v1")
     bundle = predictor.bundle
-    assert predictor.version == "v1" and bundle.has_tree and bundle.manifest.vector_dtype == "float16"
-    assert bundle.classifiers.dtype == bundle.centroids.dtype == np.float16
+    assert predictor.version == "v1" and bundle.has_tree and bundle.manifest.vector_dtype == "int8"
+    assert bundle.classifiers.dtype == bundle.centroids.dtype == np.int8
+    assert bundle.classifier_scales.shape == bundle.centroid_scales.shape == (300,)
     assert _mapped(bundle.classifiers) and _mapped(bundle.centroids) and _mapped(bundle.classifier_bias)
     assert _mapped(bundle.tree.classifier_weights)  # a stored member of tree.npz, mapped where it lies
 
@@ -70,7 +71,7 @@ def test_missing_or_unknown_files_are_rejected(bundle_root_copy):
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    ({"format_version": 99}, "bundle format 99, this engine reads 1, 2, 3"),
+    ({"format_version": 99}, "bundle format 99, this engine reads 1, 2, 3, 4"),
     ({"new_field": 1}, "invalid manifest.*new_field"),
     ({"scoring": {"alpha": 1.5}}, "invalid manifest.*alpha"),
 ])
@@ -105,7 +106,7 @@ def test_array_shape_disagreeing_with_manifest_is_rejected(bundle_root_copy):
     mu = np.load(bundle_dir / "centroids.npy")
     np.save(bundle_dir / "centroids.npy", mu[:, :-1])
     refresh_checksum(bundle_dir, "centroids.npy")
-    with pytest.raises(BundleError, match=r"centroids\.npy: expected float16 \(300, 32\)"):
+    with pytest.raises(BundleError, match=r"centroids\.npy: expected int8 \(300, 32\)"):
         Predictor.load(bundle_dir)
 
 

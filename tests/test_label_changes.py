@@ -15,7 +15,7 @@ import pytest
 from service.engine import Predictor, PredictorOptions
 from service.engine.bundle import Bundle
 from service.engine.label_changes import LabelChange, LabelChangeRejected, LabelEditor, NewLabel, derived_version
-from service.engine.schema import BundleError, sha256_file
+from service.engine.schema import CENTROIDS, CLASSIFIERS, BundleError, sha256_file
 from service.engine.store import BundleStore
 from shortlist.bundle_fuzz import catalogue, make_variant, outcome
 from shortlist.cli import main as cli
@@ -83,8 +83,9 @@ def test_added_labels_enter_the_hnsw_indices_and_the_token_overflow(bundle_root,
     # Searched as a query searches them, both indices find the added labels exact search finds.
     q = Predictor(bundle, PredictorOptions(k_w=5, k_mu=5)).encode([lab.title for lab in added])
     for name, vectors, queries in (
-        ("w", np.hstack((bundle.classifiers, bundle.classifier_bias[:, None])), np.hstack((q, np.ones((6, 1))))),
-        ("mu", np.asarray(bundle.centroids), q),
+        ("w", np.hstack((bundle.vector_rows(CLASSIFIERS, np.arange(L)), bundle.classifier_bias[:, None])),
+         np.hstack((q, np.ones((6, 1))))),
+        ("mu", bundle.vector_rows(CENTROIDS, np.arange(L)), q),
     ):
         index = bundle.index(name)
         assert index.count == L
@@ -116,7 +117,7 @@ def test_added_labels_are_candidates_of_every_query_by_meaning_not_only_by_their
              if not added_words & set(bundle.tokenizer.encode(r["title"])[0])][:20]
     assert len(texts) >= 5
     q = derived.encode(texts)
-    scores = q @ np.asarray(bundle.classifiers[new_ids], dtype=np.float32).T + bundle.classifier_bias[new_ids]
+    scores = q @ bundle.vector_rows(CLASSIFIERS, new_ids).T + bundle.classifier_bias[new_ids]
     best = new_ids[np.argsort(-scores, axis=1)[:, :4]]
     by_words = Predictor(bundle, PredictorOptions(k_w=0, k_mu=0, k_added=0))
     for text, top, with_search, words_only in zip(texts, best, derived.shortlist(texts), by_words.shortlist(texts),
@@ -139,12 +140,13 @@ def test_an_added_label_gets_what_the_trained_labels_say_its_text_means(bundle_r
     copies = [NewLabel(f"copy-{i}", rows[i]["title"]) for i in range(0, 120, 3)]
     parent = Bundle.open(bundle_root / "v1")
     twins = np.array(parent.labels.ids_of([str(rows[i]["uid"]) for i in range(0, 120, 3)]))
-    w0, b0 = np.asarray(parent.classifiers[twins], dtype=np.float32), parent.classifier_bias[twins]
+    w0, b0 = parent.vector_rows(CLASSIFIERS, twins), parent.classifier_bias[twins]
     parent.close()
     gaps = {}
     for name, editor in (("text", {}), ("mapped", {"text_map_l2": 0.01})):
         bundle = Predictor.load(_derive(bundle_root / "v1", tmp_path, LabelChange(add=copies), name, **editor)).bundle
-        w, b = np.asarray(bundle.classifiers[-len(copies):], dtype=np.float32), bundle.classifier_bias[-len(copies):]
+        added_ids = np.arange(bundle.manifest.num_labels - len(copies), bundle.manifest.num_labels)
+        w, b = bundle.vector_rows(CLASSIFIERS, added_ids), bundle.classifier_bias[added_ids]
         cos = np.sum(w * w0, axis=1) / np.linalg.norm(w, axis=1) / np.linalg.norm(w0, axis=1)
         gaps[name] = (float(cos.mean()), float(np.abs(b - b0).mean()))
         bundle.close()

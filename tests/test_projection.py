@@ -13,6 +13,7 @@ import pytest
 from conftest import PROJECTION_DIM
 from test_engine import refresh_checksum, rewrite_manifest
 
+from model_export.export import export_checkpoint
 from service.engine import BundleError, Predictor, PredictorOptions
 from service.engine.bundle import Bundle
 from service.engine.index import VectorIndex
@@ -92,7 +93,7 @@ def test_an_unreadable_projection_is_refused_naming_its_file(rows_and_queries, t
 def test_retune_builds_projected_indices_and_export_serves_them(projected_bundle, bundle_root) -> None:
     predictor = Predictor.load(projected_bundle)  # checksums, shapes, canaries
     manifest = predictor.bundle.manifest
-    assert manifest.format_version == 3 and manifest.hnsw.projection_dim == PROJECTION_DIM
+    assert manifest.format_version >= 3 and manifest.hnsw.projection_dim == PROJECTION_DIM
     assert {HNSW_W_PROJECTION, HNSW_MU_PROJECTION} <= set(manifest.files)
     searching = Predictor(predictor.bundle, PredictorOptions(k_w=20, k_mu=20))
     for name in ("w", "mu"):
@@ -152,12 +153,13 @@ def test_a_projection_whose_files_are_not_listed_is_refused(projected_bundle, tm
         Predictor.load(bundle)
 
 
-def test_a_format_2_bundle_reads_and_answers_as_before(bundle_root, tmp_path) -> None:
-    bundle = _copy(bundle_root / "v1", tmp_path)
+def test_a_format_2_bundle_reads_and_answers_as_before(checkpoints, tmp_path) -> None:
+    half = export_checkpoint(checkpoints["v1"], tmp_path / "new", "v1", n_parity=50, vector_dtype="float16")
+    bundle = _copy(half, tmp_path)
     rewrite_manifest(bundle, format_version=2)
     texts = list(Bundle.open(bundle).labels.titles[:50])
     options = PredictorOptions(k_w=10, k_mu=10)
-    old, new = Predictor.load(bundle, options), Predictor.load(bundle_root / "v1", options)
+    old, new = Predictor.load(bundle, options), Predictor.load(half, options)
     assert old.bundle.index("mu").projection is None
     assert np.array_equal(old.predict_ids(texts, k=5)[0], new.predict_ids(texts, k=5)[0])
 

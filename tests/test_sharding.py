@@ -40,6 +40,8 @@ def test_each_shard_is_a_bundle_over_its_labels(bundle_root: Path, sharded_root:
         held.append(ids)
         assert [shard.bundle.labels.uids[i] for i in range(3)] == [parent.bundle.labels.uids[j] for j in ids[:3]]
         np.testing.assert_array_equal(shard.bundle.classifiers, parent.bundle.classifiers[ids])
+        np.testing.assert_array_equal(shard.bundle.classifier_scales, parent.bundle.classifier_scales[ids])
+        np.testing.assert_array_equal(shard.bundle.centroid_scales, parent.bundle.centroid_scales[ids])
         for name in ("encoder.onnx", "encoder.onnx.data", "tokenizer.json"):
             assert (d / name).read_bytes() == (bundle_root / "v1" / name).read_bytes()
     assert np.array_equal(np.sort(np.concatenate(held)), np.arange(parent.num_labels))

@@ -1,5 +1,6 @@
-"""Label vectors stored as float16 (bundle format 2) answer as their float32 values do; format 1
-stays readable; a source the scoring does not search is checksummed when first opened."""
+"""Label vectors stored as int8 with row scales (format 4, the default) or float16 (format 2) answer
+as the float32 values they stand for; format 1 stays readable; a source the scoring does not
+search is checksummed when first opened."""
 
 from __future__ import annotations
 
@@ -13,8 +14,17 @@ import pytest
 from _api_helpers import sample_titles
 
 from model_export.export import export_checkpoint
-from service.engine import BundleError, Predictor, PredictorOptions
-from service.engine.schema import CLASSIFIERS, ENCODER, ENCODER_DATA, MANIFEST, TREE, sha256_file
+from service.engine import BundleError, Predictor, PredictorOptions, vectors
+from service.engine.schema import (
+    CENTROID_SCALES,
+    CLASSIFIER_SCALES,
+    CLASSIFIERS,
+    ENCODER,
+    ENCODER_DATA,
+    MANIFEST,
+    TREE,
+    sha256_file,
+)
 from service.engine.tree import LEXICAL_ARRAYS, TreeScorer
 
 
@@ -26,26 +36,81 @@ def texts(synthetic_data: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def float32_bundle(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     """v1's checkpoint exported with float32 label vectors."""
-    ckpt = tmp_path_factory.mktemp("ckpt32") / "v1"
-    shutil.copytree(checkpoints["v1"], ckpt)
-    meta = json.loads((ckpt / "checkpoint.json").read_text())
-    meta["config"]["vector_dtype"] = "float32"
-    (ckpt / "checkpoint.json").write_text(json.dumps(meta))
-    root = tmp_path_factory.mktemp("bundles32")
-    return export_checkpoint(ckpt, root, "v1", n_parity=50)
+    return export_checkpoint(checkpoints["v1"], tmp_path_factory.mktemp("bundles32"), "v1", n_parity=50,
+                             vector_dtype="float32")
 
 
-def test_float16_vectors_answer_as_the_float32_values_they_hold(bundle_root: Path, float32_bundle: Path,
-                                                                texts: list[str]) -> None:
-    half, single = Predictor.load(bundle_root / "v1"), Predictor.load(float32_bundle)
-    assert half.bundle.classifiers.dtype == np.float16 and single.bundle.classifiers.dtype == np.float32
-    assert (bundle_root / "v1" / CLASSIFIERS).stat().st_size < 0.6 * (float32_bundle / CLASSIFIERS).stat().st_size
-    # training rounded the vectors to float16 before tuning: the same values, the same answers
+def test_int8_vectors_answer_as_the_float32_values_they_hold(bundle_root: Path, float32_bundle: Path,
+                                                             texts: list[str]) -> None:
+    small, single = Predictor.load(bundle_root / "v1"), Predictor.load(float32_bundle)
+    assert small.bundle.classifiers.dtype == np.int8 and single.bundle.classifiers.dtype == np.float32
+    assert single.bundle.classifier_scales is None and not (float32_bundle / CLASSIFIER_SCALES).exists()
+    assert (bundle_root / "v1" / CLASSIFIERS).stat().st_size < 0.3 * (float32_bundle / CLASSIFIERS).stat().st_size
+    # training rounded the vectors to their int8 values before tuning (and the tree's to float16):
+    # the same values, the same answers
     for call in ("predict_ids", "predict_exact_ids", "predict_tree_ids"):
-        ids_h, scores_h = getattr(half, call)(texts[:40], k=5)
+        ids_8, scores_8 = getattr(small, call)(texts[:40], k=5)
         ids_s, scores_s = getattr(single, call)(texts[:40], k=5)
-        np.testing.assert_array_equal(ids_h, ids_s)
-        np.testing.assert_allclose(scores_h, scores_s, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(ids_8, ids_s)
+        np.testing.assert_allclose(scores_8, scores_s, rtol=1e-5, atol=1e-6)
+
+
+def test_float16_vectors_on_request_answer_as_their_values(checkpoints: dict[str, Path], float32_bundle: Path,
+                                                          tmp_path: Path, texts: list[str]) -> None:
+    half = Predictor.load(export_checkpoint(checkpoints["v1"], tmp_path, "v1", n_parity=50, vector_dtype="float16"))
+    single = Predictor.load(float32_bundle)
+    assert half.bundle.manifest.vector_dtype == "float16" and half.bundle.classifier_scales is None
+    assert not (tmp_path / "v1" / CLASSIFIER_SCALES).exists()
+    # float16 rounds each value by at most 2^-11 of it: scores move by ~1e-3 at most
+    ids_h, scores_h = half.predict_exact_ids(texts[:40], k=5)
+    ids_s, scores_s = single.predict_exact_ids(texts[:40], k=5)
+    np.testing.assert_allclose(scores_h, scores_s, atol=5e-3)
+    assert (ids_h[:, 0] == ids_s[:, 0]).mean() >= 0.9
+
+
+def test_quantize_keeps_each_rows_sign_and_scale_and_is_exact_on_its_own_values() -> None:
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((50, 16)).astype(np.float32) * rng.uniform(0.01, 10, (50, 1)).astype(np.float32)
+    x[3] = 0.0
+    values, scales = vectors.quantize(x, "int8")
+    assert values.dtype == np.int8 and scales.dtype == np.float32 and scales[3] == 0 and not values[3].any()
+    assert np.abs(values).max(axis=1)[np.arange(50) != 3].min() == vectors.INT8_LEVELS
+    served = vectors.dequantize(values, scales)
+    assert (np.abs(served - x) <= scales[:, None] / 2 + 1e-6).all()
+    again, again_scales = vectors.quantize(served, "int8")
+    np.testing.assert_array_equal(again, values)
+    np.testing.assert_allclose(again_scales, scales, rtol=1e-6)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda s: np.where(np.arange(len(s)) == 3, -0.5, s).astype(np.float32), r"negative scale -0\.5 at row 3"),
+    (lambda s: np.where(np.arange(len(s)) == 3, np.nan, s).astype(np.float32), r"non-finite value at flat index 3"),
+    (lambda s: s[:-1], r"expected float32 \(300,\) .*found float32 \(299,\)"),
+    (lambda s: s.astype(np.float64), r"expected float32 \(300,\)"),
+])
+def test_a_bad_scales_file_is_refused_naming_it(bundle_root: Path, tmp_path: Path, change, message: str) -> None:
+    bundle = tmp_path / "v1"
+    shutil.copytree(bundle_root / "v1", bundle)
+    np.save(bundle / CENTROID_SCALES, change(np.load(bundle / CENTROID_SCALES)))
+    manifest = json.loads((bundle / MANIFEST).read_text())
+    manifest["files"][CENTROID_SCALES] = sha256_file(bundle / CENTROID_SCALES)
+    (bundle / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match=rf"centroid_scales\.npy: {message}"):
+        Predictor.load(bundle)
+
+
+def test_int8_vectors_need_their_scales_and_format_4(bundle_root: Path, tmp_path: Path) -> None:
+    bundle = tmp_path / "v1"
+    shutil.copytree(bundle_root / "v1", bundle)
+    manifest = json.loads((bundle / MANIFEST).read_text())
+    (bundle / MANIFEST).write_text(json.dumps({**manifest, "format_version": 3}))
+    with pytest.raises(BundleError, match="vector_dtype 'int8' needs format_version 4"):
+        Predictor.load(bundle)
+    del manifest["files"][CLASSIFIER_SCALES]
+    (bundle / CLASSIFIER_SCALES).unlink()
+    (bundle / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match=r"vector_dtype is int8 but classifier_scales\.npy is not listed"):
+        Predictor.load(bundle)
 
 
 def _set_manifest(bundle: Path, **fields) -> None:

@@ -18,8 +18,9 @@ from service.engine.candidates import CandidateSources
 from service.engine.index import VectorIndex, build_label_indices
 from service.engine.labels import LabelTable
 from service.engine.lexical import TokenShortlist
-from service.engine.schema import HnswParams, Scoring, Shortlist
+from service.engine.schema import HnswParams, Scoring, Shortlist, tree_vector_dtype
 from service.engine.scorers import Calibration, LabelScorer
+from service.engine.vectors import as_served
 from training.ann import AnnParams
 from training.centroids import Centroids, hard_negative_shortlists
 from training.checkpoint import Checkpoint
@@ -208,7 +209,8 @@ def fit_tree(cfg: TrainConfig, data: TrainingSet, doc_emb: np.ndarray, clf: OneV
                        data.tokenizer.vocab_size)
     model = AdversarialTree(cfg.tree, cfg.seed, cfg.progress)
     model.fit(doc_emb, data.trn.targets, data.num_labels, tokens=tokens, module3=(clf.weights_, clf.bias_))
-    model.arrays_["classifier_weights"] = _as_stored(model.arrays_["classifier_weights"], cfg)
+    model.arrays_["classifier_weights"] = as_served(model.arrays_["classifier_weights"],
+                                                    tree_vector_dtype(cfg.vector_dtype))
     return model
 
 
@@ -253,7 +255,7 @@ def _candidate_sources(cfg: TrainConfig, num_labels: int, bias: np.ndarray, indi
 
 def _as_stored(vectors: np.ndarray, cfg: TrainConfig) -> np.ndarray:
     """float32 vectors rounded to the bundle's vector_dtype (the values serving will read)."""
-    return np.ascontiguousarray(vectors, dtype=cfg.vector_dtype).astype(np.float32)
+    return as_served(vectors, cfg.vector_dtype)
 
 
 def _device(cfg: TrainConfig) -> torch.device:

@@ -20,15 +20,17 @@ from typing import Any, Literal
 import numpy as np
 import orjson
 
-from service.engine import heap
+from service.engine import heap, vectors
 from service.engine.encoder import OnnxEncoder
 from service.engine.index import VectorIndex
 from service.engine.labels import LabelTable
 from service.engine.lexical import TokenShortlist
 from service.engine.mapped import MappedArrays
 from service.engine.schema import (
+    CENTROID_SCALES,
     CENTROIDS,
     CLASSIFIER_BIAS,
+    CLASSIFIER_SCALES,
     CLASSIFIERS,
     ENCODER,
     ENCODER_DATA,
@@ -57,6 +59,7 @@ from service.engine.schema import (
     BundleError,
     Manifest,
     sha256_file,
+    tree_vector_dtype,
 )
 from service.engine.store import read_manifest
 from service.engine.tokenizer import Tokenizer
@@ -83,6 +86,9 @@ class Bundle:
         self.classifiers: np.ndarray
         self.classifier_bias: np.ndarray
         self.centroids: np.ndarray
+        # The per-row scales of int8 classifiers and centroids (service.engine.vectors); None otherwise.
+        self.classifier_scales: np.ndarray | None = None
+        self.centroid_scales: np.ndarray | None = None
         self.tree: TreeScorer | None = None
         # A shard's parent label id of each row (manifest `shard`); None in a whole bundle.
         self.shard_labels: np.ndarray | None = None
@@ -232,6 +238,25 @@ class Bundle:
         self.classifiers = self._array(CLASSIFIERS, (m.num_labels, m.dim), self.vector_dtype)
         self.classifier_bias = self._array(CLASSIFIER_BIAS, (m.num_labels,))
         self.centroids = self._array(CENTROIDS, (m.num_labels, m.dim), self.vector_dtype)
+        if m.vector_dtype == "int8":
+            self.classifier_scales, self.centroid_scales = (self._scales(name) for name in (CLASSIFIER_SCALES,
+                                                                                             CENTROID_SCALES))
+
+    def _scales(self, name: str) -> np.ndarray:
+        """An int8 vector file's row scales: float32 [L], finite (_array) and >= 0, read into memory
+        (4 bytes a label, read with every gathered row)."""
+        scales = np.array(self._array(name, (self.manifest.num_labels,)))
+        negative = np.flatnonzero(scales < 0)
+        if len(negative):
+            raise BundleError(f"{self.path / name}: negative scale {scales[negative[0]]} at row {negative[0]}")
+        return scales
+
+    def vector_rows(self, name: str, ids: np.ndarray) -> np.ndarray:
+        """float32 rows `ids` of the classifiers or the centroids (CLASSIFIERS or CENTROIDS): the
+        values a scorer reads, whatever the bundle's vector_dtype."""
+        values, scales = ((self.classifiers, self.classifier_scales) if name == CLASSIFIERS
+                          else (self.centroids, self.centroid_scales))
+        return vectors.dequantize(values[ids], None if scales is None else scales[ids])
 
     def _open_retired(self) -> None:
         if RETIRED_LABELS not in self.manifest.files:
@@ -291,7 +316,8 @@ class Bundle:
             for name, arr in arrays.items():
                 if name not in TREE_ARRAYS:
                     raise BundleError(f"{self.path / TREE}: unknown array {name!r}")
-                want = self.vector_dtype if TREE_ARRAYS[name] == VECTOR_DTYPE else np.dtype(TREE_ARRAYS[name])
+                want = np.dtype(tree_vector_dtype(m.vector_dtype) if TREE_ARRAYS[name] == VECTOR_DTYPE
+                                else TREE_ARRAYS[name])
                 if arr.dtype != want:
                     raise BundleError(f"{self.path / TREE}: array {name} is {arr.dtype}, expected {want}")
                 if TREE_ARRAYS_SINCE.get(name, 1) > m.format_version:
@@ -480,7 +506,7 @@ class Bundle:
 
     def close(self) -> None:
         """Drop references to memory maps, indices and the tree so their memory can be released."""
-        for name in ("classifiers", "classifier_bias", "centroids", "tree"):
+        for name in ("classifiers", "classifier_bias", "centroids", "classifier_scales", "centroid_scales", "tree"):
             if hasattr(self, name):
                 setattr(self, name, None)
         with self._lock:

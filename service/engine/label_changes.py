@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from service.engine import canary, schema, store
+from service.engine import canary, schema, store, vectors
 from service.engine.bundle import Bundle
 from service.engine.index import VectorIndex
 from service.engine.predictor import Predictor
@@ -200,26 +200,30 @@ class LabelEditor:
         parent = plan.parent
         emb = parent.encoder(1).run(ids, weights)
         trained = parent.manifest.tree_labels
-        scale = float(np.median(np.linalg.norm(parent.classifiers[:trained], axis=1)))
+        scales = parent.classifier_scales
+        scale = float(np.median(vectors.row_norms(parent.classifiers[:trained],
+                                                  None if scales is None else scales[:trained])))
         prior = float(np.quantile(parent.classifier_bias[:trained], self.prior_quantile))  # the text map's base
         new_w, new_mu = scale * emb, emb
         new_b = self._priors(parent.classifier_bias[:trained], add)
         if self.text_map_l2 is not None:
             fitted = TextMap.fit(parent, scale, prior, self.text_map_l2, self.text_map_labels, self.seed)
             new_w, new_b, new_mu = fitted.apply(_embed_titles(parent, [lab.title for lab in add]), new_w, new_b, new_mu)
-        # The label vectors in the parent's dtype (float16 in format 2's default); the indices
+        # The label vectors in the parent's dtype (the parent's rows as they are); the indices
         # get the stored values, as export gives them.
-        w = np.vstack((parent.classifiers, new_w)).astype(parent.vector_dtype)
+        dtype = parent.manifest.vector_dtype
+        w, w_scales, added_w = vectors.appended(parent.classifiers, parent.classifier_scales, new_w, dtype)
         b = np.concatenate((parent.classifier_bias, new_b)).astype(np.float32)
-        mu = np.vstack((parent.centroids, new_mu)).astype(parent.vector_dtype)
-        plan.save(schema.CLASSIFIERS, w)
-        plan.save(schema.CLASSIFIER_BIAS, b)
-        plan.save(schema.CENTROIDS, mu)
-        first, ref = len(parent.labels), slice(0, 256)
+        mu, mu_scales, added_mu = vectors.appended(parent.centroids, parent.centroid_scales, new_mu, dtype)
+        for name, array in ((schema.CLASSIFIERS, w), (schema.CLASSIFIER_BIAS, b), (schema.CENTROIDS, mu),
+                            (schema.CLASSIFIER_SCALES, w_scales), (schema.CENTROID_SCALES, mu_scales)):
+            if array is not None:
+                plan.save(name, array)
+        first, ref = len(parent.labels), np.arange(min(256, len(parent.labels)))
         for file, added, reference in (
-            (schema.HNSW_W, np.hstack((w[first:].astype(np.float32), b[first:, None])),
-             np.hstack((parent.classifiers[ref].astype(np.float32), parent.classifier_bias[ref, None]))),
-            (schema.HNSW_MU, mu[first:].astype(np.float32), parent.centroids[ref].astype(np.float32)),
+            (schema.HNSW_W, np.hstack((added_w, b[first:, None])),
+             np.hstack((parent.vector_rows(schema.CLASSIFIERS, ref), parent.classifier_bias[ref, None]))),
+            (schema.HNSW_MU, added_mu, parent.vector_rows(schema.CENTROIDS, ref)),
         ):
             hnsw = parent.manifest.hnsw
             index = VectorIndex.load(parent.path / file, dim=added.shape[1], count=first, ef_search=hnsw.ef_search,
@@ -307,9 +311,9 @@ class TextMap:
         if trained > max_labels:
             rows = np.sort(np.random.default_rng(seed).choice(trained, max_labels, replace=False))
         e = _embed_titles(parent, [parent.labels.titles[int(i)] for i in rows])
-        w = np.asarray(parent.classifiers[rows], dtype=np.float32)
+        w = parent.vector_rows(schema.CLASSIFIERS, rows)
         b = np.asarray(parent.classifier_bias[rows], dtype=np.float32)
-        mu = np.asarray(parent.centroids[rows], dtype=np.float32)
+        mu = parent.vector_rows(schema.CENTROIDS, rows)
         x = np.hstack((e, np.ones((len(rows), 1), np.float32))).astype(np.float64)
         y = np.hstack((w - scale * e, (b - prior)[:, None], mu - e)).astype(np.float64)
         gram = x.T @ x / len(rows) + l2 * np.eye(x.shape[1])

@@ -13,7 +13,7 @@ from service.engine import canary
 from service.engine.bundle import Bundle
 from service.engine.candidates import AddedLabels, CandidateSources
 from service.engine.query import EncodedQueries, QueryEncoder
-from service.engine.schema import BundleError, HeadMode, Scoring
+from service.engine.schema import CLASSIFIERS, BundleError, HeadMode, Scoring
 from service.engine.scorers import LabelScorer, top_k
 
 
@@ -176,7 +176,8 @@ class Predictor(TreeRoute):
             added=_added_labels(bundle) if spec.k_added else None,
         )
         w, mu = bundle.label_vectors()
-        self.scorer = LabelScorer.of(w, bundle.classifier_bias, mu, self.scoring)
+        self.scorer = LabelScorer.of(w, bundle.classifier_bias, mu, self.scoring,
+                                     (bundle.classifier_scales, bundle.centroid_scales))
 
     @classmethod
     def load(cls, path: str | Path, options: PredictorOptions | None = None) -> Predictor:
@@ -309,7 +310,7 @@ def _added_labels(bundle: Bundle) -> AddedLabels:
     ids = np.arange(bundle.manifest.tree_labels, bundle.manifest.num_labels)
     if bundle.retired is not None:
         ids = ids[~bundle.retired[ids]]
-    return AddedLabels(ids, bundle.classifiers[ids], bundle.classifier_bias[ids])
+    return AddedLabels(ids, bundle.vector_rows(CLASSIFIERS, ids), bundle.classifier_bias[ids])
 
 
 def _check_k(k: int) -> None:

@@ -15,6 +15,9 @@ A bundle is a directory BUNDLE_ROOT/VERSION, immutable once written:
   classifiers.npy        [L, D] w_l, the manifest's vector_dtype (memory-mapped)
   classifier_bias.npy    [L] float32 b_l (memory-mapped)
   centroids.npy          [L, D] mu_l, the manifest's vector_dtype (memory-mapped)
+  classifier_scales.npy  format 4, with vector_dtype int8 (and then required): [L] float32 >= 0, the
+  centroid_scales.npy    scale of each int8 row of classifiers.npy / centroids.npy: row l stands for
+                         scales[l] * row (service.engine.vectors)
   hnsw_w.bin             service.engine.index.VectorIndex over [w_l, b_l] (MIPS, rows centred, dim D + 1)
   hnsw_mu.bin            service.engine.index.VectorIndex over mu_l (MIPS, rows centred, dim D)
   hnsw_w_projection.npy  format 3, with hnsw.projection_dim d > 0 (and then required): float32
@@ -67,7 +70,9 @@ Versioning policy (what a reader does with a bundle from another writer):
   reader refuses any other. The [L, D] label vectors (classifiers, centroids, the tree's
   classifier weights) are the manifest's `vector_dtype`: format 2 added it, float16 halves what
   a 10^6-label bundle maps (scores are computed in float32 from the stored values); format 1
-  bundles are float32 (the field's default) and stay readable.
+  bundles are float32 (the field's default) and stay readable. Format 4 added int8 rows with a
+  float32 scale per row (the scales files); the tree's classifier weights are then float16
+  (`tree_vector_dtype`).
 """
 
 from __future__ import annotations
@@ -97,11 +102,13 @@ from pydantic import (
 # Format 3 added, optional: HNSW indices over the rows projected onto their top principal
 # directions (`HnswParams.projection_dim`, the projection files); an index of another dimension
 # than the manifest's dim is a new index layout, which readers before it must refuse.
-# Every format-1 and format-2 bundle reads as it did.
-FORMAT_VERSION = 3
-READABLE_FORMATS = (1, 2, 3)
-VectorDtype = Literal["float32", "float16"]
-VECTOR_DTYPES: tuple[str, ...] = ("float32", "float16")
+# Format 4 added int8 label vectors (vector_dtype "int8" with the scales files): another dtype
+# of an existing file, which readers before it must refuse.
+# Every bundle of an earlier format reads as it did.
+FORMAT_VERSION = 4
+READABLE_FORMATS = (1, 2, 3, 4)
+VectorDtype = Literal["float32", "float16", "int8"]
+VECTOR_DTYPES: tuple[str, ...] = ("float32", "float16", "int8")
 
 MANIFEST = "manifest.json"
 ENCODER = "encoder.onnx"
@@ -123,6 +130,10 @@ SHARD_LABELS = "shard_labels.npy"
 TOKEN_OVERFLOW = "token_overflow.npy"
 TOKEN_OVERFLOW_WEIGHTS = "token_overflow_weights.npy"
 RETIRED_LABELS = "labels_retired.npy"
+CLASSIFIER_SCALES = "classifier_scales.npy"
+CENTROID_SCALES = "centroid_scales.npy"
+# The scales file of each label-vector file (listed exactly when vector_dtype is int8).
+SCALES_FILES: dict[str, str] = {CLASSIFIERS: CLASSIFIER_SCALES, CENTROIDS: CENTROID_SCALES}
 
 
 def projection_file(index_file: str) -> str:
@@ -138,6 +149,7 @@ REQUIRED_FILES = (ENCODER, TOKENIZER, LABELS, CLASSIFIERS, CLASSIFIER_BIAS, CENT
 OPTIONAL_FILES = (
     ENCODER_DATA, TREE, VALIDATION, TOKEN_SHORTLIST, TOKEN_SHORTLIST_SHARES, TOKEN_SHORTLIST_WEIGHTS,
     TOKEN_SHORTLIST_BIAS, SHARD_LABELS, TOKEN_OVERFLOW, TOKEN_OVERFLOW_WEIGHTS, RETIRED_LABELS, *PROJECTION_FILES,
+    *SCALES_FILES.values(),
 )
 KNOWN_FILES = frozenset((*REQUIRED_FILES, *OPTIONAL_FILES))
 
@@ -151,6 +163,12 @@ TREE_ARRAYS: dict[str, str] = {
     "lexical_indptr": "int64", "lexical_labels": "int32", "lexical_weights": "float32", "lexical_bias": "float32",
 }
 TREE_ARRAYS_SINCE: dict[str, int] = {"lexical_indptr": 2, "lexical_labels": 2, "lexical_weights": 2, "lexical_bias": 2}
+
+
+def tree_vector_dtype(vector_dtype: str) -> str:
+    """dtype of tree.npz's classifier weights in a bundle of `vector_dtype`: the same, but float16
+    for int8 (the tree scores hundreds of rows a query; int8 there has no scales array)."""
+    return "float16" if vector_dtype == "int8" else vector_dtype
 
 LexicalForm = Literal["shares", "logistic"]
 LEXICAL_FORMS: tuple[str, ...] = ("shares", "logistic")
@@ -367,7 +385,10 @@ class Manifest(_Strict):
                 raise ValueError("; ".join(wrong))
         if self.format_version < 3 and self.hnsw.projection_dim:
             raise ValueError(f"hnsw.projection_dim {self.hnsw.projection_dim} needs format_version 3")
+        if self.format_version < 4 and self.vector_dtype == "int8":
+            raise ValueError("vector_dtype 'int8' needs format_version 4")
         self._projection_files()
+        self._scales_files()
         if self.lineage is not None and self.lineage.tree_labels > self.num_labels:
             raise ValueError(f"lineage.tree_labels {self.lineage.tree_labels} > num_labels {self.num_labels}")
         return self
@@ -383,6 +404,14 @@ class Manifest(_Strict):
                 raise ValueError(f"{name} is listed but hnsw.projection_dim is 0 (the indices are not projected)")
         if d >= self.dim:
             raise ValueError(f"hnsw.projection_dim {d} must be below dim {self.dim}")
+
+    def _scales_files(self) -> None:
+        """The scales files are listed exactly when the label vectors are int8."""
+        for name in SCALES_FILES.values():
+            if self.vector_dtype == "int8" and name not in self.files:
+                raise ValueError(f"vector_dtype is int8 but {name} is not listed")
+            if self.vector_dtype != "int8" and name in self.files:
+                raise ValueError(f"{name} is listed but vector_dtype is {self.vector_dtype} (scales go with int8)")
 
     @property
     def has_tree(self) -> bool:

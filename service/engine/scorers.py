@@ -129,22 +129,28 @@ def exact_chunk(num_labels: int) -> int:
 class LabelScorer:
     """The combined score of labels for query embeddings, over a shortlist or over all labels.
 
-    w [L, D], b [L], mu [L, D] float32 (plain arrays or memory maps); f, g the calibrations;
-    lexical_weight the lambda of the lexical term (its values come from the caller).
+    w [L, D], b [L], mu [L, D] as a bundle stores them (float32, float16, or int8 with the per-row
+    scales w_scales, mu_scales [L]: service.engine.vectors; plain arrays or memory maps); f, g the
+    calibrations; lexical_weight the lambda of the lexical term (its values come from the caller).
     """
 
     def __init__(
-        self, w: np.ndarray, b: np.ndarray, mu: np.ndarray, f: Calibration, g: Calibration, lexical_weight: float = 0.0
+        self, w: np.ndarray, b: np.ndarray, mu: np.ndarray, f: Calibration, g: Calibration, lexical_weight: float = 0.0,
+        w_scales: np.ndarray | None = None, mu_scales: np.ndarray | None = None,
     ) -> None:
         # Plain ndarray views of memory maps: same pages, without np.memmap's per-index overhead.
         self.w, self.b, self.mu = np.asarray(w), np.asarray(b), np.asarray(mu)
+        self.w_scales = None if w_scales is None else np.asarray(w_scales, dtype=np.float32)
+        self.mu_scales = None if mu_scales is None else np.asarray(mu_scales, dtype=np.float32)
         self.f, self.g = f, g
         self.lexical_weight = float(lexical_weight)
 
     @classmethod
-    def of(cls, w: np.ndarray, b: np.ndarray, mu: np.ndarray, scoring: Scoring) -> LabelScorer:
+    def of(cls, w: np.ndarray, b: np.ndarray, mu: np.ndarray, scoring: Scoring,
+           scales: tuple[np.ndarray | None, np.ndarray | None] = (None, None)) -> LabelScorer:
         cal = scoring.calibration
-        return cls(w, b, mu, Calibration.of(cal.classifier), Calibration.of(cal.centroid), scoring.lexical_weight)
+        return cls(w, b, mu, Calibration.of(cal.classifier), Calibration.of(cal.centroid), scoring.lexical_weight,
+                   *scales)
 
     @property
     def num_labels(self) -> int:
@@ -169,10 +175,9 @@ class LabelScorer:
         return logits, sims
 
     def _dots(self, rows: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        # float16 vectors (a bundle's vector_dtype): the gathered rows are scored in float32.
+        # float16 or int8 vectors (a bundle's vector_dtype): the gathered rows are scored in float32.
         col = q[:, :, None]
-        return (np.matmul(as_float32(self.w.take(rows, axis=0)), col)[:, :, 0],
-                np.matmul(as_float32(self.mu.take(rows, axis=0)), col)[:, :, 0])
+        return _gathered_dots(self.w, self.w_scales, rows, col), _gathered_dots(self.mu, self.mu_scales, rows, col)
 
     def score(self, q: np.ndarray, cands: np.ndarray, alpha: float, lexical: np.ndarray | None = None) -> np.ndarray:
         """Combined scores float32 [B, C] of candidate ids [B, C]; -1 entries score -inf."""
@@ -200,8 +205,8 @@ class LabelScorer:
         chunk = exact_chunk(self.num_labels)
         for start in range(0, len(q), chunk):
             part = slice(start, start + chunk)
-            logits = _times_rows(q[part], self.w) + self.b
-            sims = _times_rows(q[part], self.mu)
+            logits = _times_rows(q[part], self.w, self.w_scales) + self.b
+            sims = _times_rows(q[part], self.mu, self.mu_scales)
             lex = lexical(part) if lexical is not None and self.lexical_weight else None
             scores = combine_scores(logits, sims, alpha, self.f, self.g, lex, self.lexical_weight)
             scores = scores.astype(np.float32, copy=False)
@@ -229,12 +234,23 @@ def as_float32(values: np.ndarray) -> np.ndarray:
 _ROWS_CAST_AT_ONCE = 1 << 16
 
 
-def _times_rows(q: np.ndarray, m: np.ndarray) -> np.ndarray:
-    """q @ m.T in float32; rows of a float16 m are cast a block at a time, not all L at once."""
-    if m.dtype == np.float32:
+def _gathered_dots(m: np.ndarray, scales: np.ndarray | None, rows: np.ndarray, col: np.ndarray) -> np.ndarray:
+    """m_r . q [B, C] for the rows `rows` [B, C] of m and queries col [B, D, 1]."""
+    dots = np.matmul(as_float32(m.take(rows, axis=0)), col)[:, :, 0]
+    if scales is not None:
+        dots *= scales.take(rows)
+    return dots
+
+
+def _times_rows(q: np.ndarray, m: np.ndarray, scales: np.ndarray | None = None) -> np.ndarray:
+    """q @ m.T in float32 (times each row's scale); rows of a float16 or int8 m are cast a block
+    at a time, not all L at once."""
+    if m.dtype == np.float32 and scales is None:
         return q @ m.T
     out = np.empty((len(q), len(m)), dtype=np.float32)
     for start in range(0, len(m), _ROWS_CAST_AT_ONCE):
         block = m[start : start + _ROWS_CAST_AT_ONCE].astype(np.float32)
         out[:, start : start + len(block)] = q @ block.T
+        if scales is not None:
+            out[:, start : start + len(block)] *= scales[start : start + len(block)]
     return out
