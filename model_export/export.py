@@ -86,8 +86,10 @@ def _write_files(ckpt: Checkpoint, staging: Path, version: str, ef_search: int |
         for name, array in lexical_files(ckpt.token_table).items():
             np.save(staging / name, array)
     if ckpt.tree is not None:
-        tree_dtype = schema.tree_vector_dtype(vector_dtype)
-        arrays = {**ckpt.tree.arrays_, "classifier_weights": ckpt.tree.arrays_["classifier_weights"].astype(tree_dtype)}
+        arrays = dict(ckpt.tree.arrays_)
+        arrays["classifier_weights"], scales = vectors.quantize(arrays["classifier_weights"], vector_dtype)
+        if scales is not None:
+            arrays["classifier_scales"] = scales
         np.savez(staging / schema.TREE, **arrays)  # stored, not compressed: the engine maps its big members
     if ckpt.validation:
         with (staging / schema.VALIDATION).open("w", encoding="utf-8") as f:

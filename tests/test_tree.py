@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from service.engine import vectors
 from service.engine.metrics import ranking_metrics
 from service.engine.tree import TreeScorer
 from training.tree import LabelTree
@@ -163,6 +164,26 @@ def test_bad_arrays_and_inputs_are_named(scorer_and_data):
         scorer.search(xte[:2], k=3, beam=0)
     with pytest.raises(ValueError, match="unknown tree config keys: pca"):
         AdversarialTree({"pca": 3})
+
+
+def test_int8_classifier_rows_score_as_their_values_and_need_valid_scales(scorer_and_data):
+    """A bundle of vector_dtype int8 stores the tree's classifier rows as int8 with row scales
+    (service.engine.vectors): the search ranks by the values they stand for."""
+    scorer, arrays, xte, _ = scorer_and_data
+    values, scales = vectors.quantize(arrays["classifier_weights"], "int8")
+    small = TreeScorer.from_arrays(dict(arrays, classifier_weights=values, classifier_scales=scales))
+    served = TreeScorer.from_arrays(dict(arrays, classifier_weights=vectors.dequantize(values, scales)))
+    ids_8, scores_8 = small.search(xte, k=5)
+    ids_f, scores_f = served.search(xte, k=5)
+    np.testing.assert_array_equal(ids_8, ids_f)
+    np.testing.assert_allclose(scores_8, scores_f, rtol=1e-5, atol=1e-5)
+    assert set(small.to_arrays()) == set(arrays) | {"classifier_scales"}
+    for bad, message in ((dict(arrays, classifier_weights=values), "missing for int8"),
+                         (dict(arrays, classifier_scales=scales), "given for float"),
+                         (dict(arrays, classifier_weights=values, classifier_scales=-scales - 1), "finite and >= 0"),
+                         (dict(arrays, classifier_weights=values, classifier_scales=scales[:-1]), r"float32 \[60\]")):
+        with pytest.raises(ValueError, match=f"classifier_scales: .*{message}"):
+            TreeScorer.from_arrays(bad)
 
 
 def test_fit_is_deterministic_given_seed():

@@ -101,7 +101,7 @@ class TrainConfig:
     m3_softmax_weight: float = 0.0
     # dtype of the bundle's [L, D] label vectors (classifiers, centroids; service.engine.vectors):
     # float16 halves what serving maps (10^6 labels: 3 x 1 GiB -> 3 x 0.5 GiB), int8 with a scale
-    # per row halves it again (the tree's classifier then stays float16): on debian-deps and
+    # per row halves it again (the tree's classifier too, tree.npz's classifier_scales): on debian-deps and
     # debian-tags test P@k and PSP@k within 0.02 of float16, serving memory -20 MiB on debian-deps,
     # the scoring stage ~2x faster (bench/RESULTS.md, issue 21). Training rounds them to it before
     # the indices and the tuning, so what is tuned is what is served.

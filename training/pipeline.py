@@ -18,7 +18,7 @@ from service.engine.candidates import CandidateSources
 from service.engine.index import VectorIndex, build_label_indices
 from service.engine.labels import LabelTable
 from service.engine.lexical import TokenShortlist
-from service.engine.schema import HnswParams, Scoring, Shortlist, tree_vector_dtype
+from service.engine.schema import HnswParams, Scoring, Shortlist
 from service.engine.scorers import Calibration, LabelScorer
 from service.engine.vectors import as_served
 from training.ann import AnnParams
@@ -209,8 +209,7 @@ def fit_tree(cfg: TrainConfig, data: TrainingSet, doc_emb: np.ndarray, clf: OneV
                        data.tokenizer.vocab_size)
     model = AdversarialTree(cfg.tree, cfg.seed, cfg.progress)
     model.fit(doc_emb, data.trn.targets, data.num_labels, tokens=tokens, module3=(clf.weights_, clf.bias_))
-    model.arrays_["classifier_weights"] = as_served(model.arrays_["classifier_weights"],
-                                                    tree_vector_dtype(cfg.vector_dtype))
+    model.arrays_["classifier_weights"] = as_served(model.arrays_["classifier_weights"], cfg.vector_dtype)
     return model
 
 

@@ -59,7 +59,6 @@ from service.engine.schema import (
     BundleError,
     Manifest,
     sha256_file,
-    tree_vector_dtype,
 )
 from service.engine.store import read_manifest
 from service.engine.tokenizer import Tokenizer
@@ -316,8 +315,7 @@ class Bundle:
             for name, arr in arrays.items():
                 if name not in TREE_ARRAYS:
                     raise BundleError(f"{self.path / TREE}: unknown array {name!r}")
-                want = np.dtype(tree_vector_dtype(m.vector_dtype) if TREE_ARRAYS[name] == VECTOR_DTYPE
-                                else TREE_ARRAYS[name])
+                want = self.vector_dtype if TREE_ARRAYS[name] == VECTOR_DTYPE else np.dtype(TREE_ARRAYS[name])
                 if arr.dtype != want:
                     raise BundleError(f"{self.path / TREE}: array {name} is {arr.dtype}, expected {want}")
                 if TREE_ARRAYS_SINCE.get(name, 1) > m.format_version:

@@ -71,8 +71,7 @@ Versioning policy (what a reader does with a bundle from another writer):
   classifier weights) are the manifest's `vector_dtype`: format 2 added it, float16 halves what
   a 10^6-label bundle maps (scores are computed in float32 from the stored values); format 1
   bundles are float32 (the field's default) and stay readable. Format 4 added int8 rows with a
-  float32 scale per row (the scales files); the tree's classifier weights are then float16
-  (`tree_vector_dtype`).
+  float32 scale per row (the scales files, and tree.npz's classifier_scales).
 """
 
 from __future__ import annotations
@@ -161,14 +160,11 @@ TREE_ARRAYS: dict[str, str] = {
     "pca_mean": "float32", "pca_components": "float32", "node_weights": "float32", "node_bias": "float32",
     "leaf_labels": "int64", "classifier_weights": VECTOR_DTYPE, "classifier_bias": "float32", "default_beam": "int64",
     "lexical_indptr": "int64", "lexical_labels": "int32", "lexical_weights": "float32", "lexical_bias": "float32",
+    "classifier_scales": "float32",
 }
-TREE_ARRAYS_SINCE: dict[str, int] = {"lexical_indptr": 2, "lexical_labels": 2, "lexical_weights": 2, "lexical_bias": 2}
-
-
-def tree_vector_dtype(vector_dtype: str) -> str:
-    """dtype of tree.npz's classifier weights in a bundle of `vector_dtype`: the same, but float16
-    for int8 (the tree scores hundreds of rows a query; int8 there has no scales array)."""
-    return "float16" if vector_dtype == "int8" else vector_dtype
+# classifier_scales: the int8 classifier weights' row scales (service.engine.vectors), with them only.
+TREE_ARRAYS_SINCE: dict[str, int] = {"lexical_indptr": 2, "lexical_labels": 2, "lexical_weights": 2, "lexical_bias": 2,
+                                     "classifier_scales": 4}
 
 LexicalForm = Literal["shares", "logistic"]
 LEXICAL_FORMS: tuple[str, ...] = ("shares", "logistic")

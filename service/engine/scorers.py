@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from service.engine.schema import CalibrationKind, CalibrationSpec, Scoring
+from service.engine.vectors import as_float32
 
 _SORT_WHOLE_ROWS = 256  # top_k sorts rows this short outright
 _GATHER_ROWS = 64  # queries whose candidate rows are gathered at once
@@ -214,21 +215,6 @@ class LabelScorer:
                 scores[row, drop] = -np.inf
             ids[part], best[part] = top_k(scores, k)
         return ids, best
-
-
-# Every float16 value's float32 value, by its bits. numpy's own float16 -> float32 cast has no
-# vector instructions in the published wheels and slows down several-fold on some values
-# (debian-deps' centroid rows: 93 us for a query's 120 rows of 256, the classifier rows 32 us);
-# a lookup in this table (256 KiB) gives the same bits at ~30 us for either.
-_FLOAT16_AS_FLOAT32 = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
-
-
-def as_float32(values: np.ndarray) -> np.ndarray:
-    """`values` as float32 (a new array for float16 values, exactly their value; others as they are
-    when already float32)."""
-    if values.dtype == np.float16:
-        return _FLOAT16_AS_FLOAT32.take(values.view(np.uint16), mode="wrap")  # (every index is in range)
-    return values.astype(np.float32, copy=False)
 
 
 _ROWS_CAST_AT_ONCE = 1 << 16

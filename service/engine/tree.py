@@ -34,6 +34,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from service.engine.vectors import as_float32
+
 REQUIRED_ARRAYS = (
     "pca_mean",
     "pca_components",
@@ -156,16 +158,19 @@ class TreeScorer:
         classifier_bias: np.ndarray,
         default_beam: int = DEFAULT_BEAM,
         lexical: Mapping[str, np.ndarray] | None = None,
+        classifier_scales: np.ndarray | None = None,
     ) -> None:
         self.pca_mean = np.asarray(pca_mean, dtype=np.float32)
         self.pca_components = np.asarray(pca_components, dtype=np.float32)
         self.node_weights = np.asarray(node_weights, dtype=np.float32)
         self.node_bias = np.asarray(node_bias, dtype=np.float32)
         self.leaf_labels = np.asarray(leaf_labels, dtype=np.int64)
-        # float16 (a bundle's vector_dtype) stays float16: a float32 copy of [L, D] at 10^6 labels
-        # is a gigabyte; search() scores the beam's rows in float32.
+        # float16 or int8 (a bundle's vector_dtype; int8 with its row scales) stays as stored: a
+        # float32 copy of [L, D] at 10^6 labels is a gigabyte; search() scores the beam's rows in float32.
         weights = np.asarray(classifier_weights)
-        self.classifier_weights = weights if weights.dtype == np.float16 else weights.astype(np.float32, copy=False)
+        self.classifier_weights = (weights if weights.dtype in (np.float16, np.int8)
+                                   else weights.astype(np.float32, copy=False))
+        self.classifier_scales = None if classifier_scales is None else np.asarray(classifier_scales)
         self.classifier_bias = np.asarray(classifier_bias, dtype=np.float32)
         self.default_beam = int(default_beam)
         self._check_structure()
@@ -201,16 +206,20 @@ class TreeScorer:
             raise ValueError(f"tree arrays: {given[0]} without {', '.join(missing)}")
         beam = arrays.get("default_beam")
         kwargs = {name: np.asarray(arrays[name]) for name in REQUIRED_ARRAYS}
+        scales = arrays.get("classifier_scales")
         return cls(**kwargs, default_beam=int(np.asarray(beam)) if beam is not None else DEFAULT_BEAM,
-                   lexical={name: arrays[name] for name in LEXICAL_ARRAYS} if given else None)
+                   lexical={name: arrays[name] for name in LEXICAL_ARRAYS} if given else None,
+                   classifier_scales=None if scales is None else np.asarray(scales))
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         lexical = {}
         if self.lexical is not None:
             lexical = {"lexical_indptr": self.lexical.indptr, "lexical_labels": self.lexical.labels,
                        "lexical_weights": self.lexical.weights, "lexical_bias": self.lexical.bias}
+        scales = {} if self.classifier_scales is None else {"classifier_scales": self.classifier_scales}
         return {
             **lexical,
+            **scales,
             "pca_mean": self.pca_mean,
             "pca_components": self.pca_components,
             "node_weights": self.node_weights,
@@ -251,6 +260,7 @@ class TreeScorer:
             raise ValueError(
                 f"tree array classifier_bias: expected [{num_labels}], got shape {self.classifier_bias.shape}"
             )
+        self._check_scales(num_labels)
         real = self.leaf_labels[self.leaf_labels >= 0]
         if (self.leaf_labels < -1).any() or len(real) != num_labels or not np.array_equal(
             np.sort(real), np.arange(num_labels)
@@ -262,6 +272,20 @@ class TreeScorer:
                 raise ValueError(f"tree array {name}: contains NaN or infinite values")
         if self.default_beam < 1:
             raise ValueError(f"tree array default_beam: must be >= 1, got {self.default_beam}")
+
+    def _check_scales(self, num_labels: int) -> None:
+        """int8 classifier weights come with their row scales, float32 [L], finite and >= 0; others without."""
+        scales, int8 = self.classifier_scales, self.classifier_weights.dtype == np.int8
+        if int8 != (scales is not None):
+            raise ValueError("tree array classifier_scales: " + ("missing for int8 classifier_weights" if int8 else
+                             f"given for {self.classifier_weights.dtype} classifier_weights (scales go with int8)"))
+        if scales is None:
+            return
+        if scales.dtype != np.float32 or scales.shape != (num_labels,):
+            raise ValueError(f"tree array classifier_scales: expected float32 [{num_labels}], got {scales.dtype} "
+                             f"{scales.shape}")
+        if not (np.isfinite(scales).all() and (scales >= 0).all()):
+            raise ValueError("tree array classifier_scales: must be finite and >= 0")
 
     def validate(self, num_labels: int, dim: int, vocab_size: int | None = None) -> None:
         """Check the arrays against the bundle's label count, embedding dimension and vocabulary."""
@@ -301,7 +325,10 @@ class TreeScorer:
     def classifier_scores(self, q: np.ndarray, tokens: Tokens | None = None) -> np.ndarray:
         """xi_y(x) for every label: [B, L] (measurement only)."""
         q = np.asarray(q, dtype=np.float32)
-        xi = q @ self.classifier_weights.T + self.classifier_bias
+        xi = q @ self.classifier_weights.T.astype(np.float32)
+        if self.classifier_scales is not None:
+            xi *= self.classifier_scales
+        xi += self.classifier_bias
         if self.lexical is not None:
             xi = xi + self.lexical.dense(self._tokens(tokens, len(q)))
         return xi
@@ -320,8 +347,11 @@ class TreeScorer:
 
     def candidate_scores(self, q: np.ndarray, labels: np.ndarray, tokens: Tokens | None = None) -> np.ndarray:
         """xi_y(x) of candidate labels [B, C] (>= 0): [B, C]."""
-        rows = self.classifier_weights[labels].astype(np.float32, copy=False)  # float16 in format 2
-        xi = np.einsum("bcd,bd->bc", rows, q) + self.classifier_bias[labels]
+        rows = as_float32(self.classifier_weights.take(labels, axis=0))  # float16 or int8 as stored
+        xi = np.einsum("bcd,bd->bc", rows, q)
+        if self.classifier_scales is not None:
+            xi *= self.classifier_scales.take(labels)
+        xi += self.classifier_bias.take(labels)
         if self.lexical is not None:
             xi = xi + self.lexical.scores(self._tokens(tokens, len(q)), labels)
         return xi
