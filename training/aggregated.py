@@ -99,19 +99,13 @@ def next_round(data_dir: str | Path, ckpt: Checkpoint, config: TrainConfig, text
     labels = xc_data.load_labels(data_dir, text_field)
     grouped = load_grouped(data_dir, text_field, len(labels))
     started = time.monotonic()
-    with torch.no_grad():
-        emb = embed(ckpt.encoder, EncodedTexts.of(ckpt.tokenizer, grouped.texts), torch.device("cpu"))
     imputer = None
     if config.aggregated_reimpute == "model":
-        posteriors = carrier_posteriors(grouped.members(), grouped.group_labels(len(labels)),
-                                        member_probability(emb, ckpt.classifiers.weights_, ckpt.classifiers.bias_))
-        targets = [posteriors.indices[posteriors.indptr[i] : posteriors.indptr[i + 1]].tolist()
-                   for i in range(len(grouped))]
-        weights = [posteriors.data[posteriors.indptr[i] : posteriors.indptr[i + 1]].tolist()
-                   for i in range(len(grouped))]
+        targets, weights = model_posteriors(ckpt, grouped, len(labels))
     else:
         with torch.no_grad():
-            label_emb = embed(ckpt.encoder, EncodedTexts.of(ckpt.tokenizer, labels.texts), torch.device("cpu"))
+            emb, label_emb = (embed(ckpt.encoder, EncodedTexts.of(ckpt.tokenizer, t), torch.device("cpu"))
+                              for t in (grouped.texts, labels.texts))
         imputer = fit_imputer(grouped, emb, len(labels), config, label_emb)
         targets, weights = imputer.impute(), _weights(imputer, config)
     seconds = time.monotonic() - started
@@ -121,6 +115,19 @@ def next_round(data_dir: str | Path, ckpt: Checkpoint, config: TrainConfig, text
     new = train(data_dir, config, text_field, trn=xc_data.Split(grouped.uids, grouped.texts, targets, weights))
     _record_round(new, grouped, seconds, imputer, rounds)
     return new
+
+
+def model_posteriors(ckpt: Checkpoint, grouped: GroupedSplit,
+                     num_labels: int) -> tuple[list[list[int]], list[list[float]]]:
+    """Per document, its group's labels and its posterior of carrying each (carrier_posteriors)
+    under ckpt's Module III probabilities."""
+    with torch.no_grad():
+        emb = embed(ckpt.encoder, EncodedTexts.of(ckpt.tokenizer, grouped.texts), torch.device("cpu"))
+    post = carrier_posteriors(grouped.members(), grouped.group_labels(num_labels),
+                              member_probability(emb, ckpt.classifiers.weights_, ckpt.classifiers.bias_))
+    rows = range(len(grouped))
+    return ([post.indices[post.indptr[i] : post.indptr[i + 1]].tolist() for i in rows],
+            [post.data[post.indptr[i] : post.indptr[i + 1]].tolist() for i in rows])
 
 
 def member_probability(emb: np.ndarray, weights: np.ndarray, bias: np.ndarray,
