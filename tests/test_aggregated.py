@@ -341,7 +341,7 @@ def test_a_round_from_the_models_posteriors_beats_the_first_on_clustered_groups(
     per-document test labels better (deterministic given the seed)."""
     from training.aggregated import next_round, train_aggregated
 
-    cfg = replace(TrainConfig.tiny(), tree_enabled=False, seed=0)
+    cfg = replace(TrainConfig.tiny(), tree_enabled=False, seed=0, aggregated_rounds=1)
     first = train_aggregated(planted["clustered"], cfg)
     second = next_round(planted["clustered"], first, cfg)
     assert second.metrics["aggregated"]["rounds"] == 2 and second.metrics["aggregated"]["keep_ratio"][1] is None
