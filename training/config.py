@@ -184,8 +184,9 @@ class TrainConfig:
     aggregated_validation: float = 0.1
     aggregated_step: float = 0.5
     # Two rounds: the second re-imputes from the first model's posteriors (aggregated_reimpute);
-    # clustered groups of 4 gain most (debian-tags: 24% -> 44% of the naive-to-true P@1 gap;
-    # debian-deps 29% -> 33%), random groups keep their P@1 (bench/RESULTS.md). Training takes twice as long.
+    # clustered groups of 4 gain most (of the naive-to-true P@1 gap, debian-tags 24% -> 44% at
+    # seed 0, +13..+20 points over three seeds; debian-deps 29% -> 39%), random groups of
+    # debian-tags keep their P@1 (bench/RESULTS.md). Training takes twice as long.
     aggregated_rounds: int = 2
     # Who gets a group's label: its closest member (the paper's Algorithm 2), "expected": as
     # many closest members as a group carrying the label is expected to hold (from the share of
