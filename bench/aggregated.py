@@ -188,8 +188,8 @@ def _setting(args, cfg: TrainConfig, out: Path, size: int, grouping: str, table:
 
 def _imputation_quality(data: Path, grouped_dir: Path, cfg: TrainConfig, eagle_ckpt: Path,
                         cache: Path) -> dict[str, tuple]:
-    """Precision and recall of each system's imputed training labels against the true ones (kept
-    in `cache`; eagle-2's once eagle's model exists)."""
+    """Precision and recall of each system's imputed training labels against the true ones, soft
+    labels counting by their weights (kept in `cache`; eagle-2's once eagle's model exists)."""
     has_eagle = (eagle_ckpt / "checkpoint.json").exists()
     if cache.is_file():
         quality = json.loads(cache.read_text(encoding="utf-8"))
@@ -197,7 +197,7 @@ def _imputation_quality(data: Path, grouped_dir: Path, cfg: TrainConfig, eagle_c
             return quality
     import torch
 
-    from training.aggregated import impute, tfidf_spaces
+    from training.aggregated import fit_imputer, impute, model_posteriors, tfidf_spaces
     from training.checkpoint import Checkpoint
     from training.encoder import EncodedTexts, embed
     from training.grouped import load_grouped
@@ -206,19 +206,27 @@ def _imputation_quality(data: Path, grouped_dir: Path, cfg: TrainConfig, eagle_c
     truth = {u: set(t) for u, t in zip(*_uids_targets(data, len(labels)), strict=True)}
     grouped = load_grouped(grouped_dir, "title", len(labels))
     x, z = tfidf_spaces(grouped.texts, labels.texts, cfg)
+    eagle = fit_imputer(grouped, x, len(labels), cfg, z)
     imputed = {"naive": [grouped.group_targets[g] for g in grouped.group_of],
-               "eagle-paper": impute(grouped, x, len(labels), replace(cfg, **PAPER), z),
-               "eagle": impute(grouped, x, len(labels), cfg, z)}
-    if has_eagle:
+               "eagle-paper": impute(grouped, x, len(labels), replace(cfg, **PAPER), z), "eagle": eagle.impute()}
+    weights = {name: [[1.0] * len(r) for r in rows] for name, rows in imputed.items()}
+    if cfg.aggregated_soft_labels:
+        weights["eagle"] = eagle.impute_weights()
+    if has_eagle and cfg.aggregated_reimpute == "model":
+        imputed["eagle-2"], weights["eagle-2"] = model_posteriors(Checkpoint.load(eagle_ckpt), grouped, len(labels))
+    elif has_eagle:
         ckpt = Checkpoint.load(eagle_ckpt)
         with torch.no_grad():
             emb, label_emb = (embed(ckpt.encoder, EncodedTexts.of(ckpt.tokenizer, t), torch.device("cpu"))
                               for t in (grouped.texts, labels.texts))
         imputed["eagle-2"] = impute(grouped, emb, len(labels), cfg, label_emb)
+        weights["eagle-2"] = [[1.0] * len(r) for r in imputed["eagle-2"]]
     quality = {}
-    for name, rows in imputed.items():
-        hits = sum(len(truth[u] & set(r)) for u, r in zip(grouped.uids, rows, strict=True))
-        quality[name] = (hits / max(1, sum(map(len, rows))), hits / max(1, sum(map(len, truth.values()))))
+    for name, rows in imputed.items():  # soft labels count by their weights
+        hits = sum(w for u, r, ws in zip(grouped.uids, rows, weights[name], strict=True)
+                   for label, w in zip(r, ws, strict=True) if label in truth[u])
+        total = sum(sum(ws) for ws in weights[name])
+        quality[name] = (hits / max(1e-9, total), hits / max(1, sum(map(len, truth.values()))))
     cache.write_text(json.dumps(quality), encoding="utf-8")
     return quality
 

@@ -23,7 +23,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    help="grouped data (labels per group of documents, training/grouped.py): impute per-document "
                         "labels with EAGLE, then train on them")
     p.add_argument("--aggregated-rounds", type=int, default=None,
-                   help="2: re-impute with the trained encoder's embeddings and retrain (config aggregated_rounds)")
+                   help="rounds of imputation and training: each after the first re-imputes from the model "
+                        "trained before it (config aggregated_rounds, aggregated_reimpute)")
     p.add_argument("--refit-tree", metavar="CKPT",
                    help="keep CKPT (trained on the same --data) and fit only its tree route again; --config may "
                         "hold only a \"tree\" object overriding CKPT's")

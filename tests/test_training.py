@@ -141,6 +141,20 @@ def test_scaled_bias_classifiers_on_shortlisted_negatives_step_only_the_rows_the
     assert _p1(clf, test_split[2], test_split[3]) > _p1(prior, test_split[2], test_split[3])
 
 
+def test_a_soft_label_counts_by_its_weight_in_its_labels_prior(ckpt, module3_inputs):
+    """scaled_bias starts each bias at its label's log-odds: half-weight (imputed) labels count half."""
+    docs, y, label_emb = module3_inputs
+    half = y.copy()
+    half.data[:] = 0.5
+    biases = [OneVsAll("scaled_bias", "all", epochs=0, progress=False).fit(
+        ckpt.encoder, label_emb, docs, m, None, CPU, np.random.default_rng(0)).bias_ for m in (y, half)]
+    freq = np.bincount(y.indices, minlength=y.shape[1]) / y.shape[0]
+    used = (freq > 0) & (freq < 0.5)
+    expected = np.log(0.5 * freq[used] / (1 - 0.5 * freq[used]))
+    np.testing.assert_allclose(biases[1][used], expected, rtol=1e-4)
+    assert (biases[1][used] < biases[0][used]).all()
+
+
 def test_module3_negatives_follow_the_number_of_labels():
     cfg = TrainConfig()
     assert cfg.m3_negatives == "auto"

@@ -1,11 +1,14 @@
 """`shortlist train --aggregated`: per-document labels imputed from group labels (training/eagle.py),
-then the usual training on them; with aggregated_rounds = 2, imputed again in the trained
-encoder's embedding space and trained again."""
+then the usual training on them; each further round (aggregated_rounds) imputes again from the
+trained model and trains again: by default each member's posterior of carrying each of its
+group's labels under the model's probabilities (aggregated_reimpute "model"), or EAGLE's
+imputation in the trained encoder's embedding space ("encoder")."""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,7 +20,7 @@ from service.engine.tokenizer import Tokenizer
 from training import data as xc_data
 from training.checkpoint import Checkpoint
 from training.config import TrainConfig
-from training.eagle import KEEP_RATIOS, EagleImputer
+from training.eagle import KEEP_RATIOS, EagleImputer, carrier_posteriors
 from training.encoder import EncodedTexts, embed
 from training.grouped import GroupedSplit, load_grouped
 from training.pipeline import train
@@ -90,23 +93,54 @@ def train_aggregated(data_dir: str | Path, config: TrainConfig | None = None, te
 
 
 def next_round(data_dir: str | Path, ckpt: Checkpoint, config: TrainConfig, text_field: str = "title") -> Checkpoint:
-    """One more round on a grouped dataset after `ckpt` (trained on it): labels imputed again in
-    ckpt's encoder space (documents and label texts embedded), then trained again."""
+    """One more round on a grouped dataset after `ckpt` (trained on it): labels imputed again from
+    ckpt (config.aggregated_reimpute: its probabilities, or EAGLE in its encoder space), then
+    trained again."""
     labels = xc_data.load_labels(data_dir, text_field)
     grouped = load_grouped(data_dir, text_field, len(labels))
     started = time.monotonic()
-    with torch.no_grad():
-        emb, label_emb = (embed(ckpt.encoder, EncodedTexts.of(ckpt.tokenizer, t), torch.device("cpu"))
-                          for t in (grouped.texts, labels.texts))
-    imputer = fit_imputer(grouped, emb, len(labels), config, label_emb)
-    targets, weights = imputer.impute(), _weights(imputer, config)
+    imputer = None
+    if config.aggregated_reimpute == "model":
+        targets, weights = model_posteriors(ckpt, grouped, len(labels))
+    else:
+        with torch.no_grad():
+            emb, label_emb = (embed(ckpt.encoder, EncodedTexts.of(ckpt.tokenizer, t), torch.device("cpu"))
+                              for t in (grouped.texts, labels.texts))
+        imputer = fit_imputer(grouped, emb, len(labels), config, label_emb)
+        targets, weights = imputer.impute(), _weights(imputer, config)
     seconds = time.monotonic() - started
     rounds = ckpt.metrics.get("aggregated", {})
-    log.info("aggregated round %d: labels imputed in %.1f s (encoder embeddings)", rounds.get("rounds", 1) + 1,
-             seconds)
+    log.info("aggregated round %d: labels imputed in %.1f s (%s)", rounds.get("rounds", 1) + 1, seconds,
+             "the model's posteriors" if imputer is None else "encoder embeddings")
     new = train(data_dir, config, text_field, trn=xc_data.Split(grouped.uids, grouped.texts, targets, weights))
     _record_round(new, grouped, seconds, imputer, rounds)
     return new
+
+
+def model_posteriors(ckpt: Checkpoint, grouped: GroupedSplit,
+                     num_labels: int) -> tuple[list[list[int]], list[list[float]]]:
+    """Per document, its group's labels and its posterior of carrying each (carrier_posteriors)
+    under ckpt's Module III probabilities."""
+    with torch.no_grad():
+        emb = embed(ckpt.encoder, EncodedTexts.of(ckpt.tokenizer, grouped.texts), torch.device("cpu"))
+    post = carrier_posteriors(grouped.members(), grouped.group_labels(num_labels),
+                              member_probability(emb, ckpt.classifiers.weights_, ckpt.classifiers.bias_))
+    rows = range(len(grouped))
+    return ([post.indices[post.indptr[i] : post.indptr[i + 1]].tolist() for i in rows],
+            [post.data[post.indptr[i] : post.indptr[i + 1]].tolist() for i in rows])
+
+
+def member_probability(emb: np.ndarray, weights: np.ndarray, bias: np.ndarray,
+                       chunk: int = 1 << 16) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
+    """(documents, labels) -> sigmoid(w_l . E(x) + b_l) per pair: Module III's probability that a
+    document carries a label (its binary cross-entropy's), from the documents' embeddings."""
+    def probability(docs: np.ndarray, labels: np.ndarray) -> np.ndarray:
+        out = np.empty(len(docs), np.float64)
+        for s in range(0, len(docs), chunk):
+            d, lab = docs[s : s + chunk], labels[s : s + chunk]
+            out[s : s + chunk] = np.einsum("ij,ij->i", emb[d], weights[lab], dtype=np.float64) + bias[lab]
+        return 1.0 / (1.0 + np.exp(-out))
+    return probability
 
 
 def _weights(imputer: EagleImputer, cfg: TrainConfig) -> list[list[float]] | None:
@@ -114,15 +148,16 @@ def _weights(imputer: EagleImputer, cfg: TrainConfig) -> list[list[float]] | Non
     return imputer.impute_weights() if cfg.aggregated_soft_labels else None
 
 
-def _record_round(ckpt: Checkpoint, grouped: GroupedSplit, imputation_s: float, imputer: EagleImputer,
+def _record_round(ckpt: Checkpoint, grouped: GroupedSplit, imputation_s: float, imputer: EagleImputer | None,
                   before: dict | None) -> None:
     """ckpt.metrics["aggregated"]: the rounds so far with each one's imputation and training seconds,
-    the iterations it ran and the keep ratio it used (None: not the relative assignment)."""
+    the iterations it ran and the keep ratio it used (None: not the relative assignment, or no
+    EAGLE imputation: a round from the model's posteriors)."""
     before = before or {"rounds": 0, "imputation_s": [], "training_s": [], "iterations": []}
-    ratio = imputer.keep_ratio_ if imputer.assignment == "relative" else None
+    ratio = imputer.keep_ratio_ if imputer is not None and imputer.assignment == "relative" else None
     ckpt.metrics["aggregated"] = {
         "groups": len(grouped.group_uids), "documents": len(grouped), "rounds": before["rounds"] + 1,
         "imputation_s": [*before["imputation_s"], imputation_s],
-        "iterations": [*before.get("iterations", []), imputer.iterations_],
+        "iterations": [*before.get("iterations", []), None if imputer is None else imputer.iterations_],
         "keep_ratio": [*before.get("keep_ratio", []), ratio],
         "training_s": [*before["training_s"], ckpt.metrics.get("times", {}).get("total_s")]}

@@ -133,7 +133,8 @@ class OneVsAll:
         raises it by less than min_gain (`validation_`: its value after each epoch)."""
         prior = None
         if self.form == "scaled_bias":
-            freq = np.bincount(y.indices, minlength=y.shape[1])  # documents per label
+            # documents per label, a soft (imputed) label counting by its weight
+            freq = np.bincount(y.indices, weights=y.data, minlength=y.shape[1])
             p = np.clip(freq / y.shape[0], 1e-6, 1 - 1e-6)
             prior = np.log(p / (1 - p))
         clf = _Classifiers(label_emb, self.form, prior).to(device)

@@ -293,6 +293,29 @@ class EagleImputer:
         return space.normalize(space.mix(keep, v, 1.0, fix))
 
 
+def carrier_posteriors(members: sp.csr_matrix, group_labels: sp.csr_matrix,
+                       probability: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> sp.csr_matrix:
+    """[documents, labels]: for every (group, label) pair and member i of the group, the posterior
+    that i carries the label given that at least one member does, q_i / (1 - prod_j (1 - q_j)),
+    with q = probability(documents, labels) a model's per-document probability (members carrying
+    a label independently, the E-step of EM for "a group carries a label iff a member does").
+    A member the model finds likelier than its group-mates weighs more; a label the model finds
+    unlikely on every member is scaled up, since the group says one of them carries it."""
+    members, group_labels = sp.csr_matrix(members), sp.csr_matrix(group_labels)
+    pair_group, pair_label = _pairs(group_labels)
+    starts, docs = _pair_members(members, pair_group)
+    pair_of = np.repeat(np.arange(len(pair_label)), np.diff(starts))
+    labels = pair_label[pair_of]
+    q = np.clip(np.asarray(probability(docs, labels), np.float64), 1e-6, 1.0 - 1e-6)
+    if not len(q):
+        return sp.csr_matrix((members.shape[1], group_labels.shape[1]), dtype=np.float32)
+    none = np.exp(np.add.reduceat(np.log1p(-q), starts[:-1]))[pair_of]  # every group has a member
+    posterior = np.minimum(q / (1.0 - none), 1.0).astype(np.float32)
+    out = sp.csr_matrix((posterior, (docs, labels)), shape=(members.shape[1], group_labels.shape[1]))
+    out.sum_duplicates()  # a document is in one group: no (document, label) twice
+    return out
+
+
 @dataclass
 class CenteredVectors:
     """Rows S_l - c_l m: sparse S [L, F], c [L], the documents' mean m [F]."""
