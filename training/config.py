@@ -186,11 +186,12 @@ class TrainConfig:
     aggregated_iterations: int = 10
     aggregated_validation: float = 0.1
     aggregated_step: float = 0.5
-    # Two rounds: the second re-imputes from the first model's posteriors (aggregated_reimpute);
-    # clustered groups of 4 gain most (of the naive-to-true P@1 gap, debian-tags 24% -> 44% at
-    # seed 0, +13..+20 points over three seeds; debian-deps 29% -> 39%), random groups of
-    # debian-tags keep their P@1 (bench/RESULTS.md). Training takes twice as long.
-    aggregated_rounds: int = 2
+    # A second round re-imputes from the first model's posteriors (aggregated_reimpute): on
+    # clustered groups of 4 it recovers more of the naive-to-true P@1 gap (debian-tags 24% -> 44%
+    # at seed 0, +13..+20 points over three seeds; debian-deps 29% -> 39%), but PSP@5 falls
+    # (debian-deps clustered 26.5 -> 22.4, debian-tags random 60.4 -> 54.3) and training takes
+    # twice as long (bench/RESULTS.md): one round by default, two on request.
+    aggregated_rounds: int = 1
     # Who gets a group's label: its closest member (the paper's Algorithm 2), "expected": as
     # many closest members as a group carrying the label is expected to hold (from the share of
     # groups carrying it), or "relative": every member scoring at least aggregated_keep_ratio
