@@ -34,7 +34,7 @@ def export_checkpoint(ckpt_dir: str | Path, root: str | Path, version: str | Non
                       ef_search: int | None = None, n_parity: int = 1000,
                       encoder_dtype: str = DEFAULT_TABLE_DTYPE, vector_dtype: str | None = None) -> Path:
     """Write ROOT/VERSION from a checkpoint; returns the bundle's path once it loads as served.
-    `encoder_dtype`: how the encoder's token embedding table is stored (float16 or float32);
+    `encoder_dtype`: how the encoder's token embedding table is stored (int8, float16 or float32);
     `vector_dtype`: how the label vectors are (service.engine.vectors; default: the training
     config's, which the scoring was tuned on)."""
     t0 = time.perf_counter()
@@ -128,5 +128,5 @@ def validation_metrics(predictor: Predictor, rows: list[dict]) -> dict[str, floa
 def run_cli(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     export_checkpoint(args.checkpoint, args.out, args.version, ef_search=args.ef_search, n_parity=args.parity_texts,
-                      encoder_dtype=args.encoder_dtype, vector_dtype=args.vector_dtype)
+                      encoder_dtype=args.encoder_dtype or DEFAULT_TABLE_DTYPE, vector_dtype=args.vector_dtype)
     return 0

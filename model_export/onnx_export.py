@@ -13,6 +13,7 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
+from service.engine import vectors
 from service.engine.encoder import ENCODER_INPUTS, ENCODER_OUTPUT, OnnxEncoder
 from service.engine.schema import ENCODER_DATA
 from service.engine.tokenizer import Tokenizer
@@ -22,9 +23,11 @@ ONNX_OPSET = 17
 PARITY_TOLERANCE = 1e-5
 # float16: the token embedding table stored in half the bytes and cast to float32 after the
 # Gather (onnxruntime's CPU Gather and Cast take float16): every serving process maps half the
-# pages (debian-deps: 36 -> 18 MiB). The query embedding moves by at most ~2e-4 a coordinate.
-DEFAULT_TABLE_DTYPE = "float16"
-TABLE_DTYPES = ("float16", "float32")
+# pages (debian-deps: 36 -> 18 MiB). int8: a quarter, with a float32 scale per row (the label
+# vectors' quantiser, service.engine.vectors), the gathered rows cast and scaled; debian-deps
+# 18 -> 9 MiB more (bench/RESULTS.md, issue 21).
+DEFAULT_TABLE_DTYPE = "int8"
+TABLE_DTYPES = ("int8", "float16", "float32")
 
 
 def export_encoder(encoder: SiameseEncoder, path: Path, table_dtype: str = DEFAULT_TABLE_DTYPE) -> None:
@@ -53,8 +56,8 @@ def export_encoder(encoder: SiameseEncoder, path: Path, table_dtype: str = DEFAU
             dynamo=False,
         )
     model = onnx.load(str(path))
-    if table_dtype == "float16":
-        _table_as_float16(model.graph)
+    if table_dtype != "float32":
+        _store_table(model.graph, table_dtype)
     onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                     location=ENCODER_DATA, size_threshold=1024)
     # onnx creates the data file private to its writer (0600); a bundle is read by the serving
@@ -62,22 +65,31 @@ def export_encoder(encoder: SiameseEncoder, path: Path, table_dtype: str = DEFAU
     shutil.copymode(path, path.parent / ENCODER_DATA)
 
 
-def _table_as_float16(graph: onnx.GraphProto) -> None:
-    """The initializer the Gather reads rows of stored as float16, its rows cast to float32 after
-    the Gather (before the TF-IDF weights multiply them), so the rest of the graph is unchanged."""
+def _store_table(graph: onnx.GraphProto, table_dtype: str) -> None:
+    """The initializer the Gather reads rows of stored as `table_dtype` (float16, or int8 with a
+    [V, 1] scale per row gathered beside it), the rows cast to float32 after the Gather (before
+    the TF-IDF weights multiply them), so the rest of the graph is unchanged."""
     tables = {t.name: t for t in graph.initializer}
     gather = next(n for n in graph.node if n.op_type == "Gather" and n.input[0] in tables)
     table = tables[gather.input[0]]
     values = numpy_helper.to_array(table)
-    half = values.astype(np.float16)
-    if not np.isfinite(half).all():
-        raise ValueError(f"token embedding table: values up to {np.abs(values).max():.3g} overflow float16; "
+    stored, scales = vectors.quantize(values, table_dtype)
+    if not np.isfinite(stored).all() or (scales is not None and not np.isfinite(scales).all()):
+        raise ValueError(f"token embedding table: values up to {np.abs(values).max():.3g} overflow {table_dtype}; "
                          "export with the float32 table")
-    table.CopyFrom(numpy_helper.from_array(half, table.name))
+    table.CopyFrom(numpy_helper.from_array(stored, table.name))
     rows = gather.output[0]
-    gather.output[0] = f"{rows}_float16"
-    cast = helper.make_node("Cast", [gather.output[0]], [rows], to=TensorProto.FLOAT, name=f"{gather.name}_cast")
-    graph.node.insert(list(graph.node).index(gather) + 1, cast)
+    gather.output[0] = f"{rows}_{table_dtype}"
+    cast_out = rows if scales is None else f"{rows}_unscaled"
+    added = [helper.make_node("Cast", [gather.output[0]], [cast_out], to=TensorProto.FLOAT, name=f"{gather.name}_cast")]
+    if scales is not None:
+        graph.initializer.append(numpy_helper.from_array(scales[:, None], f"{table.name}_scales"))
+        added += [helper.make_node("Gather", [f"{table.name}_scales", gather.input[1]], [f"{rows}_scales"],
+                                   name=f"{gather.name}_scales"),
+                  helper.make_node("Mul", [cast_out, f"{rows}_scales"], [rows], name=f"{gather.name}_scale")]
+    at = list(graph.node).index(gather) + 1
+    for offset, node in enumerate(added):
+        graph.node.insert(at + offset, node)
 
 
 def as_served(encoder: SiameseEncoder, table_dtype: str) -> SiameseEncoder:
@@ -87,7 +99,8 @@ def as_served(encoder: SiameseEncoder, table_dtype: str) -> SiameseEncoder:
         return encoder
     served = copy.deepcopy(encoder).cpu()
     with torch.no_grad():
-        served.embedding.copy_(served.embedding.to(getattr(torch, table_dtype)).float())
+        values = served.embedding.detach().numpy()
+        served.embedding.copy_(torch.from_numpy(vectors.as_served(values, table_dtype)))
     return served
 
 

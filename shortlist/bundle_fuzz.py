@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from service.engine.index import _HEADER
-from service.engine.schema import MANIFEST, BundleError, sha256_file
+from service.engine.schema import ENCODER, MANIFEST, BundleError, sha256_file
 
 Mutation = Callable[[Path, np.random.Generator], None]
 
@@ -336,11 +336,26 @@ ONNX_FAULTS: dict[str, Mutation] = {
 
 
 def _external_nan(path: Path, rng: np.random.Generator) -> None:
-    """A NaN written over one float32 of the encoder's external initializers (raw, 4-aligned)."""
+    """A NaN written over one value of a floating-point initializer in the encoder's external
+    data (the graph beside it says where each lies; an int8 table's bytes hold no NaN)."""
+    import onnx  # the train extra's; bench and tests have it, the service does not need it
+    from onnx import TensorProto
+
+    model = onnx.load(str(path.with_name(ENCODER)), load_external_data=False)
+    floats = {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16}
+    spans = []
+    for init in model.graph.initializer:
+        where = {e.key: e.value for e in init.external_data}
+        if init.data_location == TensorProto.EXTERNAL and init.data_type in floats and "length" in where:
+            spans.append((int(where.get("offset", 0)), int(where["length"]), floats[init.data_type]))
+    start, length, dtype = spans[int(rng.integers(len(spans)))]
+    width = np.dtype(dtype).itemsize
+    at = start + width * int(rng.integers(length // width))
     data = bytearray(path.read_bytes())
-    at = 4 * int(rng.integers(len(data) // 4))
-    data[at : at + 4] = np.float32(np.nan).tobytes()
+    data[at : at + width] = np.array(np.nan, dtype=dtype).tobytes()
     path.write_bytes(bytes(data))
+
+
 BLIND: dict[str, tuple[Mutation, bool]] = {
     "flip": (_flip, False), "zero": (_zero, False), "truncate": (_truncate, True), "extend": (_extend, True),
 }

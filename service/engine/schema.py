@@ -7,8 +7,9 @@ A bundle is a directory BUNDLE_ROOT/VERSION, immutable once written:
   manifest.json          `Manifest`; its `files` maps every other file to its sha256
   encoder.onnx           padded token ids + weights [B, T] -> unit embeddings [B, D]
   encoder.onnx.data      format 2: encoder.onnx's large initializers (the token embedding
-                         table, float32 or float16 cast to float32 after its Gather) as ONNX
-                         external data, which onnxruntime memory-maps: the pages are the
+                         table: float32, float16, or int8 with a scale per row, cast to
+                         float32 after its Gather) as ONNX external data, which
+                         onnxruntime memory-maps: the pages are the
                          file's, shared by every process serving the bundle
   tokenizer.json         service.engine.tokenizer.Tokenizer
   labels.jsonl           service.engine.labels.LabelTable (row i = label i everywhere)
