@@ -62,7 +62,9 @@ def export_encoder(encoder: SiameseEncoder, path: Path, table_dtype: str = DEFAU
                     location=ENCODER_DATA, size_threshold=1024)
     # onnx creates the data file private to its writer (0600); a bundle is read by the serving
     # user, often another one (a container's read-only volume): the same mode as the graph file.
-    shutil.copymode(path, path.parent / ENCODER_DATA)
+    # (A table under the threshold stays inside the graph: no data file, an optional one.)
+    if (path.parent / ENCODER_DATA).exists():
+        shutil.copymode(path, path.parent / ENCODER_DATA)
 
 
 def _store_table(graph: onnx.GraphProto, table_dtype: str) -> None:
@@ -73,7 +75,8 @@ def _store_table(graph: onnx.GraphProto, table_dtype: str) -> None:
     gather = next(n for n in graph.node if n.op_type == "Gather" and n.input[0] in tables)
     table = tables[gather.input[0]]
     values = numpy_helper.to_array(table)
-    stored, scales = vectors.quantize(values, table_dtype)
+    with np.errstate(over="ignore", invalid="ignore"):  # a value out of range is refused just below
+        stored, scales = vectors.quantize(values, table_dtype)
     if not np.isfinite(stored).all() or (scales is not None and not np.isfinite(scales).all()):
         raise ValueError(f"token embedding table: values up to {np.abs(values).max():.3g} overflow {table_dtype}; "
                          "export with the float32 table")

@@ -72,3 +72,28 @@ def test_a_table_shorter_than_the_vocabulary_is_refused(bundle_root: Path, tmp_p
     _rewrite_table(bundle, change)
     with pytest.raises(BundleError, match=message):
         Predictor.load(bundle)
+
+
+@pytest.mark.parametrize(("dtype", "value", "refused"), [
+    ("float16", 1e6, True),  # past float16's range (65504)
+    ("int8", 1e6, False),  # a row's scale is float32: any finite table fits
+    ("int8", float("inf"), True),
+    ("float32", float("inf"), False),  # stored as trained; the engine's start-up check refuses it
+])
+def test_a_table_the_stored_dtype_cannot_hold_is_refused_at_export(tmp_path: Path, dtype: str, value: float,
+                                                                   refused: bool) -> None:
+    import torch
+
+    from model_export.onnx_export import export_encoder
+    from training.encoder import SiameseEncoder
+
+    encoder = SiameseEncoder(vocab_size=20, dim=8, seed=0)
+    with torch.no_grad():
+        encoder.embedding[3, 2] = value
+    path = tmp_path / ENCODER
+    if refused:
+        with pytest.raises(ValueError, match=f"overflow {dtype}"):
+            export_encoder(encoder, path, dtype)
+    else:
+        export_encoder(encoder, path, dtype)  # a table this small stays inside the graph
+        assert path.is_file() and not (tmp_path / ENCODER_DATA).exists()
