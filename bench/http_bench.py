@@ -341,8 +341,12 @@ def request_bodies(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
     }
 
 
-def server_modes(args: argparse.Namespace) -> tuple[dict[str, str], dict[str, dict[str, str]]]:
-    """The environment every server shares and, per batching mode, its own."""
+def server_modes(args: argparse.Namespace,
+                 state_dir: Path | None = None) -> tuple[dict[str, str], dict[str, dict[str, str]]]:
+    """The environment every server shares and, per batching mode, its own; several processes keep
+    their state in `state_dir`, which must be this run's own: a version an earlier run recorded as
+    active there (under another bundle root) would be what their arbiter preloads, and failing that
+    each process would load its own copy of the bundle."""
     base_env = {"SHORTLIST_ECHO_ROUTE": "true", "SHORTLIST_MAX_BATCH": str(max(128, args.batch)),
                 "SHORTLIST_ACCESS_LOG": "true" if args.access_log else "false"}
     modes: dict[str, dict[str, str]] = {"batching (default)": {}}
@@ -351,7 +355,7 @@ def server_modes(args: argparse.Namespace) -> tuple[dict[str, str], dict[str, di
         modes["batching, 1 ms wait"] = {"SHORTLIST_BATCH_MAX_WAIT_MS": "1"}
     if args.processes > 1:
         modes[f"{args.processes} processes"] = {"SHORTLIST_PROCESSES": str(args.processes),
-                                                "SHORTLIST_STATE_DIR": str(OUT_DIR / "http-state")}
+                                                "SHORTLIST_STATE_DIR": str(state_dir or "<the run's own>")}
     return base_env, modes
 
 
@@ -420,10 +424,11 @@ def _measure(args: argparse.Namespace, scripts: dict[str, Path], bodies: dict[st
 def run_points(args: argparse.Namespace, bodies: dict[str, list[dict[str, Any]]], client_desc: str,
                results: dict[str, Any]) -> dict[tuple[str, int], list[dict[str, Any]]]:
     """Every point of the plan in interleaved rounds, against real servers (one per batching mode)."""
-    base_env, modes = server_modes(args)
     log_dir = OUT_DIR / "http-logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
+        state_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="http-bench-state-")))
+        base_env, modes = server_modes(args, state_dir)
         script_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="http-bench-wrk-")))
         scripts = {route: script_dir / f"{route}.lua" for route in bodies}
         for route, path in scripts.items():
