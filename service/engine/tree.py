@@ -193,6 +193,7 @@ class TreeScorer:
         # projection in per node only where it pays, i.e. keep z = P (q - m) (k << D).
         self._pca_offset = self.pca_components @ self.pca_mean
         self._paths: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._heads: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     # --- construction and validation -------------------------------------------------
     @classmethod
@@ -348,7 +349,7 @@ class TreeScorer:
     def candidate_scores(self, q: np.ndarray, labels: np.ndarray, tokens: Tokens | None = None) -> np.ndarray:
         """xi_y(x) of candidate labels [B, C] (>= 0): [B, C]."""
         rows = as_float32(self.classifier_weights.take(labels, axis=0))  # float16 or int8 as stored
-        xi = np.einsum("bcd,bd->bc", rows, q)
+        xi = (rows @ q[:, :, None])[:, :, 0]  # a batched product (einsum took 2.5x as long for 512 rows)
         if self.classifier_scales is not None:
             xi *= self.classifier_scales.take(labels)
         xi += self.classifier_bias.take(labels)
@@ -370,6 +371,18 @@ class TreeScorer:
             cached = self._paths[level] = (nodes, signs)
         return cached
 
+    def _head(self, level: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For the levels above `level`, scored whole: their node weights [k, nodes] (float64) and
+        biases, and each node of `level`'s path as indices into [log sigmoid(s), log sigmoid(-s)]
+        of those nodes ([2^level, level]); cached per level."""
+        cached = self._heads.get(level)
+        if cached is None:
+            path, signs = self._level_paths(level)
+            first = (1 << level) - 1
+            cached = self._heads[level] = (self.node_weights[:first].T.astype(np.float64),
+                                           self._node_bias_eff[:first], path + first * (signs < 0))
+        return cached
+
     def beam_leaves(self, q: np.ndarray, beam: int) -> tuple[np.ndarray, np.ndarray]:
         """Beam search on path log-probs: (label ids [B, <=beam] (-1 = none), log p_n [B, <=beam])."""
         z = self._project(q).astype(np.float64)
@@ -379,10 +392,16 @@ class TreeScorer:
         # then each node of the first level too wide for it sums its path (the same sums a
         # level-by-level search makes, in a few calls instead of a few per level).
         full = min(self.depth, max(0, int(beam).bit_length() - 1))
-        path, signs = self._level_paths(full)
         first = (1 << full) - 1
-        s = z @ self.node_weights[:first].T.astype(np.float64) + self._node_bias_eff[:first]
-        logp = log_sigmoid(s[:, path] * signs).sum(-1) if full else np.zeros((batch, 1))
+        if full:
+            weights, bias, steps = self._head(full)
+            s = z @ weights + bias
+            # log sigmoid of each node's two directions once, then summed along every path: the same
+            # values as over the [2^full, full] gathered logits, at a fraction of the exp/log calls.
+            both = np.concatenate([log_sigmoid(s), log_sigmoid(-s)], axis=1)
+            logp = both[:, steps].sum(-1)
+        else:
+            logp = np.zeros((batch, 1))
         nodes = np.broadcast_to(first + np.arange(1 << full), (batch, 1 << full))
         z32 = z.astype(np.float32)
         for _ in range(full, self.depth):
