@@ -33,6 +33,7 @@ from service.engine.index import build_label_indices
 from service.engine.metrics import ranking_metrics
 from service.engine.predictor import Predictor, PredictorOptions
 from training.config import TrainConfig
+from training.data import same_data
 from training.dataset import TrainingSet
 
 
@@ -77,7 +78,7 @@ def validation_split(bundle: Bundle, data_dir: Path, protocol: str) -> tuple[lis
     labels the protocol leaves out, the truths without them, and inverse propensities from trn."""
     cfg = TrainConfig.from_dict(bundle.manifest.training_config)
     data = TrainingSet.load(data_dir, cfg, bundle.manifest.text_field, np.random.default_rng(cfg.seed))
-    if data.fingerprint != bundle.manifest.data_fingerprint:
+    if not same_data(data_dir, data.fingerprint, bundle.manifest.data_fingerprint):
         raise ValueError(f"{data_dir}: not the data {bundle.path} was trained on (fingerprints differ)")
     left_out = filtered_pairs(protocol, data.val, data.labels)
     truths = [[t for t in truth if t not in drop] for truth, drop in zip(data.val.targets, left_out, strict=True)]

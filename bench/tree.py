@@ -39,7 +39,7 @@ from service.engine.metrics import ranking_metrics
 from service.engine.tree import TreeScorer
 from training.checkpoint import Checkpoint
 from training.config import TrainConfig
-from training.data import own_label_ids
+from training.data import own_label_ids, same_data
 from training.dataset import TrainingSet
 from training.encoder import embed
 from training.tree import LabelTree
@@ -114,7 +114,7 @@ def load(args: argparse.Namespace) -> dict[str, Any]:
     ckpt = Checkpoint.load(args.checkpoint)
     cfg = TrainConfig.from_dict({**ckpt.config, "progress": False})
     data = TrainingSet.load(args.data, cfg, ckpt.text_field, np.random.default_rng(cfg.seed))
-    if data.fingerprint != ckpt.fingerprint:
+    if not same_data(args.data, data.fingerprint, ckpt.fingerprint):
         raise SystemExit(f"{args.data}: not the data {args.checkpoint} was trained on")
     docs, texts = (data.val, data.val_texts) if args.split == "val" else (data.tst, data.tst_texts)
     own = own_label_ids(docs.uids, data.labels.uids) if args.filter == "own" else None
