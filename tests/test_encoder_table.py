@@ -75,7 +75,9 @@ def test_a_table_shorter_than_the_vocabulary_is_refused(bundle_root: Path, tmp_p
 
 
 @pytest.mark.parametrize(("dtype", "value", "refused"), [
-    ("float16", 1e6, True),  # past float16's range (65504)
+    ("float16", 65504.0, False),  # float16's largest finite value: at the edge, kept
+    ("float16", 65520.0, True),  # past it (rounds to inf)
+    ("float16", 1e6, True),
     ("int8", 1e6, False),  # a row's scale is float32: any finite table fits
     ("int8", float("inf"), True),
     ("float32", float("inf"), False),  # stored as trained; the engine's start-up check refuses it
