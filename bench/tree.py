@@ -44,19 +44,20 @@ from training.dataset import TrainingSet
 from training.encoder import embed
 from training.tree import LabelTree
 from training.tree_lexical import LexicalStart, TokenRows, lexical_start
-from training.tree_train import AdversarialTree, classifier_from_config, resolve_config, tree_from_config
+from training.tree_train import AdversarialTree, classifier_from_config, fit_p_n, resolve_config
 
 CPU = torch.device("cpu")
 # Issue 24's changes in the order they were made, each on top of the ones before (the first
 # row is issue 6's model); the last row is training.tree_train.DEFAULT_CONFIG.
 ISSUE6 = {"pca_dim": 16, "lambda_n": 1.0, "lexical": False, "start": "zero", "epochs": 3, "negatives": 8,
-          "lambda": 0.01, "beam": 128}
+          "lambda": 0.01, "beam": 128, "node_lexical": False}
 CHANGES: list[tuple[str, dict[str, Any]]] = [
     ("issue 6's model: p_n lambda_n 1, xi from zero on the embedding, beam 128", ISSUE6),
     ("p_n's regulariser at the data's size: lambda_n 3000", {"lambda_n": 3000.0}),
     ("xi starts at Module III's w_l, b_l (the change regularised)", {"start": "one_vs_all"}),
     ("xi's lexical term, started at its one-vs-all logistic model", {"lexical": True}),
     ("beam 512", {"beam": 512}),
+    ("p_n's lexical node term (xi retrained against its negatives)", {"node_lexical": True}),
 ]
 
 
@@ -206,7 +207,7 @@ def ablation(d: dict[str, Any], scorer: TreeScorer) -> dict[str, Any]:
     held = []
     for i in range(0, len(split), 256):
         q, tokens = split.rows(i, i + 256)
-        labels, logp = scorer.beam_leaves(q, scorer.default_beam)
+        labels, logp = scorer.beam_leaves(q, scorer.default_beam, tokens)
         valid = labels >= 0
         xi = scorer.candidate_scores(q, np.maximum(labels, 0), tokens)
         for name, s in (("xi alone", xi), ("log p_n alone", logp), ("xi + log p_n", xi + logp)):
@@ -266,7 +267,7 @@ def curve_runs(d: dict[str, Any], cfg: dict[str, Any], args: argparse.Namespace,
     q, tokens = split.rows(0, n)
     zeros = {"classifier_weights": np.zeros((d["num_labels"], q.shape[1]), np.float32),
              "classifier_bias": np.zeros(d["num_labels"], np.float32)}
-    logpn = TreeScorer.from_arrays({**tree.arrays(), **zeros}).log_pn(q)
+    logpn = TreeScorer.from_arrays({**tree.arrays(), **zeros}).log_pn(q, tokens)
     clf = d["ckpt"].classifiers
     lexical = lexical_of(d, cfg)[0] if cfg["lexical"] else None  # the same start for both samplers
     curves: dict[str, list[tuple[float, float]]] = {}
@@ -292,7 +293,7 @@ def curve_runs(d: dict[str, Any], cfg: dict[str, Any], args: argparse.Namespace,
 
 def convergence(d: dict[str, Any], cfg: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     t = time.perf_counter()
-    tree = tree_from_config(cfg, d["ckpt"].seed).fit(d["trn_x"], d["trn_targets"], d["num_labels"])
+    tree = fit_p_n(cfg, d["ckpt"].seed, d["trn_x"], d["trn_targets"], d["num_labels"], d["tokens"])
     tree_s = time.perf_counter() - t
     curves = curve_runs(d, cfg, args, tree)
     uniform_final, uniform_s = curves["uniform"][-1][1], curves["uniform"][-1][0]

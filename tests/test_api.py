@@ -84,7 +84,7 @@ def test_alpha_override_is_applied(client, bundle_root, texts, alpha):
 @pytest.mark.parametrize("route", ["/v1/predict", "/v1/predict/tree"])
 def test_excluded_labels_are_left_out_and_the_next_ones_move_up(client, bundle_root, texts, route):
     tree = route.endswith("tree")
-    plain = client.post(route, json={"texts": texts[:3], "k": 6}).json()["results"]
+    plain = client.post(route, json={"texts": texts[:3], "k": 7}).json()["results"]
     # the first text's best two labels and the second text's fourth, excluded from every text
     drop = [plain[0][0], plain[0][1], plain[1][3]]
     uids = [d["uid"] for d in drop]
@@ -95,13 +95,14 @@ def test_excluded_labels_are_left_out_and_the_next_ones_move_up(client, bundle_r
     for row, exp in zip(got, want, strict=True):
         assert_same_ranking(row, exp)
         assert not {d["uid"] for d in row} & set(uids)
-    assert [d["uid"] for d in got[0]] == [d["uid"] for d in plain[0][2:6]]
+    # (the second text's fourth label may be among the first text's next ones: it leaves them too)
+    assert [d["uid"] for d in got[0]] == [d["uid"] for d in plain[0][2:] if d["uid"] not in uids][:4]
     # a single text goes through the batcher, apart from texts with other exclusions
     # (scores of one text and of a batch of three differ in float noise: BLAS blocks by shape)
     one = client.post(route, json={"text": texts[0], "k": 4, "exclude": uids})
     assert one.status_code == 200
     assert_same_ranking(one.json()["results"][0], got[0])
-    alone = client.post(route, json={"text": texts[0], "k": 6, "exclude": []}).json()["results"][0]
+    alone = client.post(route, json={"text": texts[0], "k": 7, "exclude": []}).json()["results"][0]
     assert_same_ranking(alone, plain[0])
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from service.engine import BundleError, Predictor, PredictorOptions
-from service.engine.schema import MANIFEST, sha256_file
+from service.engine.schema import MANIFEST, TREE, sha256_file
 from service.engine.store import newest_version, resolve_bundle_dir
 
 
@@ -32,6 +32,16 @@ def rewrite_manifest(bundle_dir: Path, **changes) -> dict:
 
 def refresh_checksum(bundle_dir: Path, name: str) -> None:
     rewrite_manifest(bundle_dir, files={name: sha256_file(bundle_dir / name)})
+
+
+def drop_tree_arrays(bundle_dir: Path, *names: str) -> dict[str, np.ndarray]:
+    """Rewrite the bundle's tree.npz without `names` (as a writer of an older format made it); the
+    arrays kept."""
+    with np.load(bundle_dir / TREE) as z:
+        kept = {k: z[k] for k in z.files if k not in names}
+    np.savez(bundle_dir / TREE, **kept)
+    refresh_checksum(bundle_dir, TREE)
+    return kept
 
 
 def _mapped(arr: np.ndarray) -> bool:
@@ -71,7 +81,7 @@ def test_missing_or_unknown_files_are_rejected(bundle_root_copy):
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    ({"format_version": 99}, "bundle format 99, this engine reads 1, 2, 3, 4"),
+    ({"format_version": 99}, "bundle format 99, this engine reads 1, 2, 3, 4, 5"),
     ({"new_field": 1}, "invalid manifest.*new_field"),
     ({"scoring": {"alpha": 1.5}}, "invalid manifest.*alpha"),
 ])

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import PROJECTION_DIM
-from test_engine import refresh_checksum, rewrite_manifest
+from test_engine import drop_tree_arrays, refresh_checksum, rewrite_manifest
 
 from model_export.export import export_checkpoint
 from service.engine import BundleError, Predictor, PredictorOptions
@@ -19,6 +19,7 @@ from service.engine.bundle import Bundle
 from service.engine.index import VectorIndex
 from service.engine.label_changes import LabelChange, LabelEditor, NewLabel
 from service.engine.schema import HNSW_MU, HNSW_MU_PROJECTION, HNSW_W_PROJECTION, MANIFEST
+from service.engine.tree import NODE_LEXICAL
 
 
 def _clustered(rng: np.random.Generator, n: int, dim: int = 64, rank: int = 8) -> np.ndarray:
@@ -156,6 +157,7 @@ def test_a_projection_whose_files_are_not_listed_is_refused(projected_bundle, tm
 def test_a_format_2_bundle_reads_and_answers_as_before(checkpoints, tmp_path) -> None:
     half = export_checkpoint(checkpoints["v1"], tmp_path / "new", "v1", n_parity=50, vector_dtype="float16")
     bundle = _copy(half, tmp_path)
+    drop_tree_arrays(bundle, NODE_LEXICAL)  # format 5's
     rewrite_manifest(bundle, format_version=2)
     texts = list(Bundle.open(bundle).labels.titles[:50])
     options = PredictorOptions(k_w=10, k_mu=10)

@@ -13,7 +13,7 @@ from training.tree_lexical import TokenRows
 from training.tree_train import AdversarialTree, TreeClassifier
 
 # The tree route on embeddings alone, from zero (no tokens, no Module III to start from).
-DENSE = {"lexical": False, "start": "zero"}
+DENSE = {"lexical": False, "start": "zero", "node_lexical": False}
 
 
 def clustered_data(
@@ -223,7 +223,8 @@ def lexical_data(seed: int) -> tuple[np.ndarray, list[list[int]], TokenRows, np.
 
 def test_lexical_part_learns_what_the_embedding_cannot_and_the_engine_scores_it():
     x, targets, tokens, xte, tte, tte_tokens = lexical_data(seed=5)
-    cfg = {"pca_dim": 4, "epochs": 4, "beam": 8, "lexical": True, "start": "zero", "lexical_width": 8}
+    cfg = {"pca_dim": 4, "epochs": 4, "beam": 8, "lexical": True, "start": "zero", "lexical_width": 8,
+           "node_lexical": False}
     arrays = AdversarialTree(cfg, seed=0).fit(x, targets, 8, tokens=tokens).arrays_
     assert arrays["lexical_labels"].dtype == np.int32 and arrays["lexical_indptr"].shape == (11,)
     scorer = TreeScorer.from_arrays(arrays)
@@ -251,7 +252,7 @@ def test_lexical_part_learns_what_the_embedding_cannot_and_the_engine_scores_it(
 ])
 def test_bad_lexical_rows_are_named(change, message):
     x, targets, tokens, *_ = lexical_data(seed=6)
-    cfg = {"pca_dim": 4, "epochs": 1, "lexical": True, "start": "zero", "lexical_width": 8}
+    cfg = {"pca_dim": 4, "epochs": 1, "lexical": True, "start": "zero", "lexical_width": 8, "node_lexical": False}
     arrays = AdversarialTree(cfg, seed=0).fit(x, targets, 8, tokens=tokens).arrays_
     TreeScorer.from_arrays(arrays).validate(8, 8, vocab_size=10)
     with pytest.raises(ValueError, match="lexical_indptr: rows for 10 token ids"):
@@ -260,3 +261,98 @@ def test_bad_lexical_rows_are_named(change, message):
     change(bad)
     with pytest.raises(ValueError, match=message):
         TreeScorer.from_arrays(bad)
+
+
+def node_lexical_data(seed: int, n: int = 1600, labels: int = 32):
+    """Embeddings of pure noise; token t (1..labels) names label t - 1, token labels + 1 is on every
+    document: only a lexical term in p_n's nodes lets a narrow beam reach the true label."""
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, labels, n)
+    x = rng.normal(size=(n, 8)).astype(np.float32)
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    # Padded as the tokenizer pads: a third of the documents carry the shared token only after a gap.
+    ids = np.stack([y + 1, np.full(n, labels + 1), np.zeros(n, np.int64)], axis=1).astype(np.int64)
+    w = np.tile(np.array([[0.8, 0.6, 0.0]], np.float32), (n, 1))
+    targets = [[int(v)] for v in y]
+    cut = n * 3 // 4
+    tokens = TokenRows(ids[:cut], w[:cut], None, labels + 2)
+    return x[:cut], targets[:cut], tokens, x[cut:], targets[cut:], (ids[cut:], w[cut:])
+
+
+NODE_LEXICAL = {"pca_dim": 4, "epochs": 2, "beam": 2, "lexical": False, "start": "zero", "node_lexical_bits": 12,
+                "node_lexical_epochs": 20, "node_lexical_batch": 64}
+
+
+@pytest.fixture(scope="module")
+def node_lexical_model():
+    x, targets, tokens, xte, tte, tte_tokens = node_lexical_data(seed=7)
+    arrays = AdversarialTree(NODE_LEXICAL, seed=0).fit(x, targets, 32, tokens=tokens).arrays_
+    return arrays, xte, tte, tte_tokens
+
+
+def test_the_lexical_node_term_leads_a_narrow_beam_to_the_label_the_words_name(node_lexical_model):
+    arrays, xte, tte, tte_tokens = node_lexical_model
+    assert arrays["node_lexical"].dtype == np.float16 and arrays["node_lexical"].shape == (1 << 12,)
+    scorer = TreeScorer.from_arrays(arrays)
+    ids, _ = scorer.search(xte, k=1, tokens=tte_tokens)  # beam 2 over 32 labels
+    assert ranking_metrics(ids, tte, ks=(1,))["P@1"] > 90.0
+    dense = TreeScorer.from_arrays({k: v for k, v in arrays.items() if k != "node_lexical"})
+    assert ranking_metrics(dense.search(xte, k=1)[0], tte, ks=(1,))["P@1"] < 30.0  # chance is 3
+    with pytest.raises(ValueError, match="tokens"):
+        scorer.search(xte, k=1)
+
+
+def test_training_and_the_engine_score_the_lexical_node_term_alike(node_lexical_model):
+    """p_n as training samples from and scores it (LabelTree) is the p_n the engine searches:
+    the same hash and the same logits, padding columns or not."""
+    arrays, xte, _, (ids, w) = node_lexical_model
+    tree = LabelTree()
+    tree.pca_mean_, tree.pca_components_ = arrays["pca_mean"], arrays["pca_components"]
+    tree.node_weights_, tree.node_bias_, tree.leaf_labels_ = arrays["node_weights"], arrays["node_bias"], \
+        arrays["leaf_labels"]
+    tree._finish()
+    tree.set_node_lexical(arrays["node_lexical"])
+    scorer = TreeScorer.from_arrays(arrays)
+    every = np.tile(np.arange(32), (len(xte), 1))
+    trained = tree.log_prob(tree.project(xte), every, tokens=(ids, w))
+    np.testing.assert_allclose(trained, scorer.log_pn(xte, (ids, w)), atol=1e-4)
+    np.testing.assert_allclose(trained, tree.log_prob(tree.project(xte), every, (ids[:, :2], w[:, :2])), atol=1e-9)
+    labels, logp = tree.sample(tree.project(xte[:50]), 4, np.random.default_rng(0), tokens=(ids[:50], w[:50]))
+    np.testing.assert_allclose(logp, np.take_along_axis(trained[:50], labels, 1), atol=1e-6)
+    # A beam over every leaf is exact, the node term included.
+    full = TreeScorer.from_arrays({**arrays, "default_beam": np.asarray(32)})
+    _, scores = full.search(xte, k=3, tokens=(ids, w))
+    np.testing.assert_allclose(scores, -np.sort(-full.exact_scores(xte, (ids, w)), axis=1)[:, :3], atol=1e-4)
+
+
+@pytest.mark.parametrize(("table", "message"), [
+    (np.zeros(3, np.float16), "power-of-two length"),
+    (np.zeros(1, np.float16), "power-of-two length"),
+    (np.zeros((4, 4), np.float16), "power-of-two length"),
+    (np.array([0, 0, np.nan, 0], np.float16), "node_lexical: contains NaN"),
+    (np.array([0, np.inf], np.float16), "node_lexical: contains NaN"),
+])
+def test_a_bad_lexical_node_table_is_named(node_lexical_model, table, message):
+    arrays = dict(node_lexical_model[0])
+    TreeScorer.from_arrays({**arrays, "node_lexical": np.zeros(2, np.float16)})  # the smallest table
+    with pytest.raises(ValueError, match=message):
+        TreeScorer.from_arrays({**arrays, "node_lexical": table})
+
+
+@pytest.mark.parametrize(("key", "value", "ok"), [
+    ("node_lexical_bits", 0, False), ("node_lexical_bits", 1, True), ("node_lexical_bits", 32, True),
+    ("node_lexical_bits", 33, False), ("node_lexical_lr", 0.0, False), ("node_lexical_l2", -1e-9, False),
+    ("node_lexical_batch", 0, False), ("node_lexical_epochs", -1, False), ("node_lexical_max_steps", -1, False),
+])
+def test_lexical_node_settings_are_checked_before_any_fitting(key, value, ok):
+    if ok:
+        AdversarialTree({key: value})
+    else:
+        with pytest.raises(ValueError, match="node lexical"):
+            AdversarialTree({key: value})
+
+
+def test_the_lexical_node_term_needs_the_documents_tokens():
+    x, targets, *_ = node_lexical_data(seed=8, n=200)
+    with pytest.raises(ValueError, match="node_lexical needs the documents' tokens"):
+        AdversarialTree({**NODE_LEXICAL}, seed=0).fit(x, targets, 32)

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from _api_helpers import sample_titles
+from test_engine import drop_tree_arrays
 
 from model_export.export import export_checkpoint
 from service.engine import BundleError, Predictor, PredictorOptions, vectors
@@ -25,7 +26,7 @@ from service.engine.schema import (
     TREE,
     sha256_file,
 )
-from service.engine.tree import LEXICAL_ARRAYS, TreeScorer
+from service.engine.tree import LEXICAL_ARRAYS, NODE_LEXICAL, TreeScorer
 
 
 @pytest.fixture(scope="module")
@@ -137,8 +138,8 @@ def test_a_format_1_bundle_still_serves_as_its_format_2_export_and_float16_needs
     predictor.bundle.close()
     onnx.save(onnx.load(str(old / ENCODER)), str(old / ENCODER))  # inline again
     (old / ENCODER_DATA).unlink()
-    with np.load(old / TREE) as z:  # format 1's tree: no lexical term
-        format1_tree = {k: z[k] for k in z.files if k not in LEXICAL_ARRAYS}
+    with np.load(old / TREE) as z:  # format 1's tree: no lexical terms
+        format1_tree = {k: z[k] for k in z.files if k not in (*LEXICAL_ARRAYS, NODE_LEXICAL)}
     np.savez(old / TREE, **format1_tree)
     manifest = json.loads((old / MANIFEST).read_text())
     del manifest["vector_dtype"], manifest["files"][ENCODER_DATA]
@@ -164,12 +165,31 @@ def test_a_format_1_bundle_with_the_trees_lexical_arrays_is_refused(float32_bund
     tree without them."""
     bundle = tmp_path / "v1"
     shutil.copytree(float32_bundle, bundle)
-    with np.load(bundle / TREE) as z:
-        assert "lexical_weights" in z.files  # trained bundles carry xi's token part
+    assert "lexical_weights" in drop_tree_arrays(bundle, NODE_LEXICAL)  # trained bundles carry xi's token part
     manifest = json.loads((bundle / MANIFEST).read_text())
     del manifest["vector_dtype"]
     (bundle / MANIFEST).write_text(json.dumps({**manifest, "format_version": 1}))
     with pytest.raises(BundleError, match=r"tree\.npz: array lexical_\w+ needs bundle format >= 2"):
+        Predictor.load(bundle)
+
+
+def test_the_lexical_node_term_needs_format_5_and_float16(bundle_root: Path, tmp_path: Path) -> None:
+    """A format-4 engine would search p_n without its node term: a bundle of format 4 or older
+    holding it is refused; so is the table in another dtype than float16."""
+    bundle = tmp_path / "v1"
+    shutil.copytree(bundle_root / "v1", bundle)
+    with np.load(bundle / TREE) as z:
+        assert z[NODE_LEXICAL].dtype == np.float16  # trained bundles carry p_n's token part
+        tree = {k: z[k] for k in z.files}
+    _set_manifest(bundle, format_version=4)
+    with pytest.raises(BundleError, match=r"tree\.npz: array node_lexical needs bundle format >= 5, the manifest "
+                                          r"says 4"):
+        Predictor.load(bundle)
+    np.savez(bundle / TREE, **{**tree, NODE_LEXICAL: tree[NODE_LEXICAL].astype(np.float32)})
+    manifest = json.loads((bundle / MANIFEST).read_text())
+    manifest["files"][TREE] = sha256_file(bundle / TREE)
+    (bundle / MANIFEST).write_text(json.dumps({**manifest, "format_version": 5}))
+    with pytest.raises(BundleError, match=r"tree\.npz: array node_lexical is float32, expected float16"):
         Predictor.load(bundle)
 
 

@@ -27,7 +27,8 @@ import numpy as np
 import scipy.sparse as sp
 from threadpoolctl import threadpool_limits
 
-from service.engine.tree import forced_split_bias, log_sigmoid
+from service.engine.tree import NODE_LEXICAL, forced_split_bias, log_sigmoid
+from service.engine.tree_lexical import NodeLexical, Tokens
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
@@ -171,7 +172,8 @@ class LabelTree:
 
     Hyper-parameters: pca_dim (k), lambda_n (L2 strength of each node's logistic fit),
     newton_steps per round, max_rounds of Newton + re-assignment per level, seed.
-    After fit(): pca_mean_, pca_components_, node_weights_, node_bias_, leaf_labels_.
+    After fit(): pca_mean_, pca_components_, node_weights_, node_bias_, leaf_labels_;
+    node_lexical_ (None until set_node_lexical: training/tree_node_lexical.py fits it).
     """
 
     def __init__(
@@ -336,7 +338,7 @@ class LabelTree:
     def _finish(self) -> None:
         num_leaves = len(self.leaf_labels_)
         self.depth_ = num_leaves.bit_length() - 1
-        self._bias_eff = self.node_bias_.astype(np.float64) + forced_split_bias(self.leaf_labels_)
+        self.bias_eff_ = self.node_bias_.astype(np.float64) + forced_split_bias(self.leaf_labels_)
         # Path of every label: heap nodes from the root and the direction taken (+1 left, -1 right).
         num_labels = int((self.leaf_labels_ >= 0).sum())
         heap = np.empty(num_labels, dtype=np.int64)
@@ -351,37 +353,61 @@ class LabelTree:
             signs[:, d] = np.where(cur == 2 * parent + 1, 1.0, -1.0)
             cur = parent
         self.path_nodes_, self.path_signs_ = nodes, signs
+        self.node_lexical_: NodeLexical | None = None
+
+    def set_node_lexical(self, table: np.ndarray) -> None:
+        """p_n's lexical node term (service.engine.tree_lexical.NodeLexical) from its table."""
+        self.node_lexical_ = NodeLexical(table)
+
+    def _node_scores(self, nodes: np.ndarray, z: np.ndarray, tokens: Tokens | None) -> np.ndarray:
+        """Node logits [B, n] of nodes [B, n] for projected inputs z [B, k] (float64) and, with
+        the lexical node term, their tokens."""
+        s = np.einsum("bnk,bk->bn", self.node_weights_[nodes].astype(np.float64), z) + self.bias_eff_[nodes]
+        if self.node_lexical_ is not None:
+            if tokens is None:
+                raise ValueError("this tree's node logits read the documents' tokens: pass tokens=(ids, weights)")
+            s += self.node_lexical_.scores(nodes, self.node_lexical_.prepare(_without_padding(tokens)))
+        return s
 
     # --- using the fitted tree -------------------------------------------------------
     def project(self, embeddings: np.ndarray) -> np.ndarray:
         return (np.asarray(embeddings, dtype=np.float32) - self.pca_mean_) @ self.pca_components_.T
 
-    def log_prob(self, z: np.ndarray, labels: np.ndarray, block_bytes: int = 1 << 26) -> np.ndarray:
-        """log p_n(labels[b, j] | x_b) for projected inputs z [B, k] and labels [B, J].
+    def log_prob(self, z: np.ndarray, labels: np.ndarray, tokens: Tokens | None = None,
+                 block_bytes: int = 1 << 26) -> np.ndarray:
+        """log p_n(labels[b, j] | x_b) for projected inputs z [B, k] and labels [B, J] (and x_b's
+        tokens [B, T] with the lexical node term).
 
         In blocks of rows: the gathered node weights are [B, J, depth, k] float64, 13 GB for the
         5 * 10^6 positive pairs of a 10^6-label training if taken at once (it was what stopped one)."""
         labels = np.asarray(labels)
-        row_bytes = max(1, labels.shape[1] * self.depth_ * (self.node_weights_.shape[1] + 4) * 8)
+        width = 0 if tokens is None else tokens[0].shape[1]
+        row_bytes = max(1, labels.shape[1] * self.depth_ * (self.node_weights_.shape[1] + 4 + 2 * width) * 8)
         step = max(1, block_bytes // row_bytes)
         out = np.empty(labels.shape, np.float64)
         for begin in range(0, len(labels), step):
             rows = slice(begin, begin + step)
             zb = np.asarray(z[rows], dtype=np.float64)
             nodes = self.path_nodes_[labels[rows]]  # [b, J, depth]
-            s = np.einsum("bjdk,bk->bjd", self.node_weights_[nodes].astype(np.float64), zb) + self._bias_eff[nodes]
+            part = None if tokens is None else (tokens[0][rows], tokens[1][rows])
+            s = self._node_scores(nodes.reshape(len(zb), -1), zb, part).reshape(nodes.shape)
             out[rows] = log_sigmoid(self.path_signs_[labels[rows]] * s).sum(-1)
         return out
 
-    def sample(self, z: np.ndarray, num_samples: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-        """Ancestral sampling y ~ p_n(.|x): (labels [B, S], log p_n [B, S]); O(k log L) each."""
+    def sample(self, z: np.ndarray, num_samples: int, rng: np.random.Generator,
+               tokens: Tokens | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Ancestral sampling y ~ p_n(.|x): (labels [B, S], log p_n [B, S]); O(k log L) each
+        (tokens: x's [B, T], with the lexical node term)."""
         z = np.asarray(z, dtype=np.float64)
         batch = len(z)
         zr = np.repeat(z, num_samples, axis=0)
+        if tokens is not None:
+            tokens = _without_padding(tokens)
+            tokens = (np.repeat(tokens[0], num_samples, axis=0), np.repeat(tokens[1], num_samples, axis=0))
         nodes = np.zeros(batch * num_samples, dtype=np.int64)
         logp = np.zeros(batch * num_samples)
         for _ in range(self.depth_):
-            s = (self.node_weights_[nodes] * zr).sum(1) + self._bias_eff[nodes]
+            s = self._node_scores(nodes[:, None], zr, tokens)[:, 0]
             lp_left = log_sigmoid(s)
             left = np.log(rng.random(len(nodes))) < lp_left
             logp += np.where(left, lp_left, log_sigmoid(-s))
@@ -391,10 +417,22 @@ class LabelTree:
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The tree part of the TreeScorer arrays."""
+        lexical = {} if self.node_lexical_ is None else {NODE_LEXICAL: self.node_lexical_.table}
         return {
+            **lexical,
             "pca_mean": self.pca_mean_,
             "pca_components": self.pca_components_,
             "node_weights": self.node_weights_,
             "node_bias": self.node_bias_,
             "leaf_labels": self.leaf_labels_,
         }
+
+
+def _without_padding(tokens: Tokens) -> Tokens:
+    """The token columns some row uses (weight != 0): documents padded to the longest one's
+    length (37 tokens on debian-deps, 6.6 on average) need not pay for it."""
+    ids, weights = np.asarray(tokens[0]), np.asarray(tokens[1])
+    used = np.flatnonzero((weights != 0).any(axis=0))
+    if len(used) == weights.shape[1]:
+        return ids, weights
+    return ids[:, used], weights[:, used]

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from training.progress import Progress
 from training.tree import LabelTree, flatten_pairs
 from training.tree_lexical import LexicalPart, LexicalStart, TokenRows, lexical_start
+from training.tree_node_lexical import NodeLexicalFit
 
 TREE_FILE = "tree.npz"
 log = logging.getLogger("shortlist.training")
@@ -58,6 +59,18 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "lambda_n": 3000.0,
     "newton_steps": 1,
     "max_rounds": 3,
+    # p_n's lexical node term (training/tree_node_lexical.py; TokenRows needed): every node's logit
+    # reads the document's words too. debian-deps validation, own label out, beam 512: the beam
+    # holds 57.7% -> 73.0% of the true labels, the route's P@1 / PSP@5 61.6 / 14.4 -> 63.7 / 20.9;
+    # 2^21 slots or 12 epochs: P@1 0.4 and PSP@5 0.6-0.9 lower (bench/RESULTS.md). 2^22 float16
+    # values are 8 MiB, mapped, read by the tree route only.
+    "node_lexical": True,
+    "node_lexical_bits": 22,
+    "node_lexical_epochs": 30,
+    "node_lexical_max_steps": 4000,  # mini-batches of node_lexical_batch documents
+    "node_lexical_batch": 400,
+    "node_lexical_lr": 0.1,
+    "node_lexical_l2": 1e-4,
     # the classifier xi
     "negatives": 8,  # per positive pair
     "lambda": 0.01,  # regulariser strength
@@ -81,9 +94,11 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "batch_size": 512,
     "lr": 0.2,  # Adagrad (sparse rows)
     # the scorer: enough leaves for xi + log p_n to reorder (debian-tags test, bench/tree.py: PSP@5
-    # 59.6 at 128, 64.1 at 512, search p50 0.27 -> 0.44 ms; on debian-deps the beam of 512 still
-    # holds only 58% of the true labels)
-    "beam": 512,
+    # 59.6 at 128, 64.1 at 512, search p50 0.27 -> 0.44 ms). With the lexical node term the beam
+    # costs ~0.3 ms more at 512 (a query's tokens read at every node it scores); debian-deps
+    # validation, own label out, beam 128 / 256 / 512: P@1 63.31 / 63.31 / 63.41, PSP@5 19.34 /
+    # 19.69 / 19.87, text-in p50 at 256 ~0.8 ms against ~1.0 at 512.
+    "beam": 256,
 }
 
 # Called with (seconds of training so far, step, xi's arrays (TreeClassifier.arrays_; live views,
@@ -155,7 +170,7 @@ class TreeClassifier:
         start: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> TreeClassifier:
         self._check(tree, tokens, lexical)
-        run = _Run(self, embeddings, targets, num_labels, tree, start)
+        run = _Run(self, embeddings, targets, num_labels, tree, start, tokens)
         if lexical is not None:
             assert tokens is not None
             run.add_lexical(LexicalPart(tokens, lexical, num_labels), fitted=bool(lexical.weights.any()))
@@ -197,6 +212,8 @@ class TreeClassifier:
             raise ValueError(f"optimizer must be 'sgd' or 'adagrad', got {self.optimizer!r}")
         if self.sampler == "adversarial" and tree is None:
             raise ValueError("sampler='adversarial' needs a fitted LabelTree")
+        if self.sampler == "adversarial" and tree.node_lexical_ is not None and tokens is None:
+            raise ValueError("a tree with a lexical node term needs the documents' tokens")
         if lexical is not None and tokens is None:
             raise ValueError("a lexical term needs the documents' tokens")
         if self.negatives < 1 or self.epochs < 0 or self.batch_size < 1 or self.lr <= 0 or self.lam < 0:
@@ -207,7 +224,8 @@ class _Run:
     """One TreeClassifier fit's state: the positive pairs, the sampler, the parameters being trained."""
 
     def __init__(self, clf: TreeClassifier, embeddings: np.ndarray, targets: Sequence[Sequence[int]],
-                 num_labels: int, tree: LabelTree | None, start: tuple[np.ndarray, np.ndarray] | None) -> None:
+                 num_labels: int, tree: LabelTree | None, start: tuple[np.ndarray, np.ndarray] | None,
+                 tokens: TokenRows | None) -> None:
         self.clf, self.num_labels, self.tree = clf, num_labels, tree
         x = np.ascontiguousarray(embeddings, dtype=np.float32)
         # Encoder outputs are non-negative (ReLU), so every raw embedding shares one direction;
@@ -220,10 +238,17 @@ class _Run:
         torch.manual_seed(clf.seed)
         self.keys = _pair_keys(self.pair_doc, self.pair_label, num_labels)
         self.uniform_logp = -float(np.log(num_labels))
+        # p_n's tokens (its lexical node term), None without one.
+        self.tokens = None
         if clf.sampler == "adversarial":
             assert tree is not None
-            self.z = tree.project(x)
-            self.pos_logp = tree.log_prob(self.z[self.pair_doc], self.pair_label[:, None])[:, 0]
+            if tree.node_lexical_ is not None:
+                assert tokens is not None
+                self.tokens = (tokens.doc_ids, tokens.doc_weights)
+            # The tree projects raw embeddings ((x - its mean) P), as the served route does.
+            self.z = tree.project(embeddings)
+            self.pos_logp = tree.log_prob(self.z[self.pair_doc], self.pair_label[:, None],
+                                          self._tokens_of(self.pair_doc))[:, 0]
         else:
             self.z, self.pos_logp = None, np.full(len(self.pair_doc), self.uniform_logp)
         self.weight = torch.nn.Embedding(num_labels, x.shape[1], sparse=True)
@@ -266,12 +291,15 @@ class _Run:
             out.update(self.lexical.export())
         return out
 
+    def _tokens_of(self, doc: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        return None if self.tokens is None else (self.tokens[0][doc], self.tokens[1][doc])
+
     def _negatives(self, doc: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Negatives [B, S] for each document, their log p_n, and which are not its positives."""
         s = self.clf.negatives
         if self.z is not None:
             assert self.tree is not None
-            neg, neg_logp = self.tree.sample(self.z[doc], s, self.rng)
+            neg, neg_logp = self.tree.sample(self.z[doc], s, self.rng, self._tokens_of(doc))
         else:
             neg = self.rng.integers(0, self.num_labels, size=(len(doc), s))
             neg_logp = np.full(neg.shape, self.uniform_logp)
@@ -326,6 +354,7 @@ def resolve_config(config: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"tree config beam must be >= 1, got {cfg['beam']}")
     if cfg["start"] not in ("zero", "one_vs_all"):
         raise ValueError(f"tree config start must be 'zero' or 'one_vs_all', got {cfg['start']!r}")
+    node_lexical_from_config(cfg, 0).validate()
     return cfg
 
 
@@ -337,6 +366,32 @@ def tree_from_config(cfg: dict[str, Any], seed: int) -> LabelTree:
         max_rounds=int(cfg["max_rounds"]),
         seed=seed,
     )
+
+
+def fit_p_n(cfg: dict[str, Any], seed: int, doc_embeddings: np.ndarray, targets: Sequence[Sequence[int]],
+             num_labels: int, tokens: TokenRows | None, progress: bool = False) -> LabelTree:
+    """p_n as configured: the dense splits, then (node_lexical) its lexical node term."""
+    t0 = time.perf_counter()
+    tree = tree_from_config(cfg, seed).fit(doc_embeddings, targets, num_labels)
+    log.info("tree p_n: %d levels fitted in %.1fs", tree.depth_, time.perf_counter() - t0)
+    if cfg["node_lexical"]:
+        if tokens is None:
+            raise ValueError("tree config node_lexical needs the documents' tokens")
+        t0 = time.perf_counter()
+        pair_doc, pair_label = flatten_pairs(targets, num_labels)
+        fitted = node_lexical_from_config(cfg, seed, progress).fit(
+            tree, tree.project(doc_embeddings), (tokens.doc_ids, tokens.doc_weights), pair_doc, pair_label)
+        tree.set_node_lexical(fitted.table_)
+        log.info("tree p_n: lexical node term (2^%d slots, %d steps) in %.1fs", fitted.bits, fitted.steps_,
+                 time.perf_counter() - t0)
+    return tree
+
+
+def node_lexical_from_config(cfg: dict[str, Any], seed: int, progress: bool = False) -> NodeLexicalFit:
+    return NodeLexicalFit(bits=int(cfg["node_lexical_bits"]), epochs=int(cfg["node_lexical_epochs"]),
+                          lr=float(cfg["node_lexical_lr"]), l2=float(cfg["node_lexical_l2"]),
+                          batch_docs=int(cfg["node_lexical_batch"]), max_steps=int(cfg["node_lexical_max_steps"]),
+                          seed=seed, progress=progress)
 
 
 def classifier_from_config(cfg: dict[str, Any], seed: int, sampler: str = "adversarial",
@@ -360,7 +415,8 @@ class AdversarialTree:
     documents' embeddings; `arrays_` are service.engine.tree.TreeScorer's (the bundle's tree.npz).
 
     config keys (defaults in DEFAULT_CONFIG): pca_dim, lambda_n, newton_steps, max_rounds,
-    negatives, lambda, regularise, weight_decay, epochs, batch_size, lr, beam.
+    node_lexical and its node_lexical_* keys, negatives, lambda, regularise, weight_decay, epochs,
+    batch_size, lr, beam.
     """
 
     def __init__(self, config: dict[str, Any] | None = None, seed: int = 0, progress: bool = False) -> None:
@@ -378,8 +434,9 @@ class AdversarialTree:
         one_vs_all = cfg["start"] == "one_vs_all"
         if one_vs_all and module3 is None:
             raise ValueError("tree config start 'one_vs_all' needs Module III's classifiers")
-        if cfg["lexical"] and tokens is None:
-            raise ValueError("tree config lexical needs the documents' tokens")
+        for key in ("lexical", "node_lexical"):
+            if cfg[key] and tokens is None:
+                raise ValueError(f"tree config {key} needs the documents' tokens")
         # One torch thread: the steps are small gathers and sums that a second thread does not
         # speed up, and on shared cores its spin-waits cost (a refit on debian-tags with two threads
         # beside other jobs: 8 CPU minutes in 56 minutes, unfinished; with one: 6.5 minutes).
@@ -394,9 +451,7 @@ class AdversarialTree:
              module3: tuple[np.ndarray, np.ndarray] | None, lexical: LexicalStart | None) -> AdversarialTree:
         cfg = self.config
         one_vs_all = cfg["start"] == "one_vs_all"
-        t0 = time.perf_counter()
-        tree = tree_from_config(cfg, self.seed).fit(doc_embeddings, targets, num_labels)
-        log.info("tree p_n: %d levels fitted in %.1fs", tree.depth_, time.perf_counter() - t0)
+        tree = fit_p_n(cfg, self.seed, doc_embeddings, targets, num_labels, tokens, self.progress)
         if not cfg["lexical"]:
             lexical = None
         elif lexical is None:

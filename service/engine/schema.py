@@ -45,7 +45,8 @@ A bundle is a directory BUNDLE_ROOT/VERSION, immutable once written:
                          labels 0..tree_labels-1 (`Lineage.tree_labels`; all L without a lineage);
                          names and dtypes in TREE_ARRAYS (its classifier_weights in the manifest's
                          vector_dtype); stored, not compressed, so that a reader can memory-map it;
-                         format 2 added the lexical arrays (xi's per-token term, TREE_ARRAYS_SINCE)
+                         format 2 added the lexical arrays (xi's per-token term, TREE_ARRAYS_SINCE),
+                         format 5 node_lexical (p_n's per-token term of its node logits)
   validation.jsonl       optional: held-out {"text", "target_ind"} rows for a quality gate
   shard_labels.npy       format 2, a shard's (manifest `shard`): [L] int64, the parent bundle's
                          id of each label row, increasing (service.engine.sharding; written by
@@ -104,9 +105,11 @@ from pydantic import (
 # than the manifest's dim is a new index layout, which readers before it must refuse.
 # Format 4 added int8 label vectors (vector_dtype "int8" with the scales files): another dtype
 # of an existing file, which readers before it must refuse.
+# Format 5 added tree.npz's node_lexical, optional: a term of p_n's node logits (readers before it
+# would search the tree without it).
 # Every bundle of an earlier format reads as it did.
-FORMAT_VERSION = 4
-READABLE_FORMATS = (1, 2, 3, 4)
+FORMAT_VERSION = 5
+READABLE_FORMATS = (1, 2, 3, 4, 5)
 VectorDtype = Literal["float32", "float16", "int8"]
 VECTOR_DTYPES: tuple[str, ...] = ("float32", "float16", "int8")
 
@@ -161,11 +164,11 @@ TREE_ARRAYS: dict[str, str] = {
     "pca_mean": "float32", "pca_components": "float32", "node_weights": "float32", "node_bias": "float32",
     "leaf_labels": "int64", "classifier_weights": VECTOR_DTYPE, "classifier_bias": "float32", "default_beam": "int64",
     "lexical_indptr": "int64", "lexical_labels": "int32", "lexical_weights": "float32", "lexical_bias": "float32",
-    "classifier_scales": "float32",
+    "classifier_scales": "float32", "node_lexical": "float16",
 }
 # classifier_scales: the int8 classifier weights' row scales (service.engine.vectors), with them only.
 TREE_ARRAYS_SINCE: dict[str, int] = {"lexical_indptr": 2, "lexical_labels": 2, "lexical_weights": 2, "lexical_bias": 2,
-                                     "classifier_scales": 4}
+                                     "classifier_scales": 4, "node_lexical": 5}
 
 LexicalForm = Literal["shares", "logistic"]
 LEXICAL_FORMS: tuple[str, ...] = ("shares", "logistic")

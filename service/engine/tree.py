@@ -25,7 +25,9 @@ Arrays (tree.npz in a bundle; produced by training.tree_train.AdversarialTree):
   xi_y(x) += sum_t x_t U[t, y] + hit_y(x) h_y over the query's tokens t with TF-IDF weights
   x_t, U a [V, L] matrix as CSR rows by token id, hit_y(x) = some token's row holds y):
   lexical_indptr [V + 1] int64, lexical_labels [nnz] int32 (ascending within a row),
-  lexical_weights [nnz] f32, lexical_bias [L] f32 (h).
+  lexical_weights [nnz] f32, lexical_bias [L] f32 (h);
+  optional, p_n's lexical node term (service.engine.tree_lexical.NodeLexical): every internal
+  node's logit gains sum_t x_t v[slot(n, t)]: node_lexical [2^bits] f16 (v).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from service.engine.tree_lexical import LexicalRows, NodeLexical, Tokens
 from service.engine.vectors import as_float32
 
 REQUIRED_ARRAYS = (
@@ -47,8 +50,7 @@ REQUIRED_ARRAYS = (
 )
 LEXICAL_ARRAYS = ("lexical_indptr", "lexical_labels", "lexical_weights", "lexical_bias")
 DEFAULT_BEAM = 128
-# A query's padded token ids and TF-IDF weights [B, T] (service.engine.tokenizer.encode_batch).
-Tokens = tuple[np.ndarray, np.ndarray]
+NODE_LEXICAL = "node_lexical"
 
 
 def log_sigmoid(x: np.ndarray) -> np.ndarray:
@@ -79,71 +81,6 @@ def forced_split_bias(leaf_labels: np.ndarray) -> np.ndarray:
     return force
 
 
-class LexicalRows:
-    """xi's lexical term: U [V, L] as CSR rows by token id and h [L]; the term of candidate
-    labels for a query's tokens, by binary search of (token, label) keys (no dense [L] row per
-    query)."""
-
-    def __init__(self, indptr: np.ndarray, labels: np.ndarray, weights: np.ndarray, bias: np.ndarray,
-                 num_labels: int) -> None:
-        self.indptr, self.labels, self.weights, self.bias = indptr, labels, weights, bias
-        if bias.shape != (num_labels,):
-            raise ValueError(f"tree array lexical_bias: expected [{num_labels}], got shape {bias.shape}")
-        if indptr.ndim != 1 or len(indptr) < 2 or indptr[0] != 0 or (np.diff(indptr) < 0).any():
-            raise ValueError("tree array lexical_indptr: expected [V + 1] non-decreasing offsets from 0")
-        nnz = int(indptr[-1])
-        if labels.shape != (nnz,) or weights.shape != (nnz,):
-            raise ValueError(f"tree arrays lexical_labels, lexical_weights: expected [{nnz}] (lexical_indptr's "
-                             f"last offset), got {labels.shape} and {weights.shape}")
-        if nnz and (labels.min() < 0 or labels.max() >= num_labels):
-            raise ValueError(f"tree array lexical_labels: label ids must be in [0, {num_labels})")
-        self.num_labels = num_labels
-        self.vocab_size = len(indptr) - 1
-        token = np.repeat(np.arange(self.vocab_size, dtype=np.int64), np.diff(indptr))
-        self.keys = token * num_labels + labels
-        if (np.diff(self.keys) <= 0).any():
-            raise ValueError("tree array lexical_labels: labels must be strictly ascending within each token's row")
-
-    def scores(self, tokens: Tokens, labels: np.ndarray) -> np.ndarray:
-        """[B, C] sum_t x_t U[t, labels[b, c]] (labels >= 0; token ids past the vocabulary count 0).
-
-        Only the labels on the query's token rows (T x width of them) have a term: they are
-        summed from the rows, and the candidates look theirs up among those few, instead of
-        each (candidate, token) pair searching all of U's keys."""
-        ids, x = tokens
-        batch = len(ids)
-        known = (ids > 0) & (ids < self.vocab_size)  # 0 pads a query's row
-        ids = np.where(known, ids, 0)
-        starts, ends = self.indptr[ids], self.indptr[ids + 1]
-        lengths = np.where(known, ends - starts, 0).ravel()
-        total = int(lengths.sum())
-        if total == 0:
-            return np.zeros(labels.shape)
-        # Every (row, slot of U) the query's tokens reach, flattened.
-        offsets = np.repeat(np.cumsum(lengths) - lengths, lengths)
-        slots = np.repeat(starts.ravel(), lengths) + np.arange(total) - offsets
-        row = np.repeat(np.repeat(np.arange(batch), ids.shape[1]), lengths)
-        reached, where = np.unique(row * self.num_labels + self.labels[slots], return_inverse=True)
-        term = np.bincount(where, weights=self.weights[slots] * np.repeat(x.ravel(), lengths), minlength=len(reached))
-        term += self.bias[reached % self.num_labels]
-        keys = np.arange(batch)[:, None] * self.num_labels + labels
-        slot = np.minimum(np.searchsorted(reached, keys), len(reached) - 1)
-        return np.where(reached[slot] == keys, term[slot], 0.0)
-
-    def dense(self, tokens: Tokens) -> np.ndarray:
-        """[B, L] the term for every label (measurement only)."""
-        ids, x = tokens
-        out = np.zeros((len(ids), self.num_labels))
-        hit = np.zeros((len(ids), self.num_labels), dtype=bool)
-        for row in range(len(ids)):
-            for t, weight in zip(ids[row], x[row], strict=True):
-                if 0 < t < self.vocab_size:
-                    lo, hi = self.indptr[t], self.indptr[t + 1]
-                    out[row, self.labels[lo:hi]] += weight * self.weights[lo:hi]
-                    hit[row, self.labels[lo:hi]] = True
-        return out + np.where(hit, self.bias, 0.0)
-
-
 class TreeScorer:
     """Beam search over the probabilistic label tree with bias-corrected rescoring."""
 
@@ -159,6 +96,7 @@ class TreeScorer:
         default_beam: int = DEFAULT_BEAM,
         lexical: Mapping[str, np.ndarray] | None = None,
         classifier_scales: np.ndarray | None = None,
+        node_lexical: np.ndarray | None = None,
     ) -> None:
         self.pca_mean = np.asarray(pca_mean, dtype=np.float32)
         self.pca_components = np.asarray(pca_components, dtype=np.float32)
@@ -184,6 +122,7 @@ class TreeScorer:
             for name in ("weights", "bias"):
                 if not np.isfinite(getattr(self.lexical, name)).all():
                     raise ValueError(f"tree array lexical_{name}: contains NaN or infinite values")
+        self.node_lexical = None if node_lexical is None else NodeLexical(node_lexical)
         self.num_leaves = len(self.leaf_labels)
         self.depth = int(self.num_leaves).bit_length() - 1
         self.num_labels = int(self.classifier_weights.shape[0])
@@ -207,10 +146,11 @@ class TreeScorer:
             raise ValueError(f"tree arrays: {given[0]} without {', '.join(missing)}")
         beam = arrays.get("default_beam")
         kwargs = {name: np.asarray(arrays[name]) for name in REQUIRED_ARRAYS}
-        scales = arrays.get("classifier_scales")
+        scales, node_lexical = arrays.get("classifier_scales"), arrays.get(NODE_LEXICAL)
         return cls(**kwargs, default_beam=int(np.asarray(beam)) if beam is not None else DEFAULT_BEAM,
                    lexical={name: arrays[name] for name in LEXICAL_ARRAYS} if given else None,
-                   classifier_scales=None if scales is None else np.asarray(scales))
+                   classifier_scales=None if scales is None else np.asarray(scales),
+                   node_lexical=None if node_lexical is None else np.asarray(node_lexical))
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         lexical = {}
@@ -218,9 +158,11 @@ class TreeScorer:
             lexical = {"lexical_indptr": self.lexical.indptr, "lexical_labels": self.lexical.labels,
                        "lexical_weights": self.lexical.weights, "lexical_bias": self.lexical.bias}
         scales = {} if self.classifier_scales is None else {"classifier_scales": self.classifier_scales}
+        nodes = {} if self.node_lexical is None else {NODE_LEXICAL: self.node_lexical.table}
         return {
             **lexical,
             **scales,
+            **nodes,
             "pca_mean": self.pca_mean,
             "pca_components": self.pca_components,
             "node_weights": self.node_weights,
@@ -308,10 +250,13 @@ class TreeScorer:
             raise ValueError(f"queries must be [B, {self.pca_mean.shape[0]}], got shape {q.shape}")
         return q @ self.pca_components.T - self._pca_offset
 
-    def log_pn(self, q: np.ndarray) -> np.ndarray:
+    def log_pn(self, q: np.ndarray, tokens: Tokens | None = None) -> np.ndarray:
         """log p_n(y|x) for every label: [B, L] (exact, all nodes; tests and measurement only)."""
         z = self._project(q).astype(np.float64)
         logits = z @ self.node_weights.T.astype(np.float64) + self._node_bias_eff  # [B, nodes]
+        if self.node_lexical is not None:
+            query = self.node_lexical.prepare(self._tokens(tokens, len(z)))
+            logits += self.node_lexical.scores(np.arange(self.num_leaves - 1), query)
         logp = np.zeros((len(z), 1))
         for level in range(self.depth):
             first = (1 << level) - 1
@@ -336,11 +281,11 @@ class TreeScorer:
 
     def exact_scores(self, q: np.ndarray, tokens: Tokens | None = None) -> np.ndarray:
         """xi_y(x) + log p_n(y|x) for every label: [B, L] (tests and recall measurement only)."""
-        return self.classifier_scores(q, tokens) + self.log_pn(q)
+        return self.classifier_scores(q, tokens) + self.log_pn(q, tokens)
 
     def _tokens(self, tokens: Tokens | None, rows: int) -> Tokens:
         if tokens is None:
-            raise ValueError("this tree's classifier reads the query's tokens: pass tokens=(ids, weights)")
+            raise ValueError("this tree reads the query's tokens: pass tokens=(ids, weights)")
         ids, x = np.asarray(tokens[0], dtype=np.int64), np.asarray(tokens[1], dtype=np.float32)
         if ids.ndim != 2 or ids.shape != x.shape or len(ids) != rows:
             raise ValueError(f"tokens must be two [{rows}, T] arrays, got shapes {ids.shape} and {x.shape}")
@@ -383,11 +328,13 @@ class TreeScorer:
                                            self._node_bias_eff[:first], path + first * (signs < 0))
         return cached
 
-    def beam_leaves(self, q: np.ndarray, beam: int) -> tuple[np.ndarray, np.ndarray]:
+    def beam_leaves(self, q: np.ndarray, beam: int, tokens: Tokens | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Beam search on path log-probs: (label ids [B, <=beam] (-1 = none), log p_n [B, <=beam])."""
         z = self._project(q).astype(np.float64)
         batch = len(z)
         rows = np.arange(batch)[:, None]
+        node_lexical = self.node_lexical
+        query = None if node_lexical is None else node_lexical.prepare(self._tokens(tokens, batch))
         # The levels the beam holds whole are scored at once: one product for all their nodes,
         # then each node of the first level too wide for it sums its path (the same sums a
         # level-by-level search makes, in a few calls instead of a few per level).
@@ -396,6 +343,8 @@ class TreeScorer:
         if full:
             weights, bias, steps = self._head(full)
             s = z @ weights + bias
+            if query is not None:
+                s += node_lexical.scores(np.arange(first), query)
             # log sigmoid of each node's two directions once, then summed along every path: the same
             # values as over the [2^full, full] gathered logits, at a fraction of the exp/log calls.
             both = np.concatenate([log_sigmoid(s), log_sigmoid(-s)], axis=1)
@@ -406,6 +355,8 @@ class TreeScorer:
         z32 = z.astype(np.float32)
         for _ in range(full, self.depth):
             s = (self.node_weights[nodes] @ z32[:, :, None])[:, :, 0] + self._node_bias_eff[nodes]
+            if query is not None:
+                s += node_lexical.scores(nodes, query)
             # log sigmoid(+-s) = min(+-s, 0) - log(1 + exp(-|s|)): both children from one exp.
             shared = np.log1p(np.exp(-np.abs(s)))
             nodes = np.concatenate([2 * nodes + 1, 2 * nodes + 2], axis=1)
@@ -422,7 +373,7 @@ class TreeScorer:
                retired: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Top k of xi_y(x) + log p_n(y|x) among the beam's leaves: (ids int64 [B, k] (-1 pad),
         scores float32 [B, k]), best first. tokens: the queries' token ids and weights, needed
-        when the classifier has a lexical part; `retired` (bool per label id) marks labels never
+        when xi or p_n has a lexical term; `retired` (bool per label id) marks labels never
         returned."""
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
@@ -430,7 +381,7 @@ class TreeScorer:
         if beam < 1:
             raise ValueError(f"beam must be >= 1, got {beam}")
         q = np.asarray(q, dtype=np.float32)
-        labels, logp = self.beam_leaves(q, max(beam, k))
+        labels, logp = self.beam_leaves(q, max(beam, k), tokens)
         safe = np.maximum(labels, 0)
         xi = self.candidate_scores(q, safe, tokens)
         live = labels >= 0
