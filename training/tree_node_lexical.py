@@ -40,7 +40,7 @@ class NodeLexicalFit:
     (float16 [2^bits], as served), losses_ (per epoch, per positive pair), steps_.
     """
 
-    def __init__(self, bits: int = 21, epochs: int = 12, lr: float = 0.1, l2: float = 1e-4,
+    def __init__(self, bits: int = 22, epochs: int = 12, lr: float = 0.1, l2: float = 1e-4,
                  batch_docs: int = 400, max_steps: int = 4000, seed: int = 0, progress: bool = False) -> None:
         self.bits, self.epochs, self.lr, self.l2 = bits, epochs, lr, l2
         self.batch_docs, self.max_steps, self.seed, self.progress = batch_docs, max_steps, seed, progress

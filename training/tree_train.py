@@ -61,12 +61,12 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "max_rounds": 3,
     # p_n's lexical node term (training/tree_node_lexical.py; TokenRows needed): every node's logit
     # reads the document's words too. debian-deps validation, own label out, beam 512: the beam
-    # holds 57.7% -> 73.0% of the true labels, the route's P@1 / PSP@5 61.6 / 14.4 -> 63.7 / 20.9;
-    # 2^21 slots or 12 epochs: P@1 0.4 and PSP@5 0.6-0.9 lower (bench/RESULTS.md). 2^22 float16
-    # values are 8 MiB, mapped, read by the tree route only.
+    # holds 57.7% -> 72.6% of the true labels, the route's P@1 / PSP@5 61.6 / 14.4 -> 63.8 / 20.2;
+    # 2^21 slots: P@1 0.45 lower; 30 epochs: PSP@5 +0.65, P@1 the same, for 30 s more training
+    # (bench/RESULTS.md). 2^22 float16 values are 8 MiB, mapped, read by the tree route only.
     "node_lexical": True,
     "node_lexical_bits": 22,
-    "node_lexical_epochs": 30,
+    "node_lexical_epochs": 12,
     "node_lexical_max_steps": 4000,  # mini-batches of node_lexical_batch documents
     "node_lexical_batch": 400,
     "node_lexical_lr": 0.1,
@@ -93,12 +93,13 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "epochs": 3,
     "batch_size": 512,
     "lr": 0.2,  # Adagrad (sparse rows)
-    # the scorer: enough leaves for xi + log p_n to reorder (debian-tags test, bench/tree.py: PSP@5
-    # 59.6 at 128, 64.1 at 512, search p50 0.27 -> 0.44 ms). With the lexical node term the beam
-    # costs ~0.3 ms more at 512 (a query's tokens read at every node it scores); debian-deps
-    # validation, own label out, beam 128 / 256 / 512: P@1 63.31 / 63.31 / 63.41, PSP@5 19.34 /
-    # 19.69 / 19.87, text-in p50 at 256 ~0.8 ms against ~1.0 at 512.
-    "beam": 256,
+    # the scorer: enough leaves for xi + log p_n to reorder. The old p_n needed 512 (debian-tags
+    # test PSP@5 59.6 at 128, 64.1 at 512); with the lexical node term debian-tags validation is
+    # the same at 128 and 512 (P@1 / PSP@5 81.0 / 63.8), debian-deps validation (own label out)
+    # 63.61 / 19.81 at 128, 63.56 / 20.16 at 256, 63.66 / 20.41 at 512, and the term makes each
+    # node cost more: text-in p50 on debian-deps 0.76-0.91 ms at 128, 1.02-1.12 at 256, 1.29-1.42
+    # at 512 (the same run: the previous p_n at 512, 0.90-0.96).
+    "beam": 128,
 }
 
 # Called with (seconds of training so far, step, xi's arrays (TreeClassifier.arrays_; live views,
