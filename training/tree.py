@@ -28,7 +28,7 @@ import scipy.sparse as sp
 from threadpoolctl import threadpool_limits
 
 from service.engine.tree import NODE_LEXICAL, forced_split_bias, log_sigmoid
-from service.engine.tree_lexical import NodeLexical, Tokens
+from service.engine.tree_lexical import NodeLexical, QueryTokens, Tokens
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
@@ -359,14 +359,21 @@ class LabelTree:
         """p_n's lexical node term (service.engine.tree_lexical.NodeLexical) from its table."""
         self.node_lexical_ = NodeLexical(table)
 
-    def _node_scores(self, nodes: np.ndarray, z: np.ndarray, tokens: Tokens | None) -> np.ndarray:
+    def _query(self, tokens: Tokens | None) -> QueryTokens | None:
+        """The documents' tokens as the lexical node term reads them (None without the term)."""
+        if self.node_lexical_ is None:
+            return None
+        if tokens is None:
+            raise ValueError("this tree's node logits read the documents' tokens: pass tokens=(ids, weights)")
+        return self.node_lexical_.prepare(_without_padding(tokens))
+
+    def _node_scores(self, nodes: np.ndarray, z: np.ndarray, query: QueryTokens | None) -> np.ndarray:
         """Node logits [B, n] of nodes [B, n] for projected inputs z [B, k] (float64) and, with
-        the lexical node term, their tokens."""
+        the lexical node term, their tokens (_query)."""
         s = np.einsum("bnk,bk->bn", self.node_weights_[nodes].astype(np.float64), z) + self.bias_eff_[nodes]
-        if self.node_lexical_ is not None:
-            if tokens is None:
-                raise ValueError("this tree's node logits read the documents' tokens: pass tokens=(ids, weights)")
-            s += self.node_lexical_.scores(nodes, self.node_lexical_.prepare(_without_padding(tokens)))
+        if query is not None:
+            assert self.node_lexical_ is not None
+            s += self.node_lexical_.scores(nodes, query)
         return s
 
     # --- using the fitted tree -------------------------------------------------------
@@ -389,8 +396,8 @@ class LabelTree:
             rows = slice(begin, begin + step)
             zb = np.asarray(z[rows], dtype=np.float64)
             nodes = self.path_nodes_[labels[rows]]  # [b, J, depth]
-            part = None if tokens is None else (tokens[0][rows], tokens[1][rows])
-            s = self._node_scores(nodes.reshape(len(zb), -1), zb, part).reshape(nodes.shape)
+            query = self._query(None if tokens is None else (tokens[0][rows], tokens[1][rows]))
+            s = self._node_scores(nodes.reshape(len(zb), -1), zb, query).reshape(nodes.shape)
             out[rows] = log_sigmoid(self.path_signs_[labels[rows]] * s).sum(-1)
         return out
 
@@ -401,13 +408,13 @@ class LabelTree:
         z = np.asarray(z, dtype=np.float64)
         batch = len(z)
         zr = np.repeat(z, num_samples, axis=0)
-        if tokens is not None:
-            tokens = _without_padding(tokens)
-            tokens = (np.repeat(tokens[0], num_samples, axis=0), np.repeat(tokens[1], num_samples, axis=0))
+        query = self._query(tokens)
+        if query is not None:  # prepared once, each document's row repeated for its samples
+            query = (np.repeat(query[0], num_samples, axis=0), np.repeat(query[1], num_samples, axis=0))
         nodes = np.zeros(batch * num_samples, dtype=np.int64)
         logp = np.zeros(batch * num_samples)
         for _ in range(self.depth_):
-            s = self._node_scores(nodes[:, None], zr, tokens)[:, 0]
+            s = self._node_scores(nodes[:, None], zr, query)[:, 0]
             lp_left = log_sigmoid(s)
             left = np.log(rng.random(len(nodes))) < lp_left
             logp += np.where(left, lp_left, log_sigmoid(-s))
