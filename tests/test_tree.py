@@ -356,3 +356,18 @@ def test_the_lexical_node_term_needs_the_documents_tokens():
     x, targets, *_ = node_lexical_data(seed=8, n=200)
     with pytest.raises(ValueError, match="node_lexical needs the documents' tokens"):
         AdversarialTree({**NODE_LEXICAL}, seed=0).fit(x, targets, 32)
+
+
+def test_the_positives_log_pn_in_chunks_trains_the_same_classifier(monkeypatch):
+    """xi's training takes its positives' log p_n in chunks (a 10^6-label training's pairs would
+    copy gigabytes of tokens at once): chunk boundaries must not change what it learns (the
+    "corrected" regulariser reads the positives' log p_n)."""
+    import training.tree_train as tree_train
+
+    x, targets, tokens, *_ = node_lexical_data(seed=7)
+    cfg = {**NODE_LEXICAL, "regularise": "corrected", "node_lexical_epochs": 2}
+    whole = AdversarialTree(cfg, seed=0).fit(x, targets, 32, tokens=tokens).arrays_
+    monkeypatch.setattr(tree_train, "_POSITIVES_AT_ONCE", 7)
+    chunked = AdversarialTree(cfg, seed=0).fit(x, targets, 32, tokens=tokens).arrays_
+    for name, array in whole.items():
+        np.testing.assert_array_equal(chunked[name], array, err_msg=name)

@@ -106,6 +106,9 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "beam": 128,
 }
 
+# Positive pairs whose log p_n is computed at once (_Run).
+_POSITIVES_AT_ONCE = 1 << 18
+
 # Called with (seconds of training so far, step, xi's arrays (TreeClassifier.arrays_; live views,
 # not copies)); the time it takes is not counted as training time.
 ProgressCallback = Callable[[float, int, dict[str, np.ndarray]], None]
@@ -252,8 +255,7 @@ class _Run:
                 self.tokens = (tokens.doc_ids, tokens.doc_weights)
             # The tree projects raw embeddings ((x - its mean) P), as the served route does.
             self.z = tree.project(embeddings)
-            self.pos_logp = tree.log_prob(self.z[self.pair_doc], self.pair_label[:, None],
-                                          self._tokens_of(self.pair_doc))[:, 0]
+            self.pos_logp = self._positives_log_pn(tree)
         else:
             self.z, self.pos_logp = None, np.full(len(self.pair_doc), self.uniform_logp)
         self.weight = torch.nn.Embedding(num_labels, x.shape[1], sparse=True)
@@ -294,6 +296,16 @@ class _Run:
                "classifier_bias": (self.bias.weight.detach().numpy()[:, 0] - w @ self.center).astype(np.float32)}
         if self.lexical is not None:
             out.update(self.lexical.export())
+        return out
+
+    def _positives_log_pn(self, tree: LabelTree) -> np.ndarray:
+        """log p_n of every positive pair, in chunks: each pair's copy of its document's tokens
+        would be [pairs, T] at once (two gigabytes for a 10^6-label training's 5 * 10^6 pairs)."""
+        out = np.empty(len(self.pair_doc))
+        for begin in range(0, len(out), _POSITIVES_AT_ONCE):
+            docs = self.pair_doc[begin : begin + _POSITIVES_AT_ONCE]
+            labels = self.pair_label[begin : begin + _POSITIVES_AT_ONCE, None]
+            out[begin : begin + len(docs)] = tree.log_prob(self.z[docs], labels, self._tokens_of(docs))[:, 0]
         return out
 
     def _tokens_of(self, doc: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
