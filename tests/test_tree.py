@@ -302,7 +302,7 @@ def test_the_lexical_node_term_leads_a_narrow_beam_to_the_label_the_words_name(n
         scorer.search(xte, k=1)
 
 
-def test_training_and_the_engine_score_the_lexical_node_term_alike(node_lexical_model):
+def test_training_and_the_engine_score_the_lexical_node_term_alike(node_lexical_model, monkeypatch):
     """p_n as training samples from and scores it (LabelTree) is the p_n the engine searches:
     the same hash and the same logits, padding columns or not."""
     arrays, xte, _, (ids, w) = node_lexical_model
@@ -315,10 +315,15 @@ def test_training_and_the_engine_score_the_lexical_node_term_alike(node_lexical_
     scorer = TreeScorer.from_arrays(arrays)
     every = np.tile(np.arange(32), (len(xte), 1))
     trained = tree.log_prob(tree.project(xte), every, tokens=(ids, w))
-    np.testing.assert_allclose(trained, scorer.log_pn(xte, (ids, w)), atol=1e-4)
+    exact_log_pn = scorer.log_pn(xte, (ids, w))
+    np.testing.assert_allclose(trained, exact_log_pn, atol=1e-4)
     np.testing.assert_allclose(trained, tree.log_prob(tree.project(xte), every, (ids[:, :2], w[:, :2])), atol=1e-9)
     labels, logp = tree.sample(tree.project(xte[:50]), 4, np.random.default_rng(0), tokens=(ids[:50], w[:50]))
     np.testing.assert_allclose(logp, np.take_along_axis(trained[:50], labels, 1), atol=1e-6)
+    import service.engine.tree as engine_tree
+
+    monkeypatch.setattr(engine_tree, "_LOG_PN_BLOCK", 100)  # rows one by one: the same log p_n
+    np.testing.assert_array_equal(scorer.log_pn(xte, (ids, w)), exact_log_pn)
     # A beam over every leaf is exact, the node term included.
     full = TreeScorer.from_arrays({**arrays, "default_beam": np.asarray(32)})
     _, scores = full.search(xte, k=3, tokens=(ids, w))
