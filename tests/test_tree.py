@@ -346,8 +346,10 @@ def test_a_bad_lexical_node_table_is_named(node_lexical_model, table, message):
 
 @pytest.mark.parametrize(("key", "value", "ok"), [
     ("node_lexical_bits", 0, False), ("node_lexical_bits", 1, True), ("node_lexical_bits", 32, True),
-    ("node_lexical_bits", 33, False), ("node_lexical_lr", 0.0, False), ("node_lexical_l2", -1e-9, False),
-    ("node_lexical_batch", 0, False), ("node_lexical_epochs", -1, False), ("node_lexical_max_steps", -1, False),
+    ("node_lexical_bits", 33, False), ("node_lexical_lr", 1e-9, True), ("node_lexical_lr", 0.0, False),
+    ("node_lexical_l2", 0.0, True), ("node_lexical_l2", -1e-9, False), ("node_lexical_batch", 1, True),
+    ("node_lexical_batch", 0, False), ("node_lexical_epochs", 0, True), ("node_lexical_epochs", -1, False),
+    ("node_lexical_max_steps", 0, True), ("node_lexical_max_steps", -1, False),
 ])
 def test_lexical_node_settings_are_checked_before_any_fitting(key, value, ok):
     if ok:
