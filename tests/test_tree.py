@@ -194,6 +194,23 @@ def test_fit_is_deterministic_given_seed():
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
 
 
+def test_the_level_fit_in_blocks_of_nodes_and_rows_fits_the_same_tree(monkeypatch):
+    """How a 10^6-label tree bounds its memory: each level's Newton step a block of nodes at a
+    time and its scores a block of rows at a time (blocks of 3 nodes and 7 rows here), the
+    same splits and the same labels at the same leaves."""
+    import training.tree as tree_module
+
+    x, targets, _ = clustered_data(40, 600, 8, 0.5, seed=3)
+    whole = LabelTree(pca_dim=4, seed=0).fit(x, targets, 40)
+    monkeypatch.setattr(tree_module, "_NODES_AT_ONCE", 3)
+    monkeypatch.setattr(tree_module, "_ROWS_AT_ONCE", 7)
+    blocks = LabelTree(pca_dim=4, seed=0).fit(x, targets, 40)
+    assert whole.rounds_per_level_ == blocks.rounds_per_level_
+    np.testing.assert_array_equal(whole.leaf_labels_, blocks.leaf_labels_)
+    np.testing.assert_allclose(whole.node_weights_, blocks.node_weights_, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(whole.node_bias_, blocks.node_bias_, rtol=1e-6, atol=1e-7)
+
+
 def test_negatives_that_are_positives_are_masked():
     # Two labels always together: the tree proposes the sibling positive often; it is masked.
     x, targets, _ = clustered_data(8, 300, 8, 0.3, seed=4)
@@ -318,8 +335,12 @@ def test_training_and_the_engine_score_the_lexical_node_term_alike(node_lexical_
     exact_log_pn = scorer.log_pn(xte, (ids, w))
     np.testing.assert_allclose(trained, exact_log_pn, atol=1e-4)
     np.testing.assert_allclose(trained, tree.log_prob(tree.project(xte), every, (ids[:, :2], w[:, :2])), atol=1e-9)
+    # Ancestral sampling reads each document's words as (row, token) pairs, one node a row: the
+    # log-probs of what it draws are log_prob's, document by document.
     labels, logp = tree.sample(tree.project(xte[:50]), 4, np.random.default_rng(0), tokens=(ids[:50], w[:50]))
     np.testing.assert_allclose(logp, np.take_along_axis(trained[:50], labels, 1), atol=1e-6)
+    with pytest.raises(ValueError, match="tokens"):
+        tree.sample(tree.project(xte[:50]), 4, np.random.default_rng(0))
     import service.engine.tree as engine_tree
 
     monkeypatch.setattr(engine_tree, "_LOG_PN_BLOCK", 100)  # rows one by one: the same log p_n

@@ -30,6 +30,14 @@ from threadpoolctl import threadpool_limits
 from service.engine.tree import NODE_LEXICAL, forced_split_bias, log_sigmoid
 from service.engine.tree_lexical import NodeLexical, QueryTokens, Tokens
 
+# A level's Newton step solves its nodes' Hessians this many at a time, and its scores take the
+# rows' node weights this many rows at a time: whole, the deepest level of a 10^6-label tree held
+# [2^19 nodes, 17^2] float64 Hessians several times over (a buffer, np.take's copy, solve's
+# copy) and a [5 * 10^6 rows, 16] float64 gather: the p_n fit peaked at 13.7 GB, 5.5 GB above the
+# stages around it (bench/RESULTS.md, issue 24). In blocks, the same values.
+_NODES_AT_ONCE = 1 << 15
+_ROWS_AT_ONCE = 1 << 18
+
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
     return np.exp(log_sigmoid(x))
@@ -108,12 +116,11 @@ class _LevelData:
         self.num_rows = len(keys)
         self.fitted = fitted
         self.indptr = np.searchsorted(self.node, np.r_[fitted, n_nodes])
-        # Each Newton step's Hessians [fitted nodes, (k+1)^2], allocated once per level.
-        self.hessian_buffer = np.empty((len(fitted), (k + 1) ** 2))
+        # Each Newton step's Hessians [a block of fitted nodes, (k+1)^2], allocated once per level.
+        self.hessian_buffer = np.empty((min(len(fitted), _NODES_AT_ONCE), (k + 1) ** 2))
         self.x1 = np.empty((self.num_rows, k + 1), np.float32)
         self.x1[:, :k] = z[keys - self.node * num_docs]
         self.x1[:, k] = 1.0
-        self.z64 = self.x1[:, :k].astype(np.float64)  # scores in float64 without a cast per call
         # Upper triangle of every row's outer product, in np.triu_indices order, into a buffer
         # reused across levels (fresh pages cost more than the arithmetic). Built transposed in
         # blocks that stay in cache: products of contiguous feature rows, 2x faster than strided.
@@ -130,7 +137,13 @@ class _LevelData:
 
     def scores(self, w: np.ndarray, b: np.ndarray) -> np.ndarray:
         """Node logit of every row."""
-        return np.einsum("ij,ij->i", self.z64, w[self.node]) + b[self.node]
+        out = np.empty(self.num_rows)
+        for start in range(0, self.num_rows, _ROWS_AT_ONCE):
+            rows = slice(start, start + _ROWS_AT_ONCE)
+            node = self.node[rows]
+            z = self.x1[rows, :-1].astype(np.float64)  # in blocks: no [rows, k] float64 copy kept
+            out[rows] = np.einsum("ij,ij->i", z, w[node]) + b[node]
+        return out
 
     def fitted_sum(self, values: np.ndarray, weights: np.ndarray) -> np.ndarray:
         """[fitted nodes, m] float32: per node, the sum over its rows of weights * values
@@ -268,6 +281,7 @@ class LabelTree:
             weights[first : first + n_nodes] = w
             bias[first : first + n_nodes] = b
             position = 2 * position + np.where(go_left, 1, 2)
+            del data, scores  # before the next level's rows are built: one level's at a time
         leaf_labels = np.full(num_leaves, -1, dtype=np.int64)
         leaf_labels[position - (num_leaves - 1)] = np.arange(num_labels)
         self.node_weights_ = weights.astype(np.float32)
@@ -329,10 +343,15 @@ class LabelTree:
         theta = np.concatenate([w, b[:, None]], axis=1)
         fitted = level.fitted
         grad = level.fitted_sum(level.x1, resid) + self.lambda_n * theta[fitted]
-        hess = level.hessian_buffer
-        hess[...] = np.take(level.fitted_sum(level.products, curv), _symmetric_index(k + 1), axis=1)
-        hess[:, :: k + 2] += self.lambda_n  # the diagonal
-        theta[fitted] -= np.linalg.solve(hess.reshape(-1, k + 1, k + 1), grad[:, :, None])[:, :, 0]
+        products = level.fitted_sum(level.products, curv)  # upper triangles, [fitted nodes, m]
+        square = _symmetric_index(k + 1)
+        for start in range(0, len(fitted), _NODES_AT_ONCE):
+            block = slice(start, start + _NODES_AT_ONCE)
+            hess = level.hessian_buffer[: len(fitted[block])]
+            hess[...] = np.take(products[block], square, axis=1)
+            hess[:, :: k + 2] += self.lambda_n  # the diagonal
+            step = np.linalg.solve(hess.reshape(-1, k + 1, k + 1), grad[block, :, None])[:, :, 0]
+            theta[fitted[block]] -= step
         return theta[:, :k], theta[:, k]
 
     def _finish(self) -> None:
@@ -363,9 +382,7 @@ class LabelTree:
         """The documents' tokens as the lexical node term reads them (None without the term)."""
         if self.node_lexical_ is None:
             return None
-        if tokens is None:
-            raise ValueError("this tree's node logits read the documents' tokens: pass tokens=(ids, weights)")
-        return self.node_lexical_.prepare(_without_padding(tokens))
+        return self.node_lexical_.prepare(_without_padding(_tokens_needed(tokens)))
 
     def _node_scores(self, nodes: np.ndarray, z: np.ndarray, query: QueryTokens | None) -> np.ndarray:
         """Node logits [B, n] of nodes [B, n] for projected inputs z [B, k] (float64) and, with
@@ -408,13 +425,14 @@ class LabelTree:
         z = np.asarray(z, dtype=np.float64)
         batch = len(z)
         zr = np.repeat(z, num_samples, axis=0)
-        query = self._query(tokens)
-        if query is not None:  # prepared once, each document's row repeated for its samples
-            query = (np.repeat(query[0], num_samples, axis=0), np.repeat(query[1], num_samples, axis=0))
+        # Each document's words once for each of its samples, one node a sample at each level.
+        pairs = None if self.node_lexical_ is None else self.node_lexical_.pairs(_tokens_needed(tokens), num_samples)
         nodes = np.zeros(batch * num_samples, dtype=np.int64)
         logp = np.zeros(batch * num_samples)
         for _ in range(self.depth_):
-            s = self._node_scores(nodes[:, None], zr, query)[:, 0]
+            s = self._node_scores(nodes[:, None], zr, None)[:, 0]
+            if pairs is not None:
+                s += self.node_lexical_.pair_scores(nodes, pairs)
             lp_left = log_sigmoid(s)
             left = np.log(rng.random(len(nodes))) < lp_left
             logp += np.where(left, lp_left, log_sigmoid(-s))
@@ -433,6 +451,12 @@ class LabelTree:
             "node_bias": self.node_bias_,
             "leaf_labels": self.leaf_labels_,
         }
+
+
+def _tokens_needed(tokens: Tokens | None) -> Tokens:
+    if tokens is None:
+        raise ValueError("this tree's node logits read the documents' tokens: pass tokens=(ids, weights)")
+    return tokens
 
 
 def _without_padding(tokens: Tokens) -> Tokens:
