@@ -57,7 +57,8 @@ CHANGES: list[tuple[str, dict[str, Any]]] = [
     ("xi starts at Module III's w_l, b_l (the change regularised)", {"start": "one_vs_all"}),
     ("xi's lexical term, started at its one-vs-all logistic model", {"lexical": True}),
     ("beam 512", {"beam": 512}),
-    ("p_n's lexical node term (xi retrained against its negatives)", {"node_lexical": True}),
+    ("p_n's lexical node term (xi retrained against its negatives)", {"node_lexical": True, "node_lexical_epochs": 12}),
+    ("30 node epochs, xi's lambda 0.03, beam 128", {"node_lexical_epochs": 30, "lambda": 0.03, "beam": 128}),
 ]
 
 
