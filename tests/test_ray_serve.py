@@ -69,12 +69,14 @@ class Service:
 
 @dataclass
 class Load:
-    """Threads sending single-text predictions until stopped: every answer's status and version."""
+    """Threads sending single-text predictions until stopped: every answer's status and version,
+    in the order they came back, and (thread, when it was sent, version) of each (`sent`)."""
 
     url: str
     texts: list[str]
     threads: int = 2
     answers: list[tuple[int, str | None]] = field(default_factory=list)
+    sent: list[tuple[int, float, str | None]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
 
@@ -82,8 +84,10 @@ class Load:
         i = offset
         while not self._stop.is_set():
             try:
+                started = time.monotonic()
                 status, body = call(f"{self.url}/v1/predict", {"text": self.texts[i % len(self.texts)], "k": 5})
                 self.answers.append((status, body.get("version")))
+                self.sent.append((offset, started, body.get("version")))
             except Exception as exc:  # a refused or dropped connection is a failed request too
                 self.errors.append(f"{type(exc).__name__}: {exc}")
             i += self.threads
@@ -179,12 +183,20 @@ def test_activation_under_load_fails_no_request_and_keeps_accuracy(service: Serv
     with Load(service.url, service.texts) as load:
         load.wait_for(lambda: len(load.answers) >= 5)
         status, result = service.activate("v1")
+        activated = time.monotonic()
         assert status == 200, result
         assert (result["active"], result["previous"]) == ("v1", "full")
         load.wait_for(lambda: sum(version == "v1" for _, version in load.answers) >= 5)
     assert load.failed == []
-    versions = [version for _, version in load.answers]
-    assert versions.index("v1") > 0 and "full" not in versions[versions.index("v1"):]
+    assert load.answers[0][1] == "full"
+    # Each client sees the old version, then the new one, never back; every request sent after the
+    # activation returned gets the new one. (Across the two clients, an old-version answer to a
+    # request sent before the activation may come back after the other's first new one.)
+    for thread in range(load.threads):
+        versions = [version for sender, _, version in load.sent if sender == thread]
+        assert "v1" not in versions or "full" not in versions[versions.index("v1"):], versions
+    after = [version for _, started, version in load.sent if started > activated]
+    assert after and set(after) == {"v1"}, after
     got = [service.predict(service.texts[i:i + 100], k=5)["results"] for i in range(0, len(service.texts), 100)]
     sharded = [[label["id"] for label in row] for rows in got for row in rows]
     parent = Predictor.load(service.parents["v1"])
