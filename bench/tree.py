@@ -16,7 +16,10 @@ elsewhere):
     labels, same run;
   - convergence: P@1 against training seconds with negatives from p_n (xi + log p_n) and
     uniform negatives (xi), same model and hyper-parameters (`same_config`; bar: adversarial
-    reaches uniform's final P@1 in at most a third of uniform's time, the tree's fit charged).
+    reaches uniform's final P@1 in at most a third of uniform's time, the tree's fit charged);
+  - seeds: the tree route (p_n, its node term, xi) refitted on the checkpoint with each of
+    --seeds, P@1 / P@5 / PSP@5 of each and their mean and range: how much of a difference
+    against a peer the tree's own seed can make.
 
 The split is the checkpoint's own: its validation documents (carved from trn by its seed,
 which tuning may look at) or the whole test split. Tune on val; report tst.
@@ -36,6 +39,7 @@ import torch
 from _common import BENCH_DIR, OUT_DIR, command_line, git_revision, latency_summary
 
 from service.engine.metrics import ranking_metrics
+from service.engine.scorers import top_k
 from service.engine.tree import TreeScorer
 from training.checkpoint import Checkpoint
 from training.config import TrainConfig
@@ -43,14 +47,22 @@ from training.data import own_label_ids, same_data
 from training.dataset import TrainingSet
 from training.encoder import embed
 from training.tree import LabelTree
-from training.tree_lexical import LexicalStart, TokenRows, lexical_start
-from training.tree_train import AdversarialTree, classifier_from_config, fit_p_n, resolve_config
+from training.tree_lexical import LexicalStart, TokenRows
+from training.tree_train import (
+    LEXICAL_START_KEYS,
+    AdversarialTree,
+    classifier_from_config,
+    fit_p_n,
+    lexical_start_from_config,
+    one_vs_all_start,
+    resolve_config,
+)
 
 CPU = torch.device("cpu")
 # Issue 24's changes in the order they were made, each on top of the ones before (the first
 # row is issue 6's model); the last row is training.tree_train.DEFAULT_CONFIG.
 ISSUE6 = {"pca_dim": 16, "lambda_n": 1.0, "lexical": False, "start": "zero", "epochs": 3, "negatives": 8,
-          "lambda": 0.01, "beam": 128, "node_lexical": False}
+          "lambda": 0.01, "beam": 128, "node_lexical": False, "start_centroids": 0.0}
 CHANGES: list[tuple[str, dict[str, Any]]] = [
     ("issue 6's model: p_n lambda_n 1, xi from zero on the embedding, beam 128", ISSUE6),
     ("p_n's regulariser at the data's size: lambda_n 3000", {"lambda_n": 3000.0}),
@@ -59,6 +71,7 @@ CHANGES: list[tuple[str, dict[str, Any]]] = [
     ("beam 512", {"beam": 512}),
     ("p_n's lexical node term (xi retrained against its negatives)", {"node_lexical": True, "node_lexical_epochs": 12}),
     ("30 node epochs, xi's lambda 0.03, beam 128", {"node_lexical_epochs": 30, "lambda": 0.03, "beam": 128}),
+    ("xi's start adds 10 x the label centroids (mu_l . q)", {"start_centroids": 10.0}),
 ]
 
 
@@ -99,7 +112,8 @@ def parse_args() -> argparse.Namespace:
                     help="own: each document's own label left out of predictions and truth (filtered protocol)")
     ap.add_argument("--config", default="{}", help="JSON object overriding training.tree_train.DEFAULT_CONFIG")
     ap.add_argument("--parts", default="changes,ablation,beams,convergence",
-                    help="comma-separated subset of changes,ablation,beams,convergence")
+                    help="comma-separated subset of changes,ablation,beams,convergence,seeds")
+    ap.add_argument("--seeds", default="0,1,2", help="the seeds part's training seeds (comma-separated)")
     ap.add_argument("--curve-docs", type=int, default=1000, help="documents behind the convergence curve")
     ap.add_argument("--eval-every", type=int, default=50, help="training steps between curve points")
     ap.add_argument("--fitted", action="store_true",
@@ -132,29 +146,29 @@ def load(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def lexical_of(d: dict[str, Any], cfg: dict[str, Any]) -> tuple[LexicalStart, float]:
-    """The lexical term's start for cfg and the seconds it took to fit: it depends on a few keys
-    only, so it is fitted once per run and shared by the fits that need it."""
-    key = json.dumps([cfg[k] for k in ("start", "lexical_width", "lexical_epochs", "lexical_lr", "lexical_l2")])
+def lexical_of(d: dict[str, Any], cfg: dict[str, Any], seed: int) -> tuple[LexicalStart, float]:
+    """The lexical term's start for cfg and the seconds it took to fit, as training fits it: it
+    depends on a few keys only, so it is fitted once per run and seed and shared by the fits
+    that need it."""
+    key = json.dumps([seed, *(cfg[k] for k in LEXICAL_START_KEYS)])
     cache = d.setdefault("lexical_starts", {})
     if key not in cache:
         t = time.perf_counter()
-        start = lexical_start(d["tokens"], d["trn_targets"], d["num_labels"], int(cfg["lexical_width"]),
-                              cfg["start"] == "one_vs_all", int(cfg["lexical_epochs"]), float(cfg["lexical_lr"]),
-                              float(cfg["lexical_l2"]), d["ckpt"].seed)
+        start = lexical_start_from_config(cfg, seed, d["tokens"], d["trn_targets"], d["num_labels"])
         cache[key] = (start, time.perf_counter() - t)
     return cache[key]
 
 
-def fit(d: dict[str, Any], cfg: dict[str, Any]) -> tuple[TreeScorer, float]:
-    """The tree route fitted with cfg, and the seconds a whole fit takes (the shared lexical
-    start's included)."""
-    lexical, lexical_s = lexical_of(d, cfg) if cfg["lexical"] else (None, 0.0)
+def fit(d: dict[str, Any], cfg: dict[str, Any], seed: int | None = None) -> tuple[TreeScorer, float]:
+    """The tree route fitted with cfg (and seed: the checkpoint's unless given), and the seconds
+    a whole fit takes (the shared lexical start's included)."""
+    seed = d["ckpt"].seed if seed is None else seed
+    lexical, lexical_s = lexical_of(d, cfg, seed) if cfg["lexical"] else (None, 0.0)
     t = time.perf_counter()
     clf = d["ckpt"].classifiers
-    model = AdversarialTree(cfg, d["ckpt"].seed).fit(d["trn_x"], d["trn_targets"], d["num_labels"],
-                                                     tokens=d["tokens"], module3=(clf.weights_, clf.bias_),
-                                                     lexical=lexical)
+    model = AdversarialTree(cfg, seed).fit(d["trn_x"], d["trn_targets"], d["num_labels"], tokens=d["tokens"],
+                                           module3=(clf.weights_, clf.bias_), lexical=lexical,
+                                           centroids=d["ckpt"].centroids.vectors_)
     return TreeScorer.from_arrays(model.arrays_), time.perf_counter() - t + lexical_s
 
 
@@ -270,7 +284,7 @@ def curve_runs(d: dict[str, Any], cfg: dict[str, Any], args: argparse.Namespace,
              "classifier_bias": np.zeros(d["num_labels"], np.float32)}
     logpn = TreeScorer.from_arrays({**tree.arrays(), **zeros}).log_pn(q, tokens)
     clf = d["ckpt"].classifiers
-    lexical = lexical_of(d, cfg)[0] if cfg["lexical"] else None  # the same start for both samplers
+    lexical = lexical_of(d, cfg, d["ckpt"].seed)[0] if cfg["lexical"] else None  # one start for both samplers
     curves: dict[str, list[tuple[float, float]]] = {}
     for sampler in ("adversarial", "uniform"):
         points: list[tuple[float, float]] = []
@@ -278,14 +292,15 @@ def curve_runs(d: dict[str, Any], cfg: dict[str, Any], args: argparse.Namespace,
         def record(elapsed: float, step: int, arrays: dict[str, np.ndarray], points=points, sampler=sampler) -> None:
             xi = TreeScorer.from_arrays({**tree.arrays(), **{k: np.asarray(v) for k, v in arrays.items()}})
             scores = xi.classifier_scores(q, tokens) + (logpn if sampler == "adversarial" else 0.0)
-            top6 = np.argsort(-scores, axis=1)[:, :6]
+            top6 = top_k(scores, 6)[0]  # a partition: whole sorts dominated a 4,000-document curve
             p1 = ranking_metrics(split.drop_own(top6), split.truths[:n], ks=(1,))["P@1"]
             points.append((elapsed, float(p1)))
 
         model = classifier_from_config(cfg, d["ckpt"].seed, sampler)
         model.fit(d["trn_x"], d["trn_targets"], d["num_labels"], tree, callback=record,
                   callback_every=args.eval_every, tokens=d["tokens"], lexical=lexical,
-                  start=(clf.weights_, clf.bias_) if cfg["start"] == "one_vs_all" else None)
+                  start=one_vs_all_start(cfg, (clf.weights_, clf.bias_), d["ckpt"].centroids.vectors_)
+                  if cfg["start"] == "one_vs_all" else None)
         curves[sampler] = points
         print(f"  {sampler}: {model.fit_stats_['steps']} steps in {model.fit_stats_['train_seconds']:.1f}s, "
               f"P@1 {points[0][1]:.2f} -> {points[-1][1]:.2f}", flush=True)
@@ -306,6 +321,21 @@ def convergence(d: dict[str, Any], cfg: dict[str, Any], args: argparse.Namespace
         "fraction_incl_tree_fit": None if reach is None else round((reach + tree_s) / uniform_s, 4)}}
     print(f"  convergence: {out['same_config']}", flush=True)
     return out
+
+
+def seeds(d: dict[str, Any], cfg: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The tree route refitted with each seed on the same checkpoint: each seed's metrics, then
+    every metric's mean, lowest and highest over the seeds."""
+    runs = {}
+    for seed in (int(s) for s in args.seeds.split(",")):
+        scorer, fit_s = fit(d, cfg, seed)
+        ranked = searched(scorer, d["eval"], 6)[0]
+        runs[seed] = {**metrics_of(ranked, d["eval"], d["inv_prop"]), "fit_s": round(fit_s, 1)}
+        print(f"  seed {seed}: {runs[seed]}", flush=True)
+    summary = {name: {"mean": round(float(np.mean(v)), 2), "min": min(v), "max": max(v)}
+               for name in ("P@1", "P@5", "PSP@5") for v in [[r[name] for r in runs.values()]]}
+    print(f"  over seeds {args.seeds}: {summary}", flush=True)
+    return {"runs": runs, "summary": summary}
 
 
 def plot(curves: dict[str, list[tuple[float, float]]], summary: dict[str, Any], title: str, png: Path) -> None:
@@ -366,6 +396,8 @@ def main() -> int:
         plot(result["convergence"]["curves"], result["convergence"]["same_config"], title, png)
         if out_dir.resolve() == (OUT_DIR / "tree").resolve():  # side runs (--out) leave the published plot
             shutil.copyfile(png, BENCH_DIR / "tree_convergence.png")
+    if "seeds" in parts:
+        result["seeds"] = seeds(d, cfg, args)
     path = out_dir / f"{Path(args.data).name}-{args.split}.json"
     path.write_text(json.dumps(result, indent=2), encoding="utf-8")
     print(f"wrote {path}")

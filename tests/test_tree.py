@@ -194,6 +194,52 @@ def test_fit_is_deterministic_given_seed():
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
 
 
+def one_vs_all_inputs(num_labels: int = 20, dim: int = 8, seed: int = 4):
+    """Documents, their labels, Module III-like (w, b) and unit label centroids of the same labels."""
+    x, targets, protos = clustered_data(num_labels, 300, dim, 0.8, seed=seed)
+    rng = np.random.default_rng(seed)
+    w = rng.normal(size=(num_labels, dim)).astype(np.float32)
+    b = rng.normal(size=num_labels).astype(np.float32)
+    mu = (protos / np.linalg.norm(protos, axis=1, keepdims=True)).astype(np.float32)
+    return x, targets, (w, b), mu
+
+
+def test_xi_starts_at_the_classifiers_plus_the_weighted_label_centroids():
+    """start_centroids = gamma: xi's dense part starts at (w_l + gamma mu_l) . q + b_l (no epochs:
+    the start is what is exported); gamma 0 keeps Module III's w_l alone."""
+    x, targets, module3, mu = one_vs_all_inputs()
+    cfg = {"pca_dim": 4, "epochs": 0, **DENSE, "start": "one_vs_all"}
+    for gamma in (0.0, 2.5):
+        arrays = AdversarialTree({**cfg, "start_centroids": gamma}, seed=0).fit(
+            x, targets, 20, module3=module3, centroids=mu).arrays_
+        np.testing.assert_allclose(arrays["classifier_weights"], module3[0] + gamma * mu, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(arrays["classifier_bias"], module3[1], rtol=1e-5, atol=1e-5)
+
+    # Trained, xi moves away from that start (the start is where training begins, not its answer).
+    trained = AdversarialTree({**cfg, "epochs": 2, "start_centroids": 2.5}, seed=0).fit(
+        x, targets, 20, module3=module3, centroids=mu).arrays_
+    assert not np.allclose(trained["classifier_weights"], module3[0] + 2.5 * mu, atol=1e-3)
+
+
+@pytest.mark.parametrize(("value", "ok"), [(0.0, True), (1e-9, True), (1e3, True), (-1e-9, False),
+                                           (float("inf"), False), (float("nan"), False)])
+def test_start_centroids_is_checked_before_any_fitting(value, ok):
+    if ok:
+        AdversarialTree({"start_centroids": value})
+    else:
+        with pytest.raises(ValueError, match="start_centroids must be a finite number >= 0"):
+            AdversarialTree({"start_centroids": value})
+
+
+def test_a_centroid_start_needs_centroids_of_the_classifiers_shape():
+    x, targets, module3, mu = one_vs_all_inputs()
+    tree = AdversarialTree({"pca_dim": 4, "epochs": 0, **DENSE, "start": "one_vs_all", "start_centroids": 1.0})
+    with pytest.raises(ValueError, match="start_centroids > 0 needs the label centroids"):
+        tree.fit(x, targets, 20, module3=module3)
+    with pytest.raises(ValueError, match=r"label centroids \(20, 7\) do not match the classifiers \(20, 8\)"):
+        tree.fit(x, targets, 20, module3=module3, centroids=mu[:, :7])
+
+
 def test_the_level_fit_in_blocks_of_nodes_and_rows_fits_the_same_tree(monkeypatch):
     """How a 10^6-label tree bounds its memory: each level's Newton step a block of nodes at a
     time and its scores a block of rows at a time (blocks of 3 nodes and 7 rows here), the

@@ -87,7 +87,7 @@ def _train(data_dir: Path, cfg: TrainConfig, text_field: str, trn: Split | None 
     tree = None
     if cfg.tree_enabled:  # before the indices: the tree's peak memory does not add to theirs
         with report.stage("tree"):
-            tree = fit_tree(cfg, data, doc_emb, clf)
+            tree = fit_tree(cfg, data, doc_emb, clf, centroids)
     del doc_emb
     with report.stage("indices"):
         hnsw = index_params(cfg)
@@ -120,7 +120,7 @@ def refit_tree(checkpoint: str | Path, data_dir: str | Path, tree_config: dict[s
         data = TrainingSet.load(Path(data_dir), cfg, ckpt.text_field, np.random.default_rng(cfg.seed))
         _require_same_data(data_dir, data, ckpt, checkpoint)
         doc_emb = embed(ckpt.encoder, data.docs, torch.device("cpu"))
-        ckpt.tree = fit_tree(cfg, data, doc_emb, ckpt.classifiers)
+        ckpt.tree = fit_tree(cfg, data, doc_emb, ckpt.classifiers, ckpt.centroids)
     ckpt.config = asdict(cfg)
     return ckpt
 
@@ -202,13 +202,15 @@ def tune_scoring(cfg: TrainConfig, data: TrainingSet, encoder: SiameseEncoder, c
     return tuner.scoring_, tuner.sources_.table
 
 
-def fit_tree(cfg: TrainConfig, data: TrainingSet, doc_emb: np.ndarray, clf: OneVsAll) -> AdversarialTree:
+def fit_tree(cfg: TrainConfig, data: TrainingSet, doc_emb: np.ndarray, clf: OneVsAll,
+             centroids: Centroids) -> AdversarialTree:
     """The tree route (training/tree_train.py) on the training documents' embeddings, their
-    tokens and Module III's classifiers."""
+    tokens, Module III's classifiers and the label centroids."""
     tokens = TokenRows(data.docs.ids.numpy(), data.docs.weights.numpy(), data.label_texts.ids.numpy(),
                        data.tokenizer.vocab_size)
     model = AdversarialTree(cfg.tree, cfg.seed, cfg.progress)
-    model.fit(doc_emb, data.trn.targets, data.num_labels, tokens=tokens, module3=(clf.weights_, clf.bias_))
+    model.fit(doc_emb, data.trn.targets, data.num_labels, tokens=tokens, module3=(clf.weights_, clf.bias_),
+              centroids=centroids.vectors_)
     model.arrays_["classifier_weights"] = as_served(model.arrays_["classifier_weights"], cfg.vector_dtype)
     return model
 
