@@ -47,6 +47,7 @@ from training.data import own_label_ids, same_data
 from training.dataset import TrainingSet
 from training.encoder import embed
 from training.tree import LabelTree
+from training.tree_config import resolve_config
 from training.tree_lexical import LexicalStart, TokenRows
 from training.tree_train import (
     LEXICAL_START_KEYS,
@@ -55,12 +56,11 @@ from training.tree_train import (
     fit_p_n,
     lexical_start_from_config,
     one_vs_all_start,
-    resolve_config,
 )
 
 CPU = torch.device("cpu")
 # Issue 24's changes in the order they were made, each on top of the ones before (the first
-# row is issue 6's model); the last row is training.tree_train.DEFAULT_CONFIG.
+# row is issue 6's model); the last row is training.tree_config.DEFAULT_CONFIG.
 ISSUE6 = {"pca_dim": 16, "lambda_n": 1.0, "lexical": False, "start": "zero", "epochs": 3, "negatives": 8,
           "lambda": 0.01, "beam": 128, "node_lexical": False, "start_centroids": 0.0}
 CHANGES: list[tuple[str, dict[str, Any]]] = [
@@ -110,7 +110,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--split", default="val", choices=["val", "tst"])
     ap.add_argument("--filter", default="own", choices=["own", "plain"],
                     help="own: each document's own label left out of predictions and truth (filtered protocol)")
-    ap.add_argument("--config", default="{}", help="JSON object overriding training.tree_train.DEFAULT_CONFIG")
+    ap.add_argument("--config", default="{}", help="JSON object overriding training.tree_config.DEFAULT_CONFIG")
     ap.add_argument("--parts", default="changes,ablation,beams,convergence",
                     help="comma-separated subset of changes,ablation,beams,convergence,seeds")
     ap.add_argument("--seeds", default="0,1,2", help="the seeds part's training seeds (comma-separated)")

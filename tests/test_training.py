@@ -514,6 +514,18 @@ def test_refit_tree_keeps_the_rest_of_the_checkpoint_and_refuses_other_keys(chec
     assert cli_main(["train", "--data", str(synthetic_data), "--out", str(out), "--refit-tree", str(source),
                      "--config", str(cfg)]) == 2
     assert "may hold only a \"tree\" object" in capsys.readouterr().err
+    # A tree setting of the wrong kind or range is named before anything is read or trained.
+    for tree, message in (({"beam": "wide"}, "'tree.beam' must be an integer, got a string"),
+                          ([1], "'tree' must be an object, got a list"),
+                          ({"lr": 0}, "'tree.lr' must be a finite number > 0, got 0")):
+        cfg.write_text(json.dumps({"tree": tree}))
+        for mode in (["--refit-tree", str(source)], []):
+            fresh = tmp_path / "never"
+            assert cli_main(["train", "--data", str(synthetic_data), "--out", str(fresh), *mode, "--config",
+                             str(cfg)]) == 2
+            err = capsys.readouterr().err
+            assert f"tree.json: training config {message}" in err and "Traceback" not in err, err
+            assert not fresh.exists()
     other = tmp_path / "other"
     other.mkdir()
     for name in ("lbl.json.gz", "trn.json.gz"):

@@ -8,7 +8,9 @@ import pytest
 from service.engine import vectors
 from service.engine.metrics import ranking_metrics
 from service.engine.tree import TreeScorer
+from training.config import TrainConfig
 from training.tree import LabelTree
+from training.tree_config import DEFAULT_CONFIG
 from training.tree_lexical import TokenRows
 from training.tree_train import AdversarialTree, TreeClassifier
 
@@ -221,16 +223,6 @@ def test_xi_starts_at_the_classifiers_plus_the_weighted_label_centroids():
     assert not np.allclose(trained["classifier_weights"], module3[0] + 2.5 * mu, atol=1e-3)
 
 
-@pytest.mark.parametrize(("value", "ok"), [(0.0, True), (1e-9, True), (1e3, True), (-1e-9, False),
-                                           (float("inf"), False), (float("nan"), False)])
-def test_start_centroids_is_checked_before_any_fitting(value, ok):
-    if ok:
-        AdversarialTree({"start_centroids": value})
-    else:
-        with pytest.raises(ValueError, match="start_centroids must be a finite number >= 0"):
-            AdversarialTree({"start_centroids": value})
-
-
 def test_a_centroid_start_needs_centroids_of_the_classifiers_shape():
     x, targets, module3, mu = one_vs_all_inputs()
     tree = AdversarialTree({"pca_dim": 4, "epochs": 0, **DENSE, "start": "one_vs_all", "start_centroids": 1.0})
@@ -411,21 +403,6 @@ def test_a_bad_lexical_node_table_is_named(node_lexical_model, table, message):
         TreeScorer.from_arrays({**arrays, "node_lexical": table})
 
 
-@pytest.mark.parametrize(("key", "value", "ok"), [
-    ("node_lexical_bits", 0, False), ("node_lexical_bits", 1, True), ("node_lexical_bits", 32, True),
-    ("node_lexical_bits", 33, False), ("node_lexical_lr", 1e-9, True), ("node_lexical_lr", 0.0, False),
-    ("node_lexical_l2", 0.0, True), ("node_lexical_l2", -1e-9, False), ("node_lexical_batch", 1, True),
-    ("node_lexical_batch", 0, False), ("node_lexical_epochs", 0, True), ("node_lexical_epochs", -1, False),
-    ("node_lexical_max_steps", 0, True), ("node_lexical_max_steps", -1, False),
-])
-def test_lexical_node_settings_are_checked_before_any_fitting(key, value, ok):
-    if ok:
-        AdversarialTree({key: value})
-    else:
-        with pytest.raises(ValueError, match="node lexical"):
-            AdversarialTree({key: value})
-
-
 def test_the_lexical_node_term_needs_the_documents_tokens():
     x, targets, *_ = node_lexical_data(seed=8, n=200)
     with pytest.raises(ValueError, match="node_lexical needs the documents' tokens"):
@@ -445,3 +422,75 @@ def test_the_positives_log_pn_in_chunks_trains_the_same_classifier(monkeypatch):
     chunked = AdversarialTree(cfg, seed=0).fit(x, targets, 32, tokens=tokens).arrays_
     for name, array in whole.items():
         np.testing.assert_array_equal(chunked[name], array, err_msg=name)
+
+
+# Every numeric tree setting at its edge: (key, the last value accepted, the first refused).
+TREE_SETTING_EDGES = [
+    ("pca_dim", 1, 0), ("newton_steps", 1, 0), ("max_rounds", 1, 0), ("node_lexical_bits", 1, 0),
+    ("node_lexical_bits", 32, 33), ("node_lexical_epochs", 0, -1), ("node_lexical_max_steps", 0, -1),
+    ("node_lexical_batch", 1, 0), ("negatives", 1, 0), ("lexical_width", 1, 0), ("lexical_epochs", 0, -1),
+    ("lexical_max_steps", 1, 0), ("epochs", 0, -1), ("batch_size", 1, 0), ("beam", 1, 0),
+    ("lambda_n", 1e-9, 0.0), ("node_lexical_lr", 1e-9, 0.0), ("lexical_lr", 1e-9, 0.0), ("lr", 1e-9, 0.0),
+    ("node_lexical_l2", 0.0, -1e-9), ("lambda", 0.0, -1e-9), ("weight_decay", 0.0, -1e-9),
+    ("start_centroids", 0.0, -1e-9), ("lexical_tol", 0.0, -1e-9), ("lexical_l2", 0.0, -1e-9),
+]
+
+
+def test_every_numeric_tree_setting_has_a_tested_range():
+    numeric = {key for key, value in DEFAULT_CONFIG.items() if type(value) in (int, float)}
+    assert numeric == {key for key, *_ in TREE_SETTING_EDGES}
+
+
+@pytest.mark.parametrize(("key", "accepted", "refused"), TREE_SETTING_EDGES)
+def test_tree_settings_are_checked_at_and_past_their_edges_before_any_training(key, accepted, refused):
+    assert AdversarialTree({key: accepted}).config[key] == accepted
+    assert TrainConfig.from_dict({"tree": {key: accepted}}).tree == {key: accepted}
+    past = [refused] + ([float("inf"), float("nan")] if isinstance(DEFAULT_CONFIG[key], float) else [])
+    for value in past:
+        with pytest.raises(ValueError, match=f"'tree.{key}' must be an? (integer|finite number)"):
+            AdversarialTree({key: value})
+        with pytest.raises(ValueError, match=f"'tree.{key}' must be"):
+            TrainConfig.from_dict({"tree": {key: value}})
+
+
+@pytest.mark.parametrize("key", sorted(DEFAULT_CONFIG))
+def test_a_tree_setting_of_another_json_kind_is_refused_naming_it(key):
+    """"128" is not a beam and true is not 1: never coerced, as the training config's own settings."""
+    default = DEFAULT_CONFIG[key]
+    wrong = {bool: [1, "true"], int: ["1", True, 1.5], float: ["1", True, None], str: [1, ["xi"]]}[type(default)]
+    for value in wrong:
+        with pytest.raises(ValueError, match=f"training config 'tree.{key}' must be "):
+            TrainConfig.from_dict({"tree": {key: value}})
+    if isinstance(default, int) and not isinstance(default, bool):
+        assert AdversarialTree({key: float(default)}).config[key] == default  # 128.0 is the integer 128
+
+
+def test_tree_choices_and_the_projection_width_are_checked():
+    for key, good, bad in (("regularise", "corrected", "ridge"), ("start", "zero", "warm")):
+        assert AdversarialTree({key: good}).config[key] == good
+        with pytest.raises(ValueError, match=f"'tree.{key}' must be one of"):
+            TrainConfig.from_dict({"tree": {key: bad}})
+    assert TrainConfig.from_dict({"dim": 8, "tree": {"pca_dim": 8}}).tree["pca_dim"] == 8
+    with pytest.raises(ValueError, match=r"'tree.pca_dim' must be <= dim \(8\), got 9"):
+        TrainConfig.from_dict({"dim": 8, "tree": {"pca_dim": 9}})
+    with pytest.raises(ValueError, match="'tree' must be an object"):
+        TrainConfig.from_dict({"tree": [1]})
+
+
+@pytest.mark.parametrize("edges", ["smallest", "untrained"])
+def test_the_tree_trains_and_answers_at_its_settings_accepted_edges(edges):
+    """The accepted edges are usable, not only accepted: the smallest sizes, rates and penalties
+    (lambda_n 1e-9 leaves p_n's Newton steps almost unregularised), or nothing trained."""
+    x, targets, tokens, xte, _, tte_tokens = node_lexical_data(seed=9, n=240)
+    rng = np.random.default_rng(0)
+    module3 = rng.normal(size=(32, 8)).astype(np.float32), rng.normal(size=32).astype(np.float32)
+    mu = rng.normal(size=(32, 8)).astype(np.float32)
+    if edges == "smallest":
+        cfg = {key: accepted for key, accepted, _ in TREE_SETTING_EDGES if key != "node_lexical_bits"}
+        cfg.update(node_lexical_bits=1, node_lexical_epochs=1, lexical_epochs=1, epochs=1, node_lexical_max_steps=50)
+    else:
+        cfg = {"node_lexical_epochs": 0, "node_lexical_max_steps": 0, "lexical_epochs": 0, "epochs": 0}
+    arrays = AdversarialTree({**cfg, "pca_dim": min(cfg.get("pca_dim", 4), 4)}, seed=0).fit(
+        x, targets, 32, tokens=tokens, module3=module3, centroids=mu).arrays_
+    labels, scores = TreeScorer.from_arrays(arrays).search(xte, k=3, tokens=tte_tokens)
+    assert ((labels >= 0) & (labels < 32)).all() and np.isfinite(scores).all()

@@ -13,8 +13,9 @@ from typing import Any
 
 import orjson
 
-from service.engine.jsonlines import json_kind
 from service.engine.schema import LEXICAL_FORMS, VECTOR_DTYPES
+from training.config_values import json_value
+from training.tree_config import resolve_config as resolve_tree_config
 
 CLASSIFIER_FORMS = ("paper", "scaled_bias")
 # Metrics the validation tuning can weigh: ranking_metrics at ks (1, 5) with propensities.
@@ -253,7 +254,7 @@ class TrainConfig:
         unknown = sorted(set(d) - {f.name for f in fields(cls)})
         if unknown:
             raise ValueError(f"unknown training config keys: {', '.join(unknown)}")
-        d = {f.name: _json_value(f.name, f.type, d[f.name]) for f in fields(cls) if f.name in d}
+        d = {f.name: json_value(f.name, f.type, d[f.name]) for f in fields(cls) if f.name in d}
         out = cls(**{**asdict(base or cls()), **d})
         out.validate()
         return out
@@ -305,6 +306,9 @@ class TrainConfig:
             if isinstance(value, bool) or not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         check_objective(self.tune_objective)
+        tree = resolve_tree_config(self.tree)  # before any training: a bad tree setting fails now
+        if tree["pca_dim"] > self.dim:
+            raise ValueError(f"training config 'tree.pca_dim' must be <= dim ({self.dim}), got {tree['pca_dim']}")
         if self.aggregated_iterations < 0 or self.aggregated_rounds < 1:
             raise ValueError("aggregated_iterations must be >= 0 and aggregated_rounds >= 1")
         if not 0.0 <= self.aggregated_validation < 1.0:
@@ -318,25 +322,6 @@ class TrainConfig:
         if self.aggregated_assignment == "relative" and ratio is None and self.aggregated_validation == 0:
             raise ValueError("aggregated_assignment 'relative' needs aggregated_keep_ratio or "
                              "aggregated_validation > 0 to choose it on")
-
-
-# The JSON values each kind of field takes (a field of another kind is a KeyError: add it here).
-_JSON_KINDS: dict[str, tuple[str, tuple[type, ...]]] = {
-    "int": ("an integer", (int,)), "float": ("a number", (int, float)), "bool": ("true or false", (bool,)),
-    "str": ("a string", (str,)), "float | None": ("a number or null", (int, float, type(None))),
-    "dict[str, float]": ("an object", (dict,)), "dict[str, Any]": ("an object", (dict,)),
-}
-
-
-def _json_value(name: str, kind: str, value: Any) -> Any:
-    """A config value of the JSON kind its field takes, never coerced ("256" is not a dim, true is
-    not 1); a whole number written with a fraction (256.0) is the integer, as JSON Schema says."""
-    wanted, types = _JSON_KINDS[kind]
-    if kind == "int" and isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) != (bool in types) or not isinstance(value, types):
-        raise ValueError(f"training config {name!r} must be {wanted}, got {json_kind(value)}")
-    return value
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -13,6 +13,7 @@ from training.aggregated import train_aggregated
 from training.checkpoint import Checkpoint
 from training.config import TrainConfig, read_config_file
 from training.pipeline import refit_tree, retune, train
+from training.tree_config import resolve_config as resolve_tree_config
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -39,6 +40,10 @@ def _refit_tree(args: argparse.Namespace) -> int:
         overrides = read_config_file(args.config)
         if set(overrides) - {"tree"}:
             raise ValueError(f"{args.config}: with --refit-tree the config may hold only a \"tree\" object")
+        try:  # before the checkpoint is read: a bad setting is named at once
+            resolve_tree_config(overrides.get("tree", {}))
+        except ValueError as exc:
+            raise ValueError(f"{args.config}: {exc}") from None
     if args.aggregated or args.seed is not None:
         raise ValueError("--refit-tree keeps the checkpoint's data and seed: drop --aggregated and --seed")
     return _save(refit_tree(args.refit_tree, args.data, overrides.get("tree")), args.out)
