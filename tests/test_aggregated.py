@@ -188,7 +188,7 @@ def test_relative_assignment_keeps_a_label_on_the_members_close_to_the_closest()
         EagleImputer(assignment="relative")
     with pytest.raises(ValueError, match="keep_ratio must be in"):
         EagleImputer(assignment="relative", keep_ratio=1.5)
-    with pytest.raises(ValueError, match="aggregated_keep_ratio must be null or in"):
+    with pytest.raises(ValueError, match=r"'aggregated_keep_ratio' must be a finite number in \[0, 1\]"):
         TrainConfig(aggregated_keep_ratio=-0.1).validate()
     with pytest.raises(ValueError, match="needs aggregated_keep_ratio or aggregated_validation"):
         TrainConfig(aggregated_validation=0.0).validate()

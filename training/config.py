@@ -14,7 +14,7 @@ from typing import Any
 import orjson
 
 from service.engine.schema import LEXICAL_FORMS, VECTOR_DTYPES
-from training.config_values import json_value
+from training.config_values import AT_LEAST_0, AT_LEAST_1, POSITIVE, Bounds, json_value
 from training.tree_config import resolve_config as resolve_tree_config
 
 CLASSIFIER_FORMS = ("paper", "scaled_bias")
@@ -262,9 +262,15 @@ class TrainConfig:
     @classmethod
     def from_json(cls, path: str | Path) -> TrainConfig:
         d = read_config_file(path)
-        preset = d.pop("preset", None)
+        presets = {"tiny": cls.tiny()}
         try:
-            return cls.from_dict(d, cls.tiny() if preset == "tiny" else None)
+            base = None
+            if "preset" in d:  # a typo (or null) must not train at full size
+                preset = d.pop("preset")
+                if not isinstance(preset, str) or preset not in presets:
+                    raise ValueError(f"training config 'preset' must be one of {sorted(presets)}, got {preset!r}")
+                base = presets[preset]
+            return cls.from_dict(d, base)
         except ValueError as exc:
             raise ValueError(f"{path}: {exc}") from None
 
@@ -276,21 +282,9 @@ class TrainConfig:
         _choice("lexical_form", self.lexical_form, (*LEXICAL_FORMS, "auto"))
         _choice("aggregated_assignment", self.aggregated_assignment, ("closest", "expected", "relative"))
         _choice("aggregated_reimpute", self.aggregated_reimpute, ("model", "encoder"))
-        for name in ("alpha", "tune_source_level"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not (isinstance(value, int | float) and 0.0 <= value <= 1.0):
-                raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
-        for name in ("dim", "m1_batch_size", "m3_batch_size", "hnsw_m", "lexical_epochs", "lexical_batch_size",
-                     "lexical_max_steps", "m3_max_steps",
-                     "index_ef_construction", "index_ef_search"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
-        if self.index_m < 2:
-            raise ValueError("index_m must be >= 2")
-        for name in ("serve_k_w", "serve_k_mu", "serve_k_head", "token_shortlist_width", "tune_k_hnsw", "threads",
-                     "index_threads", "index_projection_dim"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0")
+        for f in fields(self):
+            if f.name in _BOUNDS and not (f.type.endswith("None") and getattr(self, f.name) is None):
+                _BOUNDS[f.name].check(f.name, getattr(self, f.name), integer=f.type == "int")
         if not 0 <= self.serve_k_tok <= self.token_shortlist_width:
             raise ValueError(
                 f"serve_k_tok must be in [0, token_shortlist_width={self.token_shortlist_width}], "
@@ -298,30 +292,41 @@ class TrainConfig:
             )
         if self.serve_k_w + self.serve_k_mu + self.serve_k_tok == 0:
             raise ValueError("serve_k_w, serve_k_mu and serve_k_tok are all 0: serving would have nothing to score")
-        if self.m3_min_gain is not None and (isinstance(self.m3_min_gain, bool) or not (
-                isinstance(self.m3_min_gain, int | float) and math.isfinite(self.m3_min_gain))):
-            raise ValueError(f"m3_min_gain must be null or a finite number, got {self.m3_min_gain!r}")
-        for name in ("lexical_lr", "lexical_l2", "lexical_tol", "m3_softmax_weight", "tune_source_margin"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         check_objective(self.tune_objective)
         tree = resolve_tree_config(self.tree)  # before any training: a bad tree setting fails now
-        if tree["pca_dim"] > self.dim:
+        if self.tree_enabled and tree["pca_dim"] > self.dim:
             raise ValueError(f"training config 'tree.pca_dim' must be <= dim ({self.dim}), got {tree['pca_dim']}")
-        if self.aggregated_iterations < 0 or self.aggregated_rounds < 1:
-            raise ValueError("aggregated_iterations must be >= 0 and aggregated_rounds >= 1")
-        if not 0.0 <= self.aggregated_validation < 1.0:
-            raise ValueError(f"aggregated_validation must be in [0, 1), got {self.aggregated_validation}")
-        if not 0.0 < self.aggregated_step <= 1.0:
-            raise ValueError(f"aggregated_step must be in (0, 1], got {self.aggregated_step}")
         ratio = self.aggregated_keep_ratio
-        if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, int | float)
-                                  or not 0.0 <= ratio <= 1.0):
-            raise ValueError(f"aggregated_keep_ratio must be null or in [0, 1], got {ratio!r}")
         if self.aggregated_assignment == "relative" and ratio is None and self.aggregated_validation == 0:
             raise ValueError("aggregated_assignment 'relative' needs aggregated_keep_ratio or "
                              "aggregated_validation > 0 to choose it on")
+
+
+_UNIT, _FRACTION, _LIKELIHOOD_C = Bounds(0, 1), Bounds(0, 1, open_high=True), Bounds(0, 1, open_low=True)
+# The range of every numeric setting (m3_min_gain and aggregated_keep_ratio may also be null).
+# Settings that count epochs or candidates may be 0 where 0 is documented to turn that part off.
+_BOUNDS: dict[str, Bounds] = {
+    "seed": Bounds(0, 2**32 - 1), "dim": AT_LEAST_1, "threads": AT_LEAST_0, "index_threads": AT_LEAST_0,
+    "min_df": AT_LEAST_1, "max_vocab": AT_LEAST_1, "max_tokens": AT_LEAST_1,
+    "val_fraction": _FRACTION, "val_max_docs": AT_LEAST_1, "validation_rows": AT_LEAST_1,
+    "m1_epochs": AT_LEAST_0, "m1_batch_size": AT_LEAST_1, "m1_lr": POSITIVE, "m1_c": _LIKELIHOOD_C,
+    "m1_d": POSITIVE, "m1_inbatch_negatives": AT_LEAST_0, "m1_refresh_every": AT_LEAST_0,
+    "m1_ann_negatives": AT_LEAST_0,
+    # hnswlib divides by log(M): M = 1 is no graph
+    "hnsw_m": Bounds(2), "hnsw_ef_construction": AT_LEAST_1, "hnsw_ef": AT_LEAST_1,
+    "m2_k_w": AT_LEAST_1, "m2_k_mu": AT_LEAST_1, "centroid_label_weight": AT_LEAST_0,
+    "m3_epochs": AT_LEAST_1, "m3_max_steps": AT_LEAST_1, "m3_min_gain": Bounds(-math.inf, open_low=True),
+    "m3_batch_size": AT_LEAST_1, "m3_lr": POSITIVE, "m3_c": _LIKELIHOOD_C, "m3_d": POSITIVE,
+    "m3_encoder_lr": POSITIVE, "m3_weight_decay": AT_LEAST_0, "m3_softmax_weight": AT_LEAST_0,
+    "index_m": Bounds(2), "index_ef_construction": AT_LEAST_1, "index_ef_search": AT_LEAST_1,
+    "index_projection_dim": AT_LEAST_0, "alpha": _UNIT,
+    "serve_k_w": AT_LEAST_0, "serve_k_mu": AT_LEAST_0, "token_shortlist_width": AT_LEAST_0, "serve_k_tok": AT_LEAST_0,
+    "serve_k_head": AT_LEAST_0, "tune_k_hnsw": AT_LEAST_0, "tune_source_margin": AT_LEAST_0,
+    "tune_source_level": _UNIT, "lexical_epochs": AT_LEAST_1, "lexical_max_steps": AT_LEAST_1,
+    "lexical_tol": AT_LEAST_0, "lexical_lr": AT_LEAST_0, "lexical_l2": AT_LEAST_0, "lexical_batch_size": AT_LEAST_1,
+    "aggregated_iterations": AT_LEAST_0, "aggregated_validation": _FRACTION,
+    "aggregated_step": Bounds(0, 1, open_low=True), "aggregated_rounds": AT_LEAST_1, "aggregated_keep_ratio": _UNIT,
+}
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -3,6 +3,8 @@ train`'s settings (training.config) and the tree route's (training.tree_config).
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any
 
 from service.engine.jsonlines import json_kind
@@ -25,3 +27,40 @@ def json_value(name: str, kind: str, value: Any) -> Any:
     if isinstance(value, bool) != (bool in types) or not isinstance(value, types):
         raise ValueError(f"training config {name!r} must be {wanted}, got {json_kind(value)}")
     return value
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The range a numeric setting takes: low (excluded with open_low) up to high (None: no upper
+    bound; excluded with open_high). Numbers must be finite."""
+
+    low: float
+    high: float | None = None
+    open_low: bool = False
+    open_high: bool = False
+
+    def __str__(self) -> str:
+        if self.high is None and self.low == -math.inf:
+            return ""
+        low = _number(self.low)
+        if self.high is None:
+            return f"{'>' if self.open_low else '>='} {low}"
+        high = _number(self.high)
+        return f"in {'(' if self.open_low else '['}{low}, {high}{')' if self.open_high else ']'}"
+
+    def check(self, name: str, value: Any, integer: bool) -> None:
+        """ValueError naming the setting unless value is a number (an integer if `integer`) in range."""
+        number = isinstance(value, int) or (not integer and isinstance(value, float))
+        ok = number and not isinstance(value, bool) and (isinstance(value, int) or math.isfinite(value))
+        ok = ok and (value > self.low if self.open_low else value >= self.low)
+        ok = ok and (self.high is None or (value < self.high if self.open_high else value <= self.high))
+        if not ok:
+            kind = "an integer" if integer else "a finite number"
+            raise ValueError(f"training config {name!r} must be {f'{kind} {self}'.strip()}, got {value!r}")
+
+
+AT_LEAST_0, AT_LEAST_1, POSITIVE = Bounds(0), Bounds(1), Bounds(0, open_low=True)
+
+
+def _number(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"

@@ -7,7 +7,6 @@ import argparse
 import json
 import logging
 import sys
-from dataclasses import replace
 
 from training.aggregated import train_aggregated
 from training.checkpoint import Checkpoint
@@ -25,8 +24,8 @@ def run_cli(args: argparse.Namespace) -> int:
     if args.retune:
         return _retune(args)
     cfg = TrainConfig.from_json(args.config) if args.config else TrainConfig()
-    if args.aggregated_rounds is not None:
-        cfg = replace(cfg, aggregated_rounds=args.aggregated_rounds)
+    flags = {"seed": args.seed, "aggregated_rounds": args.aggregated_rounds}
+    cfg = TrainConfig.from_dict({k: v for k, v in flags.items() if v is not None}, cfg)  # checked as the file's
     if args.aggregated:
         ckpt = train_aggregated(args.data, cfg, text_field=args.text_field, seed=args.seed)
     else:

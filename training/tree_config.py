@@ -3,11 +3,10 @@ the one check of every setting's kind and range, run before any training."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from service.engine.tree_lexical import MAX_NODE_LEXICAL_BITS
-from training.config_values import json_value
+from training.config_values import AT_LEAST_0, AT_LEAST_1, POSITIVE, Bounds, json_value
 
 DEFAULT_CONFIG: dict[str, Any] = {
     # the tree p_n
@@ -72,17 +71,18 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "beam": 128,
 }
 
-# The range of every numeric setting: integers at least (and at most) these, numbers finite and
-# > 0 or >= 0. A setting that counts steps or epochs may be 0 (that part is not trained).
-_INT_RANGES: dict[str, tuple[int, int | None]] = {
-    "pca_dim": (1, None), "newton_steps": (1, None), "max_rounds": (1, None),
-    "node_lexical_bits": (1, MAX_NODE_LEXICAL_BITS), "node_lexical_epochs": (0, None),
-    "node_lexical_max_steps": (0, None), "node_lexical_batch": (1, None), "negatives": (1, None),
-    "lexical_width": (1, None), "lexical_epochs": (0, None), "lexical_max_steps": (1, None), "epochs": (0, None),
-    "batch_size": (1, None), "beam": (1, None),
+# The range of every numeric setting. A setting that counts steps or epochs may be 0 (that part
+# is not trained).
+_BOUNDS: dict[str, Bounds] = {
+    "pca_dim": AT_LEAST_1, "newton_steps": AT_LEAST_1, "max_rounds": AT_LEAST_1,
+    "node_lexical_bits": Bounds(1, MAX_NODE_LEXICAL_BITS), "node_lexical_epochs": AT_LEAST_0,
+    "node_lexical_max_steps": AT_LEAST_0, "node_lexical_batch": AT_LEAST_1, "negatives": AT_LEAST_1,
+    "lexical_width": AT_LEAST_1, "lexical_epochs": AT_LEAST_0, "lexical_max_steps": AT_LEAST_1, "epochs": AT_LEAST_0,
+    "batch_size": AT_LEAST_1, "beam": AT_LEAST_1,
+    "lambda_n": POSITIVE, "node_lexical_lr": POSITIVE, "lexical_lr": POSITIVE, "lr": POSITIVE,
+    "node_lexical_l2": AT_LEAST_0, "lambda": AT_LEAST_0, "weight_decay": AT_LEAST_0, "start_centroids": AT_LEAST_0,
+    "lexical_tol": AT_LEAST_0, "lexical_l2": AT_LEAST_0,
 }
-_POSITIVE = ("lambda_n", "node_lexical_lr", "lexical_lr", "lr")
-_NON_NEGATIVE = ("node_lexical_l2", "lambda", "weight_decay", "start_centroids", "lexical_tol", "lexical_l2")
 _CHOICES: dict[str, tuple[str, ...]] = {"regularise": ("xi", "corrected"), "start": ("zero", "one_vs_all")}
 
 
@@ -96,15 +96,8 @@ def resolve_config(config: dict[str, Any]) -> dict[str, Any]:
     cfg = dict(DEFAULT_CONFIG)
     for key, value in config.items():
         cfg[key] = json_value(f"tree.{key}", type(DEFAULT_CONFIG[key]).__name__, value)
-    for key, (low, high) in _INT_RANGES.items():
-        if cfg[key] < low or (high is not None and cfg[key] > high):
-            bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
-            raise ValueError(f"training config 'tree.{key}' must be an integer {bound}, got {cfg[key]}")
-    for key in (*_POSITIVE, *_NON_NEGATIVE):
-        value = cfg[key]
-        if (isinstance(value, float) and not math.isfinite(value)) or value < 0 or (value == 0 and key in _POSITIVE):
-            bound = "> 0" if key in _POSITIVE else ">= 0"
-            raise ValueError(f"training config 'tree.{key}' must be a finite number {bound}, got {value!r}")
+    for key, bounds in _BOUNDS.items():
+        bounds.check(f"tree.{key}", cfg[key], integer=isinstance(DEFAULT_CONFIG[key], int))
     for key, allowed in _CHOICES.items():
         if cfg[key] not in allowed:
             raise ValueError(f"training config 'tree.{key}' must be one of {allowed}, got {cfg[key]!r}")
