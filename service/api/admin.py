@@ -38,6 +38,7 @@ from service.api.schemas import (
     RequestModels,
 )
 from service.engine.label_changes import LabelChange, LabelChangeRejected, NewLabel
+from service.engine.schema import BundleError
 
 # 401 / 403: no or a wrong token; 404: no such bundle (or nothing to roll back to); 409: another
 # activation is running; 422: the bundle was refused (the serving one keeps serving).
@@ -107,7 +108,9 @@ async def _change(state: State, change: LabelChange, single_uid: bool = False) -
             raise ApiError(404, "label_not_found", "; ".join(d.message for d in details), details) from None
         raise ApiError(422, "invalid_request", "; ".join(f"{d.field}: {d.message}" for d in details[:10]),
                        details[:10]) from None
-    except ActivationFailed as exc:
+    except (ActivationFailed, BundleError) as exc:
+        # BundleError: a file of the serving bundle that the change is the first to read (an
+        # index its scoring never searches) is not what its manifest says; it keeps serving.
         state.metrics.failed_activations.labels("invalid").inc()
         error_log.error(json.dumps({"event": "label_change_refused", "message": str(exc)}))
         raise ApiError(422, "bundle_rejected", str(exc)) from None

@@ -44,7 +44,6 @@ import numpy as np
 
 from service.engine import canary, schema, store, vectors
 from service.engine.bundle import Bundle
-from service.engine.index import VectorIndex
 from service.engine.predictor import Predictor
 
 DERIVED_SUFFIX = ".labels-"
@@ -220,14 +219,14 @@ class LabelEditor:
             if array is not None:
                 plan.save(name, array)
         first, ref = len(parent.labels), np.arange(min(256, len(parent.labels)))
-        for file, added, reference in (
-            (schema.HNSW_W, np.hstack((added_w, b[first:, None])),
+        for name, file, added, reference in (
+            ("w", schema.HNSW_W, np.hstack((added_w, b[first:, None])),
              np.hstack((parent.vector_rows(schema.CLASSIFIERS, ref), parent.classifier_bias[ref, None]))),
-            (schema.HNSW_MU, added_mu, parent.vector_rows(schema.CENTROIDS, ref)),
+            ("mu", schema.HNSW_MU, added_mu, parent.vector_rows(schema.CENTROIDS, ref)),
         ):
-            hnsw = parent.manifest.hnsw
-            index = VectorIndex.load(parent.path / file, dim=added.shape[1], count=first, ef_search=hnsw.ef_search,
-                                     projection_dim=hnsw.projection_dim)
+            # Checked as serving checks it (checksum, structure): a bundle whose scoring searches
+            # no index activates without reading one, so a change may be the first to read it.
+            index = parent.index_copy(name)
             index.add(added, reference)
             # A projected index keeps its parent's projection (rewritten, the same values).
             plan.written.update(p.name for p in index.save(plan.staging / file))
@@ -236,8 +235,9 @@ class LabelEditor:
         with labels_path.open("a", encoding="utf-8") as f:
             f.writelines(json.dumps({"uid": lab.uid, "title": lab.title}, ensure_ascii=False) + "\n" for lab in add)
         plan.written.add(schema.LABELS)
-        if parent.manifest.scoring.lexical_form == "logistic" and schema.TOKEN_SHORTLIST_BIAS in parent.manifest.files:
-            c = np.load(parent.path / schema.TOKEN_SHORTLIST_BIAS)
+        table = parent.token_table()  # opened and checked as serving opens it
+        if table is not None and table.bias is not None:
+            c = np.asarray(table.bias)
             plan.save(schema.TOKEN_SHORTLIST_BIAS, np.concatenate((c, self._priors(c[:trained], add))))
 
     def _priors(self, trained: np.ndarray, add: Sequence[NewLabel]) -> np.ndarray:
