@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from test_admin import AUTH, TOKEN
-from test_label_changes import _label_rows, _new_labels
+from test_label_changes import _label_rows, _new_labels, _repeat_a_uid
 from test_processes import _wait_for
 
 from service.api.active_state import ActiveVersionFile
@@ -296,3 +296,15 @@ def test_a_label_change_that_first_reads_a_corrupt_index_is_refused_naming_it(bu
         log = s.log()
     assert '"unhandled_error"' not in log
 
+
+def test_activating_a_bundle_whose_labels_repeat_a_uid_is_refused_and_the_serving_one_serves(bundle_root_copy,
+                                                                                              tmp_path):
+    root = bundle_root_copy
+    line = _repeat_a_uid(root, "v1", "dup")
+    with serve(root, version="v2", env=_env(tmp_path / "state"), log_dir=tmp_path) as s, \
+            httpx.Client(base_url=s.url, headers=AUTH, timeout=120) as c:
+        r = c.post("/admin/bundles/activate", json={"version": "dup"})
+        assert r.status_code == 422 and r.json()["error"] == "bundle_rejected", r.text
+        assert f"labels.jsonl:{line}: uid" in r.json()["message"], r.text
+        r = c.post("/v1/predict", json={"text": "kama zani", "k": 3})
+        assert r.status_code == 200 and r.json()["version"] == "v2", r.text

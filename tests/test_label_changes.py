@@ -335,3 +335,35 @@ def test_the_store_reads_both_places_and_refuses_a_version_found_in_both(bundle_
     with pytest.raises(BundleError, match="no bundle 'v9'"):
         store.resolve("v9")
     assert BundleStore(bundle_root).derived_root is None
+
+
+def _repeat_a_uid(root: Path, source: str, version: str) -> int:
+    """A copy of bundle `source` named `version` whose label row 21 has row 9's uid (checksum
+    recomputed: a bundle written that way); returns the line at fault."""
+    shutil.copytree(root / source, root / version)
+    path = root / version / "labels.jsonl"
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    lines[20] = json.dumps({"uid": json.loads(lines[8])["uid"], "title": json.loads(lines[20])["title"]}) + "\n"
+    path.write_text("".join(lines), encoding="utf-8")
+    manifest = json.loads((root / version / "manifest.json").read_text())
+    manifest["version"] = version
+    manifest["files"]["labels.jsonl"] = sha256_file(path)
+    (root / version / "manifest.json").write_text(json.dumps(manifest))
+    return 21
+
+
+def test_a_bundle_whose_labels_repeat_a_uid_is_refused_and_no_change_writes_one(bundle_root_copy, synthetic_data,
+                                                                                  tmp_path):
+    root, rows = bundle_root_copy, _label_rows(synthetic_data)
+    line = _repeat_a_uid(root, "v1", "dup")
+    with pytest.raises(BundleError, match=rf"labels\.jsonl:{line}: uid '{rows[8]['uid']}' is also the uid of line 9"):
+        Bundle.open(root / "dup")
+    # A change adding an existing uid is refused before anything is written, in one change or two.
+    for change in (LabelChange(add=[NewLabel(rows[8]["uid"], "kama zani")]),
+                   LabelChange(add=[NewLabel("n1", "kama zani"), NewLabel("n1", "kelu savi")])):
+        with pytest.raises(LabelChangeRejected):
+            _derive(root / "v1", tmp_path / "out", change)
+    derived = _derive(root / "v1", tmp_path / "out", LabelChange(add=[NewLabel("n1", "kama zani")]))
+    with pytest.raises(LabelChangeRejected, match="already a label"):
+        _derive(derived, tmp_path / "out", LabelChange(add=[NewLabel("n1", "kelu savi")]), version="d2")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["d1"]
