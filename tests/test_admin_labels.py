@@ -7,6 +7,7 @@ import json
 import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import quote
 
 import httpx
 import pytest
@@ -308,3 +309,24 @@ def test_activating_a_bundle_whose_labels_repeat_a_uid_is_refused_and_the_servin
         assert f"labels.jsonl:{line}: uid" in r.json()["message"], r.text
         r = c.post("/v1/predict", json={"text": "kama zani", "k": 3})
         assert r.status_code == 200 and r.json()["version"] == "v2", r.text
+
+
+def test_every_uid_the_add_route_takes_the_delete_route_retires(bundle_root, synthetic_data, tmp_path):
+    """A uid with '/' was added but DELETE /admin/labels/{uid} answered an unknown-route 404."""
+    uids = ["/x", "x/", "../x", "a/b"]
+    added = [NewLabel(uid, lab.title) for uid, lab in zip(uids, _new_labels(synthetic_data, len(uids)), strict=True)]
+    env = _env(tmp_path / "state", SHORTLIST_LOAD_CHECK_IN_CHILD="false")
+    with serve(bundle_root, env=env, log_dir=tmp_path) as s, \
+            httpx.Client(base_url=s.url, headers=AUTH, timeout=120) as c:
+        assert c.post("/admin/labels", json=_body(added)).status_code == 200
+        found = _uids(c, [lab.title for lab in added], k=20)
+        assert all(lab.uid in row for lab, row in zip(added, found, strict=True)), found
+        for i, uid in enumerate(uids):
+            # Percent-encoded, and for 'a/b' also as two path segments (decoded alike).
+            path = "/admin/labels/" + (uid if uid == "a/b" else quote(uid, safe=""))
+            r = c.delete(path)
+            assert r.status_code == 200 and r.json()["retired"] == 1, (uid, r.text)
+            assert c.delete(path).status_code == 404  # retired already
+            assert uid not in _uids(c, [added[i].title], k=20)[0]
+        r = c.delete("/admin/labels/")  # no uid at all: the uid is named, not an unknown route
+        assert r.status_code == 422 and r.json()["details"][0]["field"] == "path.uid", r.text

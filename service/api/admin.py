@@ -168,8 +168,12 @@ def admin_router(models: RequestModels) -> APIRouter:
     async def retire_labels(req: RetireLabels, state: State) -> LabelChangeResult:
         return await _change(state, LabelChange(retire=list(req.uids)))
 
-    @router.delete("/labels/{uid}", response_model=LabelChangeResult, responses={**LABEL_ERRORS, **documented(404)},
-                   summary="retire one label (404 if no live label has this uid)")
+    # {uid:path}: the rest of the path, '/' included once percent-decoded (as every path is), so
+    # every uid the add route takes can be retired here ('a/b', 'x/', '../x' sent as %2F).
+    @router.delete("/labels/{uid:path}", response_model=LabelChangeResult,
+                   responses={**LABEL_ERRORS, **documented(404)},
+                   summary="retire one label (404 if no live label has this uid); a '/' in the uid may be sent "
+                   "as is or as %2F")
     async def retire_label(uid: Annotated[Uid, Path(description="the uid of a live label")],
                            state: State) -> LabelChangeResult:
         return await _change(state, LabelChange(retire=[uid]), single_uid=True)
