@@ -302,6 +302,17 @@ def test_cli_adds_and_retires_labels_offline(bundle_root, synthetic_data, tmp_pa
     labels.write_text('{"uid": "x", "title": "kama", "prior": "high"}\n')
     assert cli(["labels", "add", str(bundle_root / "v1"), "--labels", str(labels), "--out", str(out)]) == 2
     assert f"{labels}:1: prior" in capsys.readouterr().err
+    # A row is what the API takes as a label, under the same settings (SHORTLIST_MAX_TEXT_CHARS...).
+    for row, named in (({"uid": "x", "title": "t" * 800_000}, ":2: title: String should have at most 2000 characters"),
+                       ({"uid": "x", "title": "kama", "extra": 1}, ":2: extra: unknown field"),
+                       ({"uid": "x", "title": "\u200b\u00a0"}, ":2: title: text is empty"),
+                       ({"uid": "x", "title": "kama", "content": "c" * 2001},
+                        ":2: content: String should have at most")):
+        labels.write_text(json.dumps({"uid": "ok", "title": "kama"}) + "\n" + json.dumps(row) + "\n")
+        assert cli(["labels", "add", str(bundle_root / "v1"), "--labels", str(labels), "--out", str(out)]) == 2
+        assert f"{labels}{named}" in capsys.readouterr().err
+    labels.write_text(json.dumps({"uid": "x", "title": "kama " + "t" * 1995, "content": "c" * 2000}) + "\n")
+    assert cli(["labels", "add", str(bundle_root / "v1"), "--labels", str(labels), "--out", str(out)]) == 0
 
 
 def test_faults_in_a_derived_bundles_own_files_are_refused_naming_the_file(bundle_root, synthetic_data, tmp_path):
@@ -367,3 +378,4 @@ def test_a_bundle_whose_labels_repeat_a_uid_is_refused_and_no_change_writes_one(
     with pytest.raises(LabelChangeRejected, match="already a label"):
         _derive(derived, tmp_path / "out", LabelChange(add=[NewLabel("n1", "kelu savi")]), version="d2")
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["d1"]
+

@@ -45,6 +45,7 @@ import numpy as np
 from service.engine import canary, schema, store, vectors
 from service.engine.bundle import Bundle
 from service.engine.predictor import Predictor
+from service.engine.tokenizer import is_blank
 
 DERIVED_SUFFIX = ".labels-"
 OVERFLOW_FILES = (schema.TOKEN_OVERFLOW, schema.TOKEN_OVERFLOW_WEIGHTS)
@@ -422,8 +423,8 @@ def _check_change(parent: Bundle, change: LabelChange) -> np.ndarray:
         lookalike = _lookalike_uid(label.uid)
         if lookalike is not None:
             problems.append((f"add[{i}].uid", lookalike))
-        if not label.title.strip():
-            problems.append((f"add[{i}].title", "empty"))
+        if is_blank(label.title):
+            problems.append((f"add[{i}].title", "empty or blank characters only (tokenizer.is_blank_char)"))
         if label.prior is not None and not 0.0 <= label.prior <= 1.0:
             problems.append((f"add[{i}].prior", f"must be a quantile in [0, 1], got {label.prior}"))
     ids: list[int] = []
