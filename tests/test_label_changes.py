@@ -379,3 +379,15 @@ def test_a_bundle_whose_labels_repeat_a_uid_is_refused_and_no_change_writes_one(
         _derive(derived, tmp_path / "out", LabelChange(add=[NewLabel("n1", "kelu savi")]), version="d2")
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["d1"]
 
+
+def test_a_parent_file_gone_since_opening_is_named_and_nothing_is_left_written(bundle_root_copy, synthetic_data,
+                                                                               tmp_path):
+    rows = _label_rows(synthetic_data)
+    parent = Bundle.open(bundle_root_copy / "v1")
+    try:
+        (bundle_root_copy / "v1" / "validation.jsonl").unlink()  # read at opening, shared by a change
+        with pytest.raises(BundleError, match=r"validation\.jsonl: listed in the manifest but missing"):
+            LabelEditor().derive(parent, LabelChange(retire=[rows[0]["uid"]]), tmp_path / "out", "d1")
+    finally:
+        parent.close()
+    assert list((tmp_path / "out").iterdir()) == []

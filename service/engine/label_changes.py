@@ -232,7 +232,7 @@ class LabelEditor:
             # A projected index keeps its parent's projection (rewritten, the same values).
             plan.written.update(p.name for p in index.save(plan.staging / file))
         labels_path = plan.staging / schema.LABELS
-        shutil.copyfile(parent.path / schema.LABELS, labels_path)
+        _from_parent(parent.path / schema.LABELS, lambda src: shutil.copyfile(src, labels_path))
         with labels_path.open("a", encoding="utf-8") as f:
             f.writelines(json.dumps({"uid": lab.uid, "title": lab.title}, ensure_ascii=False) + "\n" for lab in add)
         plan.written.add(schema.LABELS)
@@ -361,8 +361,20 @@ class _Plan:
         for name in self.parent.manifest.files:
             if name in self.written or (self.overflow_rebuilt and name in OVERFLOW_FILES):
                 continue
-            shared[name] = store.share_file(self.parent.path / name, self.staging / name)
+            shared[name] = _from_parent(self.parent.path / name, lambda src, dst=self.staging / name:
+                                        store.share_file(src, dst))
         return shared
+
+
+def _from_parent(src: Path, how: Callable[[Path], Any]) -> Any:
+    """how(src), a file of the parent bundle: one gone since the parent was opened (a bundle
+    directory changed under the service) is the parent's fault, a BundleError naming it."""
+    try:
+        return how(src)
+    except FileNotFoundError as exc:
+        if src.exists():
+            raise
+        raise schema.BundleError(f"{src}: listed in the manifest but missing") from exc
 
 
 def _mask(ids: np.ndarray, n: int) -> np.ndarray:
