@@ -49,7 +49,8 @@ class LabelTable:
         return [{"uid": uids[i], "title": titles[i]} for i in ids]
 
     def ids_of(self, uids: Sequence[str]) -> list[int | None]:
-        """The row of each uid, None for a uid not in the table (first occurrence if repeated).
+        """The row of each uid, None for a uid not in the table (first occurrence if repeated: a
+        table loaded from a file never repeats one, MappedRows refuses it).
 
         A table loaded from a file looks uids up in its rows' hash index (MappedRows.ids_of).
         Built from sequences, the uid -> row dict is built on first use (~5 ms and a few MB per
