@@ -347,9 +347,9 @@ class Bundle:
     def index_copy(self, name: IndexName) -> VectorIndex:
         """A copy of the index of its own, checked as `index` checks it (checksum, then structure;
         BundleError naming the file): for a caller that modifies it (labels added after
-        training), never the one searches share."""
-        with self._lock:
-            return self._load_index(name, int(self.manifest.hnsw.ef_search))
+        training), never the one searches share. Loaded without the bundle's lock: a copy of
+        gigabytes takes seconds, and serving opens its own sources meanwhile."""
+        return self._load_index(name, int(self.manifest.hnsw.ef_search))
 
     def _load_index(self, name: IndexName, ef: int) -> VectorIndex:
         m = self.manifest
