@@ -3,18 +3,25 @@ durable across restarts and rollbacks, and no failed request meanwhile."""
 
 from __future__ import annotations
 
+import json
+import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import quote
 
 import httpx
 import pytest
 from test_admin import AUTH, TOKEN
-from test_label_changes import _label_rows, _new_labels
+from test_label_changes import _label_rows, _new_labels, _repeat_a_uid
 from test_processes import _wait_for
 
 from service.api.active_state import ActiveVersionFile
 from service.api.registry import BundleRegistry, TooManyPendingChanges
+from service.engine import canary
+from service.engine.bundle import Bundle
 from service.engine.label_changes import LabelChange, NewLabel
+from service.engine.predictor import Predictor
+from service.engine.schema import sha256_file
 from service.engine.store import BundleStore
 from shortlist.testing import serve
 
@@ -146,7 +153,8 @@ def test_label_requests_are_validated_naming_the_field(bundle_root, synthetic_da
         ({"labels": [{**good, "uid": " "}]}, "body.labels[0].uid", "empty"),
         ({"labels": [{**good, "title": "\t"}]}, "body.labels[0].title", "empty"),
         ({"labels": [{**good, "title": "k" * 41}]}, "body.labels[0].title", "at most 40"),
-        ({"labels": [{**good, "content": "c" * 41}]}, "body.labels[0].content", "at most 40"),
+        ({"labels": [{**good, "content": "c" * 41}]}, "body.labels[0].content", "at most 40 characters"),
+        ({"labels": [{**good, "title": "\u200b\u3000"}]}, "body.labels[0].title", "empty"),
         ({"labels": [{**good, "extra": 1}]}, "body.labels[0].extra", "unknown field"),
         ({"labels": [good, good]}, "body.labels[1].uid", "also add[0]"),
         ({"labels": [{**good, "uid": rows[0]["uid"]}]}, "body.labels[0].uid", "already a label"),
@@ -243,3 +251,83 @@ def test_a_change_on_a_process_behind_the_record_is_derived_from_the_recorded_ve
     finally:
         first.close()
         second.close()
+
+
+def _unsearched_index_cut(root, version: str, stale: bool) -> None:
+    """A copy of v2 named `version` that searches no index (k_w = k_mu = 0, as trained bundles
+    serve; its canaries recorded again), so activation never reads one, whose hnsw_w.bin is cut
+    to 1,000 bytes: its checksum recomputed (a bundle export wrote that way) or left stale."""
+    shutil.copytree(root / "v2", root / version)
+    path = root / version / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["version"] = version
+    manifest["scoring"]["shortlist"].update(k_w=0, k_mu=0)
+    path.write_text(json.dumps(manifest))
+    bundle = Bundle.open(root / version)
+    try:
+        manifest["canary"] = [c.model_dump() for c in canary.record(Predictor(bundle), [
+            c.text for c in bundle.manifest.canary])]
+    finally:
+        bundle.close()
+    index = root / version / "hnsw_w.bin"
+    index.write_bytes(index.read_bytes()[:1000])
+    if not stale:
+        manifest["files"]["hnsw_w.bin"] = sha256_file(index)
+    path.write_text(json.dumps(manifest))
+
+
+def test_a_label_change_that_first_reads_a_corrupt_index_is_refused_naming_it(bundle_root_copy, tmp_path):
+    """The change reads the serving bundle's index as serving would (checksum, then structure):
+    a 422 naming the file, not a 500; the bundle keeps serving and nothing is left staged."""
+    root, state = bundle_root_copy, tmp_path / "state"
+    for version, stale in (("cut", False), ("stale", True)):
+        _unsearched_index_cut(root, version, stale)
+    env = _env(state, SHORTLIST_LOAD_CHECK_IN_CHILD="false")
+    body = {"labels": [{"uid": "n1", "title": "kama zani"}]}
+    with serve(root, version="v2", env=env, log_dir=tmp_path) as s, \
+            httpx.Client(base_url=s.url, headers=AUTH, timeout=120) as c:
+        for version, named in (("cut", "file truncated"), ("stale", "sha256 mismatch")):
+            r = c.post("/admin/bundles/activate", json={"version": version})
+            assert r.status_code == 200, r.text  # its scoring searches no index: never read
+            r = c.post("/admin/labels", json=body)
+            assert r.status_code == 422 and r.json()["error"] == "bundle_rejected", r.text
+            assert "hnsw_w.bin" in r.json()["message"] and named in r.json()["message"], r.text
+            r = c.post("/v1/predict", json={"text": "kama zani", "k": 3})
+            assert r.status_code == 200 and r.json()["version"] == version, r.text
+            assert sorted(p.name for p in (state / "bundles").iterdir()) == [], "a staging or derived bundle left"
+        log = s.log()
+    assert '"unhandled_error"' not in log
+
+
+def test_activating_a_bundle_whose_labels_repeat_a_uid_is_refused_and_the_serving_one_serves(bundle_root_copy,
+                                                                                              tmp_path):
+    root = bundle_root_copy
+    line = _repeat_a_uid(root, "v1", "dup")
+    with serve(root, version="v2", env=_env(tmp_path / "state"), log_dir=tmp_path) as s, \
+            httpx.Client(base_url=s.url, headers=AUTH, timeout=120) as c:
+        r = c.post("/admin/bundles/activate", json={"version": "dup"})
+        assert r.status_code == 422 and r.json()["error"] == "bundle_rejected", r.text
+        assert f"labels.jsonl:{line}: uid" in r.json()["message"], r.text
+        r = c.post("/v1/predict", json={"text": "kama zani", "k": 3})
+        assert r.status_code == 200 and r.json()["version"] == "v2", r.text
+
+
+def test_every_uid_the_add_route_takes_the_delete_route_retires(bundle_root, synthetic_data, tmp_path):
+    """A uid with '/' was added but DELETE /admin/labels/{uid} answered an unknown-route 404."""
+    uids = ["/x", "x/", "../x", "a/b"]
+    added = [NewLabel(uid, lab.title) for uid, lab in zip(uids, _new_labels(synthetic_data, len(uids)), strict=True)]
+    env = _env(tmp_path / "state", SHORTLIST_LOAD_CHECK_IN_CHILD="false")
+    with serve(bundle_root, env=env, log_dir=tmp_path) as s, \
+            httpx.Client(base_url=s.url, headers=AUTH, timeout=120) as c:
+        assert c.post("/admin/labels", json=_body(added)).status_code == 200
+        found = _uids(c, [lab.title for lab in added], k=20)
+        assert all(lab.uid in row for lab, row in zip(added, found, strict=True)), found
+        for i, uid in enumerate(uids):
+            # Percent-encoded, and for 'a/b' also as two path segments (decoded alike).
+            path = "/admin/labels/" + (uid if uid == "a/b" else quote(uid, safe=""))
+            r = c.delete(path)
+            assert r.status_code == 200 and r.json()["retired"] == 1, (uid, r.text)
+            assert c.delete(path).status_code == 404  # retired already
+            assert uid not in _uids(c, [added[i].title], k=20)[0]
+        r = c.delete("/admin/labels/")  # no uid at all: the uid is named, not an unknown route
+        assert r.status_code == 422 and r.json()["details"][0]["field"] == "path.uid", r.text

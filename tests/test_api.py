@@ -153,6 +153,11 @@ BAD_INPUTS = [
     ("empty texts", {"texts": []}, None, 422, "body.texts"),
     ("texts one past max_batch", {"texts": ["a"] * 9}, None, 422, "body.texts"),
     ("blank item in texts", {"texts": ["ok", "  "]}, None, 422, "body.texts[1]"),
+    # Unicode whitespace, controls and invisible format characters are blank too (they were 200s).
+    *((f"blank text U+{ord(c):04X}", {"text": c * 3}, None, 422, "body.text")
+      for c in ("\u00a0", "\u3000", "\u200b", "\x00", "\ufeff", "\U000e0041")),
+    ("blank item of mixed blanks", {"texts": ["ok", " \u200b\u00a0\t\u2060"]}, None, 422, "body.texts[1]"),
+    ("empty body", b"", None, 400, "malformed_json"),
     ("unknown field", {"text": "x", "top_k": 3}, None, 422, "body.top_k"),
     ("both text and texts", {"text": "x", "texts": ["y"]}, None, 422, "body"),
     ("neither text nor texts", {"k": 3}, None, 422, "body"),
@@ -193,6 +198,7 @@ def test_bad_input_gets_a_4xx_naming_what_is_wrong(client, name, body, headers, 
 
 def test_limits_are_inclusive_at_the_edge(client):
     assert client.post("/v1/predict", json={"text": "a" * 50}).status_code == 200
+    assert client.post("/v1/predict", json={"text": "\u00a0x\u200b"}).status_code == 200  # one visible character
     assert client.post("/v1/predict", json={"text": "x", "k": 20}).status_code == 200
     assert client.post("/v1/predict", json={"text": "x", "k": 1}).status_code == 200
     assert client.post("/v1/predict", json={"texts": ["a"] * 8}).status_code == 200

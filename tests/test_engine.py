@@ -347,7 +347,8 @@ def test_label_table_round_trips_and_names_the_bad_line(tmp_path: Path) -> None:
     assert loaded.ids_of(["u4499", "nope", "u0", ""]) == [4499, None, 0, None]
     assert LabelTable(["a", "b", "a"], ["x", "y", "z"]).ids_of(["a", "b"]) == [0, 1]  # first occurrence
     LabelTable(["a", "b", "a"], ["x", "y", "z"]).save(tmp_path / "repeated.jsonl")
-    assert LabelTable.load(tmp_path / "repeated.jsonl").ids_of(["a", "b", "a", "c"]) == [0, 1, 0, None]
+    with pytest.raises(ValueError, match=r"repeated\.jsonl:3: uid 'a' is also the uid of line 1"):
+        LabelTable.load(tmp_path / "repeated.jsonl")  # a bundle's uids are unique (retire, exclude)
 
     lines = path.read_text(encoding="utf-8").splitlines()
     lines[2999] = '{"uid": "u2999"}'

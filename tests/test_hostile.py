@@ -287,3 +287,35 @@ def test_manifest_records_nest_up_to_the_limit_and_no_deeper(bundle_root):
     Manifest.model_validate({**manifest, "metrics": nested(MAX_RECORD_DEPTH)})
     with pytest.raises(ValidationError, match=f"nested deeper than {MAX_RECORD_DEPTH}"):
         Manifest.model_validate({**manifest, "metrics": nested(MAX_RECORD_DEPTH + 1)})
+
+
+def test_two_content_type_headers_are_refused_not_one_of_them_chosen(client):
+    # The body middleware read the last, FastAPI the first: a valid body got a 422 or a 415.
+    for types in ((b"text/plain", b"application/json"), (b"application/json", b"text/plain"),
+                  (b"application/json", b"application/json")):
+        head = b"POST /v1/predict HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: 13\r\n"
+        status, body = _exchange(client, head + b"".join(b"content-type: " + t + b"\r\n" for t in types)
+                                 + b"\r\n" + BODY)
+        assert status == 400 and body["error"] == "bad_request", body
+        assert "2 Content-Type headers" in body["message"], body
+    _still_serving(client)
+
+
+@pytest.mark.parametrize("route", ["/v1/predict", "/admin/labels"])
+def test_an_empty_json_body_is_a_400_naming_it(client, route):
+    # It was a 422 "body: field required", while a body of whitespace was a 400 malformed_json.
+    for body in (b"", b" "):
+        r = client.post(route, content=body, headers={**JSON, **AUTH})
+        assert r.status_code == 400 and r.json()["error"] == "malformed_json", (body, r.text)
+        assert ("body is empty" in r.json()["message"]) == (body == b""), r.text
+    assert client.post(route, content=b"", headers=JSON).status_code == (401 if route.startswith("/admin") else 400)
+
+
+def test_many_unknown_excluded_uids_are_named_up_to_the_usual_ten(client):
+    unknown = [f"no-such-label-{i}" for i in range(1000)]
+    r = client.post("/v1/predict", json={"text": "x", "exclude": unknown})
+    assert r.status_code == 422, r.text
+    assert [d["field"] for d in r.json()["details"]] == [f"body.exclude[{i}]" for i in range(10)]
+    assert "and 990 more problems" in r.json()["message"]
+    r = client.post("/v1/predict", json={"text": "x", "exclude": ["L0", "nope", "L1"]})
+    assert r.status_code == 422 and [d["field"] for d in r.json()["details"]] == ["body.exclude[1]"], r.text

@@ -302,6 +302,17 @@ def test_cli_adds_and_retires_labels_offline(bundle_root, synthetic_data, tmp_pa
     labels.write_text('{"uid": "x", "title": "kama", "prior": "high"}\n')
     assert cli(["labels", "add", str(bundle_root / "v1"), "--labels", str(labels), "--out", str(out)]) == 2
     assert f"{labels}:1: prior" in capsys.readouterr().err
+    # A row is what the API takes as a label, under the same settings (SHORTLIST_MAX_TEXT_CHARS...).
+    for row, named in (({"uid": "x", "title": "t" * 800_000}, ":2: title: String should have at most 2000 characters"),
+                       ({"uid": "x", "title": "kama", "extra": 1}, ":2: extra: unknown field"),
+                       ({"uid": "x", "title": "\u200b\u00a0"}, ":2: title: text is empty"),
+                       ({"uid": "x", "title": "kama", "content": "c" * 2001},
+                        ":2: content: String should have at most")):
+        labels.write_text(json.dumps({"uid": "ok", "title": "kama"}) + "\n" + json.dumps(row) + "\n")
+        assert cli(["labels", "add", str(bundle_root / "v1"), "--labels", str(labels), "--out", str(out)]) == 2
+        assert f"{labels}{named}" in capsys.readouterr().err
+    labels.write_text(json.dumps({"uid": "x", "title": "kama " + "t" * 1995, "content": "c" * 2000}) + "\n")
+    assert cli(["labels", "add", str(bundle_root / "v1"), "--labels", str(labels), "--out", str(out)]) == 0
 
 
 def test_faults_in_a_derived_bundles_own_files_are_refused_naming_the_file(bundle_root, synthetic_data, tmp_path):
@@ -335,3 +346,48 @@ def test_the_store_reads_both_places_and_refuses_a_version_found_in_both(bundle_
     with pytest.raises(BundleError, match="no bundle 'v9'"):
         store.resolve("v9")
     assert BundleStore(bundle_root).derived_root is None
+
+
+def _repeat_a_uid(root: Path, source: str, version: str) -> int:
+    """A copy of bundle `source` named `version` whose label row 21 has row 9's uid (checksum
+    recomputed: a bundle written that way); returns the line at fault."""
+    shutil.copytree(root / source, root / version)
+    path = root / version / "labels.jsonl"
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    lines[20] = json.dumps({"uid": json.loads(lines[8])["uid"], "title": json.loads(lines[20])["title"]}) + "\n"
+    path.write_text("".join(lines), encoding="utf-8")
+    manifest = json.loads((root / version / "manifest.json").read_text())
+    manifest["version"] = version
+    manifest["files"]["labels.jsonl"] = sha256_file(path)
+    (root / version / "manifest.json").write_text(json.dumps(manifest))
+    return 21
+
+
+def test_a_bundle_whose_labels_repeat_a_uid_is_refused_and_no_change_writes_one(bundle_root_copy, synthetic_data,
+                                                                                  tmp_path):
+    root, rows = bundle_root_copy, _label_rows(synthetic_data)
+    line = _repeat_a_uid(root, "v1", "dup")
+    with pytest.raises(BundleError, match=rf"labels\.jsonl:{line}: uid '{rows[8]['uid']}' is also the uid of line 9"):
+        Bundle.open(root / "dup")
+    # A change adding an existing uid is refused before anything is written, in one change or two.
+    for change in (LabelChange(add=[NewLabel(rows[8]["uid"], "kama zani")]),
+                   LabelChange(add=[NewLabel("n1", "kama zani"), NewLabel("n1", "kelu savi")])):
+        with pytest.raises(LabelChangeRejected):
+            _derive(root / "v1", tmp_path / "out", change)
+    derived = _derive(root / "v1", tmp_path / "out", LabelChange(add=[NewLabel("n1", "kama zani")]))
+    with pytest.raises(LabelChangeRejected, match="already a label"):
+        _derive(derived, tmp_path / "out", LabelChange(add=[NewLabel("n1", "kelu savi")]), version="d2")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["d1"]
+
+
+def test_a_parent_file_gone_since_opening_is_named_and_nothing_is_left_written(bundle_root_copy, synthetic_data,
+                                                                               tmp_path):
+    rows = _label_rows(synthetic_data)
+    parent = Bundle.open(bundle_root_copy / "v1")
+    try:
+        (bundle_root_copy / "v1" / "validation.jsonl").unlink()  # read at opening, shared by a change
+        with pytest.raises(BundleError, match=r"validation\.jsonl: listed in the manifest but missing"):
+            LabelEditor().derive(parent, LabelChange(retire=[rows[0]["uid"]]), tmp_path / "out", "d1")
+    finally:
+        parent.close()
+    assert list((tmp_path / "out").iterdir()) == []

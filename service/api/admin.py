@@ -38,6 +38,7 @@ from service.api.schemas import (
     RequestModels,
 )
 from service.engine.label_changes import LabelChange, LabelChangeRejected, NewLabel
+from service.engine.schema import BundleError
 
 # 401 / 403: no or a wrong token; 404: no such bundle (or nothing to roll back to); 409: another
 # activation is running; 422: the bundle was refused (the serving one keeps serving).
@@ -107,7 +108,9 @@ async def _change(state: State, change: LabelChange, single_uid: bool = False) -
             raise ApiError(404, "label_not_found", "; ".join(d.message for d in details), details) from None
         raise ApiError(422, "invalid_request", "; ".join(f"{d.field}: {d.message}" for d in details[:10]),
                        details[:10]) from None
-    except ActivationFailed as exc:
+    except (ActivationFailed, BundleError) as exc:
+        # BundleError: a file of the serving bundle that the change is the first to read (an
+        # index its scoring never searches) is not what its manifest says; it keeps serving.
         state.metrics.failed_activations.labels("invalid").inc()
         error_log.error(json.dumps({"event": "label_change_refused", "message": str(exc)}))
         raise ApiError(422, "bundle_rejected", str(exc)) from None
@@ -165,8 +168,12 @@ def admin_router(models: RequestModels) -> APIRouter:
     async def retire_labels(req: RetireLabels, state: State) -> LabelChangeResult:
         return await _change(state, LabelChange(retire=list(req.uids)))
 
-    @router.delete("/labels/{uid}", response_model=LabelChangeResult, responses={**LABEL_ERRORS, **documented(404)},
-                   summary="retire one label (404 if no live label has this uid)")
+    # {uid:path}: the rest of the path, '/' included once percent-decoded (as every path is), so
+    # every uid the add route takes can be retired here ('a/b', 'x/', '../x' sent as %2F).
+    @router.delete("/labels/{uid:path}", response_model=LabelChangeResult,
+                   responses={**LABEL_ERRORS, **documented(404)},
+                   summary="retire one label (404 if no live label has this uid); a '/' in the uid may be sent "
+                   "as is or as %2F")
     async def retire_label(uid: Annotated[Uid, Path(description="the uid of a live label")],
                            state: State) -> LabelChangeResult:
         return await _change(state, LabelChange(retire=[uid]), single_uid=True)

@@ -16,7 +16,8 @@ from service.engine.schema import VERSION_RE
 MAX_DETAILS = 10
 # What a failed pattern means, in words.
 _PATTERNS = {
-    NON_BLANK: "text is empty or whitespace-only",
+    NON_BLANK: "text is empty or whitespace-only (Unicode whitespace, control and invisible format characters "
+               "are blank)",
     VERSION_RE.pattern: "use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit",
 }
 _HTTP_CODES = {400: "bad_request", 404: "not_found", 405: "method_not_allowed", 408: "request_timeout",
@@ -70,6 +71,18 @@ def invalid(field: str, message: str, status: int = 422) -> ApiError:
     return ApiError(status, "invalid_request", f"{field}: {message}", [ErrorDetail(field=field, message=message)])
 
 
+def invalid_many(problems: list[tuple[str, str]], total: int | None = None) -> ApiError:
+    """A 422 for several wrong fields, (field, message) each, of `total` (default: all given): at
+    most MAX_DETAILS named, so 1,000 bad list items do not make an answer larger than the
+    request; the rest counted."""
+    total = len(problems) if total is None else total
+    details = [ErrorDetail(field=field, message=message) for field, message in problems[:MAX_DETAILS]]
+    summary = "; ".join(f"{d.field}: {d.message}" for d in details)
+    if total > MAX_DETAILS:
+        summary += f"; and {total - MAX_DETAILS} more problems"
+    return ApiError(422, "invalid_request", summary, details)
+
+
 def field_name(loc: tuple[Any, ...]) -> str:
     out = str(loc[0]) if loc else "body"
     for part in loc[1:]:
@@ -77,7 +90,8 @@ def field_name(loc: tuple[Any, ...]) -> str:
     return out
 
 
-def _message(err: dict[str, Any]) -> str:
+def error_message(err: dict[str, Any]) -> str:
+    """One pydantic error in words (a failed pattern as what it means)."""
     kind = err["type"]
     if kind == "extra_forbidden":
         return "unknown field"
@@ -95,12 +109,8 @@ async def _validation_error(request: Request, exc: Exception) -> Response:
         reason = errors[0].get("ctx", {}).get("error", "syntax error")
         return error_response(request, ApiError(400, "malformed_json", f"body is not valid JSON: {reason} at byte "
                                                 f"{errors[0]['loc'][-1]}"))
-    # At most MAX_DETAILS named: 1,000 bad list items must not make an answer larger than the request.
-    details = [ErrorDetail(field=field_name(tuple(e["loc"])), message=_message(e)) for e in errors[:MAX_DETAILS]]
-    summary = "; ".join(f"{d.field}: {d.message}" for d in details)
-    if len(errors) > MAX_DETAILS:
-        summary += f"; and {len(errors) - MAX_DETAILS} more problems"
-    return error_response(request, ApiError(422, "invalid_request", summary, details))
+    problems = [(field_name(tuple(e["loc"])), error_message(e)) for e in errors[:MAX_DETAILS]]
+    return error_response(request, invalid_many(problems, total=len(errors)))
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

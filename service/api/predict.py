@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from service.api.dependencies import lease_engine, service_state
-from service.api.errors import ApiError, invalid, shown
+from service.api.errors import MAX_DETAILS, ApiError, invalid_many, shown
 from service.api.http_protocol import REQUESTS_IN_PROGRESS
 from service.api.registry import Engine
 from service.api.request_body import StrictJsonRoute
@@ -74,10 +74,17 @@ def _excluded_ids(uids: list[str] | None, engine: Engine) -> tuple[int, ...]:
     if not uids:
         return ()
     ids = engine.bundle.labels.ids_of(uids)
-    for i, (uid, row) in enumerate(zip(uids, ids, strict=True)):
-        if row is None:
-            raise invalid(f"body.exclude[{i}]", f"unknown label uid {shown(uid)} in bundle {engine.version}")
-    return tuple(sorted(set(ids)))
+    unknown = [i for i, row in enumerate(ids) if row is None]
+    if unknown:
+        raise unknown_excluded_uids(uids, unknown, engine.version)
+    return tuple(sorted(set(ids)))  # type: ignore[arg-type]
+
+
+def unknown_excluded_uids(uids: list[str], unknown: list[int], version: str) -> ApiError:
+    """The 422 for `exclude` uids the answering bundle does not have (positions `unknown`),
+    naming as many as any 422 names (errors.MAX_DETAILS)."""
+    return invalid_many([(f"body.exclude[{i}]", f"unknown label uid {shown(uids[i])} in bundle {version}")
+                         for i in unknown[:MAX_DETAILS]], total=len(unknown))
 
 
 async def _answer(request: Request, engine: Engine, scorer: str, req: Any, **params: Any) -> Response:

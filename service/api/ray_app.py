@@ -52,9 +52,9 @@ from starlette.responses import Response
 from service.api.active_state import HISTORY_LENGTH, ActiveVersionFile
 from service.api.app import apply_runtime_tuning, create_app
 from service.api.dependencies import MinuteBudget, ServiceState, lease_engine
-from service.api.errors import ApiError, invalid, shown
+from service.api.errors import ApiError
 from service.api.observability import ServiceMetrics, error_log
-from service.api.predict import json_response, label_rows
+from service.api.predict import json_response, label_rows, unknown_excluded_uids
 from service.api.registry import (
     ActivationFailed,
     ActivationInProgress,
@@ -190,8 +190,7 @@ class ShardedEngine(Leased):
         answers = await asyncio.gather(*(self._ask(h, queries, req.k, alpha, exclude, head) for h in self.handles))
         missing = unknown_excluded(exclude, answers)
         if missing:
-            i = missing[0]
-            raise invalid(f"body.exclude[{i}]", f"unknown label uid {shown(exclude[i])} in bundle {self.version}")
+            raise unknown_excluded_uids(exclude, missing, self.version)
         results = merge_answers(answers, req.k)
         return json_response({"version": self.version, "results": [label_rows(r) for r in results]})
 

@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.api.errors import BodyRefused, error_json, shown
+from service.api.errors import ApiError, BodyRefused, error_json, shown
 
 _NOT_JSON_NUMBERS = (b"NaN", b"Infinity", b"-Infinity")
 
@@ -34,7 +34,14 @@ class RequestBodyMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = dict(scope.get("headers", ()))
+        raw = scope.get("headers", ())
+        headers = dict(raw)
+        types = sum(1 for name, _ in raw if name == b"content-type")
+        if types > 1:
+            # This reads the last, FastAPI the first: which one counts is refused, not guessed
+            # (as two Authorization headers are, dependencies.require_admin).
+            await _refuse(scope, send, 400, "bad_request", f"{types} Content-Type headers: send one")
+            return
         declared = _content_length(headers)
         has_body = (declared or 0) > 0 or b"transfer-encoding" in headers
         refusal = _body_refusal(headers) if has_body else None
@@ -131,8 +138,13 @@ class StrictJsonRoute(APIRoute):
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
+        takes_body = self.body_field is not None
 
         async def strict(request: Request) -> Response:
-            return await handler(StrictJsonRequest(request.scope, request.receive))
+            strict_request = StrictJsonRequest(request.scope, request.receive)
+            # FastAPI takes an empty body for no body ("field required"), whitespace for bad JSON.
+            if takes_body and not await strict_request.body():
+                raise ApiError(400, "malformed_json", "body is empty: send a JSON object")
+            return await handler(strict_request)
 
         return strict

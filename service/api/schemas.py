@@ -13,11 +13,13 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 
 from service.api.settings import Settings
 from service.engine.schema import VERSION_RE
-from service.engine.tokenizer import load_unicode_tables, normalized_length_exceeds
+from service.engine.tokenizer import load_unicode_tables, non_blank_pattern, normalized_length_exceeds
 
-# A text must hold something besides ASCII whitespace (spelled out: regex engines disagree on
-# what else `\s` covers, and the schema must mean to a client what it means to the validator).
-NON_BLANK = r"[^ \t\n\r\f\v]"
+# A text must hold a character that is not blank (tokenizer.is_blank_char: Unicode whitespace,
+# control and format characters; "\u00a0" or "\u200b" alone were answered as an empty text).
+# Spelled out as ranges: regex engines disagree on what `\s` covers, and the schema must mean
+# to a client what it means to the validator.
+NON_BLANK = non_blank_pattern()
 ONE_OF_TEXT = {"oneOf": [{"required": ["text"]}, {"required": ["texts"]}]}
 
 
@@ -103,20 +105,23 @@ class RequestModels:
             text: str
 
         self.predict, self.tree_predict, self.echo = PredictRequest, TreePredictRequest, EchoRequest
-        self.add_labels, self.retire_labels, self.uid = _label_requests(settings, Text, normalized)
+        # new_label: one new label, the add route's item and a row of `shortlist labels add`'s file.
+        self.add_labels, self.retire_labels, self.uid, self.new_label = _label_requests(settings, Text, normalized)
 
 
-def _label_requests(settings: Settings, text: Any, normalized: AfterValidator) -> tuple[type[BaseModel],
-                                                                                       type[BaseModel], Any]:
+def _label_requests(settings: Settings, text: Any, normalized: AfterValidator) -> tuple[
+        type[BaseModel], type[BaseModel], Any, type[BaseModel]]:
     """The admin label-change bodies under the limits of `settings` (`text`: a request's text type;
-    `normalized`: its limit after normalisation), and the type of a uid (a path parameter too)."""
+    `normalized`: its limit after normalisation), the type of a uid (a path parameter too) and
+    the model of one new label."""
     Uid = Annotated[str, StringConstraints(min_length=1, max_length=settings.max_uid_chars, pattern=NON_BLANK)]  # noqa: N806
 
     class NewLabel(_Request):
         uid: Uid = Field(description="the label's id, unique among the bundle's labels (live or retired)")
         title: text = Field(description="the label's text, encoded as training encoded label titles")
-        content: Annotated[str, normalized] | None = Field(None, max_length=settings.max_text_chars,
-                                    description="more text (read where the bundle was trained on title+content)")
+        # The limit on the string, not on the Optional around it (pydantic said "items").
+        content: Annotated[str, StringConstraints(max_length=settings.max_text_chars), normalized] | None = Field(
+            None, description="more text (read where the bundle was trained on title+content)")
         prior: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False,
                                     description="how common the label is expected to be, as a quantile of the "
                                     "trained labels' priors (0.5: a typical label, 1: as common as the most "
@@ -130,7 +135,7 @@ def _label_requests(settings: Settings, text: Any, normalized: AfterValidator) -
         uids: list[Uid] = Field(min_length=1, max_length=settings.max_label_batch,
                                 description="uids of live labels to retire, as one new bundle version")
 
-    return AddLabelsRequest, RetireLabelsRequest, Uid
+    return AddLabelsRequest, RetireLabelsRequest, Uid, NewLabel
 
 
 class Label(BaseModel):

@@ -336,23 +336,33 @@ class Bundle:
         """The HNSW index over [w_l, b_l] ("w") or mu_l ("mu"), opened and checked on first
         use and shared after; another ef_search opens a copy of its own, so one caller's
         search breadth never changes another's."""
-        m = self.manifest
-        ef = int(ef_search or m.hnsw.ef_search)
+        ef = int(ef_search or self.manifest.hnsw.ef_search)
         with self._lock:
             index = self._indices.get((name, ef))
             if index is None:
-                file, projection, dim = (HNSW_W, HNSW_W_PROJECTION, m.dim + 1) if name == "w" else (
-                    HNSW_MU, HNSW_MU_PROJECTION, m.dim)
-                self._verify(file)
-                if m.hnsw.projection_dim:
-                    self._verify(projection)
-                try:
-                    index = VectorIndex.load(self.path / file, dim=dim, count=m.num_labels, ef_search=ef,
-                                             projection_dim=m.hnsw.projection_dim)
-                except ValueError as exc:
-                    raise BundleError(str(exc)) from exc
+                index = self._load_index(name, ef)
                 self._indices[(name, ef)] = index
         return index
+
+    def index_copy(self, name: IndexName) -> VectorIndex:
+        """A copy of the index of its own, checked as `index` checks it (checksum, then structure;
+        BundleError naming the file): for a caller that modifies it (labels added after
+        training), never the one searches share. Loaded without the bundle's lock: a copy of
+        gigabytes takes seconds, and serving opens its own sources meanwhile."""
+        return self._load_index(name, int(self.manifest.hnsw.ef_search))
+
+    def _load_index(self, name: IndexName, ef: int) -> VectorIndex:
+        m = self.manifest
+        file, projection, dim = (HNSW_W, HNSW_W_PROJECTION, m.dim + 1) if name == "w" else (
+            HNSW_MU, HNSW_MU_PROJECTION, m.dim)
+        self._verify(file)
+        if m.hnsw.projection_dim:
+            self._verify(projection)
+        try:
+            return VectorIndex.load(self.path / file, dim=dim, count=m.num_labels, ef_search=ef,
+                                    projection_dim=m.hnsw.projection_dim)
+        except ValueError as exc:
+            raise BundleError(str(exc)) from exc
 
     def token_table(self) -> TokenShortlist | None:
         """The token shortlist with the manifest's lexical form (None if the bundle has none),

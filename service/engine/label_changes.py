@@ -44,8 +44,8 @@ import numpy as np
 
 from service.engine import canary, schema, store, vectors
 from service.engine.bundle import Bundle
-from service.engine.index import VectorIndex
 from service.engine.predictor import Predictor
+from service.engine.tokenizer import is_blank
 
 DERIVED_SUFFIX = ".labels-"
 OVERFLOW_FILES = (schema.TOKEN_OVERFLOW, schema.TOKEN_OVERFLOW_WEIGHTS)
@@ -220,24 +220,25 @@ class LabelEditor:
             if array is not None:
                 plan.save(name, array)
         first, ref = len(parent.labels), np.arange(min(256, len(parent.labels)))
-        for file, added, reference in (
-            (schema.HNSW_W, np.hstack((added_w, b[first:, None])),
+        for name, file, added, reference in (
+            ("w", schema.HNSW_W, np.hstack((added_w, b[first:, None])),
              np.hstack((parent.vector_rows(schema.CLASSIFIERS, ref), parent.classifier_bias[ref, None]))),
-            (schema.HNSW_MU, added_mu, parent.vector_rows(schema.CENTROIDS, ref)),
+            ("mu", schema.HNSW_MU, added_mu, parent.vector_rows(schema.CENTROIDS, ref)),
         ):
-            hnsw = parent.manifest.hnsw
-            index = VectorIndex.load(parent.path / file, dim=added.shape[1], count=first, ef_search=hnsw.ef_search,
-                                     projection_dim=hnsw.projection_dim)
+            # Checked as serving checks it (checksum, structure): a bundle whose scoring searches
+            # no index activates without reading one, so a change may be the first to read it.
+            index = parent.index_copy(name)
             index.add(added, reference)
             # A projected index keeps its parent's projection (rewritten, the same values).
             plan.written.update(p.name for p in index.save(plan.staging / file))
         labels_path = plan.staging / schema.LABELS
-        shutil.copyfile(parent.path / schema.LABELS, labels_path)
+        _from_parent(parent.path / schema.LABELS, lambda src: shutil.copyfile(src, labels_path))
         with labels_path.open("a", encoding="utf-8") as f:
             f.writelines(json.dumps({"uid": lab.uid, "title": lab.title}, ensure_ascii=False) + "\n" for lab in add)
         plan.written.add(schema.LABELS)
-        if parent.manifest.scoring.lexical_form == "logistic" and schema.TOKEN_SHORTLIST_BIAS in parent.manifest.files:
-            c = np.load(parent.path / schema.TOKEN_SHORTLIST_BIAS)
+        table = parent.token_table()  # opened and checked as serving opens it
+        if table is not None and table.bias is not None:
+            c = np.asarray(table.bias)
             plan.save(schema.TOKEN_SHORTLIST_BIAS, np.concatenate((c, self._priors(c[:trained], add))))
 
     def _priors(self, trained: np.ndarray, add: Sequence[NewLabel]) -> np.ndarray:
@@ -360,8 +361,20 @@ class _Plan:
         for name in self.parent.manifest.files:
             if name in self.written or (self.overflow_rebuilt and name in OVERFLOW_FILES):
                 continue
-            shared[name] = store.share_file(self.parent.path / name, self.staging / name)
+            shared[name] = _from_parent(self.parent.path / name, lambda src, dst=self.staging / name:
+                                        store.share_file(src, dst))
         return shared
+
+
+def _from_parent(src: Path, how: Callable[[Path], Any]) -> Any:
+    """how(src), a file of the parent bundle: one gone since the parent was opened (a bundle
+    directory changed under the service) is the parent's fault, a BundleError naming it."""
+    try:
+        return how(src)
+    except FileNotFoundError as exc:
+        if src.exists():
+            raise
+        raise schema.BundleError(f"{src}: listed in the manifest but missing") from exc
 
 
 def _mask(ids: np.ndarray, n: int) -> np.ndarray:
@@ -422,8 +435,8 @@ def _check_change(parent: Bundle, change: LabelChange) -> np.ndarray:
         lookalike = _lookalike_uid(label.uid)
         if lookalike is not None:
             problems.append((f"add[{i}].uid", lookalike))
-        if not label.title.strip():
-            problems.append((f"add[{i}].title", "empty"))
+        if is_blank(label.title):
+            problems.append((f"add[{i}].title", "empty or blank characters only (tokenizer.is_blank_char)"))
         if label.prior is not None and not 0.0 <= label.prior <= 1.0:
             problems.append((f"add[{i}].prior", f"must be a quantile in [0, 1], got {label.prior}"))
     ids: list[int] = []

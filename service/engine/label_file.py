@@ -9,44 +9,41 @@ import argparse
 import json
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
+from pydantic import ValidationError
+
+from service.api.errors import error_message, field_name
+from service.api.schemas import RequestModels
+from service.api.settings import Settings
 from service.engine import schema
-from service.engine.jsonlines import iter_rows, iter_text_lines, json_kind, row_uid
+from service.engine.jsonlines import iter_rows, iter_text_lines, row_uid
 from service.engine.label_changes import LabelChange, LabelEditor, NewLabel, derived_version
 from service.engine.predictor import Predictor
 
 
-def read_label_file(path: Path) -> list[NewLabel]:
+def read_label_file(path: Path, models: RequestModels | None = None) -> list[NewLabel]:
     """Labels to add, one JSON object a line: {"uid", "title", "content"?, "prior"?}; each uid
-    once (.gz read as gzip)."""
+    once (.gz read as gzip). A row is checked as the API checks one of POST /admin/labels'
+    labels (`models`: the request models under the service's settings, by default those of
+    this environment's SHORTLIST_* variables): one definition of what a new label may be."""
+    model = (models or RequestModels(Settings())).new_label
     line_of: dict[str, int] = {}
     labels = []
     for lineno, row in iter_rows(path):
         uid = row_uid(row, path, lineno)
-        _check_fields(row, path, lineno)
+        try:
+            label = model.model_validate(row)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            where = field_name(tuple(err["loc"]) or ("row",))
+            raise ValueError(f"{path}:{lineno}: {where}: {error_message(err)}") from None
         if uid in line_of:
             raise ValueError(f"{path}:{lineno}: uid {uid!r} is also the uid of line {line_of[uid]}")
         line_of[uid] = lineno
-        prior = row.get("prior")
-        labels.append(NewLabel(uid, row["title"], row.get("content"), None if prior is None else float(prior)))
+        labels.append(NewLabel(uid, label.title, label.content, label.prior))  # type: ignore[attr-defined]
     if not labels:
         raise ValueError(f"{path}: no labels")
     return labels
-
-
-def _check_fields(row: dict[str, Any], path: Path, lineno: int) -> None:
-    if "title" not in row:
-        raise ValueError(f"{path}:{lineno}: missing field 'title'")
-    for name in ("title", "content"):
-        value = row.get(name)
-        if value is not None and not isinstance(value, str):
-            raise ValueError(f"{path}:{lineno}: field {name!r} must be a string, got {json_kind(value)}")
-    if row["title"] is None:
-        raise ValueError(f"{path}:{lineno}: field 'title' must be a string, got null")
-    prior = row.get("prior")
-    if prior is not None and (isinstance(prior, bool) or not isinstance(prior, int | float) or not 0 <= prior <= 1):
-        raise ValueError(f"{path}:{lineno}: prior must be a number in [0, 1], got {json_kind(prior)}")
 
 
 def read_uids_file(path: Path) -> list[str]:

@@ -49,7 +49,8 @@ class LabelTable:
         return [{"uid": uids[i], "title": titles[i]} for i in ids]
 
     def ids_of(self, uids: Sequence[str]) -> list[int | None]:
-        """The row of each uid, None for a uid not in the table (first occurrence if repeated).
+        """The row of each uid, None for a uid not in the table (first occurrence if repeated: a
+        table loaded from a file never repeats one, MappedRows refuses it).
 
         A table loaded from a file looks uids up in its rows' hash index (MappedRows.ids_of).
         Built from sequences, the uid -> row dict is built on first use (~5 ms and a few MB per
@@ -109,11 +110,29 @@ class MappedRows:
         # Python's str hash: fixed within a process and its forks (the preloading arbiter's).
         self._by_hash = np.argsort(self._hashes, kind="stable").astype(np.int32)
         self._hashes = self._hashes[self._by_hash]
+        self._refuse_repeated_uids()
         if isinstance(self._map, mmap.mmap) and hasattr(mmap, "MADV_DONTNEED"):
             self._map.madvise(mmap.MADV_DONTNEED)  # the check read every page: hand them back
 
     def __len__(self) -> int:
         return len(self._starts)
+
+    def _refuse_repeated_uids(self) -> None:
+        """ValueError naming the line of a uid an earlier row has: lookups by uid find the first
+        row, so `exclude` and retire would act on one row while the other keeps being served.
+        Equal uids have equal hashes: only rows in a run of equal hashes (rare) are decoded."""
+        hashes = self._hashes
+        same = np.flatnonzero(hashes[1:] == hashes[:-1])
+        if not len(same):
+            return
+        first_row: dict[str, int] = {}
+        for row in sorted(int(self._by_hash[p]) for p in np.union1d(same, same + 1)):
+            uid = self.row(row)[0]
+            if uid in first_row:
+                shown = repr(uid) if len(uid) <= 64 else f"{uid[:64]!r}..."
+                raise ValueError(f"{self.path}:{row + 1}: uid {shown} is also the uid of line {first_row[uid] + 1} "
+                                 "(a label's uid is unique)")
+            first_row[uid] = row
 
     def row(self, i: int) -> tuple[str, str]:
         obj = orjson.loads(self._map[self._starts[i] : self._ends[i]])

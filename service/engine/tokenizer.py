@@ -163,6 +163,37 @@ def _unicode_tables() -> _UnicodeTables:
     )
 
 
+def is_blank_char(char: str) -> bool:
+    """A character that shows a reader nothing and gives the tokenizer no word: Unicode whitespace
+    (U+00A0, U+3000, ...), a control (Cc: NUL, ...) or a format character (Cf: U+200B, the BOM,
+    bidi marks, ...). The one definition of blank: is_blank and the API's NON_BLANK."""
+    return char.isspace() or unicodedata.category(char) in ("Cc", "Cf")
+
+
+def is_blank(text: str) -> bool:
+    """True for a text of blank characters only (is_blank_char), or none."""
+    return all(map(is_blank_char, text))
+
+
+# Where Unicode assigns blank characters: the BMP, plane 1 and the tags of plane 14.
+_BLANK_PLANES = (range(0x20000), range(0xE0000, 0xE1000))
+
+
+def non_blank_pattern() -> str:
+    """A regular expression that finds a character that is not blank (is_blank_char): the same in
+    Python's re, the Rust regex pydantic validates with and a JSON Schema (ECMA-262) client,
+    BMP characters written as \\uXXXX, astral ones as themselves."""
+    parts = []
+    for plane in _BLANK_PLANES:
+        points = [cp for cp in plane if is_blank_char(chr(cp))]
+        starts = [cp for i, cp in enumerate(points) if i == 0 or points[i - 1] != cp - 1]
+        ends = [cp for i, cp in enumerate(points) if i == len(points) - 1 or points[i + 1] != cp + 1]
+        for first, last in zip(starts, ends, strict=True):
+            one = (lambda cp: f"\\u{cp:04X}") if first <= 0xFFFF else chr
+            parts.append(one(first) + (f"-{one(last)}" if last > first else ""))
+    return f"[^{''.join(parts)}]"
+
+
 def _char_class(chars: Iterable[str]) -> str:
     """A regular expression character class's body matching exactly `chars`, as ranges."""
     points = sorted(set(map(ord, chars)))
