@@ -93,7 +93,7 @@ def _add_labels(sub: argparse._SubParsersAction) -> None:
             c.add_argument("--uids-file", help="more uids, one a line")
         c.add_argument("--out", help="bundle root to write to (default: the bundle's own root)")
         c.add_argument("--version", help="the new version's name (default: BASE.labels-N)")
-        c.set_defaults(handler="service.engine.label_file:run_cli")
+        c.set_defaults(handler="service.api.label_file:run_cli")
 
 
 def _add_shard(sub: argparse._SubParsersAction) -> None:

@@ -83,6 +83,14 @@ def test_layers_point_one_way():
     assert wrong == []
 
 
+def test_the_engine_never_imports_the_api():
+    # The engine (bundles, scoring, label changes) runs under any front end: the HTTP API, Ray
+    # Serve, the CLI; the API is built on it, never the other way.
+    wrong = [f"{a} -> {b}" for a, deps in _import_graph().items() for b in deps
+             if a.startswith("service.engine") and b.startswith("service.api")]
+    assert wrong == []
+
+
 def test_service_sources_never_import_training_side_packages():
     offenders = []
     for path in (ROOT / "service").rglob("*.py"):

@@ -1,7 +1,8 @@
 """`shortlist labels add|remove BUNDLE ...`: the files it reads, checked line by line before a
 change is made (every problem a ValueError naming the file, the line and the field, so a wrong
 type is refused rather than stringified: a null uid was added as the label "None"), then the
-change made offline by the service's own LabelEditor."""
+change made offline by the service's own LabelEditor. It sits beside the API because a row is
+checked by the API's own model of a new label (the engine never imports the API)."""
 
 from __future__ import annotations
 
