@@ -248,7 +248,7 @@ class ShardedRegistry:
         out = []
         for version, _ in sharded_versions(self.root):
             try:
-                m = read_manifest(shard_dirs(self.root / version)[0])
+                m = read_manifest(shard_dirs(self.root / version)[0], self.settings.max_manifest_bytes)
             except BundleError:
                 continue
             if m.shard is not None:

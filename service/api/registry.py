@@ -470,9 +470,11 @@ class BundleRegistry:
         try:
             if preloaded is not None:  # checked in a child before the forking process opened it
                 return Predictor.checked(preloaded, PredictorOptions(threads=self.engine_threads))
+            limit = self.store.max_manifest_bytes
             if check and self.check_timeout_s is not None:
-                check_in_child(path, threads=self.engine_threads, timeout_s=self.check_timeout_s)
-            return Predictor.load(path, PredictorOptions(threads=self.engine_threads))
+                check_in_child(path, threads=self.engine_threads, timeout_s=self.check_timeout_s,
+                               max_manifest_bytes=limit)
+            return Predictor.load(path, PredictorOptions(threads=self.engine_threads), max_manifest_bytes=limit)
         except BundleError as exc:
             raise ActivationFailed(str(exc)) from exc
 

@@ -114,6 +114,10 @@ VectorDtype = Literal["float32", "float16", "int8"]
 VECTOR_DTYPES: tuple[str, ...] = ("float32", "float16", "int8")
 
 MANIFEST = "manifest.json"
+# The most bytes of manifest.json a reader reads (service.engine.small_files): manifests are 11-14 KB
+# (the canaries and metrics the bulk of it), so 1 MiB leaves ample room, and bounds what listing a
+# bundle root may read per directory. The service's SHORTLIST_MAX_MANIFEST_BYTES overrides it.
+MAX_MANIFEST_BYTES = 1 << 20
 ENCODER = "encoder.onnx"
 ENCODER_DATA = "encoder.onnx.data"
 TOKENIZER = "tokenizer.json"
