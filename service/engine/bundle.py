@@ -125,6 +125,11 @@ class Bundle:
         manifest = read_manifest(path, max_manifest_bytes)
         if not staged and manifest.version != path.name:
             raise BundleError(f"{path / MANIFEST}: version {manifest.version!r} does not match directory name")
+        if not staged and not manifest.canary:
+            # The canaries are the check that the loaded bundle answers as export saw it answer
+            # (service.engine.canary); with none, any array, index or encoder would pass it. Only a
+            # bundle still being written (staged) has none yet.
+            raise BundleError(f"{path / MANIFEST}: canary: empty; a bundle records the answers it is checked against")
         bundle = cls(path, manifest)
         try:
             bundle._check_files(verify_checksums)

@@ -56,7 +56,7 @@ def read_manifest(bundle_dir: str | Path, max_bytes: int = MAX_MANIFEST_BYTES) -
         readable = ", ".join(map(str, READABLE_FORMATS))
         raise BundleError(f"{path}: bundle format {raw.get('format_version')!r}, this engine reads {readable}")
     try:
-        return Manifest.model_validate(raw)
+        return Manifest.model_validate(raw, strict=True)  # values never coerced, as in every bundle file
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'manifest'}: {e['msg']}" for e in exc.errors())
         raise BundleError(f"{path}: invalid manifest: {problems}") from exc
@@ -83,7 +83,7 @@ def list_bundles(root: str | Path, max_manifest_bytes: int = MAX_MANIFEST_BYTES)
             continue
         if manifest.version == child.name:
             found.append(manifest)
-    return sorted(found, key=lambda m: (m.created_at, m.version))
+    return sorted(found, key=lambda m: (m.created, m.version))
 
 
 def newest_version(root: str | Path, max_manifest_bytes: int = MAX_MANIFEST_BYTES) -> str:
@@ -194,7 +194,7 @@ class BundleStore:
         """Every activatable bundle of every place, oldest first."""
         found = [StoredBundle(m, path / m.version, place) for place, path in self.places()
                  for m in list_bundles(path, self.max_manifest_bytes)]
-        return sorted(found, key=lambda b: (b.manifest.created_at, b.version))
+        return sorted(found, key=lambda b: (b.manifest.created, b.version))
 
     def newest_version(self) -> str:
         bundles = self.list()
