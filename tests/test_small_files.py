@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from service.api.active_state import MAX_ACTIVE_FILE_BYTES, ActiveVersionFile
+from service.engine.bundle import Bundle
 from service.engine.schema import MAX_MANIFEST_BYTES, BundleError
 from service.engine.store import list_bundles, read_manifest
 from shortlist.testing import serve
@@ -112,3 +113,14 @@ def test_bad_manifests_never_block_listing_or_activation_and_the_limit_is_a_sett
         r = c.post("/admin/bundles/activate", json={"version": "edge"})
         assert r.status_code == 200 and r.json()["active"] == "edge", r.text
         assert json.loads((state_dir / "active.json").read_text())["version"] == "edge"
+
+
+def test_a_listed_bundle_file_that_is_a_fifo_is_refused_as_such(bundle_root_copy):
+    """Every bundle file goes through the manifest's rule (small_files.bundle_file): a FIFO is named as
+    one (it was called "missing" before), and never opened, so never waited on."""
+    (bundle_root_copy / "v1" / "labels.jsonl").unlink()
+    os.mkfifo(bundle_root_copy / "v1" / "labels.jsonl")
+    t0 = time.monotonic()
+    with pytest.raises(BundleError, match=r"v1/labels\.jsonl: a FIFO, not a regular file"):
+        Bundle.open(bundle_root_copy / "v1")
+    assert time.monotonic() - t0 < 5
