@@ -191,10 +191,11 @@ CalibrationKind = Literal["sigmoid", "exp", "identity"]
 # The label text training reads and label changes write (training/data.py: title, or title and content).
 TextField = Literal["title", "title+content"]
 # Upper bounds of the manifest's per-query work, so that a manifest cannot ask for unbounded
-# work per request (hnswlib allocates ef_search slots per search; each source adds its k labels
-# to every query's shortlist, which is scored whole). Trained bundles use ef_search 50 and 20-100
-# candidates per source; 10,000 keeps a query's scoring within a few ms at the largest dims.
-MAX_SOURCE_K = 10_000  # k_w, k_mu, k_head, k_tok, k_added
+# work per request (hnswlib keeps ef_search candidates per search; each source adds up to its k
+# labels to every query's shortlist, which is scored whole). Trained bundles use ef_search 50 and
+# 20-100 candidates per source. A source's k may still be "every label" (k_head = L scores a
+# query exactly, as the sharding tests do) up to the largest label sets served, 10^6 (README).
+MAX_SOURCE_K = 1 << 20  # k_w, k_mu, k_head, k_tok, k_added
 MAX_EF_SEARCH = 10_000
 
 VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
