@@ -494,3 +494,12 @@ def test_the_tree_trains_and_answers_at_its_settings_accepted_edges(edges):
         x, targets, 32, tokens=tokens, module3=module3, centroids=mu).arrays_
     labels, scores = TreeScorer.from_arrays(arrays).search(xte, k=3, tokens=tte_tokens)
     assert ((labels >= 0) & (labels < 32)).all() and np.isfinite(scores).all()
+
+
+def test_default_beam_is_bounded_at_and_past_the_edge(scorer_and_data):
+    from service.engine.tree import MAX_BEAM
+
+    _, arrays, _, _ = scorer_and_data
+    TreeScorer.from_arrays(dict(arrays, default_beam=np.asarray(MAX_BEAM))).validate(60, 16)
+    with pytest.raises(ValueError, match=rf"default_beam: must be in \[1, {MAX_BEAM}\], got {MAX_BEAM + 1}"):
+        TreeScorer.from_arrays(dict(arrays, default_beam=np.asarray(MAX_BEAM + 1))).validate(60, 16)

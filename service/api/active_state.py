@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,11 +20,18 @@ from pathlib import Path
 import orjson
 
 from service.engine.schema import BundleError, validate_version_name
+from service.engine.small_files import read_small_file
 from service.engine.store import utc_now
+
+log = logging.getLogger("shortlist.state")
 
 ACTIVE_FILE = "active.json"
 LOCK_FILE = ".activation.lock"
 HISTORY_LENGTH = 16
+# The most bytes of active.json read. `write` makes at most ~1.2 KB (17 names of <= 64 characters
+# and a timestamp); anything larger is not this service's record and is not read (service.engine.
+# small_files: nor is a FIFO, a device or a symlink there).
+MAX_ACTIVE_FILE_BYTES = 64 * 1024
 
 
 class StateBusy(Exception):
@@ -31,9 +39,11 @@ class StateBusy(Exception):
 
 
 class ActiveVersionFile:
-    def __init__(self, state_dir: str | Path) -> None:
+    def __init__(self, state_dir: str | Path, max_bytes: int = MAX_ACTIVE_FILE_BYTES) -> None:
         self.dir = Path(state_dir)
         self.path = self.dir / ACTIVE_FILE
+        self.max_bytes = max_bytes
+        self._last_problem: str | None = None  # logged once, not at every process-sync tick
 
     def prepare(self) -> None:
         """Create the directory and prove it writable now, not at the first activation."""
@@ -51,15 +61,24 @@ class ActiveVersionFile:
         return self._record()[1]
 
     def _record(self) -> tuple[str | None, list[str]]:
+        """(version, history) as recorded; (None, []) when nothing is, or when the record cannot be
+        used (logged, naming the file and why): start-up then serves the configured or newest
+        bundle, and the next activation replaces the file."""
         try:
-            record = orjson.loads(self.path.read_bytes())
+            record = orjson.loads(read_small_file(self.path, self.max_bytes))
             version = record["version"]
             validate_version_name(version)
             history = [v for v in record.get("history", []) if isinstance(v, str)]
             for v in history:
                 validate_version_name(v)
             return version, history
-        except (OSError, ValueError, KeyError, TypeError, AttributeError, BundleError):
+        except FileNotFoundError:
+            return None, []
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, BundleError) as exc:
+            # RefusedFile is a ValueError: a FIFO, a device, a symlink or a file past max_bytes.
+            if str(exc) != self._last_problem:
+                log.error("ignoring the recorded active version: %s: %s", self.path, exc)
+                self._last_problem = str(exc)
             return None, []
 
     @contextmanager

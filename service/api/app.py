@@ -46,7 +46,8 @@ def build_state(settings: Settings, preloaded: Bundle | None = None) -> ServiceS
         metrics.set_active(new)
 
     registry = BundleRegistry(
-        BundleStore(settings.bundle_root, settings.state_dir), engine_threads=settings.engine_threads,
+        BundleStore(settings.bundle_root, settings.state_dir, settings.max_manifest_bytes),
+        engine_threads=settings.engine_threads,
         quality_gate_min_p1=settings.quality_gate_min_p1, drain_timeout_s=settings.drain_timeout_s,
         on_swap=on_swap, loader_nice=settings.loader_nice, remembered=_remembered(settings),
         check_timeout_s=settings.load_check_timeout_s if settings.load_check_in_child else None,

@@ -24,9 +24,12 @@ from typing import Any
 import orjson
 
 from service.api.registry import ActivationFailed, ActivationInProgress, BundleNotFound, BundleRegistry
+from service.engine.small_files import read_small_file
 
 log = logging.getLogger("shortlist.processes")
 PROCESSES_DIR = "processes"
+# The most bytes of a process's record read (pid, version, and a refusal message at most a few KB).
+MAX_RECORD_BYTES = 1 << 20
 # prometheus-client's directory for the processes' metric files (service.api.observability)
 MULTIPROCESS_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
@@ -116,7 +119,8 @@ class ProcessGroup:
         for path in self.dir.glob("*.json"):
             try:
                 pid = int(path.stem)
-                record = orjson.loads(path.read_bytes())
+                # Read as every small state file is: a FIFO or device there must not stall the sync.
+                record = orjson.loads(read_small_file(path, MAX_RECORD_BYTES))
             except (ValueError, OSError):
                 continue
             if not process_alive(pid):

@@ -247,13 +247,13 @@ class ShardedRegistry:
         out = []
         for version, _ in sharded_versions(self.root):
             try:
-                m = read_manifest(shard_dirs(self.root / version)[0])
+                m = read_manifest(shard_dirs(self.root / version)[0], self.settings.max_manifest_bytes)
             except BundleError:
                 continue
             if m.shard is not None:
                 parent = m.model_copy(update={"version": version, "num_labels": m.shard.parent_num_labels})
                 out.append((StoredBundle(parent, self.root / version, "root"), version == self.active_version))
-        return sorted(out, key=lambda item: (item[0].manifest.created_at, item[0].version))
+        return sorted(out, key=lambda item: (item[0].manifest.created, item[0].version))
 
     @contextmanager
     def _exclusive(self) -> Iterator[None]:

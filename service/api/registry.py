@@ -48,6 +48,10 @@ class ActivationFailed(Exception):
     """The bundle failed validation or the quality gate (HTTP 422); the old one keeps serving."""
 
 
+class StateNotRecorded(ActivationFailed):
+    """The state directory could not record the new active version (the bundle itself was fine)."""
+
+
 class NoBundle(Exception):
     """Nothing is serving yet (HTTP 503)."""
 
@@ -355,10 +359,39 @@ class BundleRegistry:
             return self._converged(self._activate_locked(version, history=history))
 
     def rollback(self) -> dict[str, object]:
+        """Serve the most recent previously active version that still loads. Entries that no longer
+        do (deleted, or refused: corrupt, failing the gate) are dropped from the history and named
+        in the result's "skipped"; otherwise one such entry would fail every rollback for good.
+        BundleNotFound when none is left."""
         with self._exclusive():
-            if not self._history:
-                raise BundleNotFound("no previously active bundle to roll back to")
-            return self._converged(self._activate_locked(self._history[-1], history=self._history[:-1]))
+            skipped: list[dict[str, str]] = []
+            while self._history:
+                version, rest = self._history[-1], self._history[:-1]
+                try:
+                    result = self._activate_locked(version, history=rest)
+                except (BundleNotFound, ActivationFailed) as exc:
+                    if isinstance(exc, StateNotRecorded):
+                        raise  # the state directory's fault, not the entry's: keep it
+                    log.warning("rollback skips %s, which no longer loads: %s", version, exc)
+                    skipped.append({"version": version, "reason": str(exc)})
+                    self._history = rest
+                    continue
+                return {**self._converged(result), "skipped": skipped}
+            if skipped:
+                self._forget_history()
+            passed = "".join(f"; skipped {s['version']}: {s['reason']}" for s in skipped)
+            raise BundleNotFound(f"no previously active bundle to roll back to{passed}")
+
+    def _forget_history(self) -> None:
+        """Record an emptied history (rollback dropped every entry), so a restart does not bring back
+        the entries that no longer load. Best effort: the record stays as it was if it cannot be written."""
+        active = self.active_version
+        if self.remembered is None or active is None:
+            return
+        try:
+            self.remembered.write(active, [])
+        except OSError as exc:
+            log.warning("could not record the emptied history in %s: %s", self.remembered.dir, exc)
 
     def follow(self, version: str) -> dict[str, object]:
         """Serve `version`, which another process sharing the state directory activated (it has
@@ -442,7 +475,7 @@ class BundleRegistry:
             self.remembered.write(predictor.bundle.version, history)
         except OSError as exc:
             predictor.bundle.close()
-            raise ActivationFailed(f"cannot record the active version in {self.remembered.dir}: {exc}") from exc
+            raise StateNotRecorded(f"cannot record the active version in {self.remembered.dir}: {exc}") from exc
 
     def _resolve(self, version: str | None) -> Path:
         """The directory of `version` (default: the newest bundle of any place)."""
@@ -470,9 +503,11 @@ class BundleRegistry:
         try:
             if preloaded is not None:  # checked in a child before the forking process opened it
                 return Predictor.checked(preloaded, PredictorOptions(threads=self.engine_threads))
+            limit = self.store.max_manifest_bytes
             if check and self.check_timeout_s is not None:
-                check_in_child(path, threads=self.engine_threads, timeout_s=self.check_timeout_s)
-            return Predictor.load(path, PredictorOptions(threads=self.engine_threads))
+                check_in_child(path, threads=self.engine_threads, timeout_s=self.check_timeout_s,
+                               max_manifest_bytes=limit)
+            return Predictor.load(path, PredictorOptions(threads=self.engine_threads), max_manifest_bytes=limit)
         except BundleError as exc:
             raise ActivationFailed(str(exc)) from exc
 

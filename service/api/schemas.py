@@ -203,6 +203,11 @@ class BundleList(BaseModel):
     bundles: list[BundleInfo]
 
 
+class SkippedVersion(BaseModel):
+    version: str
+    reason: str
+
+
 class ActivationResult(BaseModel):
     active: str
     previous: str | None
@@ -210,6 +215,8 @@ class ActivationResult(BaseModel):
     quality: dict[str, float] = Field(default_factory=dict)
     # With several serving processes: what each serves (by pid) when the activation answered.
     processes: dict[str, str | None] = Field(default_factory=dict)
+    # Rollback: the more recent history entries passed over (and dropped) because they no longer load.
+    skipped: list[SkippedVersion] = Field(default_factory=list)
 
 
 class LabelChangeResult(BaseModel):

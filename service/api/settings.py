@@ -8,6 +8,9 @@ from pathlib import Path
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from service.engine.schema import MAX_MANIFEST_BYTES
+from service.engine.tree import MAX_BEAM
+
 
 class Settings(BaseSettings):
     # Empty variables count as unset, so `SHORTLIST_ADMIN_TOKEN=` (as compose passes an unset
@@ -57,8 +60,11 @@ class Settings(BaseSettings):
     max_k: int = Field(100, ge=1)
     max_batch: int = Field(128, ge=1)
     max_body_bytes: int = Field(1_048_576, ge=64)
-    max_beam: int = Field(256, ge=1)
+    max_beam: int = Field(256, ge=1, le=MAX_BEAM)  # the engine's widest beam
     max_exclude: int = Field(1000, ge=0)
+    # The most bytes of a bundle's manifest.json read (listing, activation, start-up): past it the
+    # bundle is refused, naming the file (service.engine.small_files).
+    max_manifest_bytes: int = Field(MAX_MANIFEST_BYTES, ge=1024, le=1 << 30)
 
     # What a client may hold before (and while) its request reaches the app (service/api/
     # http_protocol.py, request_body.py). Connections past max_connections get a 503 and are

@@ -130,13 +130,14 @@ def preload(settings: Settings) -> Bundle | None:
     one, else the newest), checked in a child process and opened with the sources its scoring
     searches, or None (logged) when it cannot be: each process then loads and falls back itself."""
     heap.use_huge_pages(settings.huge_pages)
-    store = BundleStore(settings.bundle_root, settings.state_dir)
+    store = BundleStore(settings.bundle_root, settings.state_dir, settings.max_manifest_bytes)
     recorded = ActiveVersionFile(settings.state_dir).read() if settings.state_dir else None
     try:
         path = store.resolve(recorded or settings.version or store.newest_version())
         if settings.load_check_in_child:
-            check_in_child(path, threads=settings.engine_threads, timeout_s=settings.load_check_timeout_s)
-        bundle = Bundle.open(path)
+            check_in_child(path, threads=settings.engine_threads, timeout_s=settings.load_check_timeout_s,
+                           max_manifest_bytes=settings.max_manifest_bytes)
+        bundle = Bundle.open(path, max_manifest_bytes=settings.max_manifest_bytes)
     except Exception as exc:  # whatever refuses a bundle must not stop the arbiter
         log.warning("the arbiter did not preload a bundle (each process loads its own): %s", exc)
         return None

@@ -42,6 +42,7 @@ from service.engine.schema import (
     LABELS,
     LEXICAL_FILES,
     MANIFEST,
+    MAX_MANIFEST_BYTES,
     REQUIRED_FILES,
     RETIRED_LABELS,
     SHARD_LABELS,
@@ -60,6 +61,7 @@ from service.engine.schema import (
     Manifest,
     sha256_file,
 )
+from service.engine.small_files import RefusedFile, bundle_file
 from service.engine.store import read_manifest
 from service.engine.tokenizer import Tokenizer
 from service.engine.tree import TreeScorer
@@ -110,17 +112,24 @@ class Bundle:
         return self.tree is not None
 
     @classmethod
-    def open(cls, path: str | Path, *, verify_checksums: bool = True, staged: bool = False) -> Bundle:
+    def open(cls, path: str | Path, *, verify_checksums: bool = True, staged: bool = False,
+             max_manifest_bytes: int = MAX_MANIFEST_BYTES) -> Bundle:
         """Check and open a bundle; raises BundleError naming the file and what is wrong.
 
         `staged` is for export only: a bundle still in its staging directory, before rename.
+        `max_manifest_bytes`: the most of manifest.json read (schema.MAX_MANIFEST_BYTES by default).
         """
         path = Path(path)
         if not path.is_dir():
             raise BundleError(f"{path}: no such bundle directory")
-        manifest = read_manifest(path)
+        manifest = read_manifest(path, max_manifest_bytes)
         if not staged and manifest.version != path.name:
             raise BundleError(f"{path / MANIFEST}: version {manifest.version!r} does not match directory name")
+        if not staged and not manifest.canary:
+            # The canaries are the check that the loaded bundle answers as export saw it answer
+            # (service.engine.canary); with none, any array, index or encoder would pass it. Only a
+            # bundle still being written (staged) has none yet.
+            raise BundleError(f"{path / MANIFEST}: canary: empty; a bundle records the answers it is checked against")
         bundle = cls(path, manifest)
         try:
             bundle._check_files(verify_checksums)
@@ -165,12 +174,12 @@ class Bundle:
         for name in files:
             if name not in KNOWN_FILES:
                 raise BundleError(f"{self.path / MANIFEST}: unknown file {name} listed")
-            if not (self.path / name).is_file():
-                raise BundleError(f"{self.path / name}: listed in the manifest but missing")
-            if (self.path / name).resolve().parent != self.path.resolve():
-                # A bundle's files are its own: a symlink out of it serves whatever that path
-                # holds later (or any file the service may read), not what was exported.
-                raise BundleError(f"{self.path / name}: a symlink leading outside the bundle directory")
+            try:
+                bundle_file(self.path, name)  # the one rule for a bundle's files, its manifest's too
+            except FileNotFoundError:
+                raise BundleError(f"{self.path / name}: listed in the manifest but missing") from None
+            except RefusedFile as exc:
+                raise BundleError(str(exc)) from None
         self._unverified = set(files) if verify_checksums else set()
         for name in sorted(set(files) - ON_FIRST_NEED):
             self._verify(name)

@@ -8,7 +8,7 @@ only after a child process has loaded it exactly as the service will (same optio
 answered its canaries: a refusal, a crash (killed by a signal) or a hang (past the timeout)
 there is a refusal here, naming the bundle, and the service goes on serving what it served.
 
-Run as `python -m service.engine.isolated BUNDLE_DIR --threads N`: exit 0 when the bundle
+Run as `python -m service.engine.isolated BUNDLE_DIR --threads N [--max-manifest-bytes B]`: exit 0 when the bundle
 loads, 3 with {"error": ...} on stdout when it is refused.
 """
 
@@ -21,14 +21,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-from service.engine.schema import BundleError
+from service.engine.schema import MAX_MANIFEST_BYTES, BundleError
 
 _REFUSED = 3
 
 
-def check_in_child(path: str | Path, *, threads: int = 1, timeout_s: float = 600.0) -> None:
+def check_in_child(path: str | Path, *, threads: int = 1, timeout_s: float = 600.0,
+                   max_manifest_bytes: int = MAX_MANIFEST_BYTES) -> None:
     """Raise BundleError unless a child process loads the bundle at `path` and passes its canaries."""
-    command = [sys.executable, "-m", "service.engine.isolated", str(path), "--threads", str(int(threads))]
+    command = [sys.executable, "-m", "service.engine.isolated", str(path), "--threads", str(int(threads)),
+               "--max-manifest-bytes", str(int(max_manifest_bytes))]
     try:
         done = subprocess.run(command, capture_output=True, timeout=timeout_s, check=False, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired as exc:
@@ -59,11 +61,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m service.engine.isolated", description=__doc__)
     parser.add_argument("bundle", type=Path)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--max-manifest-bytes", type=int, default=MAX_MANIFEST_BYTES)
     args = parser.parse_args(argv)
     from service.engine.predictor import Predictor, PredictorOptions
 
     try:
-        Predictor.load(args.bundle, PredictorOptions(threads=args.threads))
+        Predictor.load(args.bundle, PredictorOptions(threads=args.threads),
+                       max_manifest_bytes=args.max_manifest_bytes)
     except BundleError as exc:
         print(json.dumps({"error": str(exc)}))
         return _REFUSED

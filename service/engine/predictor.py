@@ -13,7 +13,7 @@ from service.engine import canary
 from service.engine.bundle import Bundle
 from service.engine.candidates import AddedLabels, CandidateSources
 from service.engine.query import EncodedQueries, QueryEncoder
-from service.engine.schema import CLASSIFIERS, BundleError, HeadMode, Scoring
+from service.engine.schema import CLASSIFIERS, MAX_MANIFEST_BYTES, BundleError, HeadMode, Scoring
 from service.engine.scorers import LabelScorer, top_k
 
 
@@ -180,11 +180,13 @@ class Predictor(TreeRoute):
                                      (bundle.classifier_scales, bundle.centroid_scales))
 
     @classmethod
-    def load(cls, path: str | Path, options: PredictorOptions | None = None) -> Predictor:
+    def load(cls, path: str | Path, options: PredictorOptions | None = None, *,
+             max_manifest_bytes: int = MAX_MANIFEST_BYTES) -> Predictor:
         """Open the bundle at `path`, check it (files, shapes, sources, canaries) and predict
-        with `options`; raises BundleError naming what is wrong, releasing what was opened."""
+        with `options`; raises BundleError naming what is wrong, releasing what was opened.
+        `max_manifest_bytes`: the most of manifest.json read (Bundle.open)."""
         try:
-            bundle = Bundle.open(path)
+            bundle = Bundle.open(path, max_manifest_bytes=max_manifest_bytes)
         except BundleError:
             raise
         except Exception as exc:  # a reader's own error type on a damaged file: still a refusal

@@ -80,6 +80,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, Literal
 
@@ -114,6 +115,10 @@ VectorDtype = Literal["float32", "float16", "int8"]
 VECTOR_DTYPES: tuple[str, ...] = ("float32", "float16", "int8")
 
 MANIFEST = "manifest.json"
+# The most bytes of manifest.json a reader reads (service.engine.small_files): manifests are 11-14 KB
+# (the canaries and metrics the bulk of it), so 1 MiB leaves ample room, and bounds what listing a
+# bundle root may read per directory. The service's SHORTLIST_MAX_MANIFEST_BYTES overrides it.
+MAX_MANIFEST_BYTES = 1 << 20
 ENCODER = "encoder.onnx"
 ENCODER_DATA = "encoder.onnx.data"
 TOKENIZER = "tokenizer.json"
@@ -183,6 +188,16 @@ HEAD_MODES: tuple[str, ...] = ("always", "fallback")
 ClassifierForm = Literal["paper", "scaled_bias"]
 CalibrationKind = Literal["sigmoid", "exp", "identity"]
 
+# The label text training reads and label changes write (training/data.py: title, or title and content).
+TextField = Literal["title", "title+content"]
+# Upper bounds of the manifest's per-query work, so that a manifest cannot ask for unbounded
+# work per request (hnswlib keeps ef_search candidates per search; each source adds up to its k
+# labels to every query's shortlist, which is scored whole). Trained bundles use ef_search 50 and
+# 20-100 candidates per source. A source's k may still be "every label" (k_head = L scores a
+# query exactly, as the sharding tests do) up to the largest label sets served, 10^6 (README).
+MAX_SOURCE_K = 1 << 20  # k_w, k_mu, k_head, k_tok, k_added
+MAX_EF_SEARCH = 10_000
+
 VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _HASH_CHUNK = 1 << 20
 
@@ -200,6 +215,8 @@ def _without_zero(fields: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 class _Strict(BaseModel):
+    # Readers validate in strict mode too (read_manifest: no "20" for 20, no 5.0 for 5), as every
+    # other bundle file is read; writers build these models from Python values.
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
@@ -219,23 +236,23 @@ class Calibrations(_Strict):
 class Shortlist(_Strict):
     """The sources of each query's candidate labels (service.engine.candidates)."""
 
-    k_w: int = Field(ge=0)  # HNSW over [w_l, b_l]
-    k_mu: int = Field(ge=0)  # HNSW over mu_l
+    k_w: int = Field(ge=0, le=MAX_SOURCE_K)  # HNSW over [w_l, b_l]
+    k_mu: int = Field(ge=0, le=MAX_SOURCE_K)  # HNSW over mu_l
     # The labels with the largest bias (the label prior's head): a heavy-head label can win on
     # its prior while its direction ranks low in HNSW.
-    k_head: int = Field(0, ge=0)
+    k_head: int = Field(0, ge=0, le=MAX_SOURCE_K)
     # When the head joins: "always", or "fallback" = only for a query none of whose tokens has
     # a label in the token shortlist. With the token table the head's labels that a query's
     # words point to are in their rows already: on debian-deps validation "fallback" scores the
     # same (P@1 64.21 vs 64.16) with 35 candidates instead of 56.
     head: HeadMode = "always"
     # The first k_tok labels of each query token's row of token_shortlist.npy.
-    k_tok: int = Field(0, ge=0)
+    k_tok: int = Field(0, ge=0, le=MAX_SOURCE_K)
     # Derived bundles (service.engine.label_changes): the k_added live labels added after training
     # (rows lineage.tree_labels..L-1) whose w_l.q + b_l is largest, by exact search over those rows.
     # A label added by its text has no row of trained co-occurrences in the token table, and its
     # words need not be its documents'. Written only when > 0, so a manifest without it reads as before.
-    k_added: int = Field(0, ge=0)
+    k_added: int = Field(0, ge=0, le=MAX_SOURCE_K)
 
     @model_serializer(mode="wrap")
     def _omit_unused(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -278,7 +295,7 @@ class HnswParams(_Strict):
     space: Literal["ip"] = "ip"
     M: int = Field(ge=2)
     ef_construction: int = Field(ge=1)
-    ef_search: int = Field(ge=1)
+    ef_search: int = Field(ge=1, le=MAX_EF_SEARCH)
     # d > 0 (format 3): each index holds its rows projected onto their top-d principal directions
     # and finds candidates in d dimensions (the scores are computed from the stored rows after);
     # 0: the rows themselves. Written only when > 0, so a manifest without it reads as before.
@@ -335,11 +352,12 @@ MAX_RECORD_DEPTH = 32
 class Manifest(_Strict):
     format_version: int
     version: str
+    # ISO-8601 with a UTC offset ("Z" or +00:00), as store.utc_now writes it; `created` parses it.
     created_at: str
     dim: int = Field(ge=1)
     num_labels: int = Field(ge=1)
     vocab_size: int = Field(ge=1)
-    text_field: str = "title"
+    text_field: TextField = "title"
     # Set in a shard bundle (model_export/shard.py); None in a whole one.
     shard: ShardOf | None = None
     scoring: Scoring
@@ -354,6 +372,17 @@ class Manifest(_Strict):
     lineage: Lineage | None = None
     # LEGACY: written by exports before 2026-11-24 (the tree's beam is in tree.npz); ignored.
     tree_default_beam: int | None = Field(None, exclude=True)
+
+    @field_validator("created_at")
+    @classmethod
+    def _utc_timestamp(cls, value: str) -> str:
+        parse_utc(value)
+        return value
+
+    @property
+    def created(self) -> datetime:
+        """created_at as a time: what "newest" compares (never the string: "yesterday" > "2026-...")."""
+        return parse_utc(self.created_at)
 
     @field_validator("data_fingerprint", "metrics", "training_config")
     @classmethod
@@ -421,6 +450,18 @@ class Manifest(_Strict):
     def tree_labels(self) -> int:
         """How many labels (the first ones) the tree scorer covers."""
         return self.num_labels if self.lineage is None else self.lineage.tree_labels
+
+
+def parse_utc(value: str) -> datetime:
+    """An ISO-8601 timestamp with a UTC offset; ValueError otherwise (naive times are refused: whose
+    clock they read is unknown, so they cannot be ordered against the others)."""
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError:
+        raise ValueError(f"not an ISO-8601 timestamp: {value!r}") from None
+    if parsed.utcoffset() != timedelta(0):
+        raise ValueError(f"not a UTC timestamp (end it with Z or +00:00): {value!r}")
+    return parsed
 
 
 def sha256_file(path: Path) -> str:

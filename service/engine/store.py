@@ -10,6 +10,7 @@ bundle in one place: a name found in both is refused, never guessed.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from pydantic import ValidationError
 from service.engine.schema import (
     FORMAT_VERSION,
     MANIFEST,
+    MAX_MANIFEST_BYTES,
     READABLE_FORMATS,
     REQUIRED_FILES,
     VERSION_RE,
@@ -31,29 +33,39 @@ from service.engine.schema import (
     sha256_file,
     validate_version_name,
 )
+from service.engine.small_files import RefusedFile, bundle_file, read_small_file
+
+log = logging.getLogger("shortlist.store")
 
 
-def read_manifest(bundle_dir: str | Path) -> Manifest:
-    path = Path(bundle_dir) / MANIFEST
+def read_manifest(bundle_dir: str | Path, max_bytes: int = MAX_MANIFEST_BYTES) -> Manifest:
+    """The manifest of the bundle at `bundle_dir`, read as every bundle file is checked (a regular
+    file of the bundle: no FIFO, device or symlink out of it) and only up to `max_bytes` (default
+    MAX_MANIFEST_BYTES; the service's SHORTLIST_MAX_MANIFEST_BYTES); BundleError naming it otherwise."""
+    bundle_dir = Path(bundle_dir)
+    path = bundle_dir / MANIFEST
     try:
-        raw = orjson.loads(path.read_bytes())
+        raw = orjson.loads(read_small_file(bundle_file(bundle_dir, MANIFEST), max_bytes))
     except FileNotFoundError as exc:
         raise BundleError(f"{path}: missing manifest") from exc
+    except RefusedFile as exc:
+        raise BundleError(str(exc)) from exc  # names the file and why
     except (OSError, ValueError) as exc:
         raise BundleError(f"{path}: unreadable manifest: {exc}") from exc
     if isinstance(raw, dict) and raw.get("format_version") not in READABLE_FORMATS:
         readable = ", ".join(map(str, READABLE_FORMATS))
         raise BundleError(f"{path}: bundle format {raw.get('format_version')!r}, this engine reads {readable}")
     try:
-        return Manifest.model_validate(raw)
+        return Manifest.model_validate(raw, strict=True)  # values never coerced, as in every bundle file
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'manifest'}: {e['msg']}" for e in exc.errors())
         raise BundleError(f"{path}: invalid manifest: {problems}") from exc
 
 
-def list_bundles(root: str | Path) -> list[Manifest]:
+def list_bundles(root: str | Path, max_manifest_bytes: int = MAX_MANIFEST_BYTES) -> list[Manifest]:
     """Manifests of every bundle that could be activated: a directory directly under root (not a
-    symlink leading outside it, as activation refuses), named as its manifest's version; oldest first."""
+    symlink leading outside it, as activation refuses), named as its manifest's version; oldest first.
+    A directory whose manifest is refused is skipped, the reason logged (activating it names it)."""
     found: list[Manifest] = []
     root = Path(root)
     if not root.is_dir():
@@ -65,16 +77,17 @@ def list_bundles(root: str | Path) -> list[Manifest]:
         if child.resolve().parent != root_real:
             continue
         try:
-            manifest = read_manifest(child)
-        except BundleError:
+            manifest = read_manifest(child, max_manifest_bytes)
+        except BundleError as exc:
+            log.warning("bundle %s not listed: %s", child.name, exc)
             continue
         if manifest.version == child.name:
             found.append(manifest)
-    return sorted(found, key=lambda m: (m.created_at, m.version))
+    return sorted(found, key=lambda m: (m.created, m.version))
 
 
-def newest_version(root: str | Path) -> str:
-    bundles = list_bundles(root)
+def newest_version(root: str | Path, max_manifest_bytes: int = MAX_MANIFEST_BYTES) -> str:
+    bundles = list_bundles(root, max_manifest_bytes)
     if not bundles:
         raise BundleError(f"no bundle under {Path(root).resolve()}")
     return bundles[-1].version
@@ -165,8 +178,10 @@ class BundleStore:
     """The places bundles are read from: `root` (exported bundles) and, when a state directory
     is given, STATE_DIR/bundles (derived ones, written there by label changes)."""
 
-    def __init__(self, root: str | Path, state_dir: str | Path | None = None) -> None:
+    def __init__(self, root: str | Path, state_dir: str | Path | None = None,
+                 max_manifest_bytes: int = MAX_MANIFEST_BYTES) -> None:
         self.root = Path(root)
+        self.max_manifest_bytes = max_manifest_bytes
         self.derived_root = Path(state_dir) / DERIVED_DIR if state_dir is not None else None
 
     def places(self) -> list[tuple[Place, Path]]:
@@ -177,8 +192,9 @@ class BundleStore:
 
     def list(self) -> list[StoredBundle]:
         """Every activatable bundle of every place, oldest first."""
-        found = [StoredBundle(m, path / m.version, place) for place, path in self.places() for m in list_bundles(path)]
-        return sorted(found, key=lambda b: (b.manifest.created_at, b.version))
+        found = [StoredBundle(m, path / m.version, place) for place, path in self.places()
+                 for m in list_bundles(path, self.max_manifest_bytes)]
+        return sorted(found, key=lambda b: (b.manifest.created, b.version))
 
     def newest_version(self) -> str:
         bundles = self.list()

@@ -50,6 +50,9 @@ REQUIRED_ARRAYS = (
 )
 LEXICAL_ARRAYS = ("lexical_indptr", "lexical_labels", "lexical_weights", "lexical_bias")
 DEFAULT_BEAM = 128
+# The widest beam a tree search runs, by a bundle's default or a request (the service's
+# SHORTLIST_MAX_BEAM may be at most this): each beam step scores beam x branching nodes.
+MAX_BEAM = 4096
 NODE_LEXICAL = "node_lexical"
 # log_pn's node-term values (one per query, node and token) computed at once.
 _LOG_PN_BLOCK = 1 << 24
@@ -215,8 +218,8 @@ class TreeScorer:
                      "classifier_bias"):
             if not np.isfinite(getattr(self, name)).all():
                 raise ValueError(f"tree array {name}: contains NaN or infinite values")
-        if self.default_beam < 1:
-            raise ValueError(f"tree array default_beam: must be >= 1, got {self.default_beam}")
+        if not 1 <= self.default_beam <= MAX_BEAM:
+            raise ValueError(f"tree array default_beam: must be in [1, {MAX_BEAM}], got {self.default_beam}")
 
     def _check_scales(self, num_labels: int) -> None:
         """int8 classifier weights come with their row scales, float32 [L], finite and >= 0; others without."""

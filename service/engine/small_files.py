@@ -1,0 +1,75 @@
+"""Small files the service reads whole, by name: a bundle's manifest.json, the state directory's
+active.json. What is at such a path is whatever someone put there, so it is opened such that it
+cannot hang or exhaust the reader:
+
+- a FIFO would block open() and read() until a writer comes, possibly never: opened with
+  O_NONBLOCK (a FIFO's open then returns at once) and refused as not a regular file;
+- a character device (/dev/zero) or a huge file would be read whole into memory: only a regular
+  file is read (fstat of the descriptor read from, so nothing changes between check and read),
+  and at most `max_bytes` of it, one byte more telling "too large";
+- a symlink at the path itself is not followed (O_NOFOLLOW); a bundle's files may be symlinks
+  inside the bundle, which `bundle_file` resolves first (and refuses leading out of it).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from pathlib import Path
+
+_READ_CHUNK = 1 << 16
+
+
+class RefusedFile(ValueError):
+    """A file not read: the message names it and why (not a regular file, too large, a symlink)."""
+
+
+def _kind(mode: int) -> str:
+    kinds = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+             (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symlink"))
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
+
+
+def read_small_file(path: Path, max_bytes: int) -> bytes:
+    """The bytes of the regular file at `path` if it holds at most `max_bytes`. Raises
+    FileNotFoundError when nothing is there, RefusedFile (naming the path and the reason) for
+    anything else that is not such a file, OSError when it cannot be read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise RefusedFile(f"{path}: a symlink, not followed") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise RefusedFile(f"{path}: {_kind(st.st_mode)}, not a regular file")
+        if st.st_size > max_bytes:
+            raise RefusedFile(f"{path}: {st.st_size} bytes, more than the limit of {max_bytes}")
+        chunks, size = [], 0
+        # Read to the limit + 1, not to st_size: the file may grow between fstat and read.
+        while size <= max_bytes and (chunk := os.read(fd, min(_READ_CHUNK, max_bytes + 1 - size))):
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > max_bytes:
+            raise RefusedFile(f"{path}: more than the limit of {max_bytes} bytes")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def bundle_file(bundle_dir: Path, name: str) -> Path:
+    """The real path of file `name` of the bundle at `bundle_dir` (the one rule for every bundle file,
+    manifest.json included): present, a regular file, and if a symlink, one to a file of the bundle
+    directory itself. A bundle's files are its own: a symlink out of it serves whatever that path
+    holds later (or any file the service may read), not what was exported. Raises FileNotFoundError
+    when absent, RefusedFile otherwise."""
+    path = bundle_dir / name
+    st = os.stat(path)  # follows links; never blocks, even on a FIFO
+    real = path.resolve()
+    if real.parent != bundle_dir.resolve():
+        raise RefusedFile(f"{path}: a symlink leading outside the bundle directory")
+    if not stat.S_ISREG(st.st_mode):
+        raise RefusedFile(f"{path}: {_kind(st.st_mode)}, not a regular file")
+    return real

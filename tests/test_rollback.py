@@ -1,0 +1,67 @@
+"""Rollback past history entries that no longer load (audit s13, F10), over a real uvicorn: they are
+skipped, named in the answer and dropped from the recorded history, instead of failing every
+rollback for good."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import httpx
+
+from shortlist.testing import serve
+
+TOKEN = "s3cret-admin-token"
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+
+
+def renamed_copy(root: Path, source: str, version: str) -> None:
+    dst = root / version
+    shutil.copytree(root / source, dst)
+    manifest = json.loads((dst / "manifest.json").read_text())
+    manifest["version"] = version
+    (dst / "manifest.json").write_text(json.dumps(manifest))
+
+
+def flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.unlink()  # a new file: the copy's other versions keep theirs
+    path.write_bytes(bytes(data))
+
+
+def test_rollback_skips_entries_that_no_longer_load_and_drops_them(bundle_root_copy, tmp_path):
+    for version in ("a", "b", "c", "d"):
+        renamed_copy(bundle_root_copy, "v1", version)
+    state_dir = tmp_path / "state"
+    env = {"SHORTLIST_ADMIN_TOKEN": TOKEN, "SHORTLIST_STATE_DIR": str(state_dir)}
+    with serve(bundle_root_copy, version="v2", env=env, log_dir=tmp_path) as s, \
+            httpx.Client(base_url=s.url, headers=AUTH, timeout=120) as c:
+        for version in ("a", "b", "c", "d"):
+            r = c.post("/admin/bundles/activate", json={"version": version})
+            assert r.status_code == 200, r.text
+        assert json.loads((state_dir / "active.json").read_text())["history"] == ["v2", "a", "b", "c"]
+        shutil.rmtree(bundle_root_copy / "c")  # deleted
+        flip_a_byte(bundle_root_copy / "b" / "classifiers.npy")  # broken
+
+        r = c.post("/admin/bundles/rollback")
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["active"] == "a" and body["previous"] == "d"
+        assert [x["version"] for x in body["skipped"]] == ["c", "b"]
+        assert "no bundle 'c'" in body["skipped"][0]["reason"]
+        assert "classifiers.npy" in body["skipped"][1]["reason"] and "sha256" in body["skipped"][1]["reason"]
+        assert c.post("/v1/predict", json={"text": "x"}).json()["version"] == "a"
+        assert json.loads((state_dir / "active.json").read_text())["history"] == ["v2"]
+
+        # Nothing loadable left: a 404 naming what was passed over, the history emptied for good.
+        shutil.rmtree(bundle_root_copy / "v2")
+        r = c.post("/admin/bundles/rollback")
+        assert r.status_code == 404, r.text
+        assert "no previously active bundle to roll back to; skipped v2: no bundle 'v2'" in r.json()["message"]
+        assert json.loads((state_dir / "active.json").read_text()) | {"activated_at": None} == \
+            {"version": "a", "history": [], "activated_at": None}
+        r = c.post("/admin/bundles/rollback")
+        assert r.status_code == 404 and r.json()["message"] == "no previously active bundle to roll back to"
+        assert c.get("/readyz").json()["version"] == "a"
