@@ -182,8 +182,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(handler(args) or 0)
     except (ValueError, FileNotFoundError) as exc:
-        # Input problems (bad data, missing files) are reported plainly, not as tracebacks.
-        print(f"shortlist {args.command}: error: {exc}", file=sys.stderr)
+        # Input problems (bad data, missing files) are reported plainly, not as tracebacks; a
+        # message of several problems (settings) is one line each.
+        for line in str(exc).splitlines() or [type(exc).__name__]:
+            print(f"shortlist {args.command}: error: {line}", file=sys.stderr)
         return 2
 
 
