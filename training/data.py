@@ -10,6 +10,7 @@ it plainly instead of a traceback from deep inside.
 
 from __future__ import annotations
 
+import errno
 import gzip
 import hashlib
 import json
@@ -79,6 +80,9 @@ def find_split_file(data_dir: str | Path, split: str) -> Path | None:
 def _require_split_file(data_dir: str | Path, split: str) -> Path:
     path = find_split_file(data_dir, split)
     if path is None:
+        if Path(data_dir).exists() and not Path(data_dir).is_dir():
+            # errno and filename: the CLI names the flag that gave the path (--data).
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory (a dataset folder is expected)", str(data_dir))
         if not Path(data_dir).is_dir():
             raise FileNotFoundError(f"{data_dir}: dataset folder does not exist")
         names = ", ".join(f"{split}{s}" for s in SPLIT_SUFFIXES)
