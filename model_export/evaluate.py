@@ -29,18 +29,20 @@ EVAL_BATCH = 256
 METRICS = ("P@1", "P@3", "P@5", "nDCG@1", "nDCG@3", "nDCG@5", "PSP@1", "PSP@3", "PSP@5")
 
 
-def filtered_pairs(protocol: str, docs: Split, labels: LabelSet | None) -> list[list[int]]:
-    """Per document the label ids its protocol leaves out ("plain", "own" or a filter file)."""
+def filtered_pairs(protocol: str, docs: Split, labels: LabelSet | None, num_labels: int) -> list[list[int]]:
+    """Per document of the split the label ids its protocol leaves out ("plain", "own" or a filter
+    file, whose label rows are checked against the bundle's `num_labels`)."""
     if protocol == "plain":
         return [[] for _ in range(len(docs))]
     if protocol == "own":
         assert labels is not None
         return [[int(i)] if i >= 0 else [] for i in own_label_ids(docs.uids, labels.uids)]
-    return read_filter_file(Path(protocol), len(docs), len(labels) if labels is not None else None)
+    return read_filter_file(Path(protocol), len(docs), num_labels)
 
 
-def read_filter_file(path: Path, num_docs: int, num_labels: int | None) -> list[list[int]]:
-    """A filter file's pairs per document; errors name the file and line."""
+def read_filter_file(path: Path, num_docs: int, num_labels: int) -> list[list[int]]:
+    """A filter file's pairs per document of the whole split (`num_docs`), each label row below
+    `num_labels` (the bundle's); errors name the file and line. A pair given twice counts once."""
     out: list[list[int]] = [[] for _ in range(num_docs)]
     for lineno, line in iter_text_lines(path, "filter file"):
         if not line.strip() or line.lstrip().startswith("#"):
@@ -50,10 +52,12 @@ def read_filter_file(path: Path, num_docs: int, num_labels: int | None) -> list[
         if len(parts) != 2 or not all(p.isascii() and p.isdigit() for p in parts):
             raise ValueError(f"{path}:{lineno}: expected two non-negative integers 'test_row label_row', got {line!r}")
         row, label = int(parts[0]), int(parts[1])
-        if row >= num_docs or (num_labels is not None and label >= num_labels):
-            raise ValueError(f"{path}:{lineno}: pair ({row}, {label}) out of range ({num_docs} documents, "
-                             f"{num_labels} labels)")
-        out[row].append(label)
+        if row >= num_docs:
+            raise ValueError(f"{path}:{lineno}: test row {row} out of range (the split has {num_docs} documents)")
+        if label >= num_labels:
+            raise ValueError(f"{path}:{lineno}: label row {label} out of range (the bundle has {num_labels} labels)")
+        if label not in out[row]:
+            out[row].append(label)
     return out
 
 
@@ -75,10 +79,12 @@ def evaluate_bundle(
     manifest = predictor.bundle.manifest
     field, num_labels = text_field or manifest.text_field, manifest.num_labels
     docs = load_split(data_dir, split, field, num_labels=num_labels)
-    if limit is not None:
-        docs = docs.subset(list(range(min(limit, len(docs)))))
     labels = load_labels(data_dir, field) if protocol == "own" else None
-    left_out = filtered_pairs(protocol, docs, labels)
+    # Over the whole split, then limited: a filter file names rows of the whole split, and its
+    # pairs past the limit are of documents not evaluated.
+    left_out = filtered_pairs(protocol, docs, labels, num_labels)
+    if limit is not None:
+        docs, left_out = docs.subset(list(range(min(limit, len(docs))))), left_out[:limit]
     truths = [[t for t in truth if t not in drop] for truth, drop in zip(docs.targets, left_out, strict=True)]
     trn = docs if split == "trn" else load_split(data_dir, "trn", field, num_labels=num_labels)
     inv_prop = 1.0 / propensities(label_frequencies(trn.targets, num_labels), len(trn))
