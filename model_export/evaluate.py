@@ -23,7 +23,7 @@ import numpy as np
 from service.engine.jsonlines import iter_text_lines
 from service.engine.metrics import label_frequencies, propensities, ranking_metrics, shortlist_recall
 from service.engine.predictor import Predictor
-from training.data import LabelSet, Split, load_labels, load_split, own_label_ids
+from training.data import LabelSet, Split, find_split_file, load_labels, load_split, own_label_ids
 
 EVAL_BATCH = 256
 METRICS = ("P@1", "P@3", "P@5", "nDCG@1", "nDCG@3", "nDCG@5", "PSP@1", "PSP@3", "PSP@5")
@@ -86,8 +86,7 @@ def evaluate_bundle(
     if limit is not None:
         docs, left_out = docs.subset(list(range(min(limit, len(docs))))), left_out[:limit]
     truths = [[t for t in truth if t not in drop] for truth, drop in zip(docs.targets, left_out, strict=True)]
-    trn = docs if split == "trn" else load_split(data_dir, "trn", field, num_labels=num_labels)
-    inv_prop = 1.0 / propensities(label_frequencies(trn.targets, num_labels), len(trn))
+    inv_prop = _inverse_propensities(data_dir, split, docs, field, num_labels)
     ids = np.empty((len(docs), 5), dtype=np.int64)
     t0 = time.perf_counter()
     for start in range(0, len(docs), EVAL_BATCH):
@@ -98,6 +97,8 @@ def evaluate_bundle(
     elapsed = time.perf_counter() - t0
     out: dict[str, Any] = {"bundle": predictor.version, "split": split, "scorer": scorer, "protocol": protocol,
                            "filtered_pairs": sum(len(d) for d in left_out), "documents": len(docs)}
+    if inv_prop is None:
+        out["psp_not_measured"] = f"no trn file in {data_dir}: PSP@k's propensities come from its label frequencies"
     out.update(ranking_metrics(ids, truths, ks=(1, 3, 5), inv_propensity=inv_prop))
     if scorer == "alpha":
         shortlists = [s for start in range(0, len(docs), EVAL_BATCH)
@@ -106,6 +107,19 @@ def evaluate_bundle(
         out["shortlist_size_mean"] = float(np.mean([len(s) for s in shortlists])) if shortlists else 0.0
     out["queries_per_s"] = len(docs) / elapsed if elapsed > 0 else 0.0
     return out
+
+
+def _inverse_propensities(data_dir: str | Path, split: str, docs: Split, field: str,
+                          num_labels: int) -> np.ndarray | None:
+    """PSP@k's weights, from the training split's label frequencies; None without a trn file (the
+    other metrics need only the evaluated split)."""
+    if split == "trn":
+        trn = docs
+    elif find_split_file(data_dir, "trn") is None:
+        return None
+    else:
+        trn = load_split(data_dir, "trn", field, num_labels=num_labels)
+    return 1.0 / propensities(label_frequencies(trn.targets, num_labels), len(trn))
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -119,4 +133,6 @@ def run_cli(args: argparse.Namespace) -> int:
     for name in (*METRICS, "recall@shortlist", "queries_per_s"):
         if name in result:
             print(f"  {name:<18} {result[name]:10.2f}")
+    if "psp_not_measured" in result:
+        print(f"  PSP@k not measured: {result['psp_not_measured']}")
     return 0

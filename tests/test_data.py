@@ -295,3 +295,21 @@ def test_eval_counts_a_repeated_truth_once(bundle_root, synthetic_data, tmp_path
     for name in ("P@1", "P@5", "nDCG@5", "PSP@5", "recall@shortlist"):
         assert results[0][name] == results[1][name], name
 
+
+def test_eval_without_a_trn_file_measures_all_but_psp(bundle_root, synthetic_data, tmp_path, capsys) -> None:
+    from shortlist.cli import main
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("tst.json.gz", "lbl.json.gz"):
+        shutil.copy(synthetic_data / name, data / name)
+    results = []
+    for folder in (synthetic_data, data):
+        assert main(["eval", str(bundle_root / "v1"), "--data", str(folder), "--limit", "100", "--json"]) == 0
+        results.append(json.loads(capsys.readouterr().out))
+    with_trn, without = results
+    assert without["P@1"] == with_trn["P@1"] and without["nDCG@5"] == with_trn["nDCG@5"]
+    assert "PSP@1" in with_trn and not any(name.startswith("PS") for name in without)
+    assert "no trn file" in without["psp_not_measured"] and "psp_not_measured" not in with_trn
+    assert main(["eval", str(bundle_root / "v1"), "--data", str(data), "--limit", "10"]) == 0
+    assert "PSP@k not measured: no trn file in" in capsys.readouterr().out
