@@ -246,6 +246,7 @@ def _without_secrets(text: str, flags: dict[str, tuple[str, Any]]) -> str:
     pydantic's (not ours) ever quote an input."""
     for field in secret_fields():
         value = flags[field][1] if field in flags else _environment_value(variable_name(field))
+        value = value.get_secret_value() if isinstance(value, SecretStr) else value
         if value:
             text = text.replace(str(value), "***")
     return text
