@@ -75,6 +75,8 @@ def test_serve_ray_checks_the_settings_before_starting_ray(tmp_path):
     r = _run(["--bundle-root", str(tmp_path), "--shards", "1"], {"SHORTLIST_MAX_K": "0"}, tmp_path, "serve-ray")
     _assert_refused(r, ["SHORTLIST_MAX_K='0': input should be greater than or equal to 1"],
                     "shortlist serve-ray: error: ")
+    r = _run(["--bundle-root", str(tmp_path), "--shards", "1", "--port", "65536"], {}, tmp_path, "serve-ray")
+    _assert_refused(r, ["--port 65536: input should be less than or equal to 65535"], "shortlist serve-ray: error: ")
 
 
 def test_a_secret_value_is_never_shown_even_where_a_message_would_quote_it(monkeypatch):

@@ -517,8 +517,9 @@ def run_cli(args: Any) -> int:
     if not Path(layout.bundle_root).is_dir():
         raise FileNotFoundError(f"bundle root {layout.bundle_root} is not a directory")
     # The ingress builds the same Settings inside Ray: a problem is reported here, as one line,
-    # not as a replica's traceback in Ray's logs.
-    load_settings(_settings_flags(layout))
+    # not as a replica's traceback in Ray's logs. --host and --port are Ray's HTTP options, checked
+    # as the service's own are.
+    load_settings({**_settings_flags(layout), "host": ("--host", args.host), "port": ("--port", args.port)})
     # Ray reports usage to its makers unless told not to: a serving process talks to the hosts its
     # operator names only (RAY_USAGE_STATS_ENABLED=1 allows it).
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
