@@ -197,10 +197,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 def os_error_message(exc: OSError, options: dict[str, str]) -> str:
     """`--out X: exists and is not a directory`: the option that gave the path (`options`: flag ->
     value, the option whose value is the path or a folder above it), the path and the reason."""
+    from service.engine.jsonlines import os_reason
+
     if exc.filename is None:  # raised by our own code with its own message, or no path (ENOSPC)
-        return str(exc) if exc.strerror is None else _lower(exc.strerror)
+        return os_reason(exc)
     path = os.fsdecode(exc.filename)
-    reason = _lower(exc.strerror or str(exc))
+    reason = os_reason(exc)
     if exc.errno == errno.EEXIST and os.path.lexists(path) and not os.path.isdir(path):
         reason = "exists and is not a directory"
     elif exc.errno == errno.ENOTDIR:
@@ -214,10 +216,6 @@ def os_error_message(exc: OSError, options: dict[str, str]) -> str:
         return f"{path}: {reason}"
     same = os.path.abspath(value) == os.path.abspath(path)
     return f"{', '.join(flags)} {value}: {reason}" if same else f"{', '.join(flags)} {value}: {path}: {reason}"
-
-
-def _lower(text: str) -> str:
-    return text[:1].lower() + text[1:]
 
 
 def _options_of(path: str, options: dict[str, str]) -> tuple[list[str], str]:

@@ -101,3 +101,12 @@ def test_the_installed_command_exits_2_without_a_traceback(a_file):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip() == f"shortlist generate-data: error: --out {a_file}: exists and is not a directory"
+
+
+def test_a_file_option_given_a_folder_says_why_without_errno(capsys, bundle_root, synthetic_data, tmp_path):
+    err = _refused(capsys, ["labels", "add", str(bundle_root / "v1"), "--labels", str(tmp_path), "--out",
+                            str(tmp_path / "out")], "labels")
+    assert err.endswith(f"{tmp_path}: cannot read file: is a directory")
+    err = _refused(capsys, ["eval", str(bundle_root / "v1"), "--data", str(synthetic_data), "--filter", str(tmp_path)],
+                   "eval")
+    assert err.endswith(f"{tmp_path}: cannot read filter file: is a directory")
