@@ -82,7 +82,7 @@ def _terms(bundle: Path, data: Path, protocol: str) -> dict[str, np.ndarray]:
     labels = xc_data.load_labels(data)
     docs = xc_data.load_split(data, "tst", "title", len(labels))
     trn = xc_data.load_split(data, "trn", "title", len(labels))
-    drop = filtered_pairs(protocol, docs, labels)
+    drop = filtered_pairs(protocol, docs, labels, predictor.num_labels)
     truths = [[t for t in truth if t not in d] for truth, d in zip(docs.targets, drop, strict=True)]
     ids = np.concatenate([predictor.predict_ids(docs.texts[s : s + 512], k=5, exclude=drop[s : s + 512])[0]
                           for s in range(0, len(docs), 512)])

@@ -80,7 +80,7 @@ def validation_split(bundle: Bundle, data_dir: Path, protocol: str) -> tuple[lis
     data = TrainingSet.load(data_dir, cfg, bundle.manifest.text_field, np.random.default_rng(cfg.seed))
     if not same_data(data_dir, data.fingerprint, bundle.manifest.data_fingerprint):
         raise ValueError(f"{data_dir}: not the data {bundle.path} was trained on (fingerprints differ)")
-    left_out = filtered_pairs(protocol, data.val, data.labels)
+    left_out = filtered_pairs(protocol, data.val, data.labels, bundle.manifest.num_labels)
     truths = [[t for t in truth if t not in drop] for truth, drop in zip(data.val.targets, left_out, strict=True)]
     return list(data.val.texts), left_out, truths, data.inv_propensity
 

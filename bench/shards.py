@@ -82,7 +82,7 @@ def accuracy(bundle: Path, sharded: dict[int, Path], data: str | None, n: int, p
     out: dict[str, Any] = {"texts": len(docs)}
     for name in ("plain", "own") if protocol == "own" else ("plain",):
         left_out = filtered_pairs(name, docs, load_labels(data, parent.bundle.manifest.text_field)
-                                  if name == "own" else None)
+                                  if name == "own" else None, parent.num_labels)
         truths = [set(t) - set(d) for t, d in zip(docs.targets, left_out, strict=True)]
         answers = {engine: _top5(e, parent, docs.texts, left_out) for engine, e in engines.items()}
         want = answers["unsharded"]

@@ -23,24 +23,26 @@ import numpy as np
 from service.engine.jsonlines import iter_text_lines
 from service.engine.metrics import label_frequencies, propensities, ranking_metrics, shortlist_recall
 from service.engine.predictor import Predictor
-from training.data import LabelSet, Split, load_labels, load_split, own_label_ids
+from training.data import LabelSet, Split, find_split_file, load_labels, load_split, own_label_ids
 
 EVAL_BATCH = 256
 METRICS = ("P@1", "P@3", "P@5", "nDCG@1", "nDCG@3", "nDCG@5", "PSP@1", "PSP@3", "PSP@5")
 
 
-def filtered_pairs(protocol: str, docs: Split, labels: LabelSet | None) -> list[list[int]]:
-    """Per document the label ids its protocol leaves out ("plain", "own" or a filter file)."""
+def filtered_pairs(protocol: str, docs: Split, labels: LabelSet | None, num_labels: int) -> list[list[int]]:
+    """Per document of the split the label ids its protocol leaves out ("plain", "own" or a filter
+    file, whose label rows are checked against the bundle's `num_labels`)."""
     if protocol == "plain":
         return [[] for _ in range(len(docs))]
     if protocol == "own":
         assert labels is not None
         return [[int(i)] if i >= 0 else [] for i in own_label_ids(docs.uids, labels.uids)]
-    return read_filter_file(Path(protocol), len(docs), len(labels) if labels is not None else None)
+    return read_filter_file(Path(protocol), len(docs), num_labels)
 
 
-def read_filter_file(path: Path, num_docs: int, num_labels: int | None) -> list[list[int]]:
-    """A filter file's pairs per document; errors name the file and line."""
+def read_filter_file(path: Path, num_docs: int, num_labels: int) -> list[list[int]]:
+    """A filter file's pairs per document of the whole split (`num_docs`), each label row below
+    `num_labels` (the bundle's); errors name the file and line. A pair given twice counts once."""
     out: list[list[int]] = [[] for _ in range(num_docs)]
     for lineno, line in iter_text_lines(path, "filter file"):
         if not line.strip() or line.lstrip().startswith("#"):
@@ -50,10 +52,12 @@ def read_filter_file(path: Path, num_docs: int, num_labels: int | None) -> list[
         if len(parts) != 2 or not all(p.isascii() and p.isdigit() for p in parts):
             raise ValueError(f"{path}:{lineno}: expected two non-negative integers 'test_row label_row', got {line!r}")
         row, label = int(parts[0]), int(parts[1])
-        if row >= num_docs or (num_labels is not None and label >= num_labels):
-            raise ValueError(f"{path}:{lineno}: pair ({row}, {label}) out of range ({num_docs} documents, "
-                             f"{num_labels} labels)")
-        out[row].append(label)
+        if row >= num_docs:
+            raise ValueError(f"{path}:{lineno}: test row {row} out of range (the split has {num_docs} documents)")
+        if label >= num_labels:
+            raise ValueError(f"{path}:{lineno}: label row {label} out of range (the bundle has {num_labels} labels)")
+        if label not in out[row]:
+            out[row].append(label)
     return out
 
 
@@ -75,13 +79,14 @@ def evaluate_bundle(
     manifest = predictor.bundle.manifest
     field, num_labels = text_field or manifest.text_field, manifest.num_labels
     docs = load_split(data_dir, split, field, num_labels=num_labels)
-    if limit is not None:
-        docs = docs.subset(list(range(min(limit, len(docs)))))
     labels = load_labels(data_dir, field) if protocol == "own" else None
-    left_out = filtered_pairs(protocol, docs, labels)
+    # Over the whole split, then limited: a filter file names rows of the whole split, and its
+    # pairs past the limit are of documents not evaluated.
+    left_out = filtered_pairs(protocol, docs, labels, num_labels)
+    if limit is not None:
+        docs, left_out = docs.subset(list(range(min(limit, len(docs))))), left_out[:limit]
     truths = [[t for t in truth if t not in drop] for truth, drop in zip(docs.targets, left_out, strict=True)]
-    trn = docs if split == "trn" else load_split(data_dir, "trn", field, num_labels=num_labels)
-    inv_prop = 1.0 / propensities(label_frequencies(trn.targets, num_labels), len(trn))
+    inv_prop = _inverse_propensities(data_dir, split, docs, field, num_labels)
     ids = np.empty((len(docs), 5), dtype=np.int64)
     t0 = time.perf_counter()
     for start in range(0, len(docs), EVAL_BATCH):
@@ -92,6 +97,8 @@ def evaluate_bundle(
     elapsed = time.perf_counter() - t0
     out: dict[str, Any] = {"bundle": predictor.version, "split": split, "scorer": scorer, "protocol": protocol,
                            "filtered_pairs": sum(len(d) for d in left_out), "documents": len(docs)}
+    if inv_prop is None:
+        out["psp_not_measured"] = f"no trn file in {data_dir}: PSP@k's propensities come from its label frequencies"
     out.update(ranking_metrics(ids, truths, ks=(1, 3, 5), inv_propensity=inv_prop))
     if scorer == "alpha":
         shortlists = [s for start in range(0, len(docs), EVAL_BATCH)
@@ -100,6 +107,19 @@ def evaluate_bundle(
         out["shortlist_size_mean"] = float(np.mean([len(s) for s in shortlists])) if shortlists else 0.0
     out["queries_per_s"] = len(docs) / elapsed if elapsed > 0 else 0.0
     return out
+
+
+def _inverse_propensities(data_dir: str | Path, split: str, docs: Split, field: str,
+                          num_labels: int) -> np.ndarray | None:
+    """PSP@k's weights, from the training split's label frequencies; None without a trn file (the
+    other metrics need only the evaluated split)."""
+    if split == "trn":
+        trn = docs
+    elif find_split_file(data_dir, "trn") is None:
+        return None
+    else:
+        trn = load_split(data_dir, "trn", field, num_labels=num_labels)
+    return 1.0 / propensities(label_frequencies(trn.targets, num_labels), len(trn))
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -113,4 +133,6 @@ def run_cli(args: argparse.Namespace) -> int:
     for name in (*METRICS, "recall@shortlist", "queries_per_s"):
         if name in result:
             print(f"  {name:<18} {result[name]:10.2f}")
+    if "psp_not_measured" in result:
+        print(f"  PSP@k not measured: {result['psp_not_measured']}")
     return 0

@@ -7,9 +7,12 @@ works where torch (a training-only dependency) is not installed.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
@@ -176,15 +179,76 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     module_name, func_name = args.handler.split(":")
     handler = getattr(importlib.import_module(module_name), func_name)
     try:
         return int(handler(args) or 0)
-    except (ValueError, FileNotFoundError) as exc:
-        # Input problems (bad data, missing files) are reported plainly, not as tracebacks.
-        print(f"shortlist {args.command}: error: {exc}", file=sys.stderr)
+    except (ValueError, OSError) as exc:
+        # Input problems (bad data, paths that cannot be read or written) are reported plainly,
+        # not as tracebacks; a message of several problems (settings) is one line each.
+        message = os_error_message(exc, _path_options(parser, args)) if isinstance(exc, OSError) else str(exc)
+        for line in message.splitlines() or [type(exc).__name__]:
+            print(f"shortlist {args.command}: error: {line}", file=sys.stderr)
         return 2
+
+
+def os_error_message(exc: OSError, options: dict[str, str]) -> str:
+    """`--out X: exists and is not a directory`: the option that gave the path (`options`: flag ->
+    value, the option whose value is the path or a folder above it), the path and the reason."""
+    from service.engine.jsonlines import os_reason
+
+    if exc.filename is None:  # raised by our own code with its own message, or no path (ENOSPC)
+        return os_reason(exc)
+    path = os.fsdecode(exc.filename)
+    reason = os_reason(exc)
+    if exc.errno == errno.EEXIST and os.path.lexists(path) and not os.path.isdir(path):
+        reason = "exists and is not a directory"
+    elif exc.errno == errno.ENOTDIR:
+        # `--out FILE/sub`: name the file in the way, not the path that was never there.
+        blocker = next((str(p) for p in Path(path).parents if os.path.lexists(p) and not os.path.isdir(p)), None)
+        reason = f"{blocker} is not a directory" if blocker is not None else reason
+    if exc.filename2 is not None:
+        path = f"{path} -> {os.fsdecode(exc.filename2)}"
+    flags, value = _options_of(path, options)
+    if not flags:
+        return f"{path}: {reason}"
+    same = os.path.abspath(value) == os.path.abspath(path)
+    return f"{', '.join(flags)} {value}: {reason}" if same else f"{', '.join(flags)} {value}: {path}: {reason}"
+
+
+def _options_of(path: str, options: dict[str, str]) -> tuple[list[str], str]:
+    """The options whose value is `path` or the nearest folder above it, else those below it (a
+    folder made on the way, `mkdir -p`); several when one path was given twice (`--labels X --out
+    X`: which one failed cannot be told apart)."""
+    def within(inner: str, outer: str) -> bool:
+        inner, outer = os.path.abspath(inner), os.path.abspath(outer)
+        return inner == outer or inner.startswith(os.path.join(outer, ""))
+
+    above = [(flag, value) for flag, value in options.items() if within(path, value)]
+    if above:
+        # Two folders above one path differ in length: the longest is the nearest.
+        nearest = max(len(os.path.abspath(value)) for _, value in above)
+        above = [(flag, value) for flag, value in above if len(os.path.abspath(value)) == nearest]
+        return [flag for flag, _ in above], above[0][1]
+    below = [(flag, value) for flag, value in options.items() if within(value, path)]
+    return [flag for flag, _ in below], below[0][1] if below else ""
+
+
+def _path_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, str]:
+    """Flag -> value of every option of this (sub)command given as a string (the paths among them)."""
+    flags: dict[str, str] = {}
+    current: argparse.ArgumentParser | None = parser
+    while current is not None:
+        chosen = None
+        for action in current._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                chosen = action.choices.get(getattr(args, action.dest, None) or "")
+            elif action.option_strings and isinstance(value := getattr(args, action.dest, None), str) and value:
+                flags[action.option_strings[-1]] = value
+        current = chosen
+    return flags
 
 
 if __name__ == "__main__":

@@ -246,3 +246,70 @@ def test_eval_of_an_empty_split_fails_instead_of_reporting_zeros(bundle_root, sy
     assert "tst.jsonl: no documents" in capsys.readouterr().err
     assert main(["eval", str(bundle_root / "v1"), "--data", str(synthetic_data), "--limit", "0"]) == 2
     assert "limit must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("first", "second"), [(".json.gz", ".jsonl"), (".json", ".jsonl"), (".json.gz", ".jsonl.gz")])
+def test_a_split_in_two_files_is_refused_naming_both(tmp_path: Path, first: str, second: str) -> None:
+    # Which of the two is meant cannot be told: reading either silently trains or measures on
+    # data the user may not have picked.
+    d = _dataset(tmp_path, suffix=first)
+    _write(d / f"trn{second}", DOCS[:1])
+    with pytest.raises(ValueError, match=rf": the trn split is in 2 files, trn{re.escape(first)} and "
+                                         rf"trn{re.escape(second)}: keep one"):
+        load_split(d, "trn", "title", 2)
+    with pytest.raises(ValueError, match="the trn split is in 2 files"):
+        fingerprint(d)
+    _write(d / f"lbl{second}", LABELS)
+    with pytest.raises(ValueError, match=rf"the lbl split is in 2 files, lbl{re.escape(first)} and lbl"):
+        load_labels(d)
+    (d / f"lbl{second}").unlink()
+    (d / f"trn{second}").unlink()
+    assert len(load_split(d, "trn", "title", 2)) == 2  # one file again: read
+
+
+def test_a_repeated_label_row_counts_once_in_the_target_matrix(tmp_path: Path) -> None:
+    # The real datasets (debian-deps, debian-tags, every trn and tst) hold no document with a
+    # repeated label row, but a repeat is dropped rather than refused: it says nothing new, and
+    # kept it would weigh 2 in training's target matrix and be a second truth in P@k.
+    from training.dataset import target_matrix
+
+    docs = [DOCS[0], {**DOCS[1], "target_ind": [1, 1, 0, 1], "target_rel": [1.0, 0.5, 1.0, 1.0]}]
+    split = load_split(_dataset(tmp_path, docs=docs), "trn", "title", 2)
+    assert split.targets == [[0], [1, 0]]
+    assert target_matrix(split.targets, 2).toarray().tolist() == [[1.0, 0.0], [1.0, 1.0]]
+
+
+def test_eval_counts_a_repeated_truth_once(bundle_root, synthetic_data, tmp_path, capsys) -> None:
+    from shortlist.cli import main
+
+    data = tmp_path / "data"
+    shutil.copytree(synthetic_data, data)
+    with gzip.open(synthetic_data / "tst.json.gz", "rt", encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f]
+    _write(data / "tst.json.gz", [{**r, "target_ind": r["target_ind"] * 2, "target_rel": r["target_rel"] * 2}
+                                  for r in rows])
+    results = []
+    for folder in (synthetic_data, data):
+        assert main(["eval", str(bundle_root / "v1"), "--data", str(folder), "--limit", "100", "--json"]) == 0
+        results.append(json.loads(capsys.readouterr().out))
+    for name in ("P@1", "P@5", "nDCG@5", "PSP@5", "recall@shortlist"):
+        assert results[0][name] == results[1][name], name
+
+
+def test_eval_without_a_trn_file_measures_all_but_psp(bundle_root, synthetic_data, tmp_path, capsys) -> None:
+    from shortlist.cli import main
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("tst.json.gz", "lbl.json.gz"):
+        shutil.copy(synthetic_data / name, data / name)
+    results = []
+    for folder in (synthetic_data, data):
+        assert main(["eval", str(bundle_root / "v1"), "--data", str(folder), "--limit", "100", "--json"]) == 0
+        results.append(json.loads(capsys.readouterr().out))
+    with_trn, without = results
+    assert without["P@1"] == with_trn["P@1"] and without["nDCG@5"] == with_trn["nDCG@5"]
+    assert "PSP@1" in with_trn and not any(name.startswith("PS") for name in without)
+    assert "no trn file" in without["psp_not_measured"] and "psp_not_measured" not in with_trn
+    assert main(["eval", str(bundle_root / "v1"), "--data", str(data), "--limit", "10"]) == 0
+    assert "PSP@k not measured: no trn file in" in capsys.readouterr().out

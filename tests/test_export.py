@@ -225,3 +225,45 @@ def test_eval_leaves_own_labels_or_a_filter_files_pairs_out_for_both_scorers(bun
     out = subprocess.run([sys.executable, "-m", "shortlist.cli", "eval", str(bundle_root / "v1"), "--data", str(data),
                           "--filter", str(pairs)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "filter.txt:2: expected two non-negative integers" in out.stderr
+
+
+def _eval_cli(capsys: pytest.CaptureFixture[str], bundle: object, data: object, *extra: str) -> tuple[int, str, str]:
+    from shortlist.cli import main
+
+    code = main(["eval", str(bundle), "--data", str(data), "--json", *extra])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_eval_limit_keeps_the_filter_files_pairs_of_the_documents_it_evaluates(bundle_root, synthetic_data, tmp_path,
+                                                                               capsys):
+    # A filter file names rows of the whole split: pairs past --limit are of documents not evaluated.
+    limit, pairs = 50, tmp_path / "f.txt"
+    pairs.write_text(f"0 1\n{limit - 1} 2\n{limit} 1\n{limit - 1} 2\n")  # the last pair repeated: counted once
+    code, out, err = _eval_cli(capsys, bundle_root / "v1", synthetic_data, "--limit", str(limit), "--filter",
+                               str(pairs))
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["documents"] == limit and result["filtered_pairs"] == 2
+
+
+def test_eval_filter_rows_are_checked_at_and_past_the_split_and_the_bundle(bundle_root, synthetic_data, tmp_path,
+                                                                           capsys):
+    from training.data import load_split
+
+    docs = len(load_split(synthetic_data, "tst"))
+    labels = Predictor.load(bundle_root / "v1").num_labels
+    pairs = tmp_path / "f.txt"
+    pairs.write_text(f"{docs - 1} {labels - 1}\n")  # the last row of each: accepted
+    code, out, err = _eval_cli(capsys, bundle_root / "v1", synthetic_data, "--filter", str(pairs))
+    assert code == 0 and json.loads(out)["filtered_pairs"] == 1, err
+    for line, message, limit in [
+        (f"0 {labels}", f"f.txt:2: label row {labels} out of range (the bundle has {labels} labels)", []),
+        (f"0 {labels}", f"f.txt:2: label row {labels} out of range (the bundle has {labels} labels)", ["--limit", "5"]),
+        (f"{docs} 0", f"f.txt:2: test row {docs} out of range (the split has {docs} documents)", []),
+        (f"{docs} 0", f"f.txt:2: test row {docs} out of range (the split has {docs} documents)", ["--limit", "5"]),
+    ]:
+        pairs.write_text(f"0 1\n{line}\n")
+        code, _, err = _eval_cli(capsys, bundle_root / "v1", synthetic_data, "--filter", str(pairs), *limit)
+        assert code == 2 and err.strip().endswith(message), (line, limit, err)
+        assert "None" not in err and "exclude[" not in err

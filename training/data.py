@@ -10,6 +10,7 @@ it plainly instead of a traceback from deep inside.
 
 from __future__ import annotations
 
+import errno
 import gzip
 import hashlib
 import json
@@ -68,17 +69,22 @@ def own_label_ids(doc_uids: Sequence[str], label_uids: Sequence[str]) -> np.ndar
 
 
 def find_split_file(data_dir: str | Path, split: str) -> Path | None:
-    """The file holding `split` (trn, tst, lbl) in any accepted encoding, or None."""
-    for suffix in SPLIT_SUFFIXES:
-        path = Path(data_dir) / f"{split}{suffix}"
-        if path.is_file():
-            return path
-    return None
+    """The file holding `split` (trn, tst, lbl) in any accepted encoding, or None; two files of one
+    split (tst.json and tst.jsonl) are refused: which one is meant cannot be told, and reading
+    either silently would train or measure on the data the user did not pick."""
+    found = [path for suffix in SPLIT_SUFFIXES if (path := Path(data_dir) / f"{split}{suffix}").is_file()]
+    if len(found) > 1:
+        names = " and ".join(p.name for p in found)
+        raise ValueError(f"{data_dir}: the {split} split is in {len(found)} files, {names}: keep one")
+    return found[0] if found else None
 
 
 def _require_split_file(data_dir: str | Path, split: str) -> Path:
     path = find_split_file(data_dir, split)
     if path is None:
+        if Path(data_dir).exists() and not Path(data_dir).is_dir():
+            # errno and filename: the CLI names the flag that gave the path (--data).
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory (a dataset folder is expected)", str(data_dir))
         if not Path(data_dir).is_dir():
             raise FileNotFoundError(f"{data_dir}: dataset folder does not exist")
         names = ", ".join(f"{split}{s}" for s in SPLIT_SUFFIXES)

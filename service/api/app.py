@@ -27,7 +27,7 @@ from service.api.processes import ProcessGroup
 from service.api.registry import ActivationFailed, ActivationInProgress, BundleNotFound, BundleRegistry
 from service.api.request_body import RequestBodyMiddleware
 from service.api.schemas import Health, RequestModels
-from service.api.settings import Settings
+from service.api.settings import Settings, load_settings
 from service.engine import heap
 from service.engine.bundle import Bundle
 from service.engine.store import BundleStore
@@ -159,7 +159,7 @@ def create_app(settings: Settings | None = None, *, state: ServiceState | None =
     `answer`: how the prediction routes answer (a sharded service fans out, service.api.ray_app).
     `preloaded`: see build_state.
     """
-    settings = settings or Settings()
+    settings = settings or load_settings()
     owns_state = state is None
     state = state or build_state(settings, preloaded)
     if settings.access_log:

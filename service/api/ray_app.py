@@ -65,7 +65,7 @@ from service.api.registry import (
     lease,
 )
 from service.api.schemas import RequestModels
-from service.api.settings import Settings
+from service.api.settings import Settings, load_settings
 from service.engine.predictor import PredictorOptions
 from service.engine.query import QueryEncoder
 from service.engine.schema import BundleError, ShardOf, validate_version_name
@@ -449,9 +449,7 @@ class ShardedIngress:
 
     async def __init__(self, layout: dict[str, Any]) -> None:
         self.layout = RayServing.model_validate(layout)
-        overrides = {"bundle_root": self.layout.bundle_root, "version": self.layout.version,
-                     "state_dir": self.layout.state_dir}
-        self.settings = Settings(**{k: v for k, v in overrides.items() if v is not None})
+        self.settings = load_settings(_settings_flags(self.layout))
         metrics = ServiceMetrics()
 
         def on_swap(_old: str | None, new: str) -> None:
@@ -498,6 +496,12 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     return ingress.bind(layout.model_dump())
 
 
+def _settings_flags(layout: RayServing) -> dict[str, tuple[str, Any]]:
+    """The settings `shortlist serve-ray`'s flags set (load_settings), the environment the rest."""
+    given = {"bundle_root": layout.bundle_root, "version": layout.version, "state_dir": layout.state_dir}
+    return {name: (f"--{name.replace('_', '-')}", value) for name, value in given.items() if value is not None}
+
+
 def run_cli(args: Any) -> int:
     """`shortlist serve-ray`: the application on a local Ray instance (or the cluster at --address),
     HTTP on --host:--port, until interrupted; then Serve and the local instance are shut down."""
@@ -511,6 +515,10 @@ def run_cli(args: Any) -> int:
     layout = RayServing.model_validate({k: v for k, v in fields.items() if v is not None})
     if not Path(layout.bundle_root).is_dir():
         raise FileNotFoundError(f"bundle root {layout.bundle_root} is not a directory")
+    # The ingress builds the same Settings inside Ray: a problem is reported here, as one line,
+    # not as a replica's traceback in Ray's logs. --host and --port are Ray's HTTP options, checked
+    # as the service's own are.
+    load_settings({**_settings_flags(layout), "host": ("--host", args.host), "port": ("--port", args.port)})
     # Ray reports usage to its makers unless told not to: a serving process talks to the hosts its
     # operator names only (RAY_USAGE_STATS_ENABLED=1 allows it).
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

@@ -17,17 +17,18 @@ import uvicorn
 
 from service.api.http_protocol import protocol_kwargs
 from service.api.processes import MULTIPROCESS_ENV
-from service.api.settings import Settings
+from service.api.settings import Settings, load_settings
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
-    """Environment (SHORTLIST_*) first, then any flag given on the command line wins."""
-    overrides = {
-        name: getattr(args, name)
+    """Environment (SHORTLIST_*) first, then any flag given on the command line wins; a problem
+    names the flag or the variable (load_settings)."""
+    flags = {
+        name: (f"--{name.replace('_', '-')}", getattr(args, name))
         for name in ("bundle_root", "version", "host", "port", "state_dir", "processes")
         if getattr(args, name, None) is not None
     }
-    return Settings(**overrides)
+    return load_settings(flags)
 
 
 def _config(app: object, host: str, port: int, settings: Settings) -> uvicorn.Config:

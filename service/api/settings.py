@@ -4,18 +4,35 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.engine.schema import MAX_MANIFEST_BYTES
 from service.engine.tree import MAX_BEAM
 
+ENV_PREFIX = "SHORTLIST_"
+
+
+class SettingsError(ValueError):
+    """Settings that cannot be used: one line per problem, each naming the SHORTLIST_* variable
+    (or the command-line flag) that set it, never the value of a secret setting."""
+
+
+class CrossCheck(ValueError):
+    """A rule between settings: `reason` names each of `fields` as {field}, filled in with the
+    variable or flag that set it when the problem is reported (load_settings)."""
+
+    def __init__(self, fields: tuple[str, ...], reason: str) -> None:
+        super().__init__(reason.format(**{f: f for f in fields}))
+        self.fields, self.reason = fields, reason
+
 
 class Settings(BaseSettings):
     # Empty variables count as unset, so `SHORTLIST_ADMIN_TOKEN=` (as compose passes an unset
     # variable) leaves the admin API off instead of enabling it with an empty token.
-    model_config = SettingsConfigDict(env_prefix="SHORTLIST_", extra="forbid", env_ignore_empty=True)
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", env_ignore_empty=True)
 
     bundle_root: Path = Path("bundles")
     # None serves the newest bundle under the root.
@@ -131,18 +148,19 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _processes_need_state(self) -> Settings:
         if self.processes > 1 and self.state_dir is None:
-            raise ValueError("processes > 1 needs state_dir (SHORTLIST_STATE_DIR): the processes agree on the "
-                             "active version there")
+            raise CrossCheck(("processes", "state_dir"), f"{{processes}}={self.processes} needs {{state_dir}}: "
+                             "the processes agree on the active version there")
         if self.processes > 1 and self.admin_port is not None:
-            raise ValueError("processes > 1 serves the admin routes on the main port: unset admin_port "
-                             "(SHORTLIST_ADMIN_PORT)")
+            raise CrossCheck(("processes", "admin_port"), f"{{processes}}={self.processes} needs {{admin_port}} "
+                             "unset: more than one process serves the admin routes on the main port")
         return self
 
     @model_validator(mode="after")
     def _normalized_at_least_raw(self) -> Settings:
         if self.max_normalized_chars is not None and self.max_normalized_chars < self.max_text_chars:
-            raise ValueError(f"max_normalized_chars ({self.max_normalized_chars}) is below max_text_chars "
-                             f"({self.max_text_chars}): ASCII texts the text limit takes would be refused")
+            raise CrossCheck(("max_normalized_chars", "max_text_chars"),
+                             f"{{max_normalized_chars}}={self.max_normalized_chars} is below {{max_text_chars}}="
+                             f"{self.max_text_chars}: ASCII texts the text limit takes would be refused")
         return self
 
     @property
@@ -165,7 +183,7 @@ class Settings(BaseSettings):
     def _no_unknown_variables(self) -> Settings:
         # pydantic-settings ignores prefixed variables that match no field: a misspelt limit
         # (or one a release removed) would silently fall back to its default.
-        prefix = "SHORTLIST_"
+        prefix = ENV_PREFIX
         unknown = sorted(name for name in os.environ
                          if name.upper().startswith(prefix)
                          and name[len(prefix):].lower() not in type(self).model_fields)
@@ -173,3 +191,68 @@ class Settings(BaseSettings):
             raise ValueError(f"unknown setting(s) {', '.join(unknown)}: not one of "
                              f"{', '.join(prefix + f.upper() for f in type(self).model_fields)}")
         return self
+
+
+def secret_fields() -> frozenset[str]:
+    """Settings whose values are secrets (typed SecretStr): never shown in any message."""
+    return frozenset(name for name, field in Settings.model_fields.items() if "SecretStr" in str(field.annotation))
+
+
+def variable_name(field: str) -> str:
+    return f"{ENV_PREFIX}{field.upper()}"
+
+
+def load_settings(flags: dict[str, tuple[str, Any]] | None = None) -> Settings:
+    """Settings from the environment, with `flags` (field -> (flag, value), e.g. "port" ->
+    ("--port", 99999)) winning. Every way the service builds its Settings goes through here, so
+    that an error is a SettingsError naming SHORTLIST_* variables and flags, not pydantic's
+    report, which names fields and prints the inputs, the admin token among them."""
+    flags = flags or {}
+    try:
+        return Settings(**{field: value for field, (_, value) in flags.items()})
+    except ValidationError as exc:
+        problems = [_problem(error, flags) for error in exc.errors(include_input=False, include_url=False)]
+        # `from None`: the chained ValidationError, printed by any traceback, would show the inputs.
+        raise SettingsError(_without_secrets("\n".join(problems), flags)) from None
+
+
+def _problem(error: Any, flags: dict[str, tuple[str, Any]]) -> str:
+    """One line: what set the setting (variable or flag, with its value unless secret) and why."""
+    cause = error.get("ctx", {}).get("error")
+    if isinstance(cause, CrossCheck):
+        return cause.reason.format(**{f: _source(f, flags) for f in cause.fields})
+    message = error["msg"].removeprefix("Value error, ")
+    message = message[:1].lower() + message[1:]
+    if not error["loc"]:
+        return message
+    field = str(error["loc"][0])
+    if field in secret_fields():
+        return f"{_source(field, flags)}: {message}"
+    if field in flags:
+        return f"{flags[field][0]} {_shorten(str(flags[field][1]))}: {message}"
+    value = _environment_value(variable_name(field))
+    return f"{variable_name(field)}{'' if value is None else '=' + repr(_shorten(value))}: {message}"
+
+
+def _source(field: str, flags: dict[str, tuple[str, Any]]) -> str:
+    return flags[field][0] if field in flags else variable_name(field)
+
+
+def _shorten(value: str, limit: int = 80) -> str:
+    return value if len(value) <= limit else value[:limit] + "..."
+
+
+def _environment_value(name: str) -> str | None:
+    # pydantic-settings reads variable names in any case.
+    return next((value for key, value in os.environ.items() if key.upper() == name), None)
+
+
+def _without_secrets(text: str, flags: dict[str, tuple[str, Any]]) -> str:
+    """`text` with every secret setting's value masked: a second guard, should a message of
+    pydantic's (not ours) ever quote an input."""
+    for field in secret_fields():
+        value = flags[field][1] if field in flags else _environment_value(variable_name(field))
+        value = value.get_secret_value() if isinstance(value, SecretStr) else value
+        if value:
+            text = text.replace(str(value), "***")
+    return text

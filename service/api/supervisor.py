@@ -36,7 +36,7 @@ from uvicorn_worker import UvicornWorker
 from service.api.active_state import ActiveVersionFile
 from service.api.app import create_app
 from service.api.http_protocol import protocol_kwargs
-from service.api.settings import Settings
+from service.api.settings import Settings, load_settings
 from service.engine import heap
 from service.engine.bundle import Bundle
 from service.engine.isolated import check_in_child
@@ -52,7 +52,7 @@ class ServingWorker(UvicornWorker):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        settings = Settings()
+        settings = load_settings()
         for name, value in protocol_kwargs(settings).items():
             setattr(self.config, name, value)
         self.config.access_log = False

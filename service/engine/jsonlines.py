@@ -27,13 +27,20 @@ def not_utf8(line: str) -> str | None:
     return f"not UTF-8: byte 0x{ord(found.group()) - 0xDC00:02x} at column {found.start() + 1}"
 
 
+def os_reason(exc: BaseException) -> str:
+    """Why an OS call failed, without the "[Errno 21] ...: 'PATH'" the message already names
+    ("is a directory"); other errors (gzip's "Not a gzipped file") as they are."""
+    strerror = getattr(exc, "strerror", None)
+    return strerror[:1].lower() + strerror[1:] if strerror else str(exc)
+
+
 def iter_text_lines(path: Path, what: str = "file") -> Iterator[tuple[int, str]]:
     """(line number, line) of a plain UTF-8 text file (a filter file, a uids file); `what` names
     the file in the error when it cannot be read."""
     try:
         lines = path.read_text(encoding="utf-8", errors="surrogateescape").splitlines()
     except OSError as exc:
-        raise ValueError(f"{path}: cannot read {what}: {exc}") from None
+        raise ValueError(f"{path}: cannot read {what}: {os_reason(exc)}") from None
     for lineno, line in enumerate(lines, 1):
         if (why := not_utf8(line)) is not None:
             raise ValueError(f"{path}:{lineno}: {why}")
@@ -57,7 +64,7 @@ def iter_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
                     raise ValueError(f"{path}:{lineno}: malformed line, expected a JSON object")
                 yield lineno, row
     except (OSError, EOFError) as exc:
-        raise ValueError(f"{path}: cannot read file: {exc}") from None
+        raise ValueError(f"{path}: cannot read file: {os_reason(exc)}") from None
 
 
 def json_kind(value: Any) -> str:

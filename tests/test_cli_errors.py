@@ -1,0 +1,112 @@
+"""Paths the CLI cannot read or write: exit 2 and one line naming the option, the path and the reason
+from the operating system, never a traceback (audit s13 F7)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shortlist.cli import main
+
+
+def _refused(capsys: pytest.CaptureFixture[str], argv: list[str], command: str) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith(f"shortlist {command}: error: "), err
+    assert "Traceback" not in err and "Errno" not in err
+    return err.strip()
+
+
+@pytest.fixture
+def a_file(tmp_path: Path) -> Path:
+    path = tmp_path / "l_ok.jsonl"
+    path.write_text('{"uid": "zz-new", "title": "network monitor"}\n')
+    return path
+
+
+def test_generate_data_out_is_an_existing_file(capsys, a_file):
+    err = _refused(capsys, ["generate-data", "--out", str(a_file), "--labels", "50"], "generate-data")
+    assert err.endswith(f"--out {a_file}: exists and is not a directory")
+
+
+def test_generate_data_out_below_a_file_names_the_file_in_the_way(capsys, a_file):
+    err = _refused(capsys, ["generate-data", "--out", f"{a_file}/x/y", "--labels", "50"], "generate-data")
+    assert err.endswith(f"--out {a_file}/x/y: {a_file} is not a directory")
+
+
+@pytest.mark.parametrize(("out", "reason"), [
+    ("/proc/forbidden", "no such file or directory"),  # procfs makes no folders
+    ("/sys/forbidden", "operation not permitted" if os.geteuid() == 0 else "permission denied"),
+])
+def test_generate_data_out_where_nothing_may_be_written(capsys, out, reason):
+    err = _refused(capsys, ["generate-data", "--out", out, "--labels", "50"], "generate-data")
+    assert err.endswith(f"--out {out}: {reason}")
+
+
+def test_a_folder_made_on_the_way_is_named_with_the_option(capsys):
+    err = _refused(capsys, ["generate-data", "--out", "/sys/forbidden/x", "--labels", "50"], "generate-data")
+    assert ": error: --out /sys/forbidden/x: /sys/forbidden: " in err
+
+
+def test_a_full_disk_is_an_error_not_a_traceback(capsys, tmp_path):
+    out = tmp_path / "d"
+    out.mkdir()
+    for name in ("lbl.json.gz", "trn.json.gz", "tst.json.gz"):
+        (out / name).symlink_to("/dev/full")  # every write fails with ENOSPC
+    err = _refused(capsys, ["generate-data", "--out", str(out), "--labels", "50", "--train-docs", "5",
+                            "--test-docs", "2"], "generate-data")
+    assert err.endswith("no space left on device")
+
+
+def test_data_that_is_a_file_is_not_a_directory_not_missing(capsys, a_file, tmp_path):
+    err = _refused(capsys, ["train", "--data", str(a_file), "--out", str(tmp_path / "ck")], "train")
+    assert err.endswith(f"--data {a_file}: not a directory (a dataset folder is expected)")
+    err = _refused(capsys, ["train", "--data", str(tmp_path / "nope"), "--out", str(tmp_path / "ck")], "train")
+    assert err.endswith("dataset folder does not exist")
+
+
+def test_eval_data_that_is_a_file(capsys, bundle_root, a_file):
+    err = _refused(capsys, ["eval", str(bundle_root / "v1"), "--data", str(a_file)], "eval")
+    assert err.endswith(f"--data {a_file}: not a directory (a dataset folder is expected)")
+
+
+def test_labels_add_out_is_a_file_or_below_one(capsys, bundle_root, a_file, tmp_path):
+    labels = tmp_path / "new.jsonl"
+    title = json.loads((bundle_root / "v1" / "labels.jsonl").read_text().splitlines()[0])["title"]
+    labels.write_text(json.dumps({"uid": "zz-new", "title": title}) + "\n")  # words the bundle knows
+    a_file.write_text(labels.read_text())  # also read as --labels below
+    base = ["labels", "add", str(bundle_root / "v1"), "--labels", str(labels), "--version", "x2"]
+    err = _refused(capsys, [*base, "--out", str(a_file)], "labels")
+    assert err.endswith(f"--out {a_file}: exists and is not a directory")
+    err = _refused(capsys, [*base, "--out", f"{a_file}/sub"], "labels")
+    assert err.endswith(f"--out {a_file}/sub: {a_file} is not a directory")
+    # The same path given twice: both options are named, as either may be the one that failed.
+    err = _refused(capsys, [*base[:4], str(a_file), *base[5:], "--out", str(a_file)], "labels")
+    assert err.endswith(f"--labels, --out {a_file}: exists and is not a directory")
+
+
+def test_shard_out_is_a_file(capsys, bundle_root, a_file):
+    err = _refused(capsys, ["shard", str(bundle_root / "v1"), "--shards", "2", "--out", str(a_file)], "shard")
+    assert err.endswith(f"--out {a_file}: exists and is not a directory")
+
+
+def test_the_installed_command_exits_2_without_a_traceback(a_file):
+    # The console entry point itself (python -m shortlist.cli), not only main().
+    r = subprocess.run([sys.executable, "-m", "shortlist.cli", "generate-data", "--out", str(a_file)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip() == f"shortlist generate-data: error: --out {a_file}: exists and is not a directory"
+
+
+def test_a_file_option_given_a_folder_says_why_without_errno(capsys, bundle_root, synthetic_data, tmp_path):
+    err = _refused(capsys, ["labels", "add", str(bundle_root / "v1"), "--labels", str(tmp_path), "--out",
+                            str(tmp_path / "out")], "labels")
+    assert err.endswith(f"{tmp_path}: cannot read file: is a directory")
+    err = _refused(capsys, ["eval", str(bundle_root / "v1"), "--data", str(synthetic_data), "--filter", str(tmp_path)],
+                   "eval")
+    assert err.endswith(f"{tmp_path}: cannot read filter file: is a directory")
