@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -54,3 +55,22 @@ def assert_same_ranking(got: list[dict[str, Any]], want: list[dict[str, Any]], t
         for x in got[i:j]:
             assert set(x) == {"id", "uid", "title", "score"}
         i = j
+
+
+def renamed_copy(root: Path, source: str, version: str) -> Path:
+    """ROOT/version: a copy of bundle `source` renamed consistently (its manifest's version)."""
+    dst = root / version
+    shutil.copytree(root / source, dst)
+    manifest = json.loads((dst / "manifest.json").read_text())
+    manifest["version"] = version
+    (dst / "manifest.json").write_text(json.dumps(manifest))
+    return dst
+
+
+def flip_a_byte(path: Path) -> None:
+    """One byte in the middle of `path` changed, written as a new file (other versions sharing
+    the old one by a hard link keep theirs)."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.unlink()
+    path.write_bytes(bytes(data))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from _api_helpers import assert_same_ranking, reference, sample_titles
+from _api_helpers import assert_same_ranking, flip_a_byte, reference, renamed_copy, sample_titles
 
 from shortlist.bundle_fuzz import index_of, make_variant
 from shortlist.testing import serve
@@ -24,15 +23,7 @@ AUTH = {"authorization": f"Bearer {TOKEN}"}
 
 def corrupt_copy(root: Path, source: str, version: str) -> None:
     """ROOT/version: a copy of `source` renamed consistently, with one byte of classifiers.npy flipped."""
-    dst = root / version
-    shutil.copytree(root / source, dst)
-    manifest = json.loads((dst / "manifest.json").read_text())
-    manifest["version"] = version
-    (dst / "manifest.json").write_text(json.dumps(manifest))
-    target = dst / "classifiers.npy"
-    data = bytearray(target.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    target.write_bytes(bytes(data))
+    flip_a_byte(renamed_copy(root, source, version) / "classifiers.npy")
 
 
 def rss_bytes(pid: int) -> int:

@@ -6,29 +6,14 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import httpx
+from _api_helpers import flip_a_byte, renamed_copy
 
 from shortlist.testing import serve
 
 TOKEN = "s3cret-admin-token"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
-
-
-def renamed_copy(root: Path, source: str, version: str) -> None:
-    dst = root / version
-    shutil.copytree(root / source, dst)
-    manifest = json.loads((dst / "manifest.json").read_text())
-    manifest["version"] = version
-    (dst / "manifest.json").write_text(json.dumps(manifest))
-
-
-def flip_a_byte(path: Path) -> None:
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    path.unlink()  # a new file: the copy's other versions keep theirs
-    path.write_bytes(bytes(data))
 
 
 def test_rollback_skips_entries_that_no_longer_load_and_drops_them(bundle_root_copy, tmp_path):
