@@ -245,6 +245,24 @@ def test_a_killed_replica_is_replaced_without_a_failed_request(service: Service)
     assert _running_replicas(app) == 2
 
 
+def test_rollback_passes_over_a_version_that_no_longer_loads(service: Service):
+    """As the unsharded service's (tests/test_rollback.py): a history entry gone since is named and
+    dropped, the one before it served; with none left, a 404."""
+    status, result = service.activate("v2")
+    assert status == 200 and result["previous"] == "v1", result
+    aside = service.root.parent / "v1-aside"
+    (service.root / "v1").rename(aside)
+    try:
+        status, result = service.admin("rollback")
+    finally:
+        aside.rename(service.root / "v1")
+    assert status == 200 and result["active"] == "full", result
+    assert [entry["version"] for entry in result["skipped"]] == ["v1"]
+    assert {service.predict([text], k=3)["version"] for text in service.texts[:5]} == {"full"}
+    status, error = service.admin("rollback")
+    assert status == 404 and "no previously active bundle" in error["message"], error
+
+
 def _running_replicas(app: str) -> int:
     status = serve.status().applications.get(app)
     return 0 if status is None else int(status.deployments["shard"].replica_states.get("RUNNING", 0))

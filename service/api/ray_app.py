@@ -61,8 +61,11 @@ from service.api.registry import (
     BundleNotFound,
     LabelChangesUnavailable,
     Leased,
+    StateNotRecorded,
     exclusive_activation,
     lease,
+    record_no_history,
+    roll_back,
 )
 from service.api.schemas import RequestModels
 from service.api.settings import Settings, load_settings
@@ -269,10 +272,14 @@ class ShardedRegistry:
             return self._activate_locked(version, history)
 
     def rollback(self) -> dict[str, object]:
+        """Serve the most recent previously active version that still loads (registry.roll_back)."""
         with self._exclusive():
-            if not self._history:
-                raise BundleNotFound("no previously active bundle to roll back to")
-            return self._activate_locked(self._history[-1], self._history[:-1])
+            result, skipped = roll_back(self._history, self._activate_locked, self._forget_history)
+            return {**result, "skipped": skipped}
+
+    def _forget_history(self) -> None:
+        self._history = []
+        record_no_history(self.remembered, self._active.version if self._active is not None else None)
 
     def start(self, configured: str | None = None) -> dict[str, object]:
         """The remembered version, else `configured`, else the newest; if that one cannot serve,
@@ -303,7 +310,7 @@ class ShardedRegistry:
                 self.remembered.write(engine.version, history)
             except OSError as exc:
                 self._delete_apps(engine.apps)
-                raise ActivationFailed(f"cannot record the active version in {self.remembered.dir}: {exc}") from exc
+                raise StateNotRecorded(f"cannot record the active version in {self.remembered.dir}: {exc}") from exc
         self._history = history
         old, self._active = self._active, engine  # phase 2: the switch
         if old is not None:

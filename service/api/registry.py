@@ -52,6 +52,42 @@ class StateNotRecorded(ActivationFailed):
     """The state directory could not record the new active version (the bundle itself was fine)."""
 
 
+def roll_back(history: list[str], activate: Callable[[str, list[str]], dict[str, object]],
+              forget: Callable[[], None]) -> tuple[dict[str, object], list[dict[str, str]]]:
+    """activate(version, the history before it) for the newest entry of `history` that still loads:
+    (its result; the entries passed over, each {"version", "reason"}). An entry that no longer
+    loads (deleted, or refused: corrupt, failing the gate) is passed over and left out of the
+    history the next one is activated with: otherwise one such entry would fail every rollback
+    for good. When none loads, forget() (the caller empties its recorded history) and
+    BundleNotFound naming what was passed over. A state directory that cannot record the switch
+    (StateNotRecorded) is not the entry's fault: raised."""
+    skipped: list[dict[str, str]] = []
+    while history:
+        version, history = history[-1], history[:-1]
+        try:
+            return activate(version, history), skipped
+        except StateNotRecorded:
+            raise
+        except (BundleNotFound, ActivationFailed) as exc:
+            log.warning("rollback skips %s, which no longer loads: %s", version, exc)
+            skipped.append({"version": version, "reason": str(exc)})
+    if skipped:
+        forget()
+    passed = "".join(f"; skipped {s['version']}: {s['reason']}" for s in skipped)
+    raise BundleNotFound(f"no previously active bundle to roll back to{passed}")
+
+
+def record_no_history(remembered: ActiveVersionFile | None, active: str | None) -> None:
+    """Record an emptied history (rollback dropped every entry), so a restart does not bring back
+    the entries that no longer load. Best effort: the record stays as it was if it cannot be written."""
+    if remembered is None or active is None:
+        return
+    try:
+        remembered.write(active, [])
+    except OSError as exc:
+        log.warning("could not record the emptied history in %s: %s", remembered.dir, exc)
+
+
 class NoBundle(Exception):
     """Nothing is serving yet (HTTP 503)."""
 
@@ -359,39 +395,15 @@ class BundleRegistry:
             return self._converged(self._activate_locked(version, history=history))
 
     def rollback(self) -> dict[str, object]:
-        """Serve the most recent previously active version that still loads. Entries that no longer
-        do (deleted, or refused: corrupt, failing the gate) are dropped from the history and named
-        in the result's "skipped"; otherwise one such entry would fail every rollback for good.
-        BundleNotFound when none is left."""
+        """Serve the most recent previously active version that still loads (roll_back)."""
         with self._exclusive():
-            skipped: list[dict[str, str]] = []
-            while self._history:
-                version, rest = self._history[-1], self._history[:-1]
-                try:
-                    result = self._activate_locked(version, history=rest)
-                except (BundleNotFound, ActivationFailed) as exc:
-                    if isinstance(exc, StateNotRecorded):
-                        raise  # the state directory's fault, not the entry's: keep it
-                    log.warning("rollback skips %s, which no longer loads: %s", version, exc)
-                    skipped.append({"version": version, "reason": str(exc)})
-                    self._history = rest
-                    continue
-                return {**self._converged(result), "skipped": skipped}
-            if skipped:
-                self._forget_history()
-            passed = "".join(f"; skipped {s['version']}: {s['reason']}" for s in skipped)
-            raise BundleNotFound(f"no previously active bundle to roll back to{passed}")
+            result, skipped = roll_back(self._history, lambda version, rest: self._activate_locked(
+                version, history=rest), self._forget_history)
+            return {**self._converged(result), "skipped": skipped}
 
     def _forget_history(self) -> None:
-        """Record an emptied history (rollback dropped every entry), so a restart does not bring back
-        the entries that no longer load. Best effort: the record stays as it was if it cannot be written."""
-        active = self.active_version
-        if self.remembered is None or active is None:
-            return
-        try:
-            self.remembered.write(active, [])
-        except OSError as exc:
-            log.warning("could not record the emptied history in %s: %s", self.remembered.dir, exc)
+        self._history = []
+        record_no_history(self.remembered, self.active_version)
 
     def follow(self, version: str) -> dict[str, object]:
         """Serve `version`, which another process sharing the state directory activated (it has
