@@ -125,6 +125,10 @@ def run_cli(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir)
     root = workdir / "bundles"
     dataset = getattr(args, "dataset", "auto")
+    if not args.build_only:  # a bad --port (or SHORTLIST_* setting) named now, not after minutes of training
+        from service.api.server import settings_from_args
+
+        settings_from_args(argparse.Namespace(host=args.host, port=args.port))
     try:
         version = newest_version(root)
         built_from = _read_info(workdir).get("dataset", "unknown")

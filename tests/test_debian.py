@@ -215,3 +215,13 @@ def test_demo_refuses_to_mix_datasets_and_gives_a_fitting_example(tmp_path: Path
         build_demo(tmp_path / "other", "ubuntu")
     assert example_query("synthetic", synthetic_data) == load_labels(synthetic_data).titles[0]
     assert example_query("debian", tmp_path) == DEBIAN_EXAMPLE
+
+
+def test_demo_names_a_bad_port_before_building_anything(tmp_path: Path, capsys) -> None:
+    from shortlist.cli import main
+
+    workdir = tmp_path / "demo"
+    assert main(["demo", "--workdir", str(workdir), "--port", "99999"]) == 2
+    err = capsys.readouterr().err
+    assert "--port 99999" in err and "Traceback" not in err, err
+    assert not workdir.exists()  # nothing built
