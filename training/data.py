@@ -18,13 +18,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, get_args
 
 import numpy as np
 
 from service.engine.jsonlines import iter_rows, json_kind, row_uid
+from service.engine.schema import TextField
 
-TextField = Literal["title", "title+content"]
 SPLIT_SUFFIXES = (".json.gz", ".json", ".jsonl", ".jsonl.gz")
 
 
@@ -129,7 +129,7 @@ def row_text(row: dict[str, Any], text_field: TextField, path: Path, lineno: int
 
 
 def _check_text_field(text_field: str) -> None:
-    if text_field not in ("title", "title+content"):
+    if text_field not in get_args(TextField):
         raise ValueError(f"text_field must be 'title' or 'title+content', got {text_field!r}")
 
 
