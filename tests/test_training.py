@@ -9,6 +9,7 @@ import dataclasses
 import json
 import logging
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -570,3 +571,25 @@ def test_refit_tree_keeps_the_rest_of_the_checkpoint_and_refuses_other_keys(chec
         (other / name).write_bytes((synthetic_data / name).read_bytes())
     assert cli_main(["train", "--data", str(other), "--out", str(out), "--refit-tree", str(source)]) == 2
     assert "not the data" in capsys.readouterr().err
+
+
+def test_a_save_that_fails_half_way_leaves_the_checkpoint_there_as_it_was(checkpoints, tmp_path):
+    out = tmp_path / "ck"
+    shutil.copytree(checkpoints["v1"], out)
+    (out / "stale.npy").write_bytes(b"from an older run")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    ckpt = Checkpoint.load(checkpoints["v2"])
+    ckpt.validation = [{"text": "x", "target_ind": [0]}, {"not json": object()}]  # fails after the arrays
+    with pytest.raises(TypeError):
+        ckpt.save(out)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["ck"]  # no staging left beside it
+    ckpt.validation = Checkpoint.load(checkpoints["v2"]).validation
+    ckpt.save(out)  # replaced as a whole: the older run's file is gone
+    assert not (out / "stale.npy").exists() and Checkpoint.load(out).seed == Checkpoint.load(checkpoints["v2"]).seed
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="exists and is not a checkpoint"):
+        ckpt.save(other)
+    assert [p.name for p in other.iterdir()] == ["notes.txt"]

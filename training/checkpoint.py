@@ -19,6 +19,8 @@ Format 1 (before the indices were built in training) is read too; export builds 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,8 +69,25 @@ class Checkpoint:
         return int(self.config.get("seed", 0))
 
     def save(self, out_dir: str | Path) -> Path:
+        """Write the checkpoint to `out_dir` as a whole: into a staging folder beside it, then
+        renamed into place. A save killed or failing half-way leaves a checkpoint already there as
+        it was (written in place, it was lost, its checkpoint.json left beside new files). An
+        existing `out_dir` must be a checkpoint or empty: it is replaced, never written into."""
         out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
+        if out.exists() and not (out / META).is_file() and (not out.is_dir() or any(out.iterdir())):
+            raise ValueError(f"{out}: exists and is not a checkpoint (no {META}); give another --out")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = out.parent / f".{out.name}.saving-{os.getpid()}"
+        shutil.rmtree(staging, ignore_errors=True)
+        try:
+            self._write(staging)
+            _replace_dir(staging, out)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return out
+
+    def _write(self, out: Path) -> None:
+        out.mkdir()
         self.tokenizer.save(out / TOKENIZER)
         self.labels.save(out / LABELS)
         torch.save(self.encoder.state_dict(), out / ENCODER)
@@ -89,7 +108,6 @@ class Checkpoint:
                 "hnsw": self.hnsw.model_dump(), "text_field": self.text_field, "config": self.config,
                 "fingerprint": self.fingerprint, "metrics": self.metrics}
         (out / META).write_text(json.dumps(meta, indent=2), encoding="utf-8")
-        return out
 
     @classmethod
     def load(cls, ckpt_dir: str | Path) -> Checkpoint:
@@ -120,3 +138,16 @@ class Checkpoint:
             config=meta.get("config", {}), fingerprint=meta.get("fingerprint", {}), metrics=meta.get("metrics", {}),
             validation=validation,
         )
+
+
+def _replace_dir(new: Path, out: Path) -> None:
+    """`new` renamed to `out`; an `out` already there is moved aside first and deleted after (a
+    kill between the two renames leaves both whole: `out`'s old one as .NAME.old-PID beside it)."""
+    if not out.exists():
+        new.rename(out)
+        return
+    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    shutil.rmtree(old, ignore_errors=True)
+    out.rename(old)
+    new.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
