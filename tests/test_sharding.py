@@ -192,3 +192,23 @@ def test_a_projected_bundle_shards_into_projected_shards_that_answer_as_it(proje
                         Predictor.load(projected_bundle, exact).predict(texts, k=10))
     got = ShardedPredictor.load(tmp_path / "p1").predict(texts, k=10)
     assert abs(p_at_5(got, truths) - p_at_5(parent.predict(texts, k=10), truths)) <= 0.5
+
+
+def test_a_sharded_bundle_reads_its_manifests_under_the_limit_it_is_given(sharded_root: Path, tmp_path: Path):
+    """SHORTLIST_MAX_MANIFEST_BYTES reaches every manifest a sharded bundle's loads read (the router's
+    query side reads shard 0's, each shard its own); they read under the default limit before."""
+    copy = tmp_path / "v1"
+    shutil.copytree(sharded_root / "v1", copy)
+    size = 50_000
+    for shard in ("shard-0-of-3", "shard-2-of-3"):
+        path = copy / shard / "manifest.json"
+        data = path.read_bytes()
+        path.write_bytes(data + b" " * (size - len(data)))
+    assert len(ShardedPredictor.load(copy, max_manifest_bytes=size).shards) == 3
+    too_big = rf"shard-0-of-3/manifest\.json: {size} bytes, more than the limit of {size - 1}"
+    with pytest.raises(BundleError, match=too_big):
+        ShardedPredictor.load(copy, max_manifest_bytes=size - 1)
+    from service.engine.sharding import ShardPredictor
+
+    with pytest.raises(BundleError, match=rf"shard-2-of-3/manifest\.json: {size} bytes, more than the limit"):
+        ShardPredictor.load(copy / "shard-2-of-3", max_manifest_bytes=size - 1)

@@ -71,7 +71,7 @@ from service.api.schemas import RequestModels
 from service.api.settings import Settings, load_settings
 from service.engine.predictor import PredictorOptions
 from service.engine.query import QueryEncoder
-from service.engine.schema import BundleError, ShardOf, validate_version_name
+from service.engine.schema import MAX_MANIFEST_BYTES, BundleError, ShardOf, validate_version_name
 from service.engine.sharding import (
     ShardAnswer,
     ShardPredictor,
@@ -129,8 +129,9 @@ class ShardReplica:
     before it serves (a replica Serve starts later, in place of one that died, loads the same
     checksummed files)."""
 
-    def __init__(self, path: str, threads: int = 1) -> None:
-        self.shard = ShardPredictor.load(path, PredictorOptions(threads=threads))
+    def __init__(self, path: str, threads: int = 1, max_manifest_bytes: int = MAX_MANIFEST_BYTES) -> None:
+        self.shard = ShardPredictor.load(path, PredictorOptions(threads=threads),
+                                         max_manifest_bytes=max_manifest_bytes)
 
     def info(self) -> Any:
         return self.shard.info()
@@ -346,7 +347,8 @@ class ShardedRegistry:
             dirs = shard_dirs(self.root / version)
             if len(dirs) != layout.shards:
                 raise BundleError(f"{self.root / version}: {len(dirs)} shards, this service serves {layout.shards}")
-            encoder = QueryEncoder.open(dirs[0], self.settings.engine_threads)
+            encoder = QueryEncoder.open(dirs[0], self.settings.engine_threads,
+                                        max_manifest_bytes=self.settings.max_manifest_bytes)
         except BundleError as exc:
             raise ActivationFailed(str(exc)) from exc
         nonce = uuid.uuid4().hex[:8]
@@ -355,7 +357,8 @@ class ShardedRegistry:
             num_replicas=layout.replicas, max_ongoing_requests=layout.shard_max_ongoing_requests,
             ray_actor_options={"num_cpus": layout.shard_num_cpus})
         try:
-            targets = [serve.RunTarget(deployment.bind(str(d), self.settings.engine_threads), name=name,
+            targets = [serve.RunTarget(deployment.bind(str(d), self.settings.engine_threads,
+                                                         self.settings.max_manifest_bytes), name=name,
                                        route_prefix=None) for d, name in zip(dirs, apps, strict=True)]
             serve.run_many(targets, wait_for_ingress_deployment_creation=False,
                            wait_for_applications_running=False)

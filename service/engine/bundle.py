@@ -147,13 +147,13 @@ class Bundle:
         return bundle
 
     @classmethod
-    def open_query_side(cls, path: str | Path) -> Bundle:
+    def open_query_side(cls, path: str | Path, max_manifest_bytes: int = MAX_MANIFEST_BYTES) -> Bundle:
         """Only what turns texts into encoded queries: the manifest, and the tokenizer and
         encoder files checked (checksums, vocabulary size; every token id encodes when the
         encoder is first made). No label array is opened: a router that encodes a query once
         for every shard of a sharded bundle (service.api.ray_app) holds no label of its own."""
         path = Path(path)
-        manifest = read_manifest(path)
+        manifest = read_manifest(path, max_manifest_bytes)
         if manifest.version != path.name:
             raise BundleError(f"{path / MANIFEST}: version {manifest.version!r} does not match directory name")
         bundle = cls(path, manifest)

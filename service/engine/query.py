@@ -12,6 +12,7 @@ import numpy as np
 
 from service.engine.bundle import Bundle
 from service.engine.encoder import OnnxEncoder
+from service.engine.schema import MAX_MANIFEST_BYTES
 from service.engine.tokenizer import Tokenizer
 
 # Token slots (rows x the batch's longest text) the encoder runs at once. Its graph gathers a
@@ -37,10 +38,11 @@ class QueryEncoder:
         self.encoder = encoder
 
     @classmethod
-    def open(cls, path: str | Path, threads: int = 1) -> QueryEncoder:
+    def open(cls, path: str | Path, threads: int = 1, *,
+             max_manifest_bytes: int = MAX_MANIFEST_BYTES) -> QueryEncoder:
         """The encoder of the bundle at `path`, checked (Bundle.open_query_side) without opening
         its label arrays; raises BundleError naming what is wrong."""
-        bundle = Bundle.open_query_side(path)
+        bundle = Bundle.open_query_side(path, max_manifest_bytes)
         return cls(bundle.tokenizer, bundle.encoder(threads))
 
     def __call__(self, texts: Sequence[str]) -> EncodedQueries:

@@ -29,7 +29,15 @@ import numpy as np
 from service.engine import canary
 from service.engine.predictor import Prediction, Predictor, PredictorOptions
 from service.engine.query import EncodedQueries, QueryEncoder
-from service.engine.schema import ENCODER, ENCODER_DATA, TOKENIZER, BundleError, ShardOf, validate_version_name
+from service.engine.schema import (
+    ENCODER,
+    ENCODER_DATA,
+    MAX_MANIFEST_BYTES,
+    TOKENIZER,
+    BundleError,
+    ShardOf,
+    validate_version_name,
+)
 
 _SHARD_DIR = re.compile(r"^shard-(\d+)-of-(\d+)$")
 
@@ -106,11 +114,13 @@ class ShardPredictor:
         self.parent_ids = ids
 
     @classmethod
-    def load(cls, path: str | Path, options: PredictorOptions | None = None) -> ShardPredictor:
+    def load(cls, path: str | Path, options: PredictorOptions | None = None, *,
+             max_manifest_bytes: int = MAX_MANIFEST_BYTES) -> ShardPredictor:
         """Predictor.load of a shard bundle without an encoder session (its queries come encoded by
         the router, which holds the parent's encoder): every check but the canaries, which need
         encoded texts: the router checks them with check_canaries before the shard serves."""
-        return cls(Predictor.load(path, replace(options or PredictorOptions(), encoder=False)))
+        return cls(Predictor.load(path, replace(options or PredictorOptions(), encoder=False),
+                                  max_manifest_bytes=max_manifest_bytes))
 
     def canary_texts(self) -> list[str]:
         return canary.check_texts(self.predictor.bundle)
@@ -252,9 +262,11 @@ class ShardedPredictor:
         self.token_rows = union_token_rows([s.token_rows() for s in self.shards], vocab)
 
     @classmethod
-    def load(cls, version_dir: str | Path, options: PredictorOptions | None = None) -> ShardedPredictor:
+    def load(cls, version_dir: str | Path, options: PredictorOptions | None = None, *,
+             max_manifest_bytes: int = MAX_MANIFEST_BYTES) -> ShardedPredictor:
         dirs = shard_dirs(Path(version_dir))
-        encoder, shards = QueryEncoder.open(dirs[0]), [ShardPredictor.load(d, options) for d in dirs]
+        encoder = QueryEncoder.open(dirs[0], max_manifest_bytes=max_manifest_bytes)
+        shards = [ShardPredictor.load(d, options, max_manifest_bytes=max_manifest_bytes) for d in dirs]
         for shard in shards:
             shard.check_canaries(encoder(shard.canary_texts()))
         return cls(encoder, shards)
