@@ -169,3 +169,16 @@ def test_every_setting_named_like_a_secret_is_typed_secret():
     about_a_secret = {"admin_token_file", "admin_token_min_chars"}
     named = {name for name in Settings.model_fields if secret_words & set(re.split(r"_", name))}
     assert "admin_token" in named and named - about_a_secret <= secret_fields()
+
+
+def test_labels_add_names_a_bad_setting_without_the_token(tmp_path):
+    # `shortlist labels add` checks each label as the API would, under this environment's
+    # settings: a bad one is named as `serve` names it, not in pydantic's report of every input.
+    labels = tmp_path / "labels.jsonl"
+    labels.write_text('{"uid": "n1", "title": "a new label"}\n')
+    args = ["add", str(tmp_path / "no-bundle"), "--labels", str(labels)]
+    r = _run(args, {"SHORTLIST_PROCESSES": "2"}, tmp_path, "labels")
+    _assert_refused(r, ["SHORTLIST_PROCESSES=2 needs SHORTLIST_STATE_DIR"], "shortlist labels: error: ")
+    r = _run(args, {"SHORTLIST_ADMIN_TOKEN": TOKEN[:15]}, tmp_path, "labels")
+    _assert_refused(r, ["SHORTLIST_ADMIN_TOKEN is shorter than"], "shortlist labels: error: ")
+    assert TOKEN[:15] not in r.stderr
