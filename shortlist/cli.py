@@ -139,6 +139,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler="service.api.server:run_cli")
 
 
+def _add_healthcheck(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("healthcheck", help="exit 0 when the local `shortlist serve` (SHORTLIST_HOST, SHORTLIST_PORT) "
+                                           "is ready (/readyz 200), else 1: the images' HEALTHCHECK")
+    p.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the answer")
+    p.set_defaults(handler="service.api.healthcheck:run_cli")
+
+
 def _add_serve_ray(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve-ray", help="serve sharded bundles (`shortlist shard`) on Ray Serve (the ray extra)")
     p.add_argument("--bundle-root", required=True, help="ROOT of ROOT/VERSION/shard-I-of-N")
@@ -173,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shortlist", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_train, _add_generate, _add_data, _add_export, _add_labels, _add_shard, _add_eval, _add_serve,
-                _add_serve_ray, _add_demo):
+                _add_healthcheck, _add_serve_ray, _add_demo):
         add(sub)
     return parser
 

@@ -284,7 +284,8 @@ def test_echo_route_is_off_by_default_and_on_when_configured(client, bundle_root
 def test_readiness_is_503_until_a_validated_bundle_is_loaded(bundle_root, tmp_path):
     root = tmp_path / "root"
     root.mkdir()
-    env = {"SHORTLIST_ADMIN_TOKEN": "t0ken"}
+    token = "readiness-admin-t0ken"
+    env = {"SHORTLIST_ADMIN_TOKEN": token}
     with serve(root, env=env, ready=False, log_dir=tmp_path) as s, httpx.Client(base_url=s.url) as c:
         assert c.get("/healthz").status_code == 200
         r = c.get("/readyz")
@@ -292,7 +293,7 @@ def test_readiness_is_503_until_a_validated_bundle_is_loaded(bundle_root, tmp_pa
         r = c.post("/v1/predict", json={"text": "x"})
         assert r.status_code == 503 and r.json()["error"] == "not_ready"
         shutil.copytree(bundle_root / "v1", root / "v1")
-        r = c.post("/admin/bundles/activate", json={"version": "v1"}, headers={"authorization": "Bearer t0ken"})
+        r = c.post("/admin/bundles/activate", json={"version": "v1"}, headers={"authorization": f"Bearer {token}"})
         assert r.status_code == 200, r.text
         assert c.get("/readyz").json() == {"status": "ready", "version": "v1"}
         assert c.post("/v1/predict", json={"text": "x"}).json()["version"] == "v1"

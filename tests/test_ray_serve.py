@@ -30,7 +30,7 @@ from service.api.ray_app import LOW_LATENCY_ENV, build_app  # noqa: E402
 from service.engine import Predictor  # noqa: E402
 from shortlist.testing import free_port  # noqa: E402
 
-TOKEN = "ray-test-token"
+TOKEN = "ray-serve-test-token"
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 

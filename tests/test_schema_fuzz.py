@@ -14,7 +14,7 @@ from pathlib import Path
 from shortlist.testing import serve
 
 HERE = Path(__file__).resolve().parent
-TOKEN = "fuzz-token"
+TOKEN = "schema-fuzz-admin-token"
 LIMITS = {"SHORTLIST_MAX_TEXT_CHARS": "50", "SHORTLIST_MAX_K": "20", "SHORTLIST_MAX_BATCH": "8",
           "SHORTLIST_MAX_EXCLUDE": "3", "SHORTLIST_MAX_BODY_BYTES": "4096", "SHORTLIST_ACCESS_LOG": "false",
           "SHORTLIST_ECHO_ROUTE": "true", "SHORTLIST_ADMIN_TOKEN": TOKEN}

@@ -13,7 +13,7 @@ import pytest
 
 from service.api.settings import Settings, SettingsError, load_settings, secret_fields
 
-TOKEN = "s3cr3t-t0ken-F4"
+TOKEN = "s3cr3t-admin-t0ken-F4"
 PREFIX = "shortlist serve: error: "
 
 
@@ -55,19 +55,91 @@ CASES = [
      ["--port 99999: input should be less than or equal to 65535",
       "SHORTLIST_WORKERS='0': input should be greater than or equal to 1"]),
     ("an unknown variable", {"SHORTLIST_ADMIN_TOKN": TOKEN}, [], ["unknown setting(s) SHORTLIST_ADMIN_TOKN"]),
+    # Audit s13 G8: what the container's entry let through.
+    ("a token one character", {"SHORTLIST_ADMIN_TOKEN": "x"}, [],
+     ["SHORTLIST_ADMIN_TOKEN is shorter than SHORTLIST_ADMIN_TOKEN_MIN_CHARS=16 characters: generate one"]),
+    ("a token one character short", {"SHORTLIST_ADMIN_TOKEN": TOKEN[:15]}, [],
+     ["SHORTLIST_ADMIN_TOKEN is shorter than SHORTLIST_ADMIN_TOKEN_MIN_CHARS=16 characters"]),
+    ("a token one short of a raised minimum",
+     {"SHORTLIST_ADMIN_TOKEN": TOKEN[:16], "SHORTLIST_ADMIN_TOKEN_MIN_CHARS": "17"}, [],
+     ["SHORTLIST_ADMIN_TOKEN is shorter than SHORTLIST_ADMIN_TOKEN_MIN_CHARS=17 characters"]),
+    ("a minimum below the floor", {"SHORTLIST_ADMIN_TOKEN_MIN_CHARS": "15"}, [],
+     ["SHORTLIST_ADMIN_TOKEN_MIN_CHARS='15': input should be greater than or equal to 16"]),
+    ("the README's old placeholder", {"SHORTLIST_ADMIN_TOKEN": "change-me"}, [],
+     ["SHORTLIST_ADMIN_TOKEN is the placeholder of an example"]),
+    ("a token ending in a space", {"SHORTLIST_ADMIN_TOKEN": TOKEN + " "}, [],
+     ["SHORTLIST_ADMIN_TOKEN starts or ends with white space"]),
+    ("a version that cannot be a bundle's", {"SHORTLIST_VERSION": "../x"}, [],
+     ["SHORTLIST_VERSION='../x': invalid bundle version: use 1-64 letters"]),
+    ("a version one character too long", {"SHORTLIST_VERSION": "v" * 65}, [], ["SHORTLIST_VERSION='vvv"]),
+    ("the version flag", {}, ["--version", ".."], ["--version ..: invalid bundle version"]),
+    ("the admin port on the main port", {"SHORTLIST_PORT": "9000", "SHORTLIST_ADMIN_PORT": "9000"}, [],
+     ["SHORTLIST_ADMIN_PORT=9000 equals SHORTLIST_PORT: the admin routes need a port of their own"]),
+    ("the admin port on the port flag", {"SHORTLIST_ADMIN_PORT": "9000", "SHORTLIST_ADMIN_HOST": "0.0.0.0"},
+     ["--port", "9000"], ["SHORTLIST_ADMIN_PORT=9000 equals --port"]),
 ]
 
 
 @pytest.mark.parametrize(("what", "env", "args", "expected"), CASES, ids=[c[0] for c in CASES])
 def test_serve_names_each_bad_setting_on_one_line_without_the_token(tmp_path, what, env, args, expected):
-    _assert_refused(_run(args, env, tmp_path), expected)
+    r = _run(args, env, tmp_path)
+    _assert_refused(r, expected)
+    # A refused token is not shown either (one or two characters would be in any sentence).
+    refused_token = env.get("SHORTLIST_ADMIN_TOKEN", TOKEN)
+    assert len(refused_token) < 3 or refused_token not in r.stderr + r.stdout
 
 
-def test_settings_at_their_edge_are_accepted_by_serve(tmp_path):
-    # The same cross-checks at their edge pass: serve goes on to the (missing) bundle root.
-    env = {"SHORTLIST_MAX_TEXT_CHARS": "100", "SHORTLIST_MAX_NORMALIZED_CHARS": "100"}
-    r = _run(["--port", "65535"], env, tmp_path)
+EDGES = [
+    ("limits", {"SHORTLIST_MAX_TEXT_CHARS": "100", "SHORTLIST_MAX_NORMALIZED_CHARS": "100"}, ["--port", "65535"]),
+    ("a token of the minimum length", {"SHORTLIST_ADMIN_TOKEN": TOKEN[:16]}, []),
+    ("a token of a raised minimum", {"SHORTLIST_ADMIN_TOKEN": TOKEN[:17], "SHORTLIST_ADMIN_TOKEN_MIN_CHARS": "17"}, []),
+    ("a version of 64 characters", {"SHORTLIST_VERSION": "v" * 64}, []),
+    ("an admin port beside the port", {"SHORTLIST_ADMIN_PORT": "9001"}, ["--port", "9000"]),
+    # Another address may take the same port; port 0 picks a free one for each server.
+    ("the same port on another address", {"SHORTLIST_ADMIN_PORT": "9000", "SHORTLIST_ADMIN_HOST": "127.0.0.2"},
+     ["--port", "9000"]),
+    ("both ports picked free", {"SHORTLIST_ADMIN_PORT": "0"}, ["--port", "0"]),
+]
+
+
+@pytest.mark.parametrize(("what", "env", "args"), EDGES, ids=[e[0] for e in EDGES])
+def test_settings_at_their_edge_are_accepted_by_serve(tmp_path, what, env, args):
+    # The same checks at their edge pass: serve goes on to the (missing) bundle root.
+    r = _run(args, env, tmp_path)
     assert r.returncode == 2 and "bundle root" in r.stderr and TOKEN not in r.stderr + r.stdout
+
+
+def _token_file_run(tmp_path: Path, content: str | None, **env: str) -> subprocess.CompletedProcess:
+    path = tmp_path / "admin-token"
+    if content is not None:
+        path.write_text(content)
+    return _run([], {"SHORTLIST_ADMIN_TOKEN": "", "SHORTLIST_ADMIN_TOKEN_FILE": str(path), **env}, tmp_path)
+
+
+def test_a_token_file_is_read_at_start_up_without_its_trailing_newline(tmp_path):
+    # At the edge: 16 characters once the newline `echo` writes is dropped.
+    r = _token_file_run(tmp_path, TOKEN[:16] + "\n")
+    assert r.returncode == 2 and "bundle root" in r.stderr and TOKEN[:16] not in r.stderr + r.stdout
+    # A newline is not a character of the token: 15 and a newline are too short.
+    _assert_refused(_token_file_run(tmp_path, TOKEN[:15] + "\n"),
+                    ["the token in SHORTLIST_ADMIN_TOKEN_FILE is shorter than SHORTLIST_ADMIN_TOKEN_MIN_CHARS=16"])
+    _assert_refused(_token_file_run(tmp_path, ""), ["the token in SHORTLIST_ADMIN_TOKEN_FILE is shorter than"])
+
+
+def test_a_token_file_that_cannot_be_read_is_named(tmp_path):
+    path = tmp_path / "admin-token"
+    named = f"SHORTLIST_ADMIN_TOKEN_FILE={path}: cannot be read: "
+    _assert_refused(_token_file_run(tmp_path, None), [named + "no such file or directory"])
+    path.mkdir()
+    _assert_refused(_token_file_run(tmp_path, None), [named + "is a directory"])
+    path.rmdir()
+    path.write_bytes(b"\xff" * 20)  # not text: no client could send it either
+    _assert_refused(_token_file_run(tmp_path, None), [named + "'utf-8' codec can't decode"])
+
+
+def test_a_token_set_twice_is_refused(tmp_path):
+    r = _token_file_run(tmp_path, TOKEN, SHORTLIST_ADMIN_TOKEN=TOKEN)
+    _assert_refused(r, ["SHORTLIST_ADMIN_TOKEN and SHORTLIST_ADMIN_TOKEN_FILE are both set: set one"])
 
 
 def test_serve_ray_checks_the_settings_before_starting_ray(tmp_path):
@@ -81,11 +153,11 @@ def test_serve_ray_checks_the_settings_before_starting_ray(tmp_path):
 
 def test_a_secret_value_is_never_shown_even_where_a_message_would_quote_it(monkeypatch):
     # The token set as the value of a setting whose error names its value: masked.
-    monkeypatch.setenv("SHORTLIST_ADMIN_TOKEN", "abc")
-    monkeypatch.setenv("SHORTLIST_MAX_K", "abc")
+    monkeypatch.setenv("SHORTLIST_ADMIN_TOKEN", TOKEN)
+    monkeypatch.setenv("SHORTLIST_MAX_K", TOKEN)
     with pytest.raises(SettingsError) as caught:
         load_settings()
-    assert "abc" not in str(caught.value) and "SHORTLIST_MAX_K='***'" in str(caught.value)
+    assert TOKEN not in str(caught.value) and "SHORTLIST_MAX_K='***'" in str(caught.value)
     assert caught.value.__suppress_context__  # no chained pydantic report in a traceback
 
 
@@ -93,5 +165,20 @@ def test_every_setting_named_like_a_secret_is_typed_secret():
     # Only SecretStr settings are kept out of messages: a new token, key or password setting
     # typed str would be shown.
     secret_words = {"token", "password", "passphrase", "secret", "key", "credential", "credentials"}
+    # Named so, but not secrets: the path of the file holding the token, and a length.
+    about_a_secret = {"admin_token_file", "admin_token_min_chars"}
     named = {name for name in Settings.model_fields if secret_words & set(re.split(r"_", name))}
-    assert "admin_token" in named and named <= secret_fields()
+    assert "admin_token" in named and named - about_a_secret <= secret_fields()
+
+
+def test_labels_add_names_a_bad_setting_without_the_token(tmp_path):
+    # `shortlist labels add` checks each label as the API would, under this environment's
+    # settings: a bad one is named as `serve` names it, not in pydantic's report of every input.
+    labels = tmp_path / "labels.jsonl"
+    labels.write_text('{"uid": "n1", "title": "a new label"}\n')
+    args = ["add", str(tmp_path / "no-bundle"), "--labels", str(labels)]
+    r = _run(args, {"SHORTLIST_PROCESSES": "2"}, tmp_path, "labels")
+    _assert_refused(r, ["SHORTLIST_PROCESSES=2 needs SHORTLIST_STATE_DIR"], "shortlist labels: error: ")
+    r = _run(args, {"SHORTLIST_ADMIN_TOKEN": TOKEN[:15]}, tmp_path, "labels")
+    _assert_refused(r, ["SHORTLIST_ADMIN_TOKEN is shorter than"], "shortlist labels: error: ")
+    assert TOKEN[:15] not in r.stderr

@@ -56,17 +56,23 @@ def volumes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"bundles": work / "bundles", "state": state, "data": work / "data"}
 
 
+def run_args(volumes: dict[str, Path], env: dict[str, str]) -> list[str]:
+    """`docker run` options as users give them: the volumes, and the admin token unless a file gives it."""
+    if "SHORTLIST_ADMIN_TOKEN_FILE" not in env:
+        env = {"SHORTLIST_ADMIN_TOKEN": TOKEN, **env}
+    return ["-v", f"{volumes['bundles']}:/bundles:ro", "-v", f"{volumes['state']}:/state",
+            *(arg for key, value in env.items() for arg in ("-e", f"{key}={value}"))]
+
+
 @contextmanager
-def container(volumes: dict[str, Path], **env: str) -> Iterator[tuple[str, str]]:
-    """A running container of IMAGE, healthy (its HEALTHCHECK: /readyz 200): (name, base URL)."""
-    name, port = f"shortlist-test-{uuid.uuid4().hex[:8]}", free_port()
-    env = {"SHORTLIST_ADMIN_TOKEN": TOKEN, **env}
-    docker("run", "-d", "--name", name, "-p", f"127.0.0.1:{port}:8000",
-           "-v", f"{volumes['bundles']}:/bundles:ro", "-v", f"{volumes['state']}:/state",
-           *(arg for key, value in env.items() for arg in ("-e", f"{key}={value}")), IMAGE)
+def container(volumes: dict[str, Path], *args: str, port: str = "8000", **env: str) -> Iterator[tuple[str, str]]:
+    """A running container of IMAGE, healthy (its HEALTHCHECK: /readyz 200): (name, base URL).
+    `args`: more `docker run` options; `port`: the one it serves on inside (SHORTLIST_PORT)."""
+    name, host_port = f"shortlist-test-{uuid.uuid4().hex[:8]}", free_port()
+    docker("run", "-d", "--name", name, "-p", f"127.0.0.1:{host_port}:{port}", *args, *run_args(volumes, env), IMAGE)
     try:
         wait_healthy(name)
-        yield name, f"http://127.0.0.1:{port}"
+        yield name, f"http://127.0.0.1:{host_port}"
     finally:
         print(docker("logs", "--tail", "20", name, check=False))
         docker("rm", "-f", name, check=False)
@@ -132,3 +138,35 @@ def test_sigterm_lets_requests_in_flight_finish(volumes: dict[str, Path]) -> Non
         while docker("inspect", "--format", "{{.State.Running}}", name) == "true" and time.monotonic() < deadline:
             time.sleep(0.2)
         assert docker("inspect", "--format", "{{.State.ExitCode}}", name) == "0"
+
+
+def test_another_port_is_healthy_with_the_token_from_a_secret_file(volumes: dict[str, Path], tmp_path: Path) -> None:
+    # Audit s13 G8: the HEALTHCHECK asked port 8000 whatever SHORTLIST_PORT said (never healthy).
+    token = "secret-file-token-" + uuid.uuid4().hex
+    secret = tmp_path / "admin-token"
+    secret.write_text(token + "\n")  # as `openssl rand -hex 32 > admin-token` writes it
+    secret.chmod(0o644)  # the image's user reads it
+    env = {"SHORTLIST_PORT": "9000", "SHORTLIST_ADMIN_TOKEN_FILE": "/run/secrets/admin-token"}
+    with container(volumes, "-v", f"{secret}:/run/secrets/admin-token:ro", port="9000", **env) as (name, url):
+        health = docker("inspect", "--format", "{{json .State.Health.Log}}", name)
+        assert "ready: http://127.0.0.1:9000/readyz answered 200" in health
+        r = httpx.get(f"{url}/admin/bundles", headers={"authorization": f"Bearer {token}"}, timeout=30)
+        assert r.status_code == 200, r.text
+
+
+BAD_SETTINGS = [
+    ({"SHORTLIST_ADMIN_TOKEN": "x"}, "SHORTLIST_ADMIN_TOKEN is shorter than SHORTLIST_ADMIN_TOKEN_MIN_CHARS=16"),
+    ({"SHORTLIST_VERSION": "../x"}, "SHORTLIST_VERSION='../x': invalid bundle version"),
+    ({"SHORTLIST_ADMIN_PORT": "8000"}, "SHORTLIST_ADMIN_PORT=8000 equals SHORTLIST_PORT"),
+]
+
+
+@pytest.mark.parametrize(("env", "named"), BAD_SETTINGS, ids=["short-token", "version", "admin-port"])
+def test_a_bad_setting_stops_the_container_naming_it(volumes: dict[str, Path], env: dict[str, str],
+                                                     named: str) -> None:
+    done = subprocess.run(["docker", "run", "--rm", *run_args(volumes, env), IMAGE], capture_output=True,
+                          text=True, timeout=120, check=False)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert lines[0].startswith("shortlist serve: error: ") and named in lines[0], lines
+    assert TOKEN not in done.stderr + done.stdout

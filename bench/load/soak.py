@@ -33,7 +33,7 @@ from run import CONTAINERS, container, locust  # noqa: E402
 
 from shortlist.bundle_fuzz import index_of, make_variant  # noqa: E402
 
-TOKEN = "soak-token"
+TOKEN = "soak-test-admin-token"
 
 
 def _versions(bundle: Path, root: Path) -> None:

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from service.api.errors import error_message, field_name
 from service.api.schemas import RequestModels
-from service.api.settings import Settings
+from service.api.settings import load_settings
 from service.engine import schema
 from service.engine.jsonlines import iter_rows, iter_text_lines, row_uid
 from service.engine.label_changes import LabelChange, LabelEditor, NewLabel, derived_version
@@ -26,8 +26,9 @@ def read_label_file(path: Path, models: RequestModels | None = None) -> list[New
     """Labels to add, one JSON object a line: {"uid", "title", "content"?, "prior"?}; each uid
     once (.gz read as gzip). A row is checked as the API checks one of POST /admin/labels'
     labels (`models`: the request models under the service's settings, by default those of
-    this environment's SHORTLIST_* variables): one definition of what a new label may be."""
-    model = (models or RequestModels(Settings())).new_label
+    this environment's SHORTLIST_* variables, a bad one named as `serve` names it, never
+    with the admin token): one definition of what a new label may be."""
+    model = (models or RequestModels(load_settings())).new_label
     line_of: dict[str, int] = {}
     labels = []
     for lineno, row in iter_rows(path):

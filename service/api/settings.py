@@ -6,13 +6,22 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, SecretStr, ValidationError, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from service.engine.schema import MAX_MANIFEST_BYTES
+from service.engine.schema import MAX_MANIFEST_BYTES, BundleError, validate_version_name
 from service.engine.tree import MAX_BEAM
 
 ENV_PREFIX = "SHORTLIST_"
+
+# The fewest characters an admin token may have (SHORTLIST_ADMIN_TOKEN_MIN_CHARS may only raise it).
+# The admin routes swap what every client is served and the image listens on all addresses: a
+# short token is guessed, even at ADMIN_AUTH_FAILURES_PER_MINUTE from each of many addresses.
+# 16 random hex characters hold 64 bits; the README generates 64.
+ADMIN_TOKEN_MIN_CHARS = 16
+# Tokens printed in this project's examples (the README's `docker run` once used the first): a
+# deployment copied from an example would publish its admin API with a token anyone can read.
+ADMIN_TOKEN_PLACEHOLDERS = frozenset({"change-me"})
 
 
 class SettingsError(ValueError):
@@ -96,8 +105,12 @@ class Settings(BaseSettings):
     body_timeout_s: float = Field(30.0, gt=0.0, le=3600.0)
     keep_alive_timeout_s: float = Field(5.0, gt=0.0, le=3600.0)
 
-    # Admin API: off unless a token is set; optionally on its own port.
+    # Admin API: off unless a token is set (the variable, or the file admin_token_file names,
+    # e.g. a Docker or compose secret: a variable's value shows in `docker inspect`; the file is
+    # read at start-up, its trailing newline dropped); optionally on its own port.
     admin_token: SecretStr | None = None
+    admin_token_file: Path | None = None
+    admin_token_min_chars: int = Field(ADMIN_TOKEN_MIN_CHARS, ge=ADMIN_TOKEN_MIN_CHARS, le=4096)
     admin_host: str | None = None
     admin_port: int | None = Field(None, ge=0, le=65535)
     # Quality gate at activation, on the bundle's stored validation rows: P@1 (percent) must
@@ -155,6 +168,38 @@ class Settings(BaseSettings):
                              "unset: more than one process serves the admin routes on the main port")
         return self
 
+    @field_validator("version")
+    @classmethod
+    def _version_is_a_version_name(cls, version: str | None) -> str | None:
+        # A name that cannot be a bundle's (`../x`) is configuration, refused here: start-up's
+        # fallback to the newest bundle is for a version that exists in name but cannot be served.
+        try:
+            return None if version is None else validate_version_name(version)
+        except BundleError as exc:
+            raise ValueError(str(exc).replace(f" {version!r}", "", 1)) from None
+
+    @model_validator(mode="after")
+    def _admin_port_of_its_own(self) -> Settings:
+        # Two servers cannot listen on one address and port: uvicorn would stop after start-up
+        # with "address already in use". Port 0 picks a free port for each.
+        if self.admin_port and self.admin_port == self.port and _same_address(self.admin_host or self.host, self.host):
+            raise CrossCheck(("admin_port", "port"), f"{{admin_port}}={self.admin_port} equals {{port}}: the admin "
+                             "routes need a port of their own (unset it to serve them on the main port)")
+        return self
+
+    @model_validator(mode="after")
+    def _admin_token_usable(self) -> Settings:
+        if self.admin_token_file is not None:
+            if self.admin_token is not None:
+                raise CrossCheck(("admin_token", "admin_token_file"),
+                                 "{admin_token} and {admin_token_file} are both set: set one")
+            self.admin_token = SecretStr(_read_token_file(self.admin_token_file))
+        if self.admin_token is not None:
+            _check_admin_token(self.admin_token.get_secret_value(),
+                               "admin_token_file" if self.admin_token_file is not None else "admin_token",
+                               self.admin_token_min_chars)
+        return self
+
     @model_validator(mode="after")
     def _normalized_at_least_raw(self) -> Settings:
         if self.max_normalized_chars is not None and self.max_normalized_chars < self.max_text_chars:
@@ -172,7 +217,8 @@ class Settings(BaseSettings):
         """These settings as SHORTLIST_* variables, from which another process builds the same Settings."""
         env = {}
         for name, value in self.model_dump().items():
-            if value is None:
+            # A token read from a file stays there: each process reads the file itself.
+            if value is None or (name == "admin_token" and self.admin_token_file is not None):
                 continue
             if isinstance(value, SecretStr):
                 value = value.get_secret_value()
@@ -191,6 +237,43 @@ class Settings(BaseSettings):
             raise ValueError(f"unknown setting(s) {', '.join(unknown)}: not one of "
                              f"{', '.join(prefix + f.upper() for f in type(self).model_fields)}")
         return self
+
+
+def _same_address(a: str, b: str) -> bool:
+    """Whether servers on hosts `a` and `b` would both take a port's one address (a wildcard takes every one)."""
+    wildcards = ("", "0.0.0.0", "::")
+    return a == b or a in wildcards or b in wildcards
+
+
+def _read_token_file(path: Path) -> str:
+    try:
+        token = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise CrossCheck(("admin_token_file",), f"{{admin_token_file}}={_braces(str(path))}: cannot be read: "
+                         f"{_braces(reason.lower())}") from None
+    # `echo TOKEN > file` and editors end the file with a newline, which no client sends.
+    return token.removesuffix("\n").removesuffix("\r")
+
+
+def _check_admin_token(token: str, source: str, min_chars: int) -> None:
+    """Refuse a token a client cannot send or anyone could guess; `source` names the setting that
+    gave it, and no message holds the token."""
+    advice = "generate one, e.g. `openssl rand -hex 32`"
+    token_of = f"{{{source}}}" if source == "admin_token" else f"the token in {{{source}}}"
+    if token in ADMIN_TOKEN_PLACEHOLDERS:
+        raise CrossCheck((source,), f"{token_of} is the placeholder of an example: {advice}")
+    if len(token) < min_chars:
+        raise CrossCheck((source, "admin_token_min_chars"), f"{token_of} is shorter than "
+                         f"{{admin_token_min_chars}}={min_chars} characters: {advice}")
+    if token != token.strip():
+        raise CrossCheck((source,), f"{token_of} starts or ends with white space, which a client's "
+                         "Authorization header cannot carry")
+
+
+def _braces(text: str) -> str:
+    """`text` as literal text in a CrossCheck reason (which is formatted with the settings' names)."""
+    return text.replace("{", "{{").replace("}", "}}")
 
 
 def secret_fields() -> frozenset[str]:
@@ -253,6 +336,8 @@ def _without_secrets(text: str, flags: dict[str, tuple[str, Any]]) -> str:
     for field in secret_fields():
         value = flags[field][1] if field in flags else _environment_value(variable_name(field))
         value = value.get_secret_value() if isinstance(value, SecretStr) else value
-        if value:
+        # A shorter token is refused (_check_admin_token) and never in use; masking its few
+        # characters wherever they occur would garble the message that refuses it.
+        if value and len(str(value)) >= ADMIN_TOKEN_MIN_CHARS:
             text = text.replace(str(value), "***")
     return text

@@ -1,0 +1,43 @@
+"""`shortlist healthcheck`: exit 0 when the local `shortlist serve` is ready (/readyz answers 200),
+1 otherwise, with one line saying which. The images' HEALTHCHECK runs it.
+
+It asks the port and host `serve` takes from the environment (SHORTLIST_PORT, SHORTLIST_HOST), so
+a container run with another port is still found. It reads those two variables itself instead of
+loading every setting: the check runs every few seconds, and importing the settings (pydantic,
+numpy) costs a serving box most of a second of CPU each time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import os
+import urllib.error
+import urllib.request
+
+# `shortlist serve`'s own defaults (service/api/settings.py), for a process started without the variables.
+DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", "8000"
+# Hosts that bind every address of the machine: the check asks over loopback.
+WILDCARD_HOSTS = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1", "[::]": "::1"}
+
+
+def readiness_url(environ: dict[str, str] | os._Environ[str]) -> str:
+    """The /readyz URL of the server these SHORTLIST_* variables configure."""
+    host = environ.get("SHORTLIST_HOST") or DEFAULT_HOST
+    host = WILDCARD_HOSTS.get(host, host).strip("[]")
+    port = environ.get("SHORTLIST_PORT") or DEFAULT_PORT
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/readyz"
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    url = readiness_url(os.environ)
+    try:
+        with urllib.request.urlopen(url, timeout=args.timeout) as response:
+            status = response.status
+    except urllib.error.HTTPError as exc:
+        status = exc.code
+    except (OSError, ValueError, http.client.HTTPException) as exc:  # refused, timed out, a bad port
+        print(f"not ready: {url}: {getattr(exc, 'reason', exc)}")
+        return 1
+    print(f"{'ready' if status == 200 else 'not ready'}: {url} answered {status}")
+    return 0 if status == 200 else 1

@@ -1,0 +1,76 @@
+"""What the image's entry relies on, on a real `shortlist serve` (audit s13 G8): the admin token
+from a file (a Docker or compose secret), `shortlist healthcheck` on the port SHORTLIST_PORT sets,
+and start-up's fallback kept for a well-formed version that cannot be served."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+from test_admin import TOKEN
+
+from shortlist.testing import free_port, serve
+
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+
+
+def _token_file(tmp_path: Path) -> Path:
+    path = tmp_path / "admin-token"
+    path.write_text(TOKEN + "\n")  # as `echo` or `openssl rand -hex 32 >` writes it
+    return path
+
+
+def _healthcheck(**env: str) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SHORTLIST_")}
+    return subprocess.run([sys.executable, "-m", "shortlist.cli", "healthcheck"], capture_output=True, text=True,
+                          timeout=60, env={**base, **env})
+
+
+def test_a_token_file_opens_the_admin_api_to_its_token_without_the_newline(bundle_root, tmp_path):
+    env = {"SHORTLIST_ADMIN_TOKEN_FILE": str(_token_file(tmp_path))}
+    with serve(bundle_root, env=env, log_dir=tmp_path) as s, httpx.Client(base_url=s.url, timeout=60) as c:
+        assert c.get("/admin/bundles", headers=AUTH).status_code == 200
+        assert c.get("/admin/bundles", headers={"authorization": f"Bearer {TOKEN}x"}).status_code == 403
+        r = c.post("/admin/bundles/activate", json={"version": "v1"}, headers=AUTH)
+        assert r.status_code == 200, r.text
+
+
+def test_several_processes_each_read_the_token_file(bundle_root, tmp_path):
+    # The arbiter hands its settings to the processes as variables: the token stays in its
+    # file (both set would stop each process), and every process takes it.
+    env = {"SHORTLIST_ADMIN_TOKEN_FILE": str(_token_file(tmp_path)), "SHORTLIST_STATE_DIR": str(tmp_path / "state"),
+           "SHORTLIST_PROCESSES": "2", "SHORTLIST_ACCESS_LOG": "false"}
+    with serve(bundle_root, env=env, log_dir=tmp_path, timeout=120) as s:
+        for _ in range(4):  # a new connection each: both processes answer some
+            assert httpx.get(f"{s.url}/admin/bundles", headers=AUTH, timeout=60).status_code == 200
+        r = httpx.post(f"{s.url}/admin/bundles/activate", json={"version": "v1"}, headers=AUTH, timeout=120)
+        assert r.status_code == 200, r.text
+    assert "both set" not in s.log()
+
+
+def test_healthcheck_follows_the_port_and_is_healthy_only_when_ready(bundle_root, tmp_path):
+    with serve(bundle_root, log_dir=tmp_path) as s:
+        port = s.url.rsplit(":", 1)[1]
+        # The image binds every address; the check asks over loopback.
+        r = _healthcheck(SHORTLIST_HOST="0.0.0.0", SHORTLIST_PORT=port)
+        assert r.returncode == 0 and r.stdout.startswith(f"ready: http://127.0.0.1:{port}/readyz answered 200"), r
+        r = _healthcheck(SHORTLIST_HOST="127.0.0.1", SHORTLIST_PORT=port)
+        assert r.returncode == 0, r
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with serve(empty, ready=False, log_dir=tmp_path) as s:  # alive, nothing to serve: /readyz 503
+        r = _healthcheck(SHORTLIST_PORT=s.url.rsplit(":", 1)[1])
+        assert r.returncode == 1 and "answered 503" in r.stdout, r
+    r = _healthcheck(SHORTLIST_PORT=str(free_port()))  # nothing listens
+    assert r.returncode == 1 and r.stdout.startswith("not ready: ") and "refused" in r.stdout, r
+    r = _healthcheck(SHORTLIST_PORT="http")
+    assert r.returncode == 1 and "nonnumeric port" in r.stdout and "Traceback" not in r.stderr, r
+
+
+def test_a_well_formed_version_that_is_not_there_still_falls_back_to_the_newest(bundle_root, tmp_path):
+    with serve(bundle_root, env={"SHORTLIST_VERSION": "v9"}, log_dir=tmp_path) as s:
+        assert httpx.get(f"{s.url}/readyz").json()["version"] == "v2"
+        assert 'shortlist_startup_fallback{wanted="v9"} 1.0' in httpx.get(f"{s.url}/metrics").text
