@@ -10,7 +10,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,8 +65,11 @@ def serve(
     admin_port: bool = False,
     ready: bool = True,
     timeout: float = 60.0,
+    wrap: Sequence[str] = (),
 ) -> Iterator[Server]:
-    """Start `shortlist serve` and wait for /healthz (and /readyz unless ready=False)."""
+    """Start `shortlist serve` and wait for /healthz (and /readyz unless ready=False). `wrap`: a
+    command that execs the server's command given after it (e.g. `unshare -m` with a mount
+    first), so the server's pid is the process started."""
     port = free_port()
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("SHORTLIST_")}
     full_env.update(env or {})
@@ -75,7 +78,7 @@ def serve(
         aport = free_port()
         full_env["SHORTLIST_ADMIN_PORT"] = str(aport)
         admin_url = f"http://127.0.0.1:{aport}"
-    cmd = [sys.executable, "-m", "shortlist.cli", "serve", "--bundle-root", str(bundle_root),
+    cmd = [*wrap, sys.executable, "-m", "shortlist.cli", "serve", "--bundle-root", str(bundle_root),
            "--host", "127.0.0.1", "--port", str(port)]
     if version is not None:
         cmd += ["--version", version]

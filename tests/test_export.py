@@ -99,8 +99,10 @@ def test_killed_export_never_leaves_a_bundle_under_its_final_name(checkpoints, t
     assert not (root / "vkill").exists()
     with pytest.raises(BundleError, match="no bundle"):
         newest_version(root)  # the leftover staging directory is never mistaken for a bundle
+    assert any(root.glob(".staging-vkill-*"))
     export_checkpoint(checkpoints["v1"], root, "vkill")
     assert Predictor.load(root / "vkill").version == "vkill"
+    assert sorted(p.name for p in root.iterdir()) == ["vkill"]  # the dead export's staging swept before the write
 
 
 def test_export_rejects_bad_version_names(checkpoints, tmp_path):

@@ -250,6 +250,8 @@ def test_rollback_passes_over_a_version_that_no_longer_loads(service: Service):
     dropped, the one before it served; with none left, a 404."""
     status, result = service.activate("v2")
     assert status == 200 and result["previous"] == "v1", result
+    status, result = service.activate("v2")  # what serves: nothing loaded, nothing pushed onto the history
+    assert status == 200 and result["unchanged"] and result["seconds"] == 0.0, result
     aside = service.root.parent / "v1-aside"
     (service.root / "v1").rename(aside)
     try:

@@ -50,3 +50,31 @@ def test_rollback_skips_entries_that_no_longer_load_and_drops_them(bundle_root_c
         r = c.post("/admin/bundles/rollback")
         assert r.status_code == 404 and r.json()["message"] == "no previously active bundle to roll back to"
         assert c.get("/readyz").json()["version"] == "a"
+
+
+def test_activating_the_served_version_changes_nothing_and_rollback_passes_over_it(bundle_root, tmp_path):
+    """Audit s13, G6: an idempotent deploy that activates what serves must not fill the history with
+    it, and a history recorded so (by an older release) must not make rollbacks stand still."""
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    # As an older release recorded three activations of the served version.
+    (state_dir / "active.json").write_text(json.dumps({"version": "v2", "history": ["v1", "v2", "v2", "v2"]}))
+    env = {"SHORTLIST_ADMIN_TOKEN": TOKEN, "SHORTLIST_STATE_DIR": str(state_dir)}
+    with serve(bundle_root, env=env, log_dir=tmp_path) as s, \
+            httpx.Client(base_url=s.url, headers=AUTH, timeout=120) as c:
+        for _ in range(3):
+            r = c.post("/admin/bundles/activate", json={"version": "v2"})
+            assert r.status_code == 200, r.text
+            assert r.json() | {"seconds": 0} == {"active": "v2", "previous": "v2", "unchanged": True, "seconds": 0,
+                                                  "quality": {}, "processes": {}, "skipped": []}
+        assert json.loads((state_dir / "active.json").read_text())["history"] == ["v1", "v2", "v2", "v2"]
+        r = c.post("/admin/bundles/rollback")
+        assert r.status_code == 200 and r.json()["active"] == "v1" and r.json()["skipped"] == [], r.text
+        assert json.loads((state_dir / "active.json").read_text())["history"] == []
+        # An activation that changes something pushes what served.
+        r = c.post("/admin/bundles/activate", json={"version": "v2"})
+        assert r.status_code == 200 and r.json()["active"] == "v2" and not r.json()["unchanged"], r.text
+        assert json.loads((state_dir / "active.json").read_text())["history"] == ["v1"]
+        r = c.post("/admin/bundles/activate", json={"version": "v2"})
+        assert r.status_code == 200 and r.json()["unchanged"], r.text
+        assert json.loads((state_dir / "active.json").read_text())["history"] == ["v1"]

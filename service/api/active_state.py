@@ -9,16 +9,18 @@ makes activations exclusive among the processes sharing the directory.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import orjson
 
+from service.engine.jsonlines import os_reason
 from service.engine.schema import BundleError, validate_version_name
 from service.engine.small_files import read_small_file
 from service.engine.store import utc_now
@@ -38,6 +40,30 @@ class StateBusy(Exception):
     """Another process holds the activation lock."""
 
 
+NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+class StateUnavailable(OSError):
+    """The state directory cannot be written (a full disk, a read-only mount, a directory where
+    a file of it is expected): the server's storage, not the bundle's nor the client's fault
+    (HTTP 507 when out of space, else 503). What serves keeps serving, nothing half-written is
+    left, and the next write works once the fault is gone. An OSError, so that the CLI and every
+    best-effort `except OSError` report it as they report any storage error."""
+
+    def __init__(self, state_dir: Path, cause: OSError, doing: str) -> None:
+        where = cause.filename2 if cause.filename2 is not None else cause.filename
+        # The probe, lock or temporary file is an implementation detail; the directory is what to fix.
+        path = None if where is None else Path(os.fsdecode(where))
+        what = "" if path is None or state_dir in (path, path.parent) else f"{path}: "
+        super().__init__(f"the state directory {state_dir} (SHORTLIST_STATE_DIR) cannot be written: cannot {doing}: "
+                         f"{what}{os_reason(cause)}")
+        self.errno = cause.errno
+
+    @property
+    def no_space(self) -> bool:
+        return self.errno in NO_SPACE
+
+
 class ActiveVersionFile:
     def __init__(self, state_dir: str | Path, max_bytes: int = MAX_ACTIVE_FILE_BYTES) -> None:
         self.dir = Path(state_dir)
@@ -46,11 +72,15 @@ class ActiveVersionFile:
         self._last_problem: str | None = None  # logged once, not at every process-sync tick
 
     def prepare(self) -> None:
-        """Create the directory and prove it writable now, not at the first activation."""
-        self.dir.mkdir(parents=True, exist_ok=True)
-        probe = self.dir / f".write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
+        """Create the directory and prove it writable now, not at the first activation
+        (StateUnavailable naming it)."""
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            probe = self.dir / f".write-test-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            raise StateUnavailable(self.dir, exc, "create a file there") from None
 
     def read(self) -> str | None:
         """The remembered version; None when nothing was recorded or the record is unreadable."""
@@ -84,8 +114,12 @@ class ActiveVersionFile:
     @contextmanager
     def exclusive(self) -> Iterator[None]:
         """Hold the activation lock of the directory; StateBusy at once if another process does.
-        (flock: released by the kernel when its holder dies, so a crash leaves no stale lock.)"""
-        fd = os.open(self.dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        (flock: released by the kernel when its holder dies, so a crash leaves no stale lock.)
+        StateUnavailable when the lock file cannot be opened."""
+        try:
+            fd = os.open(self.dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise StateUnavailable(self.dir, exc, "open the activation lock") from None
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -96,14 +130,21 @@ class ActiveVersionFile:
             os.close(fd)
 
     def write(self, version: str, history: list[str] | None = None) -> None:
+        """Record `version` (and the history before it); StateUnavailable, the old record left as
+        it was and no temporary file behind, when the directory cannot take it."""
         tmp = self.dir / f".{ACTIVE_FILE}.{os.getpid()}.tmp"
         data = json.dumps({"version": version, "activated_at": utc_now(),
                            "history": (history or [])[-HISTORY_LENGTH:]}).encode()
-        with tmp.open("wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        try:
+            with tmp.open("wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            with suppress(OSError):  # a directory in its place stays: not ours to remove
+                tmp.unlink()
+            raise StateUnavailable(self.dir, exc, f"record the active version in {ACTIVE_FILE}") from None
         fd = os.open(self.dir, os.O_RDONLY)
         try:
             os.fsync(fd)

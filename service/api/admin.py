@@ -14,6 +14,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Path
 
+from service.api.active_state import StateUnavailable
 from service.api.dependencies import AdminRoute, State
 from service.api.errors import ApiError
 from service.api.observability import error_log
@@ -43,12 +44,14 @@ from service.engine.schema import BundleError
 # 401 / 403: no or a wrong token; 404: no such bundle (or nothing to roll back to); 409: another
 # activation is running; 422: the bundle was refused (the serving one keeps serving).
 # 429: too many wrong admin tokens from this address (dependencies.MinuteBudget). 503: with
-# several processes, one could not serve the version the others now serve (service.api.processes).
-ACTIVATION_ERRORS = documented(401, 403, 404, 409, 422, 429, 503)
+# several processes, one could not serve the version the others now serve (service.api.processes);
+# or `state_unavailable`: the state directory cannot be written (507 when out of space).
+ACTIVATION_ERRORS = documented(401, 403, 404, 409, 422, 429, 503, 507)
 # 409: no state directory to write to; 422: a label or uid that does not fit (named), or the new
 # bundle refused; 429: past label_changes_per_minute or max_pending_label_changes; 503: nothing
-# serves, or with several processes one could not serve the new version.
-LABEL_ERRORS = documented(400, 401, 403, 409, 413, 415, 422, 429, 503)
+# serves, or with several processes one could not serve the new version, or the state directory
+# cannot be written (507 when out of space).
+LABEL_ERRORS = documented(400, 401, 403, 409, 413, 415, 422, 429, 503, 507)
 _ENGINE_FIELD = re.compile(r"^(add|retire)(\[\d+\])?(\.\w+)?$")
 
 
@@ -70,8 +73,18 @@ async def _activate(state: State, fn: Callable[..., dict[str, Any]], *args: Any)
         metrics.failed_activations.labels("diverged").inc()
         error_log.error(json.dumps({"event": "processes_diverged", "message": str(exc)}))
         raise ApiError(503, "processes_diverged", str(exc)) from None
+    except StateUnavailable as exc:
+        raise _state_unavailable(state, exc) from None
     metrics.activation_seconds.observe(result["seconds"])
     return ActivationResult(**result)
+
+
+def _state_unavailable(state: State, exc: StateUnavailable) -> ApiError:
+    """The answer to a write the state directory refused: the server's storage, not the request,
+    is at fault (507 Insufficient Storage when out of space); what serves keeps serving."""
+    state.metrics.failed_activations.labels("state").inc()
+    error_log.error(json.dumps({"event": "state_unavailable", "message": str(exc)}))
+    return ApiError(507 if exc.no_space else 503, "state_unavailable", str(exc))
 
 
 def _request_field(engine_field: str, single_uid: bool) -> str:
@@ -120,6 +133,8 @@ async def _change(state: State, change: LabelChange, single_uid: bool = False) -
         raise ApiError(503, "processes_diverged", str(exc)) from None
     except NoBundle as exc:
         raise ApiError(503, "not_ready", str(exc)) from None
+    except StateUnavailable as exc:
+        raise _state_unavailable(state, exc) from None
     report = result["change"]
     state.label_changes.record("all")  # the budget counts versions made, not refusals
     state.metrics.activation_seconds.observe(result["seconds"])

@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.api.active_state import ActiveVersionFile
+from service.api.active_state import ActiveVersionFile, StateUnavailable
 from service.api.admin import admin_router
 from service.api.batching import EngineRunner
 from service.api.dependencies import MinuteBudget, ServiceState, State
@@ -45,13 +45,16 @@ def build_state(settings: Settings, preloaded: Bundle | None = None) -> ServiceS
         metrics.swaps.inc()
         metrics.set_active(new)
 
+    store = BundleStore(settings.bundle_root, settings.state_dir, settings.max_manifest_bytes)
+    store.sweep_staging()  # what writes killed half-way left (a restart after a crash)
     registry = BundleRegistry(
-        BundleStore(settings.bundle_root, settings.state_dir, settings.max_manifest_bytes),
+        store,
         engine_threads=settings.engine_threads,
         quality_gate_min_p1=settings.quality_gate_min_p1, drain_timeout_s=settings.drain_timeout_s,
         on_swap=on_swap, loader_nice=settings.loader_nice, remembered=_remembered(settings),
         check_timeout_s=settings.load_check_timeout_s if settings.load_check_in_child else None,
         max_pending_changes=settings.max_pending_label_changes, preloaded=preloaded,
+        keep_derived_versions=settings.keep_derived_versions,
     )
     runner = EngineRunner(
         settings.workers, batching=settings.batching, max_batch=settings.batch_max_size,
@@ -219,7 +222,7 @@ async def initial_load(state: ServiceState) -> None:
             state.metrics.startup_fallback.labels(wanted=result["fallback_from"]).set(1)
             error_log.error(json.dumps({"event": "startup_fallback", "wanted": result["fallback_from"],
                                         "serving": result["active"], "reason": result["reason"]}))
-    except (ActivationFailed, BundleNotFound, ActivationInProgress) as exc:
+    except (ActivationFailed, BundleNotFound, ActivationInProgress, StateUnavailable) as exc:
         state.metrics.failed_activations.labels("startup").inc()
         error_log.error(json.dumps({"event": "startup_load_failed", "message": str(exc),
                                     "bundle_root": str(state.settings.bundle_root)}))

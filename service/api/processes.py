@@ -18,11 +18,13 @@ import logging
 import os
 import threading
 import time
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
 import orjson
 
+from service.api.active_state import StateUnavailable
 from service.api.registry import ActivationFailed, ActivationInProgress, BundleNotFound, BundleRegistry
 from service.engine.small_files import read_small_file
 
@@ -68,6 +70,7 @@ class ProcessGroup:
     def start(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.registry.converge = self.wait_for
+        self.registry.served_by_processes = self.served_versions
         self.members()  # drops the records of processes that died (the one this may replace)
         self._publish()
         self._thread = threading.Thread(target=self._run, name="process-sync", daemon=True)
@@ -78,6 +81,7 @@ class ProcessGroup:
         if self._thread is not None:
             self._thread.join(timeout=10)
         self.registry.converge = None
+        self.registry.served_by_processes = None
         (self.dir / f"{self.pid}.json").unlink(missing_ok=True)
 
     def _run(self) -> None:
@@ -108,8 +112,13 @@ class ProcessGroup:
         if record == self._published:
             return
         tmp = self.dir / f".{self.pid}.json.tmp"
-        tmp.write_text(json.dumps(record), encoding="utf-8")
-        os.replace(tmp, self.dir / f"{self.pid}.json")
+        try:
+            tmp.write_text(json.dumps(record), encoding="utf-8")
+            os.replace(tmp, self.dir / f"{self.pid}.json")
+        except OSError as exc:
+            with suppress(OSError):
+                tmp.unlink()
+            raise StateUnavailable(self.dir.parent, exc, "publish the version this process serves") from None
         self._published = record
 
     def members(self) -> dict[int, dict[str, Any]]:
@@ -124,10 +133,15 @@ class ProcessGroup:
             except (ValueError, OSError):
                 continue
             if not process_alive(pid):
-                path.unlink(missing_ok=True)
+                with suppress(OSError):  # tidying; a read-only directory keeps the record of the dead
+                    path.unlink()
                 continue
             out[pid] = record
         return out
+
+    def served_versions(self) -> set[str]:
+        """The versions the live processes sharing the directory serve (derived versions kept)."""
+        return {str(m["version"]) for m in self.members().values() if m.get("version")}
 
     def wait_for(self, version: str) -> dict[str, object]:
         """Block until every live process serves `version`: {pid: version}. ProcessesDiverged

@@ -49,7 +49,7 @@ from ray.serve.schema import ApplicationStatus
 from starlette.requests import Request
 from starlette.responses import Response
 
-from service.api.active_state import HISTORY_LENGTH, ActiveVersionFile
+from service.api.active_state import ActiveVersionFile, StateUnavailable
 from service.api.app import apply_runtime_tuning, create_app
 from service.api.dependencies import MinuteBudget, ServiceState, lease_engine
 from service.api.errors import ApiError
@@ -61,11 +61,11 @@ from service.api.registry import (
     BundleNotFound,
     LabelChangesUnavailable,
     Leased,
-    StateNotRecorded,
     exclusive_activation,
     lease,
     record_no_history,
     roll_back,
+    with_previous,
 )
 from service.api.schemas import RequestModels
 from service.api.settings import Settings, load_settings
@@ -268,14 +268,16 @@ class ShardedRegistry:
 
     def activate(self, version: str | None = None) -> dict[str, object]:
         with self._exclusive():
-            old = self.active_version
-            history = [*self._history, old][-HISTORY_LENGTH:] if old is not None else self._history
-            return self._activate_locked(version, history)
+            version = version if version is not None else self._resolve(None)  # the newest
+            if version == self.active_version:
+                return {"active": version, "previous": version, "seconds": 0.0, "quality": {}, "unchanged": True}
+            return self._activate_locked(version, with_previous(self._history, self.active_version, version))
 
     def rollback(self) -> dict[str, object]:
         """Serve the most recent previously active version that still loads (registry.roll_back)."""
         with self._exclusive():
-            result, skipped = roll_back(self._history, self._activate_locked, self._forget_history)
+            result, skipped = roll_back(self._history, self._activate_locked, self._forget_history,
+                                        self.active_version)
             return {**result, "skipped": skipped}
 
     def _forget_history(self) -> None:
@@ -309,9 +311,9 @@ class ShardedRegistry:
         if self.remembered is not None:
             try:
                 self.remembered.write(engine.version, history)
-            except OSError as exc:
+            except StateUnavailable:
                 self._delete_apps(engine.apps)
-                raise StateNotRecorded(f"cannot record the active version in {self.remembered.dir}: {exc}") from exc
+                raise
         self._history = history
         old, self._active = self._active, engine  # phase 2: the switch
         if old is not None:
@@ -483,7 +485,7 @@ class ShardedIngress:
             result = await asyncio.wrap_future(registry.in_loader(registry.start, self.settings.version))
             if "fallback_from" in result:
                 metrics.startup_fallback.labels(wanted=result["fallback_from"]).set(1)
-        except (ActivationFailed, BundleNotFound, ActivationInProgress) as exc:
+        except (ActivationFailed, BundleNotFound, ActivationInProgress, StateUnavailable) as exc:
             metrics.failed_activations.labels("startup").inc()
             error_log.error(json.dumps({"event": "startup_load_failed", "message": str(exc),
                                         "bundle_root": str(self.settings.bundle_root)}))

@@ -23,7 +23,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from service.api.active_state import HISTORY_LENGTH, ActiveVersionFile, StateBusy
+from service.api.active_state import HISTORY_LENGTH, ActiveVersionFile, StateBusy, StateUnavailable
 from service.engine import heap
 from service.engine.bundle import Bundle, drop_cached_pages
 from service.engine.isolated import check_in_child
@@ -48,26 +48,32 @@ class ActivationFailed(Exception):
     """The bundle failed validation or the quality gate (HTTP 422); the old one keeps serving."""
 
 
-class StateNotRecorded(ActivationFailed):
-    """The state directory could not record the new active version (the bundle itself was fine)."""
+def with_previous(history: list[str], previous: str | None, new: str | None) -> list[str]:
+    """The history to record when `new` replaces `previous`: `previous` pushed (the last
+    HISTORY_LENGTH kept), unless nothing served or it is `new` itself (a rollback must go
+    somewhere else)."""
+    if previous is None or previous == new:
+        return history
+    return [*history, previous][-HISTORY_LENGTH:]
 
 
 def roll_back(history: list[str], activate: Callable[[str, list[str]], dict[str, object]],
-              forget: Callable[[], None]) -> tuple[dict[str, object], list[dict[str, str]]]:
-    """activate(version, the history before it) for the newest entry of `history` that still loads:
-    (its result; the entries passed over, each {"version", "reason"}). An entry that no longer
+              forget: Callable[[], None], active: str | None) -> tuple[dict[str, object], list[dict[str, str]]]:
+    """activate(version, the history before it) for the newest entry of `history` that still loads
+    and is not `active` (rolling back to what serves would change nothing): (its result; the
+    entries passed over for not loading, each {"version", "reason"}). An entry that no longer
     loads (deleted, or refused: corrupt, failing the gate) is passed over and left out of the
     history the next one is activated with: otherwise one such entry would fail every rollback
     for good. When none loads, forget() (the caller empties its recorded history) and
     BundleNotFound naming what was passed over. A state directory that cannot record the switch
-    (StateNotRecorded) is not the entry's fault: raised."""
+    (StateUnavailable) is not the entry's fault: raised."""
     skipped: list[dict[str, str]] = []
     while history:
         version, history = history[-1], history[:-1]
+        if version == active:
+            continue
         try:
             return activate(version, history), skipped
-        except StateNotRecorded:
-            raise
         except (BundleNotFound, ActivationFailed) as exc:
             log.warning("rollback skips %s, which no longer loads: %s", version, exc)
             skipped.append({"version": version, "reason": str(exc)})
@@ -247,8 +253,11 @@ class BundleRegistry:
         editor: LabelEditor | None = None,
         max_pending_changes: int = 64,
         preloaded: Bundle | None = None,
+        keep_derived_versions: int | None = None,
     ) -> None:
         self.store = root if isinstance(root, BundleStore) else BundleStore(root)
+        # Derived versions kept beyond those in use after each activation (None: all, for ever).
+        self.keep_derived_versions = keep_derived_versions
         # A bundle opened and checked by the process this one was forked from (service.api.supervisor):
         # the first load of its directory serves it, sharing its pages; any other load closes it.
         self._preloaded = preloaded
@@ -266,8 +275,10 @@ class BundleRegistry:
         self.quality_gate_min_p1 = quality_gate_min_p1
         self.drain_timeout_s = drain_timeout_s
         self.on_swap = on_swap
-        # Set by a ProcessGroup: waits until every process serves a version this one activated.
+        # Set by a ProcessGroup: waits until every process serves a version this one activated;
+        # the versions the processes sharing the state directory serve.
         self.converge: Callable[[str], dict[str, object]] | None = None
+        self.served_by_processes: Callable[[], set[str]] | None = None
         self._active: Engine | None = None
         self._history: list[str] = []  # previously active versions, most recent last
         self._activation_lock = threading.Lock()
@@ -321,7 +332,7 @@ class BundleRegistry:
                 raise TooManyPendingChanges(f"{self._pending_changes} label changes are waiting; retry shortly")
             self._pending_changes += 1
         try:
-            future = self._changes.submit(self.change_labels, change)
+            future = self._changes.submit(self._change_in_state_dir, change)
         except RuntimeError:  # shut down
             self._change_done(None)
             raise NoBundle("the service is shutting down") from None
@@ -331,6 +342,17 @@ class BundleRegistry:
     def _change_done(self, _future: Future | None) -> None:
         with self._pending_lock:
             self._pending_changes -= 1
+
+    def _change_in_state_dir(self, change: LabelChange) -> dict[str, object]:
+        """change_labels, a storage error writing the new version said as StateUnavailable: the
+        derive removed what it had staged, and the serving version serves on."""
+        try:
+            return self.change_labels(change)
+        except StateUnavailable:
+            raise
+        except OSError as exc:
+            state_dir = self.store.derived_root.parent if self.store.derived_root is not None else Path()
+            raise StateUnavailable(state_dir, exc, "write the new version") from exc
 
     def change_labels(self, change: LabelChange) -> dict[str, object]:
         """Derive a bundle from the serving one with `change` applied, write it to the state
@@ -384,21 +406,36 @@ class BundleRegistry:
             yield
 
     def activate(self, version: str | None = None) -> dict[str, object]:
-        """Load, validate and swap in `version` (default: the newest bundle of any place).
+        """Load, validate and swap in `version` (default: the newest bundle of any place). The
+        version this process serves and the state directory records is left as it is: nothing
+        loaded, nothing pushed onto the rollback history (the result's "unchanged").
 
-        Raises ActivationInProgress, BundleNotFound or ActivationFailed; on any failure the
-        active bundle is untouched.
+        Raises ActivationInProgress, BundleNotFound, ActivationFailed or StateUnavailable; on
+        any failure the active bundle is untouched.
         """
         with self._exclusive():
-            old = self.active_version
-            history = [*self._history, old][-HISTORY_LENGTH:] if old is not None else self._history
-            return self._converged(self._activate_locked(version, history=history))
+            wanted = version if version is not None else _newest_or_none(self.store)
+            current = self._current()
+            if wanted is not None and wanted == current == self.active_version:
+                return self._converged({"active": wanted, "previous": wanted, "seconds": 0.0, "quality": {},
+                                        "unchanged": True})
+            history = with_previous(self._history, current, wanted)
+            return self._converged(self._activate_locked(wanted, history=history))
+
+    def _current(self) -> str | None:
+        """What an activation replaces: the recorded version (another process sharing the state
+        directory may have activated it since this one last followed), None while this process
+        serves nothing (start-up: a recorded version that failed to load is not history)."""
+        if self.active_version is None:
+            return None
+        recorded = self.remembered.read() if self.remembered is not None else None
+        return recorded or self.active_version
 
     def rollback(self) -> dict[str, object]:
         """Serve the most recent previously active version that still loads (roll_back)."""
         with self._exclusive():
             result, skipped = roll_back(self._history, lambda version, rest: self._activate_locked(
-                version, history=rest), self._forget_history)
+                version, history=rest), self._forget_history, self._current())
             return {**self._converged(result), "skipped": skipped}
 
     def _forget_history(self) -> None:
@@ -437,6 +474,8 @@ class BundleRegistry:
             threading.Thread(target=self._drain_and_close, args=(old,), daemon=True).start()
         else:
             heap.trim()  # the load's buffers; otherwise the release of `old` trims
+        if not follow:
+            self._prune_derived({new.version, *history, *([old.version] if old else [])})
         seconds = time.perf_counter() - t0
         if self.on_swap is not None:
             self.on_swap(old.version if old else None, new.version)
@@ -479,15 +518,28 @@ class BundleRegistry:
             return {**result, "fallback_from": wanted or "(newest)", "reason": str(first_error)}
         raise first_error
 
+    def _prune_derived(self, in_use: set[str]) -> None:
+        """Remove the derived versions past keep_derived_versions that nothing may serve: not
+        `in_use` (the active version, the rollback history, the one draining) nor served by a
+        process sharing the state directory. Under the activation lock, so no activation
+        elsewhere picks one meanwhile; a failure is logged, never the activation's."""
+        if self.keep_derived_versions is None or self.store.derived_root is None:
+            return
+        try:
+            served = self.served_by_processes() if self.served_by_processes is not None else set()
+            self.store.prune_derived(self.keep_derived_versions, in_use | served)
+        except (OSError, BundleError) as exc:
+            log.warning("could not remove old derived versions: %s", exc)
+
     def _remember(self, predictor: Predictor, history: list[str]) -> None:
         """Record the version about to serve before it does: served is always remembered."""
         if self.remembered is None:
             return
         try:
             self.remembered.write(predictor.bundle.version, history)
-        except OSError as exc:
+        except StateUnavailable:
             predictor.bundle.close()
-            raise StateNotRecorded(f"cannot record the active version in {self.remembered.dir}: {exc}") from exc
+            raise
 
     def _resolve(self, version: str | None) -> Path:
         """The directory of `version` (default: the newest bundle of any place)."""

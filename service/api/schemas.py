@@ -217,6 +217,9 @@ class ActivationResult(BaseModel):
     processes: dict[str, str | None] = Field(default_factory=dict)
     # Rollback: the more recent history entries passed over (and dropped) because they no longer load.
     skipped: list[SkippedVersion] = Field(default_factory=list)
+    # Activate: the version asked for serves already (and is the one recorded): nothing was loaded or
+    # pushed onto the rollback history.
+    unchanged: bool = False
 
 
 class LabelChangeResult(BaseModel):

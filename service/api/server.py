@@ -15,6 +15,7 @@ import tempfile
 
 import uvicorn
 
+from service.api.active_state import ActiveVersionFile
 from service.api.http_protocol import protocol_kwargs
 from service.api.processes import MULTIPROCESS_ENV
 from service.api.settings import Settings, load_settings
@@ -65,6 +66,10 @@ def _run_processes(settings: Settings) -> None:
     put there first; prometheus-client keeps each process's metric values in files under a
     directory made for this run (service.api.observability).
     """
+    if settings.state_dir is not None:
+        # Here, not in each process: a state directory that cannot be written stops start-up
+        # naming it (exit 2), instead of every process failing to boot under the arbiter.
+        ActiveVersionFile(settings.state_dir).prepare()
     os.environ.update(settings.environment())
     with tempfile.TemporaryDirectory(prefix="shortlist-metrics-") as metrics_dir:
         os.environ[MULTIPROCESS_ENV] = metrics_dir

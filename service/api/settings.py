@@ -128,6 +128,10 @@ class Settings(BaseSettings):
     max_uid_chars: int = Field(256, ge=1, le=10_000)
     label_changes_per_minute: int = Field(120, ge=1, le=100_000)
     max_pending_label_changes: int = Field(64, ge=1, le=10_000)
+    # Derived versions kept in STATE_DIR/bundles: after each activation the oldest beyond this many
+    # are removed, unless one is active, in the rollback history or served by a process sharing the
+    # state directory (README "Labels added live": disk use).
+    keep_derived_versions: int = Field(16, ge=0, le=10_000)
     # Platform tricks for hot swaps beside live traffic, both off by default (bench/swap.py
     # measures what they buy; README "Hot swap"). loader_nice: bundle loads (startup,
     # activation, rollback) run on threads this much nicer than the serving threads (0..19),

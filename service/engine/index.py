@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import struct
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -131,6 +133,7 @@ class VectorIndex:
         """Write the index to `path` (and its projection beside it); returns the files written."""
         path = Path(path)
         self._index.save_index(str(path))
+        _check_written(path, self._index.index_file_size())
         if self.projection is None:
             return [path]
         return [path, self.projection.save(path.with_name(projection_file(path.name)))]
@@ -241,6 +244,18 @@ class Projection:
         if np.abs(gram - np.eye(dim)).max() > _ORTHONORMAL_TOLERANCE:
             raise ValueError(f"{path}: the components are not orthonormal (not a projection export wrote)")
         return cls(components, stored[-1])
+
+
+def _check_written(path: Path, expected: int) -> None:
+    """hnswlib writes through a C++ stream that ignores failures: a full disk (or a file that
+    cannot be opened) leaves a cut index, or none, without a word. An OSError naming the file
+    when it is not the whole index (ENOSPC when the filesystem has no room left for the rest)."""
+    written = path.stat().st_size
+    if written == expected:
+        return
+    fs = os.statvfs(path.parent)
+    code = errno.ENOSPC if fs.f_bavail * fs.f_frsize < expected - written else errno.EIO
+    raise OSError(code, f"{os.strerror(code)} (hnswlib wrote {written} of the index's {expected} bytes)", str(path))
 
 
 def centred_rows(vectors: np.ndarray) -> np.ndarray:

@@ -10,9 +10,14 @@ bundle in one place: a name found in both is refused, never guessed.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import logging
 import os
+import secrets
 import shutil
+import threading
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -105,17 +110,117 @@ def resolve_bundle_dir(root: str | Path, version: str) -> Path:
     return candidate
 
 
+STAGING_PREFIX = ".staging-"
+# A derived version being removed (BundleStore.prune_derived): renamed out of listings, then deleted.
+REMOVING_PREFIX = ".removing-"
+# Staging directory -> the descriptor whose flock says its writer (this process) is alive.
+_held: dict[Path, int] = {}
+_held_lock = threading.Lock()
+
+
 def staging_dir(root: Path, version: str) -> Path:
-    """A fresh hidden directory under root to write bundle `version` into."""
+    """A fresh hidden directory under root to write bundle `version` into, flock'ed by this
+    process while it writes: sweep_staging (run here first) removes only directories no live
+    writer holds, whatever pid their name has (pids repeat: a container's server is pid 1 at
+    every run). The lock goes with finalize_bundle's rename, or once the directory is gone (a
+    failed write removes its staging directory)."""
     validate_version_name(version)
     root.mkdir(parents=True, exist_ok=True)
     if (root / version).exists():
         raise BundleError(f"bundle {root / version} already exists; bundles are immutable, pick another version")
-    staging = root / f".staging-{version}-{os.getpid()}"
-    if staging.exists():
-        shutil.rmtree(staging)
-    staging.mkdir()
-    return staging
+    _release_gone()
+    sweep_staging(root)
+    for _ in range(3):  # a sweep elsewhere may take a directory between its mkdir and its lock
+        staging = root / f"{STAGING_PREFIX}{version}-{os.getpid()}-{secrets.token_hex(4)}"
+        staging.mkdir()
+        if _hold(staging):
+            return staging
+    raise OSError(errno.EBUSY, "staging directories were removed by a sweep as they were made", str(root))
+
+
+def _hold(staging: Path) -> bool:
+    """Lock `staging` for this process; False when it is gone or another holds it (a sweep
+    removing it). Where flock is not supported the directory is written unlocked (and no sweep
+    can lock it either: it is never removed)."""
+    try:
+        fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held = os.path.samestat(os.stat(staging), os.fstat(fd))  # not swept before the lock
+    except (BlockingIOError, FileNotFoundError):  # a sweep holds it, or removed it
+        held = False
+    except OSError as exc:
+        log.warning("cannot lock %s (%s): it is written unlocked", staging, exc)
+        os.close(fd)
+        return True
+    if not held:
+        os.close(fd)
+        return False
+    with _held_lock:
+        _held[staging] = fd
+    return True
+
+
+def _release(staging: Path) -> None:
+    with _held_lock:
+        fd = _held.pop(staging, None)
+    if fd is not None:
+        os.close(fd)
+
+
+def _release_gone() -> None:
+    """Let go of the staging directories of failed writes (removed by their writer)."""
+    with _held_lock:
+        gone = [path for path in _held if not os.path.lexists(path)]
+    for path in gone:
+        _release(path)
+
+
+def sweep_staging(root: Path) -> list[Path]:
+    """Remove what writers that died left directly under root: staging directories no live
+    writer holds (a write killed half-way) and versions half removed (prune_derived killed).
+    Nothing is done where root cannot be written (a read-only bundle root). Returns what was
+    removed."""
+    if not os.access(root, os.W_OK):
+        return []
+    removed = []
+    try:
+        children = [c for c in root.iterdir() if c.name.startswith((STAGING_PREFIX, REMOVING_PREFIX))]
+    except OSError:
+        return []
+    for child in children:
+        half_removed = child.name.startswith(REMOVING_PREFIX)
+        fd = None if half_removed else _take_stale(child)
+        if fd is None and not half_removed:
+            continue  # a live writer's (or not a directory)
+        try:
+            shutil.rmtree(child, ignore_errors=True)
+        finally:
+            if fd is not None:
+                os.close(fd)  # held until removed: a writer that opened it meanwhile sees it gone
+        if not os.path.lexists(child):
+            removed.append(child)
+    if removed:
+        log.info("removed %d directories left by writers that died under %s: %s", len(removed), root,
+                 ", ".join(c.name for c in removed))
+    return removed
+
+
+def _take_stale(staging: Path) -> int | None:
+    """A descriptor holding `staging`'s lock, None when a live writer holds it, it is no
+    directory (a symlink is never followed) or it cannot be locked."""
+    try:
+        fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def write_manifest(staging: Path, fields: dict[str, Any], known: dict[str, str] | None = None) -> Manifest:
@@ -143,6 +248,7 @@ def finalize_bundle(staging: Path, root: Path, version: str) -> Path:
     for p in staging.iterdir():
         _fsync(p)
     os.rename(staging, final)
+    _release(staging)
     _fsync(final.parent)
     return final
 
@@ -203,14 +309,45 @@ class BundleStore:
             raise BundleError(f"no bundle under {where}")
         return bundles[-1].version
 
+    def sweep_staging(self) -> list[Path]:
+        """sweep_staging of every place."""
+        return [path for _, root in self.places() for path in sweep_staging(root)]
+
+    def prune_derived(self, keep: int, protected: Collection[str]) -> list[str]:
+        """Remove the oldest derived versions (STATE_DIR/bundles) beyond the newest `keep`, never
+        one in `protected`. Each is renamed out of sight first (no listing sees half of one),
+        then deleted, and an empty file keeps its name taken (`exists`): a version name is never
+        given to other contents. One that cannot be removed is logged and left. Returns the
+        versions removed."""
+        if self.derived_root is None:
+            return []
+        derived = list_bundles(self.derived_root, self.max_manifest_bytes)  # oldest first
+        doomed = [m.version for m in derived[: max(len(derived) - keep, 0)] if m.version not in protected]
+        removed = []
+        for version in doomed:
+            hidden = self.derived_root / f"{REMOVING_PREFIX}{version}-{secrets.token_hex(4)}"
+            try:
+                os.rename(self.derived_root / version, hidden)
+                (self.derived_root / version).touch(exist_ok=False)
+            except OSError as exc:
+                log.warning("cannot remove derived version %s: %s", version, exc)
+                continue
+            shutil.rmtree(hidden, ignore_errors=True)
+            removed.append(version)
+        if removed:
+            log.info("removed derived versions beyond the newest %d: %s", keep, ", ".join(removed))
+        return removed
+
     def exists(self, version: str) -> bool:
+        """Whether the name is taken in any place (by a bundle, or by a removed derived version)."""
         return any((path / version).exists() for _, path in self.places())
 
     def resolve(self, version: str) -> Path:
         """The directory of `version`, from whichever place holds it; BundleError when none
         does ("no bundle ...") or both do."""
         validate_version_name(version)
-        held = [(place, path) for place, path in self.places() if (path / version).exists()]
+        # Directories only: a file of the version's name is a removed version's (prune_derived).
+        held = [(place, path) for place, path in self.places() if (path / version).is_dir()]
         if len(held) > 1:
             where = " and ".join(f"{path.resolve() / version} ({place})" for place, path in held)
             raise BundleError(f"bundle {version!r} exists twice: {where}; remove or rename one")

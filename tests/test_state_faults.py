@@ -1,0 +1,195 @@
+"""The state directory failing under the service (audit s13, G2 and G9), over a real uvicorn with
+real faults: a full disk (a symlink to /dev/full where active.json's temporary file goes, a small
+tmpfs), a directory or a file where one of its files is expected, a read-only mount. Every admin
+write answers one class, `state_unavailable` (507 when out of space, else 503), naming the state
+directory and the reason; the serving version serves on, nothing half-written is left and the next
+write works once the fault is gone. Mounts are made in a private mount namespace (`unshare -m`,
+as root); those tests are skipped where that is not possible."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from test_admin import AUTH, TOKEN
+
+from shortlist.testing import serve
+
+ADD = {"labels": [{"uid": "sf-1", "title": "kama zani"}]}
+
+
+def _env(state_dir: Path, **extra: str) -> dict[str, str]:
+    return {"SHORTLIST_ADMIN_TOKEN": TOKEN, "SHORTLIST_STATE_DIR": str(state_dir), **extra}
+
+
+def _recorded(state_dir: Path) -> dict:
+    return json.loads((state_dir / "active.json").read_text())
+
+
+def _assert_state_unavailable(r: httpx.Response, status: int, state_dir: Path, reason: str) -> None:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert body["error"] == "state_unavailable", body
+    assert f"state directory {state_dir} (SHORTLIST_STATE_DIR)" in body["message"] and reason in body["message"], body
+
+
+def _leftovers(state_dir: Path) -> list[str]:
+    """Temporary and staging files a failed write would leave."""
+    return sorted(p.name for d in (state_dir, state_dir / "bundles") if d.is_dir() for p in d.iterdir()
+                  if p.name.endswith(".tmp") or p.name.startswith(".staging-"))
+
+
+def test_active_json_on_a_full_disk_answers_507_and_the_serving_version_stays(bundle_root, tmp_path):
+    state = tmp_path / "state"
+    with serve(bundle_root, version="v1", env=_env(state), log_dir=tmp_path) as s, \
+            httpx.Client(base_url=s.url, headers=AUTH, timeout=120) as c:
+        assert _recorded(state)["version"] == "v1"
+        tmp = state / f".active.json.{s.proc.pid}.tmp"
+        for attempt in (lambda: c.post("/admin/bundles/activate", json={"version": "v2"}),
+                        lambda: c.post("/admin/labels", json=ADD)):
+            os.symlink("/dev/full", tmp)  # every write to it: ENOSPC
+            _assert_state_unavailable(attempt(), 507, state, "no space left on device")
+            assert c.get("/readyz").json()["version"] == "v1"
+            assert _recorded(state)["version"] == "v1"
+            assert not os.path.lexists(tmp) and _leftovers(state) == []
+        assert 'shortlist_bundle_activation_failures_total{reason="state"} 2.0' in c.get("/metrics").text
+        # The fault gone (the temporary name is free again): the next activation records and serves.
+        r = c.post("/admin/bundles/activate", json={"version": "v2"})
+        assert r.status_code == 200 and r.json()["active"] == "v2", r.text
+        assert _recorded(state) | {"activated_at": None} == {"version": "v2", "history": ["v1"], "activated_at": None}
+
+
+def test_a_directory_where_the_lock_or_active_json_goes_answers_503_for_every_admin_write(bundle_root, tmp_path):
+    state = tmp_path / "state"
+    with serve(bundle_root, version="v1", env=_env(state), log_dir=tmp_path) as s, \
+            httpx.Client(base_url=s.url, headers=AUTH, timeout=120) as c:
+        assert c.post("/admin/bundles/activate", json={"version": "v2"}).status_code == 200
+        (state / ".activation.lock").unlink()
+        (state / ".activation.lock").mkdir()
+        writes = {"activate": lambda: c.post("/admin/bundles/activate", json={"version": "v1"}),
+                  "rollback": lambda: c.post("/admin/bundles/rollback"),
+                  "add": lambda: c.post("/admin/labels", json=ADD),
+                  "retire": lambda: c.post("/admin/labels/retire", json={"uids": ["sf-1"]}),
+                  "delete": lambda: c.delete("/admin/labels/sf-1")}
+        for name, write in writes.items():
+            r = write()
+            _assert_state_unavailable(r, 503, state, "is a directory")
+            assert "activation lock" in r.json()["message"], name
+        assert c.post("/v1/predict", json={"text": "kama"}).json()["version"] == "v2"
+        (state / ".activation.lock").rmdir()
+
+        (state / f".active.json.{s.proc.pid}.tmp").mkdir()  # not a file the record can be written to
+        _assert_state_unavailable(c.post("/admin/bundles/rollback"), 503, state, "is a directory")
+        assert (state / f".active.json.{s.proc.pid}.tmp").is_dir()  # not ours to remove
+        (state / f".active.json.{s.proc.pid}.tmp").rmdir()
+
+        r = c.post("/admin/bundles/rollback")
+        assert r.status_code == 200 and r.json()["active"] == "v1", r.text
+        assert _recorded(state)["version"] == "v1"
+
+
+def test_a_label_change_that_cannot_write_its_version_answers_503_and_leaves_nothing(bundle_root, tmp_path):
+    state = tmp_path / "state"
+    with serve(bundle_root, version="v2", env=_env(state), log_dir=tmp_path) as s, \
+            httpx.Client(base_url=s.url, headers=AUTH, timeout=120) as c:
+        (state / "bundles").write_text("")  # a file where the derived versions' directory goes
+        _assert_state_unavailable(c.post("/admin/labels", json=ADD), 503, state, "file exists")
+        assert c.get("/readyz").json()["version"] == "v2" and _recorded(state)["version"] == "v2"
+        (state / "bundles").unlink()
+        r = c.post("/admin/labels", json=ADD)
+        assert r.status_code == 200 and r.json()["active"] == "v2.labels-1", r.text
+        assert _leftovers(state) == []
+
+
+def test_an_unwritable_state_dir_stops_start_up_naming_the_setting_with_several_processes(bundle_root, tmp_path):
+    in_the_way = tmp_path / "state-file"
+    in_the_way.write_text("")
+    env = {"PATH": "/usr/bin:/bin", "SHORTLIST_STATE_DIR": str(in_the_way / "sub"), "SHORTLIST_PROCESSES": "2"}
+    r = subprocess.run([sys.executable, "-m", "shortlist.cli", "serve", "--bundle-root", str(bundle_root)],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == (f"shortlist serve: error: the state directory {in_the_way / 'sub'} "
+                                "(SHORTLIST_STATE_DIR) cannot be written: cannot create a file there: not a directory")
+
+
+def _namespace_reason() -> str | None:
+    """Why mounts in a private namespace cannot be made here, or None."""
+    if shutil.which("unshare") is None or shutil.which("nsenter") is None:
+        return "unshare/nsenter not installed"
+    if os.geteuid() != 0:
+        return "mounting a tmpfs needs root"
+    r = subprocess.run(["unshare", "-m", "--propagation", "private", "mount", "-t", "tmpfs", "tmpfs", "/mnt"],
+                       capture_output=True, text=True)
+    return None if r.returncode == 0 else f"unshare -m cannot mount here: {r.stderr.strip()}"
+
+
+needs_namespace = pytest.mark.skipif(_namespace_reason() is not None, reason=str(_namespace_reason()))
+
+
+def _mounting(mount: str) -> list[str]:
+    """serve(wrap=...): the server in a private mount namespace where `mount` ran first."""
+    return ["unshare", "-m", "--propagation", "private", "sh", "-c", f'{mount} && exec "$@"', "sh"]
+
+
+def _in_namespace(pid: int, command: str) -> None:
+    subprocess.run(["nsenter", "-t", str(pid), "-m", "sh", "-c", command], check=True, capture_output=True)
+
+
+def _read_only(path: Path) -> str:
+    return f"mount --bind {path} {path} && mount -o remount,ro,bind {path}"
+
+
+@needs_namespace
+def test_a_label_change_on_a_full_disk_answers_507_and_the_next_works_once_there_is_room(bundle_root, tmp_path):
+    state = tmp_path / "state"
+    state.mkdir()
+    # Another filesystem than the bundle root: the first change copies the parent's files (~2 MB).
+    wrap = _mounting(f"mount -t tmpfs -o size=600k tmpfs {state}")
+    with serve(bundle_root, version="v2", env=_env(state), log_dir=tmp_path, wrap=wrap) as s, \
+            httpx.Client(base_url=s.url, headers=AUTH, timeout=120) as c:
+        _assert_state_unavailable(c.post("/admin/labels", json=ADD), 507, state, "no space left on device")
+        assert c.post("/v1/predict", json={"text": "kama"}).json()["version"] == "v2"
+        listing = subprocess.run(["nsenter", "-t", str(s.proc.pid), "-m", "ls", "-A", state / "bundles"],
+                                 capture_output=True, text=True, check=True).stdout
+        assert listing == ""  # the staged version removed
+        _in_namespace(s.proc.pid, f"mount -o remount,size=64m {state}")
+        r = c.post("/admin/labels", json=ADD)
+        assert r.status_code == 200 and r.json()["active"] == "v2.labels-1", r.text
+
+
+@needs_namespace
+def test_a_state_dir_turned_read_only_answers_503_for_every_admin_write_and_predictions_go_on(bundle_root, tmp_path):
+    state = tmp_path / "state"
+    state.mkdir()
+    with serve(bundle_root, version="v1", env=_env(state), log_dir=tmp_path, wrap=_mounting("true")) as s, \
+            httpx.Client(base_url=s.url, headers=AUTH, timeout=120) as c:
+        assert c.post("/admin/bundles/activate", json={"version": "v2"}).status_code == 200
+        _in_namespace(s.proc.pid, _read_only(state))
+        for write in (lambda: c.post("/admin/bundles/activate", json={"version": "v1"}),
+                      lambda: c.post("/admin/bundles/rollback"),
+                      lambda: c.post("/admin/labels", json=ADD),
+                      lambda: c.post("/admin/labels/retire", json={"uids": ["sf-1"]})):
+            _assert_state_unavailable(write(), 503, state, "read-only file system")
+        assert c.post("/v1/predict", json={"text": "kama"}).json()["version"] == "v2"
+        _in_namespace(s.proc.pid, f"mount -o remount,rw,bind {state}")
+        r = c.post("/admin/bundles/rollback")
+        assert r.status_code == 200 and r.json()["active"] == "v1", r.text
+
+
+@needs_namespace
+def test_a_read_only_state_dir_at_start_up_is_named_by_its_setting(bundle_root, tmp_path):
+    state = tmp_path / "state"
+    state.mkdir()
+    cmd = [*_mounting(_read_only(state)), sys.executable, "-m", "shortlist.cli", "serve",
+           "--bundle-root", str(bundle_root)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60,
+                       env={"PATH": os.environ["PATH"], "SHORTLIST_STATE_DIR": str(state)})
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == (f"shortlist serve: error: the state directory {state} (SHORTLIST_STATE_DIR) "
+                                "cannot be written: cannot create a file there: read-only file system")
