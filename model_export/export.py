@@ -38,8 +38,7 @@ def export_checkpoint(ckpt_dir: str | Path, root: str | Path, version: str | Non
     `vector_dtype`: how the label vectors are (service.engine.vectors; default: the training
     config's, which the scoring was tuned on)."""
     t0 = time.perf_counter()
-    ckpt = Checkpoint.load(ckpt_dir)
-    _check_shapes(ckpt, Path(ckpt_dir))
+    ckpt = Checkpoint.load(ckpt_dir)  # its files checked against its checkpoint.json
     version = schema.validate_version_name(version or default_version())
     staging = store.staging_dir(Path(root), version)
     try:
@@ -103,16 +102,6 @@ def _write_files(ckpt: Checkpoint, staging: Path, version: str, ef_search: int |
                     "encoder_table_dtype": encoder_dtype},
         "vector_dtype": vector_dtype,
     }
-
-
-def _check_shapes(ckpt: Checkpoint, ckpt_dir: Path) -> None:
-    L, D = len(ckpt.labels), ckpt.encoder.dim
-    found = {"classifiers.npy": ckpt.classifiers.weights_, "classifier_bias.npy": ckpt.classifiers.bias_,
-             "centroids.npy": ckpt.centroids.vectors_}
-    expected = {"classifiers.npy": (L, D), "classifier_bias.npy": (L,), "centroids.npy": (L, D)}
-    for name, shape in expected.items():
-        if found[name].shape != shape:
-            raise ValueError(f"{ckpt_dir / name}: shape {found[name].shape}, expected {shape} ({L} labels, dim {D})")
 
 
 def validation_metrics(predictor: Predictor, rows: list[dict]) -> dict[str, float]:

@@ -650,3 +650,17 @@ def test_the_data_minimums_are_enforced_at_and_past_their_edges_and_small_data_i
     ckpt.save(tmp_path / "ck")
     assert Checkpoint.load(tmp_path / "ck").metrics["data_warnings"] == ckpt.metrics["data_warnings"]
 
+
+def test_retune_and_refit_tree_refuse_a_checkpoint_whose_files_changed(checkpoints, synthetic_data, tmp_path, capsys):
+    changed = tmp_path / "ck"
+    shutil.copytree(checkpoints["v1"], changed)
+    data = bytearray((changed / "centroids.npy").read_bytes())
+    data[-1] ^= 0xFF  # one value of the last centroid
+    (changed / "centroids.npy").write_bytes(bytes(data))
+    for mode in ("--retune", "--refit-tree"):
+        assert cli_main(["train", "--data", str(synthetic_data), "--out", str(tmp_path / "out"), mode,
+                         str(changed)]) == 2
+        assert capsys.readouterr().err == (
+            f"shortlist train: error: {changed / 'centroids.npy'}: sha256 differs from checkpoint.json's: the file "
+            "changed after the checkpoint was saved (edited, or written by another run)\n")
+    assert not (tmp_path / "out").exists()
