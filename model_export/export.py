@@ -20,6 +20,7 @@ from service.engine.index import build_label_indices
 from service.engine.metrics import ranking_metrics, shortlist_recall
 from service.engine.predictor import Predictor
 from training.checkpoint import Checkpoint
+from training.files import naming
 from training.token_shortlist import lexical_files
 
 log = logging.getLogger("shortlist.export")
@@ -42,18 +43,19 @@ def export_checkpoint(ckpt_dir: str | Path, root: str | Path, version: str | Non
     version = schema.validate_version_name(version or default_version())
     staging = store.staging_dir(Path(root), version)
     try:
-        fields = _write_files(ckpt, staging, version, ef_search, n_parity, encoder_dtype,
-                              vector_dtype or ckpt.config.get("vector_dtype", "float32"))
-        store.write_manifest(staging, fields)
-        staged = Bundle.open(staging, staged=True)
-        predictor = Predictor(staged)
-        texts = [r["text"] for r in ckpt.validation[:CANARY_QUERIES]] or list(ckpt.labels.titles[:CANARY_QUERIES])
-        fields["canary"] = [c.model_dump() for c in canary.record(predictor, texts)]
-        if ckpt.validation:
-            fields["metrics"]["validation"] = validation_metrics(predictor, staged.validation_rows())
-        staged.close()
-        store.write_manifest(staging, fields)
-        final = store.finalize_bundle(staging, Path(root), version)
+        with naming(Path(root) / version):  # an error naming no file (a full disk) names the bundle
+            fields = _write_files(ckpt, staging, version, ef_search, n_parity, encoder_dtype,
+                                  vector_dtype or ckpt.config.get("vector_dtype", "float32"))
+            store.write_manifest(staging, fields)
+            staged = Bundle.open(staging, staged=True)
+            predictor = Predictor(staged)
+            texts = [r["text"] for r in ckpt.validation[:CANARY_QUERIES]] or list(ckpt.labels.titles[:CANARY_QUERIES])
+            fields["canary"] = [c.model_dump() for c in canary.record(predictor, texts)]
+            if ckpt.validation:
+                fields["metrics"]["validation"] = validation_metrics(predictor, staged.validation_rows())
+            staged.close()
+            store.write_manifest(staging, fields)
+            final = store.finalize_bundle(staging, Path(root), version)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

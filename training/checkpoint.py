@@ -21,6 +21,7 @@ the indices were built in training) is read too; export builds its indices.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -41,6 +42,7 @@ from service.engine.tokenizer import Tokenizer
 from training.centroids import CENTROIDS_FILE, Centroids
 from training.classifiers import BIAS_FILE, WEIGHTS_FILE, OneVsAll
 from training.encoder import SiameseEncoder
+from training.files import naming
 from training.token_shortlist import load_table, save_table
 from training.tree_train import AdversarialTree
 
@@ -87,7 +89,8 @@ class Checkpoint:
         staging = out.parent / f".{out.name}.saving-{os.getpid()}"
         shutil.rmtree(staging, ignore_errors=True)
         try:
-            self._write(staging)
+            with naming(out):  # an error naming no file (a full disk) names the checkpoint
+                self._write(staging)
             _replace_dir(staging, out)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
@@ -97,7 +100,11 @@ class Checkpoint:
         out.mkdir()
         self.tokenizer.save(out / TOKENIZER)
         self.labels.save(out / LABELS)
-        torch.save(self.encoder.state_dict(), out / ENCODER)
+        # Serialised in memory (V x D floats, ~200 MB at most), then written: torch's zip writer
+        # turns a short write on a full disk into a RuntimeError, this write an OSError.
+        encoded = io.BytesIO()
+        torch.save(self.encoder.state_dict(), encoded)
+        (out / ENCODER).write_bytes(encoded.getbuffer())
         self.classifiers.save(out)
         self.centroids.save(out)
         if self.indices is not None:
