@@ -20,6 +20,7 @@ from service.engine.index import build_label_indices
 from service.engine.metrics import ranking_metrics, shortlist_recall
 from service.engine.predictor import Predictor
 from training.checkpoint import Checkpoint
+from training.files import naming
 from training.token_shortlist import lexical_files
 
 log = logging.getLogger("shortlist.export")
@@ -38,23 +39,23 @@ def export_checkpoint(ckpt_dir: str | Path, root: str | Path, version: str | Non
     `vector_dtype`: how the label vectors are (service.engine.vectors; default: the training
     config's, which the scoring was tuned on)."""
     t0 = time.perf_counter()
-    ckpt = Checkpoint.load(ckpt_dir)
-    _check_shapes(ckpt, Path(ckpt_dir))
+    ckpt = Checkpoint.load(ckpt_dir)  # its files checked against its checkpoint.json
     version = schema.validate_version_name(version or default_version())
     staging = store.staging_dir(Path(root), version)
     try:
-        fields = _write_files(ckpt, staging, version, ef_search, n_parity, encoder_dtype,
-                              vector_dtype or ckpt.config.get("vector_dtype", "float32"))
-        store.write_manifest(staging, fields)
-        staged = Bundle.open(staging, staged=True)
-        predictor = Predictor(staged)
-        texts = [r["text"] for r in ckpt.validation[:CANARY_QUERIES]] or list(ckpt.labels.titles[:CANARY_QUERIES])
-        fields["canary"] = [c.model_dump() for c in canary.record(predictor, texts)]
-        if ckpt.validation:
-            fields["metrics"]["validation"] = validation_metrics(predictor, staged.validation_rows())
-        staged.close()
-        store.write_manifest(staging, fields)
-        final = store.finalize_bundle(staging, Path(root), version)
+        with naming(Path(root) / version):  # an error naming no file (a full disk) names the bundle
+            fields = _write_files(ckpt, staging, version, ef_search, n_parity, encoder_dtype,
+                                  vector_dtype or ckpt.config.get("vector_dtype", "float32"))
+            store.write_manifest(staging, fields)
+            staged = Bundle.open(staging, staged=True)
+            predictor = Predictor(staged)
+            texts = [r["text"] for r in ckpt.validation[:CANARY_QUERIES]] or list(ckpt.labels.titles[:CANARY_QUERIES])
+            fields["canary"] = [c.model_dump() for c in canary.record(predictor, texts)]
+            if ckpt.validation:
+                fields["metrics"]["validation"] = validation_metrics(predictor, staged.validation_rows())
+            staged.close()
+            store.write_manifest(staging, fields)
+            final = store.finalize_bundle(staging, Path(root), version)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -103,16 +104,6 @@ def _write_files(ckpt: Checkpoint, staging: Path, version: str, ef_search: int |
                     "encoder_table_dtype": encoder_dtype},
         "vector_dtype": vector_dtype,
     }
-
-
-def _check_shapes(ckpt: Checkpoint, ckpt_dir: Path) -> None:
-    L, D = len(ckpt.labels), ckpt.encoder.dim
-    found = {"classifiers.npy": ckpt.classifiers.weights_, "classifier_bias.npy": ckpt.classifiers.bias_,
-             "centroids.npy": ckpt.centroids.vectors_}
-    expected = {"classifiers.npy": (L, D), "classifier_bias.npy": (L,), "centroids.npy": (L, D)}
-    for name, shape in expected.items():
-        if found[name].shape != shape:
-            raise ValueError(f"{ckpt_dir / name}: shape {found[name].shape}, expected {shape} ({L} labels, dim {D})")
 
 
 def validation_metrics(predictor: Predictor, rows: list[dict]) -> dict[str, float]:

@@ -201,12 +201,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+# Errors only a write gets, and the options naming where a command writes.
+_WRITE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+_WRITTEN_OPTIONS = ("--out", "--workdir")
+
+
 def os_error_message(exc: OSError, options: dict[str, str]) -> str:
     """`--out X: exists and is not a directory`: the option that gave the path (`options`: flag ->
     value, the option whose value is the path or a folder above it), the path and the reason."""
     from service.engine.jsonlines import os_reason
 
     if exc.filename is None:  # raised by our own code with its own message, or no path (ENOSPC)
+        written = [(flag, value) for flag, value in options.items() if flag in _WRITTEN_OPTIONS]
+        if exc.errno in _WRITE_ERRORS and written:
+            # A write that names no file (the writers name theirs: training.files.naming) wrote
+            # below the command's output folder.
+            return f"{written[0][0]} {written[0][1]}: {os_reason(exc)}"
         return os_reason(exc)
     path = os.fsdecode(exc.filename)
     reason = os_reason(exc)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -53,14 +55,55 @@ def test_a_folder_made_on_the_way_is_named_with_the_option(capsys):
     assert ": error: --out /sys/forbidden/x: /sys/forbidden: " in err
 
 
-def test_a_full_disk_is_an_error_not_a_traceback(capsys, tmp_path):
+def test_a_full_disk_names_the_file_and_leaves_the_dataset_there_as_it_was(capsys, tmp_path):
     out = tmp_path / "d"
+    args = ["generate-data", "--out", str(out), "--labels", "50", "--train-docs", "5", "--test-docs", "2"]
+    assert main(args) == 0
+    capsys.readouterr()
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    # trn.json.gz is written under this name first (then renamed): on /dev/full every write fails with ENOSPC.
+    (out / f".trn.json.gz.writing-{os.getpid()}").symlink_to("/dev/full")
+    err = _refused(capsys, [*args, "--seed", "1"], "generate-data")
+    assert err.endswith(f"--out {out}: {out / 'trn.json.gz'}: no space left on device")
+    # Audit s13 G9: the full disk left a truncated trn.json.gz (and a new lbl.json.gz) under the final names.
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_a_write_that_names_no_file_names_the_commands_output(capsys, synthetic_data, tmp_path):
+    """A writer that does not name its file (`data aggregate`'s): the full disk is named by --out."""
+    out = tmp_path / "grouped"
     out.mkdir()
-    for name in ("lbl.json.gz", "trn.json.gz", "tst.json.gz"):
-        (out / name).symlink_to("/dev/full")  # every write fails with ENOSPC
-    err = _refused(capsys, ["generate-data", "--out", str(out), "--labels", "50", "--train-docs", "5",
-                            "--test-docs", "2"], "generate-data")
-    assert err.endswith("no space left on device")
+    (out / "trn.json.gz").symlink_to("/dev/full")
+    err = _refused(capsys, ["data", "aggregate", "--data", str(synthetic_data), "--out", str(out), "--group-size", "4"],
+                   "data")
+    assert err.endswith(f": error: --out {out}: no space left on device")
+
+
+def test_a_full_disk_names_the_output_of_every_command(tmp_path, checkpoints, synthetic_data):
+    """A real full disk (a 64 KiB tmpfs in a private mount namespace, as root): export, train
+    (its save) and generate-data exit 2 naming the path, and leave nothing under a final name."""
+    full = tmp_path / "full"
+    full.mkdir()
+    if shutil.which("unshare") is None or subprocess.run(
+            ["unshare", "-m", "--propagation", "private", "mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs",
+             str(full)], capture_output=True).returncode != 0:
+        pytest.skip("needs unshare -m and mount (root) for a full tmpfs")
+    commands = [["export", str(checkpoints["v1"]), "--out", f"{full}/root", "--version", "x1", "--parity-texts", "20"],
+                ["train", "--data", str(synthetic_data), "--out", f"{full}/ck", "--retune", str(checkpoints["v1"])],
+                ["generate-data", "--out", f"{full}/gen", "--labels", "300", "--train-docs", "2000"]]
+    run = f"from shortlist.cli import main\nfor argv in {commands!r}:\n    print(f'rc={{main(argv)}}', flush=True)"
+    script = f"""mount -t tmpfs -o size=64k tmpfs {full} || exit 9
+{shlex.quote(sys.executable)} -c {shlex.quote(run)}
+ls -A {full}/root {full}/gen; ls -A {full}"""
+    r = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script], capture_output=True,
+                       text=True, timeout=300)
+    errors = [line for line in r.stderr.splitlines() if ": error: " in line]
+    assert r.stdout.count("rc=2") == 3, (r.stdout, r.stderr)
+    assert errors == [
+        f"shortlist export: error: --out {full}/root: {full}/root/x1: no space left on device",
+        f"shortlist train: error: --out {full}/ck: no space left on device",
+        f"shortlist generate-data: error: --out {full}/gen: {full}/gen/trn.json.gz: no space left on device"], r.stderr
+    assert r.stdout.split("rc=2\n")[-1].split() == [f"{full}/gen:", f"{full}/root:", "gen", "root"], r.stdout
 
 
 def test_data_that_is_a_file_is_not_a_directory_not_missing(capsys, a_file, tmp_path):

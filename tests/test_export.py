@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +19,7 @@ from model_export.onnx_export import PARITY_TOLERANCE, as_served, parity_texts
 from service.engine import BundleError, Predictor
 from service.engine.schema import MANIFEST, REQUIRED_FILES, sha256_file
 from service.engine.store import newest_version
+from shortlist.cli import main as cli_main
 from training.checkpoint import Checkpoint
 
 
@@ -72,15 +75,70 @@ def test_export_refuses_to_overwrite_an_existing_version(checkpoints, bundle_roo
     assert sha256_file(bundle_root_copy / "v1" / MANIFEST) == before
 
 
+def _saved_before_checksums(ckpt: Path) -> None:
+    """`ckpt` as a save before checkpoint.json held its files' checksums wrote it."""
+    meta = json.loads((ckpt / "checkpoint.json").read_text())
+    del meta["files"]
+    (ckpt / "checkpoint.json").write_text(json.dumps(meta))
+
+
 def test_inconsistent_checkpoint_is_refused_before_writing(checkpoints, tmp_path):
     broken = tmp_path / "ckpt"
     shutil.copytree(checkpoints["v1"], broken)
+    _saved_before_checksums(broken)  # its shapes are what is left to check
     w = np.load(broken / "classifiers.npy")
     np.save(broken / "classifiers.npy", w[:-1])  # one label short
     root = tmp_path / "bundles"
     with pytest.raises(ValueError, match=r"classifiers\.npy: shape \(299, \d+\), expected \(300,"):
         export_checkpoint(broken, root, "broken")
     assert not (root / "broken").exists()
+
+
+def test_a_checkpoint_whose_files_changed_after_its_save_is_refused_naming_the_file(checkpoints, tmp_path, capsys):
+    """Audit s13 G1: a checkpoint of files from two runs exported to a torch traceback."""
+    mixed = tmp_path / "ckpt"
+    shutil.copytree(checkpoints["v1"], mixed)
+    meta = json.loads((mixed / "checkpoint.json").read_text())
+    assert set(meta["files"]) == {p.name for p in mixed.iterdir()} - {"checkpoint.json"}
+    assert meta["files"]["encoder.pt"] == sha256_file(mixed / "encoder.pt")
+    shutil.copy(checkpoints["v2"] / "encoder.pt", mixed / "encoder.pt")  # same shapes, another run
+    root = tmp_path / "bundles"
+    assert cli_main(["export", str(mixed), "--out", str(root), "--version", "mixed"]) == 2
+    assert capsys.readouterr().err == (
+        f"shortlist export: error: {mixed / 'encoder.pt'}: sha256 differs from checkpoint.json's: the file changed "
+        "after the checkpoint was saved (edited, or written by another run)\n")
+    assert not root.exists()  # refused before anything is written
+    shutil.copy(checkpoints["v1"] / "encoder.pt", mixed / "encoder.pt")
+    (mixed / "tree.npz").unlink()
+    with pytest.raises(ValueError, match=r"tree\.npz: missing \(checkpoint\.json lists it\)"):
+        Checkpoint.load(mixed)
+    shutil.copy(checkpoints["v1"] / "tree.npz", mixed / "tree.npz")
+    (mixed / "stray.bin").write_bytes(b"left by another run")
+    with pytest.raises(ValueError, match=r"stray\.bin: not listed in checkpoint\.json"):
+        Checkpoint.load(mixed)
+    (mixed / "stray.bin").unlink()
+    assert Checkpoint.load(mixed).seed == 1  # as saved again: it loads
+
+
+def test_a_checkpoint_from_before_checksums_loads_and_a_file_of_other_sizes_exits_2(checkpoints, tmp_path, capsys,
+                                                                                   caplog):
+    old = tmp_path / "ckpt"
+    shutil.copytree(checkpoints["v1"], old)
+    _saved_before_checksums(old)
+    with caplog.at_level(logging.INFO, logger="shortlist.training"):
+        assert Checkpoint.load(old).seed == 1
+    assert f"{old}: saved before checkpoints recorded checksums: its files are not verified" in caplog.text
+    # What the in-place save of old left after a kill: a new run's encoder of another vocabulary.
+    state = torch.load(old / "encoder.pt", weights_only=True)
+    vocab, dim = state["embedding"].shape
+    torch.save({**state, "embedding": state["embedding"][:-7]}, old / "encoder.pt")
+    assert cli_main(["export", str(old), "--out", str(tmp_path / "bundles")]) == 2
+    assert capsys.readouterr().err == (
+        f"shortlist export: error: {old / 'encoder.pt'}: embedding has shape ({vocab - 7}, {dim}), checkpoint.json "
+        f"says ({vocab}, {dim}) (vocab_size {vocab}, dim {dim}): not this checkpoint's\n")
+    (old / "encoder.pt").write_bytes(b"not a torch file")
+    with pytest.raises(ValueError, match=r"encoder\.pt: cannot read the encoder: "):
+        Checkpoint.load(old)
 
 
 def test_killed_export_never_leaves_a_bundle_under_its_final_name(checkpoints, tmp_path):
@@ -171,7 +229,7 @@ def test_a_checkpoint_from_before_the_indices_were_trained_still_exports(checkpo
     old = tmp_path / "ckpt"
     shutil.copytree(checkpoints["v1"], old)
     meta = json.loads((old / "checkpoint.json").read_text())
-    del meta["hnsw"]
+    del meta["hnsw"], meta["files"]
     meta["format"] = 1
     (old / "checkpoint.json").write_text(json.dumps(meta))
     for name in ("hnsw_w.bin", "hnsw_mu.bin"):

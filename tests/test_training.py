@@ -6,6 +6,7 @@ part is also fitted on its own here, on v1's data and encoder."""
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import logging
 import re
@@ -241,7 +242,9 @@ TRAIN_SETTING_EDGES = [
     ("seed", 0, -1, {}), ("seed", 2**32 - 1, 2**32, {}), ("dim", 16, 0, {}), ("dim", 1, 0, {"tree_enabled": False}),
     ("threads", 0, -1, {}), ("index_threads", 0, -1, {}), ("min_df", 1, 0, {}), ("max_vocab", 1, 0, {}),
     ("max_tokens", 1, 0, {}), ("val_fraction", 0.0, -1e-9, {}), ("val_fraction", 0.999, 1.0, {}),
-    ("val_max_docs", 1, 0, {}), ("validation_rows", 1, 0, {}), ("m1_epochs", 0, -1, {}),
+    ("val_max_docs", 1, 0, {}), ("validation_rows", 1, 0, {}), ("min_train_docs", 1, 0, {}),
+    ("min_val_docs", 1, 0, {}), ("small_train_docs", 0, -1, {}), ("small_val_docs", 0, -1, {}),
+    ("m1_epochs", 0, -1, {}),
     ("m1_batch_size", 1, 0, {}), ("m1_lr", 1e-9, 0.0, {}), ("m1_c", 1e-9, 0.0, {}), ("m1_c", 1.0, 1.0 + 1e-9, {}),
     ("m1_d", 1e-9, 0.0, {}), ("m1_inbatch_negatives", 0, -1, {}), ("m1_refresh_every", 0, -1, {}),
     ("m1_ann_negatives", 0, -1, {}), ("hnsw_m", 2, 1, {}), ("hnsw_ef_construction", 1, 0, {}), ("hnsw_ef", 1, 0, {}),
@@ -593,3 +596,71 @@ def test_a_save_that_fails_half_way_leaves_the_checkpoint_there_as_it_was(checkp
     with pytest.raises(ValueError, match="exists and is not a checkpoint"):
         ckpt.save(other)
     assert [p.name for p in other.iterdir()] == ["notes.txt"]
+
+
+def _dataset(folder: Path, source: Path, trn_rows: list[dict]) -> Path:
+    """`source`'s labels with `trn_rows` as the training documents (no test split)."""
+    folder.mkdir()
+    shutil.copy(source / "lbl.json.gz", folder / "lbl.json.gz")
+    (folder / "trn.jsonl").write_text("".join(json.dumps(row) + "\n" for row in trn_rows))
+    return folder
+
+
+def test_data_that_cannot_teach_exits_2_naming_the_file_before_training(synthetic_data, tmp_path, capsys, caplog):
+    """Audit s13 G5: these trained to exit 0 and reported test metrics of nothing learnt."""
+    rows = [json.loads(line) for line in gzip.open(synthetic_data / "trn.json.gz", "rt")][:200]
+    unlabelled = _dataset(tmp_path / "unlabelled", synthetic_data, [{**r, "target_ind": [], "target_rel": []}
+                                                                     for r in rows])
+    emoji = _dataset(tmp_path / "emoji", synthetic_data, [{**r, "title": "\U0001F600 \U0001F680 \u2603"} for r in rows])
+    two = _dataset(tmp_path / "two", synthetic_data, rows[:2])
+    cases = [(unlabelled, "no training document has a label (target_ind is empty in all 190)"),
+             (emoji, "no training document has a token of the vocabulary (all 190 texts are symbols, emoji or other "
+                     "characters the tokenizer drops)"),
+             (two, "1 training documents have both a label and a token of the vocabulary, fewer than "
+                   "min_train_docs (10): too few to learn from")]
+    cfg = tmp_path / "tiny.json"
+    cfg.write_text('{"preset": "tiny"}')
+    with caplog.at_level(logging.INFO, logger="shortlist.training"):
+        for data, message in cases:
+            assert cli_main(["train", "--data", str(data), "--out", str(tmp_path / "ck"), "--config", str(cfg)]) == 2
+            err = capsys.readouterr().err
+            assert err == f"shortlist train: error: {data / 'trn.jsonl'}: {message}\n"
+    assert "Module I" not in caplog.text and not (tmp_path / "ck").exists()  # refused before the long part
+
+
+def test_the_data_minimums_are_enforced_at_and_past_their_edges_and_small_data_is_recorded(synthetic_data, tmp_path):
+    rows = [json.loads(line) for line in gzip.open(synthetic_data / "trn.json.gz", "rt")][:12]
+    data = _dataset(tmp_path / "twelve", synthetic_data, rows)  # val_fraction 0.2: 10 train, 2 validation
+    edge = {"val_fraction": 0.2, "min_train_docs": 10, "min_val_docs": 2, "small_train_docs": 10, "small_val_docs": 3,
+            "m1_epochs": 1, "m3_epochs": 1, "lexical_epochs": 1, "tree_enabled": False}
+    for past, message in (({"min_train_docs": 11}, r"trn\.jsonl: 10 training documents .* fewer than min_train_docs "
+                                                   r"\(11\)"),
+                          ({"min_val_docs": 3}, r"trn\.jsonl: the validation split carved from it \(val_fraction 0\.2, "
+                                                r"val_max_docs 300\) has 2 documents with a label, fewer than "
+                                                r"min_val_docs \(3\)")):
+        with pytest.raises(ValueError, match=message):
+            train(data, TrainConfig.from_dict({**edge, **past}, TrainConfig.tiny()))
+    # Without tuning (nor Module III's validation stop) the validation split decides nothing.
+    train(data, TrainConfig.from_dict({**edge, "min_val_docs": 3, "tune": False}, TrainConfig.tiny()))
+    ckpt = train(data, TrainConfig.from_dict(edge, TrainConfig.tiny()))
+    # At small_train_docs no warning; below small_val_docs one, kept with the checkpoint.
+    assert ckpt.metrics["data_warnings"] == [
+        f"{data / 'trn.jsonl'}: the validation split carved from it (val_fraction 0.2, val_max_docs 300) has 2 "
+        "documents with a label (small_val_docs 3): the tuned scoring is noisy"]
+    ckpt.save(tmp_path / "ck")
+    assert Checkpoint.load(tmp_path / "ck").metrics["data_warnings"] == ckpt.metrics["data_warnings"]
+
+
+def test_retune_and_refit_tree_refuse_a_checkpoint_whose_files_changed(checkpoints, synthetic_data, tmp_path, capsys):
+    changed = tmp_path / "ck"
+    shutil.copytree(checkpoints["v1"], changed)
+    data = bytearray((changed / "centroids.npy").read_bytes())
+    data[-1] ^= 0xFF  # one value of the last centroid
+    (changed / "centroids.npy").write_bytes(bytes(data))
+    for mode in ("--retune", "--refit-tree"):
+        assert cli_main(["train", "--data", str(synthetic_data), "--out", str(tmp_path / "out"), mode,
+                         str(changed)]) == 2
+        assert capsys.readouterr().err == (
+            f"shortlist train: error: {changed / 'centroids.npy'}: sha256 differs from checkpoint.json's: the file "
+            "changed after the checkpoint was saved (edited, or written by another run)\n")
+    assert not (tmp_path / "out").exists()

@@ -13,14 +13,21 @@ Layout of CKPT_DIR (each part saved by the object that fitted it):
   token_shortlist.npz    optional: training.token_shortlist (the table and its chosen form)
   tree.npz               optional: training.tree_train.AdversarialTree
   validation.jsonl       optional: held-out {"text", "target_ind"} rows for a bundle's quality gate
-Format 1 (before the indices were built in training) is read too; export builds its indices.
+checkpoint.json's "files" holds the sha256 of every other file; a load refuses a file missing,
+changed or not listed (a folder of files from several runs, or edited), naming it. Checkpoints
+saved before the checksums (2026-11-27) load unverified, which the log says. Format 1 (before
+the indices were built in training) is read too; export builds its indices.
 """
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import os
+import pickle
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,11 +37,12 @@ import torch
 from service.engine.index import VectorIndex
 from service.engine.labels import LabelTable
 from service.engine.lexical import TokenShortlist
-from service.engine.schema import HNSW_MU, HNSW_W, HnswParams, Scoring
+from service.engine.schema import HNSW_MU, HNSW_W, HnswParams, Scoring, sha256_file
 from service.engine.tokenizer import Tokenizer
-from training.centroids import Centroids
-from training.classifiers import OneVsAll
+from training.centroids import CENTROIDS_FILE, Centroids
+from training.classifiers import BIAS_FILE, WEIGHTS_FILE, OneVsAll
 from training.encoder import SiameseEncoder
+from training.files import naming
 from training.token_shortlist import load_table, save_table
 from training.tree_train import AdversarialTree
 
@@ -44,6 +52,7 @@ META, TOKENIZER, LABELS, ENCODER, VALIDATION = (
     "checkpoint.json", "tokenizer.json", "labels.jsonl", "encoder.pt", "validation.jsonl")
 # Format 1's bundle index parameters, which its export used.
 _FORMAT1_HNSW = HnswParams(M=24, ef_construction=200, ef_search=50)
+log = logging.getLogger("shortlist.training")
 
 
 @dataclass
@@ -80,7 +89,8 @@ class Checkpoint:
         staging = out.parent / f".{out.name}.saving-{os.getpid()}"
         shutil.rmtree(staging, ignore_errors=True)
         try:
-            self._write(staging)
+            with naming(out):  # an error naming no file (a full disk) names the checkpoint
+                self._write(staging)
             _replace_dir(staging, out)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
@@ -90,7 +100,11 @@ class Checkpoint:
         out.mkdir()
         self.tokenizer.save(out / TOKENIZER)
         self.labels.save(out / LABELS)
-        torch.save(self.encoder.state_dict(), out / ENCODER)
+        # Serialised in memory (V x D floats, ~200 MB at most), then written: torch's zip writer
+        # turns a short write on a full disk into a RuntimeError, this write an OSError.
+        encoded = io.BytesIO()
+        torch.save(self.encoder.state_dict(), encoded)
+        (out / ENCODER).write_bytes(encoded.getbuffer())
         self.classifiers.save(out)
         self.centroids.save(out)
         if self.indices is not None:
@@ -106,11 +120,14 @@ class Checkpoint:
         meta = {"format": CHECKPOINT_FORMAT, "dim": self.encoder.dim, "num_labels": len(self.labels),
                 "vocab_size": self.tokenizer.vocab_size, "scoring": self.scoring.model_dump(),
                 "hnsw": self.hnsw.model_dump(), "text_field": self.text_field, "config": self.config,
-                "fingerprint": self.fingerprint, "metrics": self.metrics}
+                "fingerprint": self.fingerprint, "metrics": self.metrics,
+                "files": {p.name: sha256_file(p) for p in sorted(out.iterdir())}}
         (out / META).write_text(json.dumps(meta, indent=2), encoding="utf-8")
 
     @classmethod
     def load(cls, ckpt_dir: str | Path) -> Checkpoint:
+        """The checkpoint at `ckpt_dir`, its files verified against checkpoint.json (checksums,
+        shapes): ValueError naming the file that does not belong, never a half-read model."""
         ckpt = Path(ckpt_dir)
         if not (ckpt / META).is_file():
             raise FileNotFoundError(f"{ckpt}: not a checkpoint directory (no {META})")
@@ -118,10 +135,8 @@ class Checkpoint:
         if meta.get("format") not in READABLE_FORMATS:
             raise ValueError(f"{ckpt / META}: checkpoint format {meta.get('format')!r}, this shortlist reads "
                              f"{', '.join(map(str, READABLE_FORMATS))}")
+        _verify_files(ckpt, meta.get("files"))
         scoring = Scoring.model_validate(meta["scoring"])
-        encoder = SiameseEncoder(meta["vocab_size"], meta["dim"])
-        encoder.load_state_dict(torch.load(ckpt / ENCODER, map_location="cpu", weights_only=True))
-        encoder.eval()
         hnsw = HnswParams.model_validate(meta["hnsw"]) if "hnsw" in meta else _FORMAT1_HNSW
         indices = None
         if (ckpt / HNSW_W).is_file():
@@ -130,14 +145,75 @@ class Checkpoint:
         validation = []
         if (ckpt / VALIDATION).is_file():
             validation = [json.loads(line) for line in (ckpt / VALIDATION).read_text(encoding="utf-8").splitlines()]
-        return cls(
-            tokenizer=Tokenizer.load(ckpt / TOKENIZER), labels=LabelTable.load(ckpt / LABELS), encoder=encoder,
+        out = cls(
+            tokenizer=Tokenizer.load(ckpt / TOKENIZER), labels=LabelTable.load(ckpt / LABELS),
+            encoder=_load_encoder(ckpt / ENCODER, meta["vocab_size"], meta["dim"]),
             classifiers=OneVsAll.load(ckpt), centroids=Centroids.load(ckpt), scoring=scoring, hnsw=hnsw,
             indices=indices, token_table=load_table(ckpt, scoring.lexical_form), tree=AdversarialTree.load(ckpt),
             text_field=meta.get("text_field", meta.get("config", {}).get("text_field", "title")),
             config=meta.get("config", {}), fingerprint=meta.get("fingerprint", {}), metrics=meta.get("metrics", {}),
             validation=validation,
         )
+        out._check_shapes(ckpt, meta)
+        return out
+
+    def _check_shapes(self, ckpt: Path, meta: dict[str, Any]) -> None:
+        """The files agree with checkpoint.json's sizes (what a checkpoint without checksums can show)."""
+        L, D = meta["num_labels"], meta["dim"]
+        if self.tokenizer.vocab_size != meta["vocab_size"]:
+            raise ValueError(f"{ckpt / TOKENIZER}: {self.tokenizer.vocab_size} tokens, {META} says "
+                             f"{meta['vocab_size']}: not the tokenizer of this checkpoint")
+        if len(self.labels) != L:
+            raise ValueError(f"{ckpt / LABELS}: {len(self.labels)} labels, {META} says {L}")
+        found = {WEIGHTS_FILE: self.classifiers.weights_, BIAS_FILE: self.classifiers.bias_,
+                 CENTROIDS_FILE: self.centroids.vectors_}
+        expected = {WEIGHTS_FILE: (L, D), BIAS_FILE: (L,), CENTROIDS_FILE: (L, D)}
+        for name, shape in expected.items():
+            if found[name].shape != shape:
+                raise ValueError(f"{ckpt / name}: shape {found[name].shape}, expected {shape} ({L} labels, dim {D})")
+
+
+def _verify_files(ckpt: Path, files: Any) -> None:
+    """Every file of `ckpt` but checkpoint.json is listed in `files` (name -> sha256, None: saved
+    before checksums) and has its checksum. Hashing reads every file once (debian-deps, 257 MB: 1.4 s)."""
+    if files is None:
+        log.info("%s: saved before checkpoints recorded checksums: its files are not verified", ckpt)
+        return
+    if not isinstance(files, dict) or not all(isinstance(v, str) and Path(k).name == k for k, v in files.items()):
+        raise ValueError(f"{ckpt / META}: 'files' must map file names to sha256 checksums")
+    t0, total = time.perf_counter(), 0
+    for name, digest in files.items():
+        path = ckpt / name
+        if not path.is_file():
+            raise ValueError(f"{path}: missing ({META} lists it): the checkpoint is incomplete")
+        if sha256_file(path) != digest:
+            raise ValueError(f"{path}: sha256 differs from {META}'s: the file changed after the checkpoint was "
+                             "saved (edited, or written by another run)")
+        total += path.stat().st_size
+    strays = sorted(p.name for p in ckpt.iterdir() if p.name != META and p.name not in files)
+    if strays:
+        raise ValueError(f"{ckpt / strays[0]}: not listed in {META}: not written by the save that wrote it "
+                         f"(remove it{' and ' + str(len(strays) - 1) + ' more' if len(strays) > 1 else ''})")
+    log.info("%s: %d files verified (%.0f MB) in %.1fs", ckpt, len(files), total / 1e6, time.perf_counter() - t0)
+
+
+def _load_encoder(path: Path, vocab_size: int, dim: int) -> SiameseEncoder:
+    """The encoder of `path`, its tensors' shapes checked against checkpoint.json's sizes first
+    (torch's own mismatch is a RuntimeError listing every parameter)."""
+    encoder = SiameseEncoder(vocab_size, dim)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as exc:
+        raise ValueError(f"{path}: cannot read the encoder: {str(exc).splitlines()[0]}") from None
+    expected = encoder.state_dict()
+    if not isinstance(state, dict) or set(state) != set(expected):
+        raise ValueError(f"{path}: not an encoder state (expected the tensors {', '.join(expected)})")
+    for name, tensor in expected.items():
+        if tuple(state[name].shape) != tuple(tensor.shape):
+            raise ValueError(f"{path}: {name} has shape {tuple(state[name].shape)}, {META} says "
+                             f"{tuple(tensor.shape)} (vocab_size {vocab_size}, dim {dim}): not this checkpoint's")
+    encoder.load_state_dict(state)
+    return encoder.eval()
 
 
 def _replace_dir(new: Path, out: Path) -> None:

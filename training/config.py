@@ -49,6 +49,16 @@ class TrainConfig:
     val_fraction: float = 0.05
     val_max_docs: int = 2000
     validation_rows: int = 200
+    # Data that cannot teach is refused before training (exit 2): fewer than min_train_docs
+    # training documents with both a label and a token of the vocabulary, or, when the scoring is
+    # tuned (tune) or Module III stops on validation (m3_min_gain), fewer than min_val_docs
+    # validation documents with a label (1 document: the tuning picks on one document's luck).
+    # Below small_train_docs or small_val_docs (0: never) training goes on with a warning in the
+    # log and the checkpoint's metrics ("data_warnings").
+    min_train_docs: int = 10
+    min_val_docs: int = 10
+    small_train_docs: int = 1000
+    small_val_docs: int = 100
     # Module I: Siamese training of the encoder on documents against their labels' texts
     m1_epochs: int = 2
     m1_batch_size: int = 256
@@ -309,6 +319,8 @@ _BOUNDS: dict[str, Bounds] = {
     "seed": Bounds(0, 2**32 - 1), "dim": AT_LEAST_1, "threads": AT_LEAST_0, "index_threads": AT_LEAST_0,
     "min_df": AT_LEAST_1, "max_vocab": AT_LEAST_1, "max_tokens": AT_LEAST_1,
     "val_fraction": _FRACTION, "val_max_docs": AT_LEAST_1, "validation_rows": AT_LEAST_1,
+    "min_train_docs": AT_LEAST_1, "min_val_docs": AT_LEAST_1, "small_train_docs": AT_LEAST_0,
+    "small_val_docs": AT_LEAST_0,
     "m1_epochs": AT_LEAST_0, "m1_batch_size": AT_LEAST_1, "m1_lr": POSITIVE, "m1_c": _LIKELIHOOD_C,
     "m1_d": POSITIVE, "m1_inbatch_negatives": AT_LEAST_0, "m1_refresh_every": AT_LEAST_0,
     "m1_ann_negatives": AT_LEAST_0,

@@ -35,6 +35,9 @@ class TrainingSet:
     y: sp.csr_matrix  # trn targets [N, L]
     inv_propensity: np.ndarray  # [L], from trn
     fingerprint: dict[str, Any]
+    # Data that is allowed but small (small_train_docs, small_val_docs): logged, and kept in the
+    # checkpoint's metrics as "data_warnings".
+    warnings: list[str]
 
     @property
     def num_labels(self) -> int:
@@ -45,6 +48,8 @@ class TrainingSet:
              trn: xc_data.Split | None = None) -> TrainingSet:
         """data_dir's splits; `trn` replaces its training documents (labels imputed from groups)."""
         labels = xc_data.load_labels(data_dir, text_field)
+        source = f"{data_dir} (labels imputed from groups)" if trn is not None else xc_data.find_split_file(
+            data_dir, "trn")
         full_trn = trn if trn is not None else xc_data.load_split(data_dir, "trn", text_field, len(labels))
         if len(full_trn) < 2:
             raise ValueError(f"{data_dir}: need at least 2 training documents, found {len(full_trn)}")
@@ -60,13 +65,15 @@ class TrainingSet:
         tokenizer = Tokenizer.fit([*trn.texts, *labels.texts], min_df=cfg.min_df, max_vocab=cfg.max_vocab,
                                   max_tokens=cfg.max_tokens)
         log.info("tokenizer: %d tokens", tokenizer.vocab_size - 1)
+        docs = EncodedTexts.of(tokenizer, trn.texts)
+        warnings = check_teachable(str(source), trn, docs, val, cfg)
         freq = label_frequencies(trn.targets, len(labels))
         return cls(
-            labels, trn, val, tst, tokenizer, EncodedTexts.of(tokenizer, trn.texts),
+            labels, trn, val, tst, tokenizer, docs,
             EncodedTexts.of(tokenizer, labels.texts), EncodedTexts.of(tokenizer, val.texts),
             EncodedTexts.of(tokenizer, tst.texts) if tst else None,
             target_matrix(trn.targets, len(labels), trn.weights),
-            1.0 / propensities(freq, len(trn)), xc_data.fingerprint(data_dir, counts),
+            1.0 / propensities(freq, len(trn)), xc_data.fingerprint(data_dir, counts), warnings,
         )
 
     def truths(self, split: xc_data.Split) -> Truths:
@@ -81,6 +88,42 @@ class TrainingSet:
         val = self.val
         return [{"text": val.texts[i], "target_ind": val.targets[i]} for i in range(min(limit, len(val)))
                 if val.targets[i]]
+
+
+def check_teachable(source: str, trn: xc_data.Split, docs: EncodedTexts, val: xc_data.Split,
+                    cfg: TrainConfig) -> list[str]:
+    """ValueError naming `source` (the trn file) when the training documents cannot teach
+    anything: none has a label, none has a token of the vocabulary, fewer than min_train_docs
+    have both, or the validation split the tuning picks on has fewer than min_val_docs with a
+    label (the tuning then picks from an objective of noise, or 0 everywhere). Returns warnings
+    where the data is allowed but small (small_train_docs, small_val_docs)."""
+    labelled = np.array([bool(t) for t in trn.targets])
+    tokens = (docs.ids != 0).any(dim=1).numpy()  # id 0 pads: a row of it has no token the vocabulary keeps
+    if not labelled.any():
+        raise ValueError(f"{source}: no training document has a label (target_ind is empty in all {len(trn)})")
+    if not tokens.any():
+        raise ValueError(f"{source}: no training document has a token of the vocabulary (all {len(trn)} texts are "
+                         "symbols, emoji or other characters the tokenizer drops)")
+    usable = int((labelled & tokens).sum())
+    if usable < cfg.min_train_docs:
+        raise ValueError(f"{source}: {usable} training documents have both a label and a token of the vocabulary, "
+                         f"fewer than min_train_docs ({cfg.min_train_docs}): too few to learn from")
+    warnings = []
+    if usable < cfg.small_train_docs:
+        warnings.append(f"{source}: only {usable} training documents have a label and a token of the vocabulary "
+                        f"(small_train_docs {cfg.small_train_docs}): the model learns little from them")
+    if cfg.tune or cfg.m3_min_gain is not None:
+        judged = sum(1 for t in val.targets if t)
+        split = (f"{source}: the validation split carved from it (val_fraction {cfg.val_fraction}, val_max_docs "
+                 f"{cfg.val_max_docs}) has {judged} documents with a label")
+        if judged < cfg.min_val_docs:
+            raise ValueError(f"{split}, fewer than min_val_docs ({cfg.min_val_docs}) the tuning needs "
+                             "(or set tune false)")
+        if judged < cfg.small_val_docs:
+            warnings.append(f"{split} (small_val_docs {cfg.small_val_docs}): the tuned scoring is noisy")
+    for warning in warnings:
+        log.warning("small data: %s", warning)
+    return warnings
 
 
 def target_matrix(targets: list[list[int]], num_labels: int,

@@ -57,6 +57,8 @@ def _train(data_dir: Path, cfg: TrainConfig, text_field: str, trn: Split | None 
     device, rng, report = _device(cfg), np.random.default_rng(cfg.seed), Report()
     with report.stage("data"):
         data = TrainingSet.load(data_dir, cfg, text_field, rng, trn)
+    if data.warnings:
+        report.metrics["data_warnings"] = data.warnings
     ann = AnnParams(cfg.hnsw_m, cfg.hnsw_ef_construction, cfg.hnsw_ef, _index_threads(cfg), cfg.progress,
                    cfg.deterministic)
     encoder = SiameseEncoder(data.tokenizer.vocab_size, cfg.dim, seed=cfg.seed).to(device)

@@ -10,11 +10,12 @@ words, but not trivially, and the head labels carry a prior like real data.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 from pathlib import Path
 
 import numpy as np
+
+from training.files import StagedFiles
 
 _SYLLABLES = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
 
@@ -27,12 +28,6 @@ def _words(rng: np.random.Generator, count: int, taken: set[str]) -> list[str]:
             taken.add(w)
             out.append(w)
     return out
-
-
-def _write(path: Path, rows: list[dict]) -> None:
-    with gzip.open(path, "wt", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
 
 
 def generate(
@@ -91,9 +86,10 @@ def generate(
             "target_rel": [1.0] * n,
         }
 
-    _write(out / "lbl.json.gz", lbl_rows)
-    _write(out / "trn.json.gz", [document(i, "d") for i in range(train_docs)])
-    _write(out / "tst.json.gz", [document(i, "t") for i in range(test_docs)])
+    with StagedFiles(out) as files:  # renamed into place together, once all are written
+        files.write_gz_lines("lbl.json.gz", map(json.dumps, lbl_rows))
+        files.write_gz_lines("trn.json.gz", (json.dumps(document(i, "d")) for i in range(train_docs)))
+        files.write_gz_lines("tst.json.gz", (json.dumps(document(i, "t")) for i in range(test_docs)))
     return out
 
 

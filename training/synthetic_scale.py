@@ -17,11 +17,12 @@ Built with whole-array numpy operations: 10^6 labels and documents take about a 
 
 from __future__ import annotations
 
-import gzip
 import json
 from pathlib import Path
 
 import numpy as np
+
+from training.files import StagedFiles
 
 LABEL_ZIPF = 1.1
 BACKGROUND_WORDS = 50_000
@@ -112,12 +113,8 @@ def _documents(rng: np.random.Generator, count: int, label_sampler: tuple[np.nda
     return np.split(labels, np.cumsum(label_counts)[:-1]), np.split(word_ids, word_bounds)
 
 
-def _write_gz(path: Path, lines) -> None:
-    # Level 1: a 10^6-document file at the default level 9 took minutes for a few % of size.
-    with gzip.open(path, "wt", encoding="utf-8", compresslevel=1) as f:
-        for line in lines:
-            f.write(line)
-            f.write("\n")
+# gzip level 1: a 10^6-document file at the default level 9 took minutes for a few % of size.
+_GZIP_LEVEL = 1
 
 
 def generate_scale(out_dir: str | Path, num_labels: int, train_docs: int | None = None,
@@ -136,15 +133,16 @@ def generate_scale(out_dir: str | Path, num_labels: int, train_docs: int | None 
     pool, background_words = vocab[:pool_size], vocab[pool_size:]
     label_text, label_len = _label_texts(rng, num_labels, pool)
     titles = [" ".join(pool[row[:n]]) for row, n in zip(label_text, label_len, strict=True)]
-    _write_gz(out / "lbl.json.gz", (json.dumps({"uid": f"L{i}", "title": t, "content": ""})
-                                    for i, t in enumerate(titles)))
-    label_sampler = _zipf_sampler(rng, num_labels, LABEL_ZIPF)
-    background = _zipf_sampler(rng, BACKGROUND_WORDS, BACKGROUND_ZIPF)
-    words = np.concatenate([pool, background_words[::-1]])  # id -1 - b -> background word b
-    for name, prefix, count in (("trn", "d", train_docs), ("tst", "t", test_docs)):
-        labels, texts = _documents(rng, count, label_sampler, label_text, label_len, background)
-        _write_gz(out / f"{name}.json.gz", (
-            json.dumps({"uid": f"{prefix}{i}", "title": " ".join(words[ids]), "content": "",
-                        "target_ind": lab.tolist(), "target_rel": [1.0] * len(lab)})
-            for i, (lab, ids) in enumerate(zip(labels, texts, strict=True))))
+    with StagedFiles(out) as files:  # renamed into place together, once all are written
+        files.write_gz_lines("lbl.json.gz", (json.dumps({"uid": f"L{i}", "title": t, "content": ""})
+                                             for i, t in enumerate(titles)), _GZIP_LEVEL)
+        label_sampler = _zipf_sampler(rng, num_labels, LABEL_ZIPF)
+        background = _zipf_sampler(rng, BACKGROUND_WORDS, BACKGROUND_ZIPF)
+        words = np.concatenate([pool, background_words[::-1]])  # id -1 - b -> background word b
+        for name, prefix, count in (("trn", "d", train_docs), ("tst", "t", test_docs)):
+            labels, texts = _documents(rng, count, label_sampler, label_text, label_len, background)
+            files.write_gz_lines(f"{name}.json.gz", (
+                json.dumps({"uid": f"{prefix}{i}", "title": " ".join(words[ids]), "content": "",
+                            "target_ind": lab.tolist(), "target_rel": [1.0] * len(lab)})
+                for i, (lab, ids) in enumerate(zip(labels, texts, strict=True))), _GZIP_LEVEL)
     return out

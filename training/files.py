@@ -1,0 +1,58 @@
+"""Files the commands write: an OSError that names no file (a full disk's ENOSPC comes from a
+write or a close, which carry no path) raised again naming the file, and a dataset's files
+written as one set, under temporary names renamed into place once all of them are whole."""
+
+from __future__ import annotations
+
+import gzip
+import os
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import TracebackType
+
+
+@contextmanager
+def naming(path: str | Path) -> Iterator[None]:
+    """OSErrors inside that carry no file name are raised again naming `path` (the CLI then says
+    which file the disk was full for, not only that it was)."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is not None or exc.errno is None:
+            raise
+        raise OSError(exc.errno, exc.strerror, os.fspath(path)) from exc
+
+
+class StagedFiles:
+    """Files of one folder written as a set: each under a temporary name beside its own
+    (.NAME.writing-PID), renamed to NAME when the block ends without an error, else removed, so a
+    failure (a full disk) leaves the folder's files as they were: never a truncated file under its
+    final name, nor a set of new and old files."""
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder)
+        self._temporary: dict[str, Path] = {}
+
+    def write_gz_lines(self, name: str, lines: Iterable[str], compresslevel: int = 9) -> None:
+        """NAME (gzip, UTF-8): one line per item of `lines`."""
+        temporary = self.folder / f".{name}.writing-{os.getpid()}"
+        self._temporary[name] = temporary
+        with naming(self.folder / name), gzip.open(temporary, "wt", encoding="utf-8",
+                                                   compresslevel=compresslevel) as f:
+            for line in lines:
+                f.write(line)
+                f.write("\n")
+
+    def __enter__(self) -> StagedFiles:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        try:
+            if exc_type is None:
+                for name, temporary in self._temporary.items():
+                    os.replace(temporary, self.folder / name)
+        finally:
+            for temporary in self._temporary.values():
+                temporary.unlink(missing_ok=True)
