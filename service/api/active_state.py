@@ -20,7 +20,7 @@ from pathlib import Path
 import orjson
 
 from service.engine.schema import BundleError, validate_version_name
-from service.engine.small_files import read_small_file
+from service.engine.small_files import read_small_file, write_atomically
 from service.engine.store import utc_now
 
 log = logging.getLogger("shortlist.state")
@@ -96,16 +96,5 @@ class ActiveVersionFile:
             os.close(fd)
 
     def write(self, version: str, history: list[str] | None = None) -> None:
-        tmp = self.dir / f".{ACTIVE_FILE}.{os.getpid()}.tmp"
-        data = json.dumps({"version": version, "activated_at": utc_now(),
-                           "history": (history or [])[-HISTORY_LENGTH:]}).encode()
-        with tmp.open("wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
-        fd = os.open(self.dir, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        write_atomically(self.path, json.dumps({"version": version, "activated_at": utc_now(),
+                                                "history": (history or [])[-HISTORY_LENGTH:]}).encode())
