@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -111,7 +111,7 @@ class LabelLedger:
 
     def mark(self, pending: Unconfirmed) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        write_atomically(self.dir / UNCONFIRMED_FILE, orjson.dumps(pending.__dict__))
+        write_atomically(self.dir / UNCONFIRMED_FILE, orjson.dumps(asdict(pending)))
 
     def unconfirmed(self) -> Unconfirmed | None:
         """The marked version, None when there is none (or the mark is unreadable: logged)."""
