@@ -363,12 +363,14 @@ class BundleRegistry:
         lineage = parent.manifest.lineage
         base = lineage.base if lineage else parent.version
         version = derived_version(base, self.store.exists)
-        record = ledger.record(base, parent.manifest.tree_labels).merged(parent.labels)
+        first_id = parent.manifest.tree_labels
+        record = ledger.record(base, first_id) or ledger.rebuilt(base, first_id, [
+            b.path for b in self.store.list() if b.manifest.lineage is not None and b.manifest.lineage.base == base])
+        record = record.merged(parent.labels)
 
         def reserve() -> None:
             ledger.mark(Unconfirmed(version, base, record.first_id, keep=len(record.uids)))
-            if change.add:
-                ledger.write(IdRecord(base, record.first_id, record.uids + tuple(lab.uid for lab in change.add)))
+            ledger.write(IdRecord(base, record.first_id, record.uids + tuple(lab.uid for lab in change.add)))
 
         return self.editor.derive(parent, change, derived_root, version,
                                   record.given_out_past(len(parent.labels)), before_commit=reserve)

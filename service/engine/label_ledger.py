@@ -7,8 +7,9 @@ to other labels. So the ledger keeps, per base, every uid given out past the bas
 in id order (`BASE.json`), and a change derived from a parent with fewer rows first fills the
 gap with retired rows holding those uids (LabelEditor.derive's `given_out`): ids stay row
 numbers, and neither an id nor a uid ever names two labels. The record is caught up with the
-parent's own rows at every change (`IdRecord.merged`), so a record lost or behind never makes
-a change give out an id or uid its parent holds.
+parent's own rows at every change (`IdRecord.merged`), so a record behind never makes a change
+give out an id or uid its parent holds; a record lost (or unreadable) is made again from the
+base's versions on disk (`rebuilt`: their labels read once, not at every change).
 
 Confirmation: a change marks its version unconfirmed (`.unconfirmed.json`, with how much of the
 id record it added) before the version is renamed into place, and removes the mark once it is
@@ -29,15 +30,12 @@ import os
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import orjson
 
-from service.engine.schema import BundleError, validate_version_name
+from service.engine.labels import LabelTable
+from service.engine.schema import LABELS, BundleError, validate_version_name
 from service.engine.small_files import read_small_file, write_atomically
-
-if TYPE_CHECKING:
-    from service.engine.labels import LabelTable
 
 log = logging.getLogger("shortlist.ledger")
 
@@ -89,8 +87,8 @@ class LabelLedger:
         self.state_dir = Path(state_dir)
         self.dir = self.state_dir / LEDGER_DIR
 
-    def record(self, base: str, first_id: int) -> IdRecord:
-        """The base's id record; an empty one (logged when it was there but unreadable) otherwise."""
+    def record(self, base: str, first_id: int) -> IdRecord | None:
+        """The base's id record; None when there is none or it cannot be read (logged)."""
         path = self._record_path(base)
         try:
             raw = orjson.loads(read_small_file(path, sys.maxsize))
@@ -99,10 +97,21 @@ class LabelLedger:
                 raise ValueError(f"not a record of {first_id} rows and uids")
             return IdRecord(base, first_id, tuple(uids))
         except FileNotFoundError:
-            return IdRecord(base, first_id)
+            return None
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            log.error("ignoring the label id record %s (ids are taken from the parent bundle alone): %s", path, exc)
-            return IdRecord(base, first_id)
+            log.error("ignoring the label id record %s (made again from the versions on disk): %s", path, exc)
+            return None
+
+    def rebuilt(self, base: str, first_id: int, versions: list[Path]) -> IdRecord:
+        """The record of `base` made again from the label tables of its versions (bundle directories):
+        the rows of each past what the others hold. A version that cannot be read is skipped (logged)."""
+        record = IdRecord(base, first_id)
+        for path in versions:
+            try:
+                record = record.merged(LabelTable.load(path / LABELS))
+            except (OSError, ValueError) as exc:
+                log.warning("label id record of %s: skipping %s: %s", base, path, exc)
+        return record
 
     def write(self, record: IdRecord) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -136,7 +145,7 @@ class LabelLedger:
         """Take back the ids and uids the unconfirmed change gave out (nothing was given out after
         them: the next change settles the mark first)."""
         record = self.record(pending.base, pending.first_id)
-        if len(record.uids) > pending.keep:
+        if record is not None and len(record.uids) > pending.keep:
             self.write(IdRecord(record.base, record.first_id, record.uids[: pending.keep]))
 
     def quarantine(self, bundle_dir: Path) -> Path:
