@@ -9,6 +9,8 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -51,6 +53,18 @@ def _registry(bundle_root: Path, state: Path) -> BundleRegistry:
     return BundleRegistry(BundleStore(bundle_root, state), check_timeout_s=None, remembered=ActiveVersionFile(state))
 
 
+@contextmanager
+def _serving_one_added(bundle_root: Path, state: Path, label: NewLabel) -> Iterator[BundleRegistry]:
+    """A registry serving v2.labels-1: v2 with `label` added (id 300)."""
+    registry = _registry(bundle_root, state)
+    try:
+        registry.activate("v2")
+        registry.change_labels(LabelChange(add=[label]))
+        yield registry
+    finally:
+        registry.close()
+
+
 def test_after_a_rollback_a_new_label_gets_a_new_id_and_a_rolled_back_uid_is_refused(bundle_root, synthetic_data,
                                                                                       tmp_path):
     """The audit's scenario: alpha is given id 300, rolled back; beta must not get 300, and
@@ -86,10 +100,7 @@ def test_a_lost_id_record_is_made_again_from_the_versions_on_disk(bundle_root, s
     """Lost after a rollback: the ids of the rolled-back branch are only on disk, in its version."""
     state = tmp_path / "state"
     a, b, c = _new_labels(synthetic_data, 3, "lost")
-    registry = _registry(bundle_root, state)
-    try:
-        registry.activate("v2")
-        registry.change_labels(LabelChange(add=[a]))
+    with _serving_one_added(bundle_root, state, a) as registry:
         assert registry.rollback()["active"] == "v2"
         record = state / LEDGER_DIR / "v2.json"
         if damage == "missing":
@@ -102,17 +113,12 @@ def test_a_lost_id_record_is_made_again_from_the_versions_on_disk(bundle_root, s
         with pytest.raises(ValueError, match="uids are never reused"):
             registry.change_labels(LabelChange(add=[NewLabel(a.uid, c.title)]))
         assert orjson.loads(record.read_bytes())["uids"] == [a.uid, b.uid]  # written whole again
-    finally:
-        registry.close()
 
 
 def test_an_id_record_behind_the_parent_is_caught_up_with_its_rows(bundle_root, synthetic_data, tmp_path):
     state = tmp_path / "state"
     a, b, c = _new_labels(synthetic_data, 3, "rec")
-    registry = _registry(bundle_root, state)
-    try:
-        registry.activate("v2")
-        registry.change_labels(LabelChange(add=[a]))
+    with _serving_one_added(bundle_root, state, a) as registry:
         record = state / LEDGER_DIR / "v2.json"
         record.write_bytes(orjson.dumps({"base": "v2", "first_id": 300, "uids": []}))  # as if a's were not recorded
         registry.change_labels(LabelChange(add=[b]))  # from v2.labels-1: past its own rows
@@ -122,8 +128,6 @@ def test_an_id_record_behind_the_parent_is_caught_up_with_its_rows(bundle_root, 
         registry.change_labels(LabelChange(add=[c]))
         ids, retired = _ids(state, "v2.labels-3", [a.uid, b.uid, c.uid])
         assert ids == [300, 301, 302] and retired[301] and not retired[302]
-    finally:
-        registry.close()
 
 
 def test_processes_sharing_a_state_directory_share_the_ids_given_out(bundle_root, synthetic_data, tmp_path):
