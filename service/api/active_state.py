@@ -15,14 +15,14 @@ import json
 import logging
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from pathlib import Path
 
 import orjson
 
 from service.engine.jsonlines import os_reason
 from service.engine.schema import BundleError, validate_version_name
-from service.engine.small_files import read_small_file
+from service.engine.small_files import read_small_file, write_atomically
 from service.engine.store import utc_now
 
 log = logging.getLogger("shortlist.state")
@@ -132,21 +132,9 @@ class ActiveVersionFile:
     def write(self, version: str, history: list[str] | None = None) -> None:
         """Record `version` (and the history before it); StateUnavailable, the old record left as
         it was and no temporary file behind, when the directory cannot take it."""
-        tmp = self.dir / f".{ACTIVE_FILE}.{os.getpid()}.tmp"
         data = json.dumps({"version": version, "activated_at": utc_now(),
                            "history": (history or [])[-HISTORY_LENGTH:]}).encode()
         try:
-            with tmp.open("wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
+            write_atomically(self.path, data)
         except OSError as exc:
-            with suppress(OSError):  # a directory in its place stays: not ours to remove
-                tmp.unlink()
             raise StateUnavailable(self.dir, exc, f"record the active version in {ACTIVE_FILE}") from None
-        fd = os.open(self.dir, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)

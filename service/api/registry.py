@@ -28,10 +28,11 @@ from service.engine import heap
 from service.engine.bundle import Bundle, drop_cached_pages
 from service.engine.isolated import check_in_child
 from service.engine.label_changes import ChangeReport, LabelChange, LabelEditor, derived_version
+from service.engine.label_ledger import IdRecord, LabelLedger, Unconfirmed
 from service.engine.metrics import ranking_metrics
 from service.engine.predictor import Predictor, PredictorOptions
 from service.engine.schema import BundleError, validate_version_name
-from service.engine.store import BundleStore, StoredBundle
+from service.engine.store import DERIVED_DIR, BundleStore, StoredBundle
 
 log = logging.getLogger("shortlist.registry")
 
@@ -362,18 +363,66 @@ class BundleRegistry:
         derived_root = self.store.derived_root
         if derived_root is None:
             raise LabelChangesUnavailable("label changes need a state directory (SHORTLIST_STATE_DIR)")
+        ledger = LabelLedger(derived_root.parent)
         with self._exclusive(wait=True):
+            self._settle_unconfirmed(ledger)
             self._catch_up()
-            with self.lease() as engine:
-                lineage = engine.bundle.manifest.lineage
-                version = derived_version(lineage.base if lineage else engine.version, self.store.exists)
-                report: ChangeReport = self.editor.derive(engine.bundle, change, derived_root, version)
-            log.info("label change: %s -> %s (+%d, -%d labels) written in %.3fs", report.parent, version,
-                     report.added, report.retired, report.seconds)
-            old = self.active_version
-            history = [*self._history, old][-HISTORY_LENGTH:] if old is not None else self._history
-            result = self._converged(self._activate_locked(version, history=history))
+            try:
+                with self.lease() as engine:
+                    report = self._derive(engine.bundle, change, derived_root, ledger)
+                log.info("label change: %s -> %s (+%d, -%d labels) written in %.3fs", report.parent, report.version,
+                         report.added, report.retired, report.seconds)
+                history = with_previous(self._history, self._current(), report.version)
+                result = self._converged(self._activate_locked(report.version, history=history))
+            finally:
+                self._settle_unconfirmed(ledger)  # confirmed if activated, else set aside
         return {**result, "change": report}
+
+    def _derive(self, parent: Bundle, change: LabelChange, derived_root: Path, ledger: LabelLedger) -> ChangeReport:
+        """The change's version written to the state directory, given the ids and uids no version
+        of its base has given out, and marked unconfirmed before it is renamed into place."""
+        lineage = parent.manifest.lineage
+        base = lineage.base if lineage else parent.version
+        version = derived_version(base, self.store.exists)
+        first_id = parent.manifest.tree_labels
+        record = ledger.record(base, first_id) or ledger.rebuilt(base, first_id, [
+            b.path for b in self.store.list() if b.manifest.lineage is not None and b.manifest.lineage.base == base])
+        record = record.merged(parent.labels)
+
+        def reserve() -> None:
+            ledger.mark(Unconfirmed(version, base, record.first_id, keep=len(record.uids)))
+            ledger.write(IdRecord(base, record.first_id, record.uids + tuple(lab.uid for lab in change.add)))
+
+        return self.editor.derive(parent, change, derived_root, version,
+                                  record.given_out_past(len(parent.labels)), before_commit=reserve)
+
+    def _settle_unconfirmed(self, ledger: LabelLedger) -> None:
+        """Under the activation lock: a version marked unconfirmed (label_ledger) is confirmed
+        when the record (or, without one, this registry) names it active or in the history;
+        otherwise it was never activated, and is set aside with its ids taken back. With a
+        record that cannot be read, it stays marked (and is never picked as the newest)."""
+        pending = ledger.unconfirmed()
+        if pending is None:
+            return
+        if self.remembered is not None:
+            recorded, history = self.remembered.read(), self.remembered.history()
+            if recorded is None and self.remembered.path.exists():
+                log.error("version %s is unconfirmed and %s cannot be read: it stays marked", pending.version,
+                          self.remembered.path)
+                return
+        else:
+            recorded, history = self.active_version, self._history
+        try:
+            if pending.version not in (recorded, *history):
+                where = ledger.state_dir / DERIVED_DIR / pending.version
+                if where.is_dir():
+                    log.warning("label change %s was never activated: moved to %s", pending.version,
+                                ledger.quarantine(where))
+                ledger.undo(pending)
+            ledger.confirm()
+        except OSError as exc:
+            log.error("could not settle the unconfirmed version %s (tried again at the next change or "
+                      "start-up): %s", pending.version, exc)
 
     def _catch_up(self) -> None:
         """Serve the recorded version before deriving from it: another process sharing the state
@@ -499,6 +548,9 @@ class BundleRegistry:
                 time.sleep(0.05)
 
     def _start(self, configured: str | None) -> dict[str, object]:
+        if self.store.derived_root is not None:
+            with self._exclusive():  # a change in progress in another process holds it
+                self._settle_unconfirmed(LabelLedger(self.store.derived_root.parent))
         wanted = (self.remembered.read() if self.remembered else None) or configured
         try:
             return self.activate(wanted)
@@ -508,7 +560,7 @@ class BundleRegistry:
                   wanted or "(newest)", first_error)
         tried = wanted or _newest_or_none(self.store)
         for stored in reversed(self.store.list()):
-            if stored.version == tried:
+            if stored.version == tried or stored.unconfirmed:
                 continue
             try:
                 result = self.activate(stored.version)

@@ -194,6 +194,9 @@ class BundleInfo(BaseModel):
     place: str = Field(description="'root': the bundle root (exported); 'state': the state directory "
                        "(derived by label changes)")
     num_labels: int
+    unconfirmed: bool = Field(False, description="a label change's version that a crash left before its "
+                              "activation: never served unless activated by name; set aside at the next "
+                              "change or start-up")
     lineage: BundleLineage | None = Field(None, description="for a bundle derived by label changes")
     metrics: dict[str, Any] = Field(default_factory=dict)
 

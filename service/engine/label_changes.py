@@ -21,7 +21,9 @@ The tree scorer (/v1/predict/tree) is not extended: it serves the labels it was 
 (manifest lineage.tree_labels) until the next training.
 
 A retired label keeps its row (label ids never move) and is listed in labels_retired.npy: no
-scorer returns it. Its uid is never reused for another label.
+scorer returns it. Its uid is never reused for another label. Ids and uids given out on another
+version derived from the same base (one rolled back) are filled in as retired rows first, with
+zero vectors (`given_out`, service.engine.label_ledger): an id never names two labels.
 
 Every change writes a whole new bundle through a staging directory renamed into place, files
 the change leaves alone shared with the parent by hard link (a copy where the filesystem
@@ -48,6 +50,7 @@ from service.engine.predictor import Predictor
 from service.engine.tokenizer import is_blank
 
 DERIVED_SUFFIX = ".labels-"
+GIVEN_OUT_TITLE = "(given out on another version derived from the same base)"
 OVERFLOW_FILES = (schema.TOKEN_OVERFLOW, schema.TOKEN_OVERFLOW_WEIGHTS)
 
 
@@ -150,22 +153,29 @@ class LabelEditor:
         self.hinted_shortlist = hinted_shortlist
         self.lexical_per_token = lexical_per_token
 
-    def derive(self, parent: Bundle, change: LabelChange, out_root: str | Path, version: str) -> ChangeReport:
+    def derive(self, parent: Bundle, change: LabelChange, out_root: str | Path, version: str,
+               given_out: Sequence[str] = (), before_commit: Callable[[], None] | None = None) -> ChangeReport:
         """Write OUT_ROOT/VERSION: `parent` with `change` applied. Raises LabelChangeRejected
-        (nothing written) when the change does not fit the parent."""
+        (nothing written) when the change does not fit the parent. `given_out`: the uids of the
+        ids past the parent's rows given out on other versions of its base (with labels to add:
+        retired rows first, so the added labels get the next ids); `before_commit`: called once
+        the bundle is staged, before it is renamed into place."""
         t0 = time.perf_counter()
-        retired = _check_change(parent, change)
+        given_out = list(given_out) if change.add else []
+        retired = _check_change(parent, change, given_out)
         ids, weights = _encode_new(parent, change.add)
+        ids, weights = (np.vstack((np.zeros((len(given_out), a.shape[1]), a.dtype), a)) for a in (ids, weights))
+        rows = len(parent.labels) + len(given_out) + len(change.add)
         out_root = Path(out_root)
         staging = store.staging_dir(out_root, version)
         try:
             plan = _Plan(parent, staging)
             if change.add:
-                self._write_added(plan, change.add, ids, weights)
+                self._write_added(plan, change.add, ids, weights, given_out)
             if change.add or schema.TOKEN_OVERFLOW in parent.manifest.files:
                 self._write_overflow(plan, ids, weights, retired)
             old = parent.retired if parent.retired is not None else np.zeros(len(parent.labels), bool)
-            all_retired = np.flatnonzero(np.concatenate((old | _mask(retired, len(old)),
+            all_retired = np.flatnonzero(np.concatenate((old | _mask(retired, len(old)), np.ones(len(given_out), bool),
                                                          np.zeros(len(change.add), bool))))
             if len(all_retired):
                 plan.save(schema.RETIRED_LABELS, all_retired.astype(np.int32))
@@ -173,20 +183,21 @@ class LabelEditor:
             lineage = schema.Lineage(
                 parent=parent.version, base=parent.manifest.lineage.base if parent.manifest.lineage else parent.version,
                 added=len(change.add), retired=len(retired), tree_labels=parent.manifest.tree_labels)
-            fields = _manifest_fields(parent, version, len(parent.labels) + len(change.add), lineage)
+            fields = _manifest_fields(parent, version, rows, lineage)
             if fields["num_labels"] > lineage.tree_labels:
                 fields["scoring"]["shortlist"]["k_added"] = self._added_search(parent, change)
             linked = {name: parent.manifest.files[name] for name, how in shared.items() if how == "link"}
             written = store.write_manifest(staging, fields, known=linked)
             fields["canary"] = _canaries(staging, [c.text for c in parent.manifest.canary])
             store.write_manifest(staging, fields, known=written.files)
+            if before_commit is not None:
+                before_commit()
             store.finalize_bundle(staging, out_root, version)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-        return ChangeReport(version, parent.version, len(change.add), len(retired),
-                            len(parent.labels) + len(change.add), lineage.tree_labels, time.perf_counter() - t0,
-                            shared)
+        return ChangeReport(version, parent.version, len(change.add), len(retired), rows, lineage.tree_labels,
+                            time.perf_counter() - t0, shared)
 
     def _added_search(self, parent: Bundle, change: LabelChange) -> int:
         """k of the exact search over the added labels (Shortlist.k_added). A label added with a
@@ -196,9 +207,11 @@ class LabelEditor:
         hinted = self.hinted_shortlist if any(label.prior is not None for label in change.add) else 0
         return max(self.added_shortlist, hinted, parent.manifest.scoring.shortlist.k_added)
 
-    def _write_added(self, plan: _Plan, add: Sequence[NewLabel], ids: np.ndarray, weights: np.ndarray) -> None:
+    def _write_added(self, plan: _Plan, add: Sequence[NewLabel], ids: np.ndarray, weights: np.ndarray,
+                     given_out: Sequence[str]) -> None:
         parent = plan.parent
-        emb = parent.encoder(1).run(ids, weights)
+        gap = len(given_out)
+        emb = parent.encoder(1).run(ids[gap:], weights[gap:])
         trained = parent.manifest.tree_labels
         scales = parent.classifier_scales
         scale = float(np.median(vectors.row_norms(parent.classifiers[:trained],
@@ -209,6 +222,8 @@ class LabelEditor:
         if self.text_map_l2 is not None:
             fitted = TextMap.fit(parent, scale, prior, self.text_map_l2, self.text_map_labels, self.seed)
             new_w, new_b, new_mu = fitted.apply(_embed_titles(parent, [lab.title for lab in add]), new_w, new_b, new_mu)
+        new_w, new_b, new_mu = _given_out_first(gap, float(np.min(parent.classifier_bias[:trained])),
+                                                new_w, new_b, new_mu)
         # The label vectors in the parent's dtype (the parent's rows as they are); the indices
         # get the stored values, as export gives them.
         dtype = parent.manifest.vector_dtype
@@ -234,12 +249,14 @@ class LabelEditor:
         labels_path = plan.staging / schema.LABELS
         _from_parent(parent.path / schema.LABELS, lambda src: shutil.copyfile(src, labels_path))
         with labels_path.open("a", encoding="utf-8") as f:
-            f.writelines(json.dumps({"uid": lab.uid, "title": lab.title}, ensure_ascii=False) + "\n" for lab in add)
+            rows = [*((uid, GIVEN_OUT_TITLE) for uid in given_out), *((lab.uid, lab.title) for lab in add)]
+            f.writelines(json.dumps({"uid": uid, "title": title}, ensure_ascii=False) + "\n" for uid, title in rows)
         plan.written.add(schema.LABELS)
         table = parent.token_table()  # opened and checked as serving opens it
         if table is not None and table.bias is not None:
             c = np.asarray(table.bias)
-            plan.save(schema.TOKEN_SHORTLIST_BIAS, np.concatenate((c, self._priors(c[:trained], add))))
+            plan.save(schema.TOKEN_SHORTLIST_BIAS, np.concatenate((c, np.full(gap, np.min(c[:trained]), c.dtype),
+                                                                   self._priors(c[:trained], add))))
 
     def _priors(self, trained: np.ndarray, add: Sequence[NewLabel]) -> np.ndarray:
         """Each added label's bias: its prior quantile (or the editor's) of the trained labels' biases."""
@@ -377,6 +394,14 @@ def _from_parent(src: Path, how: Callable[[Path], Any]) -> Any:
         raise schema.BundleError(f"{src}: listed in the manifest but missing") from exc
 
 
+def _given_out_first(gap: int, lowest: float, w: np.ndarray, b: np.ndarray,
+                     mu: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Added labels' w, b, mu behind `gap` rows given out on other versions: retired, so only their
+    ids and uids matter; zero vectors and the lowest prior keep them at the bottom of an index search."""
+    zeros = np.zeros((gap, w.shape[1]), np.float32)
+    return np.vstack((zeros, w)), np.concatenate((np.full(gap, lowest, np.float32), b)), np.vstack((zeros, mu))
+
+
 def _mask(ids: np.ndarray, n: int) -> np.ndarray:
     out = np.zeros(n, dtype=bool)
     out[ids] = True
@@ -417,16 +442,20 @@ def _lookalike_uid(uid: str) -> str | None:
     return None
 
 
-def _check_change(parent: Bundle, change: LabelChange) -> np.ndarray:
+def _check_change(parent: Bundle, change: LabelChange, given_out: Sequence[str] = ()) -> np.ndarray:
     """The ids to retire; LabelChangeRejected naming every problem of the change."""
     problems: list[tuple[str, str]] = []
     table = parent.labels
     retired = parent.retired
     seen: dict[str, int] = {}
+    elsewhere = {uid: len(table) + i for i, uid in enumerate(given_out)}
     for i, label in enumerate(change.add):
         row = table.ids_of([label.uid])[0]
         if label.uid in seen:
             problems.append((f"add[{i}].uid", f"{label.uid!r} is also add[{seen[label.uid]}]"))
+        elif label.uid in elsewhere:
+            problems.append((f"add[{i}].uid", f"{label.uid!r} was given out (id {elsewhere[label.uid]}) on another "
+                             "version derived from the same base, since rolled back (uids are never reused)"))
         elif row is not None:
             state = "a retired label's uid (uids are never reused)" if retired is not None and retired[row] else \
                 "already a label"

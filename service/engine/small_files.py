@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from contextlib import suppress
 from pathlib import Path
 
 _READ_CHUNK = 1 << 16
@@ -73,3 +74,26 @@ def bundle_file(bundle_dir: Path, name: str) -> Path:
     if not stat.S_ISREG(st.st_mode):
         raise RefusedFile(f"{path}: {_kind(st.st_mode)}, not a regular file")
     return real
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Replace the file at `path` with `data` so that a crash leaves the old file or the new one,
+    never a torn one: a temporary file beside it (named by the pid: processes sharing a directory
+    never write the same one), fsync, rename over `path`, fsync of the directory (the rename itself
+    survives a power cut). Raises OSError, the file left as it was and no temporary file behind."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with tmp.open("wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        with suppress(OSError):  # a directory in its place stays: not ours to remove
+            tmp.unlink()
+        raise
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -26,6 +26,7 @@ from typing import Any, Literal
 import orjson
 from pydantic import ValidationError
 
+from service.engine.label_ledger import LabelLedger
 from service.engine.schema import (
     FORMAT_VERSION,
     MANIFEST,
@@ -274,6 +275,9 @@ class StoredBundle:
     manifest: Manifest
     path: Path
     place: Place
+    # A label change's version renamed into place but not yet activated (label_ledger): never
+    # "the newest bundle"; set aside at the next change or start-up unless it was activated.
+    unconfirmed: bool = False
 
     @property
     def version(self) -> str:
@@ -298,12 +302,15 @@ class BundleStore:
 
     def list(self) -> list[StoredBundle]:
         """Every activatable bundle of every place, oldest first."""
-        found = [StoredBundle(m, path / m.version, place) for place, path in self.places()
-                 for m in list_bundles(path, self.max_manifest_bytes)]
+        pending = LabelLedger(self.derived_root.parent).unconfirmed() if self.derived_root is not None else None
+        found = [StoredBundle(m, path / m.version, place,
+                              unconfirmed=place == "state" and pending is not None and pending.version == m.version)
+                 for place, path in self.places() for m in list_bundles(path, self.max_manifest_bytes)]
         return sorted(found, key=lambda b: (b.manifest.created, b.version))
 
     def newest_version(self) -> str:
-        bundles = self.list()
+        """The newest bundle of any place, never an unconfirmed one."""
+        bundles = [b for b in self.list() if not b.unconfirmed]
         if not bundles:
             where = " or ".join(str(path.resolve()) for _, path in self.places())
             raise BundleError(f"no bundle under {where}")
