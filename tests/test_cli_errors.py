@@ -3,6 +3,7 @@ from the operating system, never a traceback (audit s13 F7)."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shlex
@@ -69,14 +70,28 @@ def test_a_full_disk_names_the_file_and_leaves_the_dataset_there_as_it_was(capsy
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
-def test_a_write_that_names_no_file_names_the_commands_output(capsys, synthetic_data, tmp_path):
-    """A writer that does not name its file (`data aggregate`'s): the full disk is named by --out."""
+def test_a_write_that_names_no_file_names_the_commands_output():
+    """A write error that names no file (a full disk found by a close, or a library's writer): the
+    command's output option is named."""
+    from shortlist.cli import os_error_message
+
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    assert os_error_message(full, {"--data": "d", "--out": "/o"}) == "--out /o: no space left on device"
+    assert os_error_message(full, {"--data": "d"}) == "no space left on device"
+
+
+def test_data_aggregate_on_a_full_disk_names_the_file_and_leaves_nothing_under_a_final_name(
+        capsys, synthetic_data, tmp_path):
     out = tmp_path / "grouped"
     out.mkdir()
-    (out / "trn.json.gz").symlink_to("/dev/full")
-    err = _refused(capsys, ["data", "aggregate", "--data", str(synthetic_data), "--out", str(out), "--group-size", "4"],
-                   "data")
-    assert err.endswith(f": error: --out {out}: no space left on device")
+    # groups.json.gz is written under this name first (then renamed): on /dev/full every write fails.
+    (out / f".groups.json.gz.writing-{os.getpid()}").symlink_to("/dev/full")
+    args = ["data", "aggregate", "--data", str(synthetic_data), "--out", str(out), "--group-size", "4"]
+    err = _refused(capsys, args, "data")
+    assert err.endswith(f": error: --out {out}: {out / 'groups.json.gz'}: no space left on device")
+    assert sorted(p.name for p in out.iterdir()) == []  # trn.json.gz, written whole, was not renamed either
+    assert main(args) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["groups.json.gz", "lbl.json.gz", "trn.json.gz", "tst.json.gz"]
 
 
 def test_a_full_disk_names_the_output_of_every_command(tmp_path, checkpoints, synthetic_data):

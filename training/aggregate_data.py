@@ -11,9 +11,7 @@ in the EAGLE paper), so a group's members are alike and its labels harder to tel
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +20,7 @@ import scipy.sparse as sp
 from training import data as xc_data
 from training.aggregated import tfidf_features
 from training.config import TrainConfig
+from training.files import StagedFiles
 
 GROUPINGS = ("random", "clustered")
 _TWO_MEANS_ITERATIONS = 5
@@ -80,18 +79,18 @@ def aggregate(data_dir: Path, out: Path, group_size: int, grouping: str, seed: i
     out.mkdir(parents=True, exist_ok=True)
     rows = [row for _, row in xc_data.iter_rows(trn_path)]
     group_targets: dict[int, dict[int, None]] = {}
-    with gzip.open(out / "trn.json.gz", "wt", encoding="utf-8") as f:
-        for row, group, targets in zip(rows, group_of.tolist(), trn.targets, strict=True):
-            group_targets.setdefault(group, {}).update(dict.fromkeys(targets))
-            doc = {k: v for k, v in row.items() if k not in ("target_ind", "target_rel")}
-            f.write(json.dumps({**doc, "group": f"g{group}"}, ensure_ascii=False) + "\n")
-    with gzip.open(out / "groups.json.gz", "wt", encoding="utf-8") as f:
-        for group in sorted(group_targets):
-            f.write(json.dumps({"uid": f"g{group}", "target_ind": list(group_targets[group])}) + "\n")
-    for split in ("lbl", "tst"):
-        path = xc_data.find_split_file(data_dir, split)
-        if path is not None:
-            shutil.copyfile(path, out / path.name)
+    for group, targets in zip(group_of.tolist(), trn.targets, strict=True):
+        group_targets.setdefault(group, {}).update(dict.fromkeys(targets))
+    documents = ({**{k: v for k, v in row.items() if k not in ("target_ind", "target_rel")}, "group": f"g{group}"}
+                 for row, group in zip(rows, group_of.tolist(), strict=True))
+    with StagedFiles(out) as files:  # a failure (a full disk) leaves no truncated file under its name
+        files.write_gz_lines("trn.json.gz", (json.dumps(doc, ensure_ascii=False) for doc in documents))
+        files.write_gz_lines("groups.json.gz", (json.dumps({"uid": f"g{g}", "target_ind": list(group_targets[g])})
+                                                for g in sorted(group_targets)))
+        for split in ("lbl", "tst"):
+            path = xc_data.find_split_file(data_dir, split)
+            if path is not None:
+                files.copy(path.name, path)
     return {"documents": len(trn), "groups": len(group_targets)}
 
 

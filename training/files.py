@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import shutil
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -43,6 +44,13 @@ class StagedFiles:
             for line in lines:
                 f.write(line)
                 f.write("\n")
+
+    def copy(self, name: str, source: Path) -> None:
+        """NAME: a copy of `source`."""
+        temporary = self.folder / f".{name}.writing-{os.getpid()}"
+        self._temporary[name] = temporary
+        with naming(self.folder / name):
+            shutil.copyfile(source, temporary)
 
     def __enter__(self) -> StagedFiles:
         return self
