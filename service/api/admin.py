@@ -17,6 +17,7 @@ from fastapi import APIRouter, Path
 from service.api.active_state import StateUnavailable
 from service.api.dependencies import AdminRoute, State
 from service.api.errors import ApiError
+from service.api.leases import NoBundle
 from service.api.observability import error_log
 from service.api.predict import documented
 from service.api.processes import ProcessesDiverged
@@ -25,7 +26,6 @@ from service.api.registry import (
     ActivationInProgress,
     BundleNotFound,
     LabelChangesUnavailable,
-    NoBundle,
     TooManyPendingChanges,
 )
 from service.api.schemas import (

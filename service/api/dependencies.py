@@ -16,9 +16,10 @@ from starlette.responses import Response
 
 from service.api.batching import EngineRunner
 from service.api.errors import ApiError, invalid, shown
+from service.api.leases import Engine, NoBundle
 from service.api.observability import ServiceMetrics
 from service.api.processes import ProcessGroup
-from service.api.registry import BundleRegistry, Engine, NoBundle
+from service.api.registry import BundleRegistry
 from service.api.request_body import StrictJsonRoute
 from service.api.schemas import RequestModels
 from service.api.settings import Settings

@@ -16,7 +16,7 @@ from starlette.responses import Response
 from service.api.dependencies import lease_engine, service_state
 from service.api.errors import MAX_DETAILS, ApiError, invalid_many, shown
 from service.api.http_protocol import REQUESTS_IN_PROGRESS
-from service.api.registry import Engine
+from service.api.leases import Engine
 from service.api.request_body import StrictJsonRoute
 from service.api.schemas import EchoResponse, ErrorResponse, PredictResponse, RequestModels
 from service.api.settings import Settings

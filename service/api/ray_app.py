@@ -53,6 +53,7 @@ from service.api.active_state import ActiveVersionFile, StateUnavailable
 from service.api.app import apply_runtime_tuning, create_app
 from service.api.dependencies import MinuteBudget, ServiceState, lease_engine
 from service.api.errors import ApiError
+from service.api.leases import Leased, lease
 from service.api.observability import ServiceMetrics, error_log
 from service.api.predict import json_response, label_rows, unknown_excluded_uids
 from service.api.registry import (
@@ -60,9 +61,7 @@ from service.api.registry import (
     ActivationInProgress,
     BundleNotFound,
     LabelChangesUnavailable,
-    Leased,
     exclusive_activation,
-    lease,
     record_no_history,
     roll_back,
     with_previous,

@@ -1,8 +1,8 @@
 """Which bundle is serving: loading, validation, atomic swap, drain and release.
 
-Every request takes a lease on the active `Engine` and keeps it until its answer is
-built, so a swap never changes the bundle under a request. The retired engine is closed
-once its last lease is returned (or after a drain timeout).
+Every request takes a lease (service.api.leases) on the active `Engine` and keeps it until its
+answer is built, so a swap never changes the bundle under a request. The retired engine is
+closed once its last lease is returned (or after a drain timeout).
 
 Label changes (service.engine.label_changes) derive a new bundle from the active one into the
 state directory and activate it through the same path as any activation: one way for a new
@@ -19,11 +19,11 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from pathlib import Path
-from typing import TypeVar
 
 import numpy as np
 
 from service.api.active_state import HISTORY_LENGTH, ActiveVersionFile, StateBusy, StateUnavailable
+from service.api.leases import Engine, Lease, NoBundle
 from service.engine import heap
 from service.engine.bundle import Bundle, drop_cached_pages
 from service.engine.isolated import check_in_child
@@ -95,92 +95,12 @@ def record_no_history(remembered: ActiveVersionFile | None, active: str | None) 
         log.warning("could not record the emptied history in %s: %s", remembered.dir, exc)
 
 
-class NoBundle(Exception):
-    """Nothing is serving yet (HTTP 503)."""
-
-
 class LabelChangesUnavailable(Exception):
     """No state directory to write derived bundles to (HTTP 409)."""
 
 
 class TooManyPendingChanges(Exception):
     """The queue of label changes is full (HTTP 429)."""
-
-
-class Leased:
-    """What serves requests for a while: counts the requests using it, so that once retired
-    (another took its place) it is released when the last of them is done."""
-
-    def __init__(self) -> None:
-        self._leases = 0
-        self._retired = False
-        self._closed = False
-        self._lock = threading.Lock()
-        self._drained = threading.Event()
-
-    @property
-    def version(self) -> str:
-        raise NotImplementedError
-
-    def _acquire(self) -> bool:
-        with self._lock:
-            if self._retired:
-                return False
-            self._leases += 1
-            return True
-
-    def _release(self) -> None:
-        with self._lock:
-            self._leases -= 1
-            if self._retired and self._leases == 0:
-                self._drained.set()
-
-    def _retire(self) -> None:
-        with self._lock:
-            self._retired = True
-            if self._leases == 0:
-                self._drained.set()
-
-    def _close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        self._release_resources()
-
-    def _release_resources(self) -> None:
-        """What closing frees (once, after the drain)."""
-
-
-L = TypeVar("L", bound=Leased)
-
-
-class Lease(AbstractContextManager[L]):
-    """current(), guaranteed not to be closed until the block exits; NoBundle while it is None.
-
-    A class rather than a @contextmanager generator: every request takes one, and a generator
-    context manager costs several times the lock operations it wraps."""
-
-    __slots__ = ("_current", "_leased")
-
-    def __init__(self, current: Callable[[], L | None]) -> None:
-        self._current = current
-
-    def __enter__(self) -> L:
-        while True:
-            leased = self._current()
-            if leased is None:
-                raise NoBundle("no bundle is loaded yet")
-            # A swap may retire it between the read and the acquire; then take the new one.
-            if leased._acquire():
-                self._leased = leased
-                return leased
-
-    def __exit__(self, *exc: object) -> None:
-        self._leased._release()
-
-
-lease = Lease  # the name callers use: `with lease(current) as leased:`
 
 
 @contextmanager
@@ -202,22 +122,6 @@ def exclusive_activation(lock: threading.Lock, remembered: ActiveVersionFile | N
             raise ActivationInProgress(str(exc)) from None
     finally:
         lock.release()
-
-
-class Engine(Leased):
-    """One loaded bundle and its predictor, with a count of requests using it."""
-
-    def __init__(self, bundle: Bundle, predictor: Predictor) -> None:
-        super().__init__()
-        self.bundle = bundle
-        self.predictor = predictor
-
-    @property
-    def version(self) -> str:
-        return self.bundle.version
-
-    def _release_resources(self) -> None:
-        self.bundle.close()
 
 
 def _newest_or_none(store: BundleStore) -> str | None:
