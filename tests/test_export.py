@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -20,7 +22,7 @@ from service.engine import BundleError, Predictor
 from service.engine.schema import MANIFEST, REQUIRED_FILES, sha256_file
 from service.engine.store import newest_version
 from shortlist.cli import main as cli_main
-from training.checkpoint import Checkpoint
+from training.checkpoint import MAX_META_BYTES, Checkpoint
 
 
 def test_onnx_matches_torch_on_1000_texts_including_edge_cases(checkpoints, bundle_root):
@@ -76,9 +78,10 @@ def test_export_refuses_to_overwrite_an_existing_version(checkpoints, bundle_roo
 
 
 def _saved_before_checksums(ckpt: Path) -> None:
-    """`ckpt` as a save before checkpoint.json held its files' checksums wrote it."""
+    """`ckpt` as a save before checkpoint.json held its files' checksums wrote it (format 2)."""
     meta = json.loads((ckpt / "checkpoint.json").read_text())
     del meta["files"]
+    meta["format"] = 2
     (ckpt / "checkpoint.json").write_text(json.dumps(meta))
 
 
@@ -118,6 +121,86 @@ def test_a_checkpoint_whose_files_changed_after_its_save_is_refused_naming_the_f
         Checkpoint.load(mixed)
     (mixed / "stray.bin").unlink()
     assert Checkpoint.load(mixed).seed == 1  # as saved again: it loads
+
+
+def test_checksums_cannot_be_switched_off_by_deleting_them(checkpoints, tmp_path, capsys):
+    """Audit s14 L4: with "files" deleted (or null) a checkpoint loaded unverified, one holding
+    another run's encoder.pt exported with exit 0. A save writes format 3, whose loads require it."""
+    mixed = tmp_path / "ckpt"
+    shutil.copytree(checkpoints["v1"], mixed)
+    shutil.copy(checkpoints["v2"] / "encoder.pt", mixed / "encoder.pt")  # same shapes, another run
+    meta = json.loads((mixed / "checkpoint.json").read_text())
+    assert meta["format"] == 3
+    root = tmp_path / "bundles"
+    for files, message in (("deleted", "missing 'files' (required in format 3)"),
+                           (None, "'files' must be an object, got null")):
+        if files == "deleted":
+            meta.pop("files")
+        else:
+            meta["files"] = files
+        (mixed / "checkpoint.json").write_text(json.dumps(meta))
+        assert cli_main(["export", str(mixed), "--out", str(root), "--version", "mixed"]) == 2
+        assert capsys.readouterr().err == f"shortlist export: error: {mixed / 'checkpoint.json'}: {message}\n"
+    assert not root.exists()
+
+
+def _meta_written(ckpt: Path, text: str | bytes) -> Path:
+    path = ckpt / "checkpoint.json"
+    path.write_bytes(text.encode() if isinstance(text, str) else text)
+    return path
+
+
+def test_a_checkpoint_json_that_is_not_one_exits_2_naming_it_without_a_traceback(checkpoints, tmp_path, capsys):
+    """Audit s14 L4: nested 200,000 deep it was a RecursionError traceback, a list an AttributeError
+    one, bad JSON and bytes that are not UTF-8 did not name the file."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(checkpoints["v1"], ckpt)
+    good = json.loads((ckpt / "checkpoint.json").read_text())
+    path = ckpt / "checkpoint.json"
+    cases = [("[" * 200_000 + "]" * 200_000, "not JSON: depth limit exceeded: line 1 column 1026 (char 1025)"),
+             ("[1, 2]", "must be a JSON object, got a list"),
+             ('{"format": 3, \n', "not JSON: unexpected end of data: line 2 column 1 (char 15)"),
+             (b'{"format": 3,\n "text_field": "\xff"}', None),
+             (json.dumps({**good, "format": True}), "checkpoint format True, this shortlist reads 1, 2, 3"),
+             (json.dumps({**good, "dim": "32"}), "'dim' must be an integer >= 1, got a string"),
+             (json.dumps({**good, "num_labels": 0}), "'num_labels' must be an integer >= 1, got the number 0"),
+             (json.dumps({**good, "scoring": []}), "'scoring' must be an object, got a list"),
+             (json.dumps({**good, "config": None}), "'config' must be an object, got null"),
+             (json.dumps({k: v for k, v in good.items() if k != "vocab_size"}),
+              "missing 'vocab_size' (required in format 3)"),
+             (json.dumps({**good, "hnsw": {**good["hnsw"], "M": "24"}}),
+              "invalid 'hnsw': hnsw.M: Input should be a valid integer")]
+    for text, message in cases:
+        _meta_written(ckpt, text)
+        assert cli_main(["export", str(ckpt), "--out", str(tmp_path / "bundles")]) == 2
+        err = capsys.readouterr().err
+        if message is None:  # not UTF-8: named by line and column
+            message = "not UTF-8: byte 0xff at column 17"
+            assert err == f"shortlist export: error: {path}:2: {message}\n"
+        else:
+            assert err == f"shortlist export: error: {path}: {message}\n"
+    path.unlink()
+    os.mkfifo(path)  # would block a plain open() until a writer comes
+    with pytest.raises(ValueError, match=f"{re.escape(str(path))}: a FIFO, not a regular file"):
+        Checkpoint.load(ckpt)
+    path.unlink()
+    path.symlink_to("/dev/zero")
+    with pytest.raises(ValueError, match=f"{re.escape(str(path))}: a symlink, not followed"):
+        Checkpoint.load(ckpt)
+    assert not (tmp_path / "bundles").exists()
+
+
+def test_checkpoint_json_is_read_up_to_its_size_limit(checkpoints, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(checkpoints["v1"], ckpt)
+    text = (ckpt / "checkpoint.json").read_text()
+    _meta_written(ckpt, text + " " * (MAX_META_BYTES - len(text)))  # at the limit (trailing blanks are JSON)
+    assert Checkpoint.load(ckpt).seed == 1
+    path = _meta_written(ckpt, text + " " * (MAX_META_BYTES + 1 - len(text)))
+    with pytest.raises(ValueError, match=f"{re.escape(str(path))}: {MAX_META_BYTES + 1} bytes, more than the limit "
+                                         f"of {MAX_META_BYTES}"):
+        Checkpoint.load(ckpt)
+    assert Checkpoint.load(ckpt, max_meta_bytes=MAX_META_BYTES + 1).seed == 1
 
 
 def test_a_checkpoint_from_before_checksums_loads_and_a_file_of_other_sizes_exits_2(checkpoints, tmp_path, capsys,

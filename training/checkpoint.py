@@ -14,9 +14,10 @@ Layout of CKPT_DIR (each part saved by the object that fitted it):
   tree.npz               optional: training.tree_train.AdversarialTree
   validation.jsonl       optional: held-out {"text", "target_ind"} rows for a bundle's quality gate
 checkpoint.json's "files" holds the sha256 of every other file; a load refuses a file missing,
-changed or not listed (a folder of files from several runs, or edited), naming it. Checkpoints
-saved before the checksums (2026-11-27) load unverified, which the log says. Format 1 (before
-the indices were built in training) is read too; export builds its indices.
+changed or not listed (a folder of files from several runs, or edited), naming it. From format 3
+on "files" is required (a checkpoint.json without it is refused, never loaded unverified);
+format-2 checkpoints saved before the checksums (2026-11-27) load unverified, which the log says.
+Format 1 (before the indices were built in training) is read too; export builds its indices.
 """
 
 from __future__ import annotations
@@ -32,12 +33,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import orjson
 import torch
+from pydantic import ValidationError
 
 from service.engine.index import VectorIndex
+from service.engine.jsonlines import iter_rows, json_kind, os_reason
 from service.engine.labels import LabelTable
 from service.engine.lexical import TokenShortlist
 from service.engine.schema import HNSW_MU, HNSW_W, HnswParams, Scoring, sha256_file
+from service.engine.small_files import read_small_file
 from service.engine.tokenizer import Tokenizer
 from training.centroids import CENTROIDS_FILE, Centroids
 from training.classifiers import BIAS_FILE, WEIGHTS_FILE, OneVsAll
@@ -46,8 +51,19 @@ from training.files import naming
 from training.token_shortlist import load_table, save_table
 from training.tree_train import AdversarialTree
 
-CHECKPOINT_FORMAT = 2
-READABLE_FORMATS = (1, 2)
+# 3: "files" (the checksums) required; 2: the indices built in training, "files" optional
+# (saved before the checksums, or with them); 1: no indices.
+CHECKPOINT_FORMAT = 3
+READABLE_FORMATS = (1, 2, 3)
+# checkpoint.json's size limit (a save writes ~10 KB): read whole, so a file of gigabytes (or
+# /dev/zero behind the name) is refused before it is read.
+MAX_META_BYTES = 16 << 20
+# checkpoint.json's fields a load uses: their JSON kind and the first format that requires them
+# (None: optional in every format).
+_META_FIELDS: dict[str, tuple[type, int | None]] = {
+    "dim": (int, 1), "num_labels": (int, 1), "vocab_size": (int, 1), "scoring": (dict, 1), "hnsw": (dict, 2),
+    "files": (dict, 3), "text_field": (str, None), "config": (dict, None), "fingerprint": (dict, None),
+    "metrics": (dict, None)}
 META, TOKENIZER, LABELS, ENCODER, VALIDATION = (
     "checkpoint.json", "tokenizer.json", "labels.jsonl", "encoder.pt", "validation.jsonl")
 # Format 1's bundle index parameters, which its export used.
@@ -125,26 +141,21 @@ class Checkpoint:
         (out / META).write_text(json.dumps(meta, indent=2), encoding="utf-8")
 
     @classmethod
-    def load(cls, ckpt_dir: str | Path) -> Checkpoint:
+    def load(cls, ckpt_dir: str | Path, max_meta_bytes: int = MAX_META_BYTES) -> Checkpoint:
         """The checkpoint at `ckpt_dir`, its files verified against checkpoint.json (checksums,
         shapes): ValueError naming the file that does not belong, never a half-read model."""
         ckpt = Path(ckpt_dir)
-        if not (ckpt / META).is_file():
-            raise FileNotFoundError(f"{ckpt}: not a checkpoint directory (no {META})")
-        meta = json.loads((ckpt / META).read_text(encoding="utf-8"))
-        if meta.get("format") not in READABLE_FORMATS:
-            raise ValueError(f"{ckpt / META}: checkpoint format {meta.get('format')!r}, this shortlist reads "
-                             f"{', '.join(map(str, READABLE_FORMATS))}")
+        meta = _read_meta(ckpt, max_meta_bytes)
         _verify_files(ckpt, meta.get("files"))
-        scoring = Scoring.model_validate(meta["scoring"])
-        hnsw = HnswParams.model_validate(meta["hnsw"]) if "hnsw" in meta else _FORMAT1_HNSW
+        scoring = _validated(ckpt, Scoring, meta, "scoring")
+        hnsw = _validated(ckpt, HnswParams, meta, "hnsw") if "hnsw" in meta else _FORMAT1_HNSW
         indices = None
         if (ckpt / HNSW_W).is_file():
             indices = tuple(VectorIndex.load(ckpt / file, dim, meta["num_labels"], hnsw.ef_search, hnsw.projection_dim)
                             for file, dim in ((HNSW_W, meta["dim"] + 1), (HNSW_MU, meta["dim"])))
         validation = []
         if (ckpt / VALIDATION).is_file():
-            validation = [json.loads(line) for line in (ckpt / VALIDATION).read_text(encoding="utf-8").splitlines()]
+            validation = [row for _, row in iter_rows(ckpt / VALIDATION)]
         out = cls(
             tokenizer=Tokenizer.load(ckpt / TOKENIZER), labels=LabelTable.load(ckpt / LABELS),
             encoder=_load_encoder(ckpt / ENCODER, meta["vocab_size"], meta["dim"]),
@@ -173,9 +184,62 @@ class Checkpoint:
                 raise ValueError(f"{ckpt / name}: shape {found[name].shape}, expected {shape} ({L} labels, dim {D})")
 
 
+def _read_meta(ckpt: Path, max_bytes: int) -> dict[str, Any]:
+    """checkpoint.json of `ckpt`: at most `max_bytes`, JSON (orjson: nesting bounded without
+    recursion) of a readable format, holding the fields the load uses, of their kinds; ValueError
+    naming the file (and the line) otherwise."""
+    path = ckpt / META
+    try:
+        data = read_small_file(path, max_bytes)  # a FIFO, a device or a symlink is refused, naming it
+    except (FileNotFoundError, NotADirectoryError):
+        raise FileNotFoundError(f"{ckpt}: not a checkpoint directory (no {META})") from None
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read: {os_reason(exc)}") from None
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise ValueError(f"{path}:{line}: not UTF-8: byte 0x{data[exc.start]:02x} at column {column}") from None
+    try:
+        meta = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not JSON: {exc}") from None  # orjson's message ends with the line and column
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path}: must be a JSON object, got {json_kind(meta)}")
+    fmt = meta.get("format")
+    if type(fmt) is not int or fmt not in READABLE_FORMATS:  # type(): true is not format 1
+        raise ValueError(f"{path}: checkpoint format {fmt!r}, this shortlist reads "
+                         f"{', '.join(map(str, READABLE_FORMATS))}")
+    for name, (kind, required_from) in _META_FIELDS.items():
+        if name not in meta:
+            if required_from is not None and fmt >= required_from:
+                raise ValueError(f"{path}: missing {name!r} (required in format {fmt})")
+            continue
+        value = meta[name]
+        if name == "files" and value is None and fmt < required_from:
+            continue  # format 2's "saved before checksums"
+        if kind is int and (type(value) is not int or value < 1):
+            raise ValueError(f"{path}: {name!r} must be an integer >= 1, got {json_kind(value)}")
+        if kind is not int and not isinstance(value, kind):
+            raise ValueError(f"{path}: {name!r} must be {'an object' if kind is dict else 'a string'}, got "
+                             f"{json_kind(value)}")
+    return meta
+
+
+def _validated(ckpt: Path, model: type[Any], meta: dict[str, Any], name: str) -> Any:
+    """checkpoint.json's `name` object as `model` (pydantic); ValueError naming the file otherwise."""
+    try:
+        return model.model_validate(meta[name], strict=True)  # never coerced, as a bundle's manifest
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, (name, *e['loc'])))}: {e['msg']}" for e in exc.errors())
+        raise ValueError(f"{ckpt / META}: invalid {name!r}: {problems}") from None
+
+
 def _verify_files(ckpt: Path, files: Any) -> None:
-    """Every file of `ckpt` but checkpoint.json is listed in `files` (name -> sha256, None: saved
-    before checksums) and has its checksum. Hashing reads every file once (debian-deps, 257 MB: 1.4 s)."""
+    """Every file of `ckpt` but checkpoint.json is listed in `files` (name -> sha256, None: a
+    format-2 save before checksums; _read_meta requires it from format 3) and has its checksum.
+    Hashing reads every file once (debian-deps, 257 MB: 1.4 s)."""
     if files is None:
         log.info("%s: saved before checkpoints recorded checksums: its files are not verified", ckpt)
         return
