@@ -9,6 +9,7 @@ import dataclasses
 import gzip
 import json
 import logging
+import os
 import re
 import shutil
 from pathlib import Path
@@ -596,6 +597,40 @@ def test_a_save_that_fails_half_way_leaves_the_checkpoint_there_as_it_was(checkp
     with pytest.raises(ValueError, match="exists and is not a checkpoint"):
         ckpt.save(other)
     assert [p.name for p in other.iterdir()] == ["notes.txt"]
+
+
+def test_train_out_a_symlink_replaces_the_checkpoint_it_leads_to_and_keeps_the_link(checkpoints, synthetic_data,
+                                                                                    tmp_path, capsys):
+    """Audit s14 L5: `train --out LINK` replaced the link with a new directory on the link's disk and
+    left a .LINK.old-PID symlink beside it."""
+    disk = tmp_path / "bigdisk"
+    disk.mkdir()
+    shutil.copytree(checkpoints["v2"], disk / "ck")
+    link = tmp_path / "ck"
+    link.symlink_to(disk / "ck")
+    assert cli_main(["train", "--data", str(synthetic_data), "--out", str(link), "--retune",
+                     str(checkpoints["v1"])]) == 0
+    assert json.loads(capsys.readouterr().out)["checkpoint"] == str(link)
+    assert link.is_symlink() and os.readlink(link) == str(disk / "ck")
+    assert Checkpoint.load(disk / "ck").seed == 1  # v2's replaced by v1's retune, where the link leads
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bigdisk", "ck"]  # nothing left beside either
+    assert sorted(p.name for p in disk.iterdir()) == ["ck"]
+    ckpt = Checkpoint.load(checkpoints["v2"])
+    (tmp_path / "new").symlink_to(disk / "new")  # leads where nothing is yet: written there
+    ckpt.save(tmp_path / "new")
+    assert Checkpoint.load(disk / "new").seed == 2 and (tmp_path / "new").is_symlink()
+    (disk / "notes").mkdir()
+    (disk / "notes" / "mine.txt").write_text("mine")
+    (tmp_path / "notes").symlink_to(disk / "notes")
+    with pytest.raises(ValueError, match=re.escape(f"{disk / 'notes'}: exists and is not a checkpoint (no "
+                                                   f"checkpoint.json) ({tmp_path / 'notes'} leads to it)")):
+        ckpt.save(tmp_path / "notes")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    with pytest.raises(ValueError, match="loop: a symlink that leads to no folder"):
+        ckpt.save(tmp_path / "loop")
+    assert [p.name for p in (disk / "notes").iterdir()] == ["mine.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bigdisk", "ck", "loop", "new", "notes"]
+    assert sorted(p.name for p in disk.iterdir()) == ["ck", "new", "notes"]
 
 
 def _dataset(folder: Path, source: Path, trn_rows: list[dict]) -> Path:

@@ -97,10 +97,16 @@ class Checkpoint:
         """Write the checkpoint to `out_dir` as a whole: into a staging folder beside it, then
         renamed into place. A save killed or failing half-way leaves a checkpoint already there as
         it was (written in place, it was lost, its checkpoint.json left beside new files). An
-        existing `out_dir` must be a checkpoint or empty: it is replaced, never written into."""
-        out = Path(out_dir)
+        existing `out_dir` must be a checkpoint or empty: it is replaced, never written into. A
+        symlink `out_dir` is kept: the checkpoint it leads to is the one replaced (staged beside
+        it, on its disk), as writing through the link would."""
+        given = Path(out_dir)
+        out = Path(os.path.realpath(given)) if given.is_symlink() else given
+        via = f" ({given} leads to it)" if out != given else ""
+        if out.is_symlink():  # realpath stops at a loop
+            raise ValueError(f"{given}: a symlink that leads to no folder (a loop); give another --out")
         if out.exists() and not (out / META).is_file() and (not out.is_dir() or any(out.iterdir())):
-            raise ValueError(f"{out}: exists and is not a checkpoint (no {META}); give another --out")
+            raise ValueError(f"{out}: exists and is not a checkpoint (no {META}){via}; give another --out")
         out.parent.mkdir(parents=True, exist_ok=True)
         staging = out.parent / f".{out.name}.saving-{os.getpid()}"
         shutil.rmtree(staging, ignore_errors=True)
@@ -110,7 +116,7 @@ class Checkpoint:
             _replace_dir(staging, out)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-        return out
+        return given
 
     def _write(self, out: Path) -> None:
         out.mkdir()
