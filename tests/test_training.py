@@ -29,7 +29,7 @@ from training.checkpoint import Checkpoint
 from training.classifiers import OneVsAll
 from training.config import DEFAULT_OBJECTIVE, M3_ALL_MAX_LABELS, TrainConfig
 from training.data import load_split
-from training.dataset import target_matrix
+from training.dataset import TrainingSet, target_matrix
 from training.encoder import EncodedTexts, embed
 from training.pipeline import train
 from training.progress import Progress
@@ -291,7 +291,9 @@ def test_training_runs_and_serves_at_its_settings_smallest_accepted_values(synth
     cfg = TrainConfig.from_dict({**smallest, "m1_epochs": 1, "dim": 2, "tree": {"pca_dim": 2, "epochs": 1},
                                  "val_fraction": 0.0}, TrainConfig.tiny())
     assert cfg.m1_batch_size == cfg.m3_batch_size == cfg.max_vocab == cfg.validation_rows == 1
-    train(synthetic_data, cfg, seed=0).save(tmp_path / "ck")
+    # Seed 1 carves a validation document holding the vocabulary's one token (min_val_docs counts
+    # only those: with seed 0 the tuning would have judged a document only the prior answers).
+    train(synthetic_data, cfg, seed=1).save(tmp_path / "ck")
     bundle = export_checkpoint(tmp_path / "ck", tmp_path / "bundles", "edge")
     ids, scores = Predictor.load(bundle).predict_ids(["anything at all"], k=3)
     assert ids.shape == (1, 3) and np.isfinite(scores).all()
@@ -671,8 +673,8 @@ def test_the_data_minimums_are_enforced_at_and_past_their_edges_and_small_data_i
     for past, message in (({"min_train_docs": 11}, r"trn\.jsonl: 10 training documents .* fewer than min_train_docs "
                                                    r"\(11\)"),
                           ({"min_val_docs": 3}, r"trn\.jsonl: the validation split carved from it \(val_fraction 0\.2, "
-                                                r"val_max_docs 300\) has 2 documents with a label, fewer than "
-                                                r"min_val_docs \(3\)")):
+                                                r"val_max_docs 300\) has 2 documents with both a label and a "
+                                                r"token of the vocabulary, fewer than min_val_docs \(3\)")):
         with pytest.raises(ValueError, match=message):
             train(data, TrainConfig.from_dict({**edge, **past}, TrainConfig.tiny()))
     # Without tuning (nor Module III's validation stop) the validation split decides nothing.
@@ -681,9 +683,31 @@ def test_the_data_minimums_are_enforced_at_and_past_their_edges_and_small_data_i
     # At small_train_docs no warning; below small_val_docs one, kept with the checkpoint.
     assert ckpt.metrics["data_warnings"] == [
         f"{data / 'trn.jsonl'}: the validation split carved from it (val_fraction 0.2, val_max_docs 300) has 2 "
-        "documents with a label (small_val_docs 3): the tuned scoring is noisy"]
+        "documents with both a label and a token of the vocabulary (small_val_docs 3): the tuned scoring is noisy"]
     ckpt.save(tmp_path / "ck")
     assert Checkpoint.load(tmp_path / "ck").metrics["data_warnings"] == ckpt.metrics["data_warnings"]
+
+
+def test_min_val_docs_counts_only_validation_documents_with_a_token(synthetic_data, tmp_path):
+    """Audit s14 L8: 60% emoji-only documents, every one labelled: the validation split passed
+    min_val_docs on documents only the prior can answer."""
+    rows = [json.loads(line) for line in gzip.open(synthetic_data / "trn.json.gz", "rt")][:400]
+    emoji = "\U0001F600 \U0001F680 \u2603"
+    data = _dataset(tmp_path / "emoji60", synthetic_data, [{**r, "title": emoji} if i % 5 < 3 else r
+                                                           for i, r in enumerate(rows)])
+    assert all(r["target_ind"] for r in rows)
+    cfg = {"min_val_docs": 1, "small_val_docs": 0}
+    val = TrainingSet.load(data, TrainConfig.from_dict(cfg, TrainConfig.tiny()), "title",
+                           np.random.default_rng(0)).val
+    judged = sum(1 for text in val.texts if text != emoji)
+    assert 0 < judged < len(val)  # all have a label: counting those, min_val_docs judged + 1 passed
+    at_edge = TrainConfig.from_dict({**cfg, "min_val_docs": judged}, TrainConfig.tiny())
+    assert TrainingSet.load(data, at_edge, "title", np.random.default_rng(0)).val.texts == val.texts
+    past = TrainConfig.from_dict({**cfg, "min_val_docs": judged + 1}, TrainConfig.tiny())
+    with pytest.raises(ValueError, match=rf"trn\.jsonl: the validation split carved from it .* has {judged} documents "
+                                         rf"with both a label and a token of the vocabulary, fewer than min_val_docs "
+                                         rf"\({judged + 1}\)"):
+        TrainingSet.load(data, past, "title", np.random.default_rng(0))
 
 
 def test_retune_and_refit_tree_refuse_a_checkpoint_whose_files_changed(checkpoints, synthetic_data, tmp_path, capsys):

@@ -65,12 +65,11 @@ class TrainingSet:
         tokenizer = Tokenizer.fit([*trn.texts, *labels.texts], min_df=cfg.min_df, max_vocab=cfg.max_vocab,
                                   max_tokens=cfg.max_tokens)
         log.info("tokenizer: %d tokens", tokenizer.vocab_size - 1)
-        docs = EncodedTexts.of(tokenizer, trn.texts)
-        warnings = check_teachable(str(source), trn, docs, val, cfg)
+        docs, val_texts = EncodedTexts.of(tokenizer, trn.texts), EncodedTexts.of(tokenizer, val.texts)
+        warnings = check_teachable(str(source), trn, docs, val, val_texts, cfg)
         freq = label_frequencies(trn.targets, len(labels))
         return cls(
-            labels, trn, val, tst, tokenizer, docs,
-            EncodedTexts.of(tokenizer, labels.texts), EncodedTexts.of(tokenizer, val.texts),
+            labels, trn, val, tst, tokenizer, docs, EncodedTexts.of(tokenizer, labels.texts), val_texts,
             EncodedTexts.of(tokenizer, tst.texts) if tst else None,
             target_matrix(trn.targets, len(labels), trn.weights),
             1.0 / propensities(freq, len(trn)), xc_data.fingerprint(data_dir, counts), warnings,
@@ -91,14 +90,15 @@ class TrainingSet:
 
 
 def check_teachable(source: str, trn: xc_data.Split, docs: EncodedTexts, val: xc_data.Split,
-                    cfg: TrainConfig) -> list[str]:
+                    val_texts: EncodedTexts, cfg: TrainConfig) -> list[str]:
     """ValueError naming `source` (the trn file) when the training documents cannot teach
     anything: none has a label, none has a token of the vocabulary, fewer than min_train_docs
-    have both, or the validation split the tuning picks on has fewer than min_val_docs with a
-    label (the tuning then picks from an objective of noise, or 0 everywhere). Returns warnings
-    where the data is allowed but small (small_train_docs, small_val_docs)."""
+    have both, or the validation split the tuning picks on has fewer than min_val_docs with both
+    (the tuning then picks from an objective of noise, or 0 everywhere: a document without a
+    token is answered by the prior alone). Returns warnings where the data is allowed but small
+    (small_train_docs, small_val_docs)."""
     labelled = np.array([bool(t) for t in trn.targets])
-    tokens = (docs.ids != 0).any(dim=1).numpy()  # id 0 pads: a row of it has no token the vocabulary keeps
+    tokens = _has_tokens(docs)
     if not labelled.any():
         raise ValueError(f"{source}: no training document has a label (target_ind is empty in all {len(trn)})")
     if not tokens.any():
@@ -113,9 +113,9 @@ def check_teachable(source: str, trn: xc_data.Split, docs: EncodedTexts, val: xc
         warnings.append(f"{source}: only {usable} training documents have a label and a token of the vocabulary "
                         f"(small_train_docs {cfg.small_train_docs}): the model learns little from them")
     if cfg.tune or cfg.m3_min_gain is not None:
-        judged = sum(1 for t in val.targets if t)
+        judged = int((np.array([bool(t) for t in val.targets], dtype=bool) & _has_tokens(val_texts)).sum())
         split = (f"{source}: the validation split carved from it (val_fraction {cfg.val_fraction}, val_max_docs "
-                 f"{cfg.val_max_docs}) has {judged} documents with a label")
+                 f"{cfg.val_max_docs}) has {judged} documents with both a label and a token of the vocabulary")
         if judged < cfg.min_val_docs:
             raise ValueError(f"{split}, fewer than min_val_docs ({cfg.min_val_docs}) the tuning needs "
                              "(or set tune false)")
@@ -124,6 +124,11 @@ def check_teachable(source: str, trn: xc_data.Split, docs: EncodedTexts, val: xc
     for warning in warnings:
         log.warning("small data: %s", warning)
     return warnings
+
+
+def _has_tokens(texts: EncodedTexts) -> np.ndarray:
+    """Per text: has a token the vocabulary keeps (id 0 pads: a row of it has none)."""
+    return (texts.ids != 0).any(dim=1).numpy()
 
 
 def target_matrix(targets: list[list[int]], num_labels: int,
