@@ -9,6 +9,8 @@ from __future__ import annotations
 import functools
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -409,3 +411,28 @@ def test_an_id_record_holding_what_is_not_a_uid_is_made_again(bundle_root, synth
             assert bundle.labels.ids_of([b.uid]) == [302 if used else 301]
         finally:
             bundle.close()
+
+
+def test_offline_labels_add_skips_the_version_names_a_server_state_directory_holds(bundle_root_copy, synthetic_data,
+                                                                                   tmp_path):
+    """Audit 3 M1: `shortlist labels add` with SHORTLIST_STATE_DIR set, its default --out the bundle
+    root the server serves from: it must not make a second v2.labels-1 (listed twice, rollback 404)."""
+    state = tmp_path / "state"
+    a, b = _new_labels(synthetic_data, 2, "m1")
+    with _serving_one_added(bundle_root_copy, state, a):
+        pass
+    labels = tmp_path / "labels.jsonl"
+    labels.write_text(orjson.dumps({"uid": b.uid, "title": b.title}).decode() + "\n")
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SHORTLIST_")}, "SHORTLIST_STATE_DIR": str(state)}
+    done = subprocess.run([sys.executable, "-m", "shortlist.cli", "labels", "add", str(bundle_root_copy / "v2"),
+                           "--labels", str(labels)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert orjson.loads(done.stdout.splitlines()[-1])["version"] == "v2.labels-2"
+    assert not (bundle_root_copy / "v2.labels-1").exists()
+    registry = _registry(bundle_root_copy, state)
+    try:
+        assert registry.start()["active"] == "v2.labels-1"  # recorded by the server
+        assert registry.activate("v2.labels-2")["active"] == "v2.labels-2"
+        assert registry.rollback()["active"] == "v2.labels-1"  # the server's, named once
+    finally:
+        registry.close()
