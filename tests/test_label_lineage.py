@@ -1,12 +1,16 @@
 """Label ids and uids across rollbacks and crashes (service.engine.label_ledger): an id or uid given
-out once never names another label, even on a version rolled back or made by another process, and
-a change that a crash left renamed into place but never activated is never served, and is set
-aside (its ids taken back) at the next start-up or change."""
+out once never names another label, even on a version rolled back, removed by retention or made by
+another process, and a change that a crash left renamed into place but never activated is never
+served, and is set aside (its ids taken back) at the next start-up or change; one recorded active
+even once never is."""
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -25,13 +29,24 @@ from service.api.active_state import ActiveVersionFile
 from service.api.registry import ActivationFailed, BundleRegistry
 from service.engine.bundle import Bundle
 from service.engine.label_changes import LabelChange, NewLabel
-from service.engine.label_ledger import LEDGER_DIR, QUARANTINE_DIR
+from service.engine.label_ledger import LEDGER_DIR, MAX_ID_RECORD_BYTES, MAX_UID_CHARS, QUARANTINE_DIR, UNCONFIRMED_FILE
 from service.engine.store import BundleStore
 from shortlist.testing import serve
 
 
 def _env(state: Path) -> dict[str, str]:
     return {"SHORTLIST_ADMIN_TOKEN": TOKEN, "SHORTLIST_STATE_DIR": str(state)}
+
+
+def _two_processes(state: Path) -> dict[str, str]:
+    return {**_env(state), "SHORTLIST_PROCESSES": "2", "SHORTLIST_LOAD_CHECK_IN_CHILD": "false",
+            "SHORTLIST_ACCESS_LOG": "false"}
+
+
+def _post(url: str, path: str, body: dict | None = None) -> httpx.Response:
+    """On a new connection: either process may take it."""
+    with httpx.Client(base_url=url, headers=AUTH, timeout=120) as client:
+        return client.post(path, json=body)
 
 
 def _body(*labels: NewLabel) -> dict:
@@ -47,10 +62,11 @@ def _ids(state: Path, version: str, uids: list[str]) -> tuple[list[int | None], 
         bundle.close()
 
 
-def _registry(bundle_root: Path, state: Path) -> BundleRegistry:
+def _registry(bundle_root: Path, state: Path, keep_derived_versions: int | None = None) -> BundleRegistry:
     """A registry as a serving process makes it (its own state record), without the checking child."""
     state.mkdir(exist_ok=True)
-    return BundleRegistry(BundleStore(bundle_root, state), check_timeout_s=None, remembered=ActiveVersionFile(state))
+    return BundleRegistry(BundleStore(bundle_root, state), check_timeout_s=None, remembered=ActiveVersionFile(state),
+                          keep_derived_versions=keep_derived_versions)
 
 
 @contextmanager
@@ -156,14 +172,8 @@ def test_over_several_serving_processes_an_id_is_given_out_once(bundle_root, syn
     process may take it): the record in the state directory is the processes' common one."""
     state = tmp_path / "state"
     a, b, c = _new_labels(synthetic_data, 3, "two")
-    env = {**_env(state), "SHORTLIST_PROCESSES": "2", "SHORTLIST_LOAD_CHECK_IN_CHILD": "false",
-           "SHORTLIST_ACCESS_LOG": "false"}
-
-    def post(path: str, body: dict | None = None) -> httpx.Response:
-        with httpx.Client(base_url=s.url, headers=AUTH, timeout=120) as client:
-            return client.post(path, json=body)
-
-    with serve(bundle_root, version="v2", env=env, log_dir=tmp_path, timeout=120) as s:
+    with serve(bundle_root, version="v2", env=_two_processes(state), log_dir=tmp_path, timeout=120) as s:
+        post = functools.partial(_post, s.url)
         _wait_for(s.url, {"v2"})
         assert post("/admin/labels", _body(a)).json()["active"] == "v2.labels-1"
         assert post("/admin/bundles/rollback").json()["active"] == "v2"
@@ -244,3 +254,185 @@ def test_a_change_killed_before_its_activation_is_never_served_and_is_set_aside(
         assert all(not b["unconfirmed"] for b in c.get("/admin/bundles").json()["bundles"])
     assert _ids(state, "v2.labels-1", [a.uid, b.uid])[0] == [300, 301]
     assert (state / QUARANTINE_DIR / "v2.labels-1.1" / "manifest.json").is_file()
+
+
+def _mark(state: Path) -> dict | None:
+    path = state / LEDGER_DIR / UNCONFIRMED_FILE
+    return orjson.loads(path.read_bytes()) if path.exists() else None
+
+
+def test_a_version_recorded_active_is_never_set_aside_after_a_rollback(bundle_root, synthetic_data, tmp_path):
+    """Audit 3 H1 (a), 2 processes: the process applying a change died after active.json named its
+    version and before it cleared the mark, and the other one serves it. (That crash's state, made
+    here by writing the mark back.) A rollback, then a change: the version stays, with its name and ids."""
+    state = tmp_path / "state"
+    a, b = _new_labels(synthetic_data, 2, "h1a")
+    with serve(bundle_root, version="v2", env=_two_processes(state), log_dir=tmp_path, timeout=120) as s:
+        post = functools.partial(_post, s.url)
+        _wait_for(s.url, {"v2"})
+        assert post("/admin/labels", _body(a)).json()["active"] == "v2.labels-1"
+        (state / LEDGER_DIR / UNCONFIRMED_FILE).write_bytes(
+            orjson.dumps({"version": "v2.labels-1", "base": "v2", "first_id": 300, "keep": 0}))
+        r = post("/admin/bundles/rollback")
+        assert r.status_code == 200 and r.json()["active"] == "v2", r.text
+        assert _mark(state) is None  # settled before the rollback dropped it from the history
+        r = post("/admin/labels", _body(b))
+        assert r.status_code == 200 and r.json()["active"] == "v2.labels-2", r.text
+    assert not (state / QUARANTINE_DIR).exists()
+    assert _ids(state, "v2.labels-1", [a.uid])[0] == [300]
+    assert _ids(state, "v2.labels-2", [a.uid, b.uid])[0] == [300, 301]
+
+
+def _change_refused_after_its_rename(c: httpx.Client, state: Path, label: NewLabel) -> None:
+    """A change whose activation cannot record itself (active.json a directory): 503, its version
+    left renamed into place and marked."""
+    (state / "active.json").unlink()
+    (state / "active.json").mkdir()
+    r = c.post("/admin/labels", json=_body(label))
+    assert r.status_code == 503 and r.json()["error"] == "state_unavailable", r.text
+    assert _mark(state)["version"] == "v2.labels-1"
+    (state / "active.json").rmdir()
+
+
+@pytest.mark.parametrize("record", ["readable", "unreadable"])
+def test_activating_an_unconfirmed_version_by_hand(bundle_root, synthetic_data, tmp_path, record):
+    """Audit 3 H1 (b). Every activation first settles the mark: with active.json readable and not
+    naming the version, it was never activated and is set aside (404). With active.json unreadable
+    it cannot be told, the activation goes on, and recording the version active confirms it for
+    good: a rollback then does not make it "never activated"."""
+    state = tmp_path / "state"
+    a, b = _new_labels(synthetic_data, 2, "h1b")
+    with serve(bundle_root, version="v2", env=_env(state), log_dir=tmp_path) as s, \
+            httpx.Client(base_url=s.url, headers=AUTH, timeout=120) as c:
+        _change_refused_after_its_rename(c, state, a)
+        listed = {v["version"]: v["unconfirmed"] for v in c.get("/admin/bundles").json()["bundles"]}
+        assert listed["v2.labels-1"] is True
+        if record == "readable":
+            ActiveVersionFile(state).write("v2")
+            r = c.post("/admin/bundles/activate", json={"version": "v2.labels-1"})
+            assert r.status_code == 404, r.text
+            assert (state / QUARANTINE_DIR / "v2.labels-1.1" / "manifest.json").is_file()
+            assert c.post("/admin/labels", json=_body(a, b)).json()["active"] == "v2.labels-1"  # the retry
+            assert _ids(state, "v2.labels-1", [a.uid, b.uid])[0] == [300, 301]
+            return
+        os.mkfifo(state / "active.json")
+        r = c.post("/admin/bundles/activate", json={"version": "v2.labels-1"})
+        assert r.status_code == 200 and r.json()["active"] == "v2.labels-1", r.text
+        assert _mark(state) is None
+        r = c.post("/admin/bundles/rollback")
+        assert r.status_code == 200 and r.json()["active"] == "v2", r.text
+        assert c.post("/admin/labels", json=_body(b)).json()["active"] == "v2.labels-2"
+        assert c.post("/v1/predict", json={"text": a.title, "k": 3, "exclude": [a.uid]}).status_code == 200
+    assert not (state / QUARANTINE_DIR).exists()
+    assert _ids(state, "v2.labels-2", [a.uid, b.uid])[0] == [300, 301]
+
+
+def test_a_change_while_a_mark_cannot_be_settled_is_refused_and_keeps_the_mark(bundle_root, synthetic_data, tmp_path):
+    """Audit 3 M4: with a mark pending and active.json unreadable (a FIFO: replaceable), the next
+    change would replace the mark with its own, leaving the first version unmarked for ever: it
+    is 503 naming active.json instead. Once active.json is fixed, the first change can be sent again."""
+    state = tmp_path / "state"
+    a, b = _new_labels(synthetic_data, 2, "m4")
+    with serve(bundle_root, version="v2", env=_env(state), log_dir=tmp_path) as s, \
+            httpx.Client(base_url=s.url, headers=AUTH, timeout=120) as c:
+        _change_refused_after_its_rename(c, state, a)
+        os.mkfifo(state / "active.json")
+        r = c.post("/admin/labels", json=_body(b))
+        assert r.status_code == 503 and r.json()["error"] == "state_unavailable", r.text
+        assert "active.json" in r.json()["message"] and "v2.labels-1" in r.json()["message"], r.text
+        assert _mark(state)["version"] == "v2.labels-1"
+        assert not (state / "bundles" / "v2.labels-2").exists()
+        (state / "active.json").unlink()  # the operator's fix
+        r = c.post("/admin/labels", json=_body(a))
+        assert r.status_code == 200 and r.json()["active"] == "v2.labels-1", r.text
+        assert c.post("/admin/labels", json=_body(b)).json()["active"] == "v2.labels-2"
+    assert _ids(state, "v2.labels-2", [a.uid, b.uid])[0] == [300, 301]
+    assert (state / QUARANTINE_DIR / "v2.labels-1.1" / "manifest.json").is_file()
+
+
+@pytest.mark.parametrize("damage", ["missing", "fifo"])
+def test_a_lost_id_record_keeps_the_uids_of_versions_retention_removed(bundle_root, synthetic_data, tmp_path, damage):
+    """Audit 3 M3: a version retention removed is not on disk to make the record again from; the
+    file left in its place holds its uids, so the next label gets the next id and its uid stays refused."""
+    state = tmp_path / "state"
+    a, b, c = _new_labels(synthetic_data, 3, "m3")
+    registry = _registry(bundle_root, state, keep_derived_versions=0)
+    try:
+        registry.activate("v2")
+        registry.change_labels(LabelChange(add=[a]))
+        registry.change_labels(LabelChange(add=[b]))
+        registry.rollback()
+        assert registry.rollback()["active"] == "v2"
+        assert (state / "bundles" / "v2.labels-2").is_file()  # removed, its name kept
+        record = state / LEDGER_DIR / "v2.json"
+        record.unlink()
+        if damage == "fifo":
+            os.mkfifo(record)
+        assert registry.change_labels(LabelChange(add=[c]))["active"] == "v2.labels-3"
+        ids, retired = _ids(state, "v2.labels-3", [a.uid, b.uid, c.uid])
+        assert ids == [300, 301, 302] and retired[300] and retired[301]
+        with pytest.raises(ValueError, match="uids are never reused"):
+            registry.change_labels(LabelChange(add=[NewLabel(b.uid, a.title)]))
+    finally:
+        registry.close()
+
+
+def _record_past_the_disk(state: Path, uids: list[str], size: int | None = None) -> None:
+    """An id record holding `uids` (ids 300...), padded with JSON whitespace to `size` bytes."""
+    data = orjson.dumps({"base": "v2", "first_id": 300, "uids": uids})
+    (state / LEDGER_DIR / "v2.json").write_bytes(data + b" " * ((size or len(data)) - len(data)))
+
+
+@pytest.mark.parametrize(("size", "used"), [(MAX_ID_RECORD_BYTES, True), (MAX_ID_RECORD_BYTES + 1, False)])
+def test_an_id_record_is_read_up_to_its_limit(bundle_root, synthetic_data, tmp_path, size, used):
+    """Audit 3 L6: a record past MAX_ID_RECORD_BYTES is not read (made again from the versions on
+    disk). "ghost" is a uid only the record holds: used, it keeps id 301."""
+    state = tmp_path / "state"
+    a, b = _new_labels(synthetic_data, 2, "l6")
+    with _serving_one_added(bundle_root, state, a) as registry:
+        _record_past_the_disk(state, [a.uid, "ghost"], size)
+        registry.change_labels(LabelChange(add=[b]))
+        assert _ids(state, "v2.labels-2", [a.uid, "ghost", b.uid])[0] == ([300, 301, 302] if used else [300, None, 301])
+
+
+@pytest.mark.parametrize(("uid", "used"), [("u" * MAX_UID_CHARS, True), ("u" * (MAX_UID_CHARS + 1), False),
+                                           (" \u200b", False), ("", False), (7, False)])
+def test_an_id_record_holding_what_is_not_a_uid_is_made_again(bundle_root, synthetic_data, tmp_path, uid, used):
+    """Audit 3 L6: a uid the API would refuse (too long, blank, not a string) is never copied into
+    a version: the record is made again from the versions on disk."""
+    state = tmp_path / "state"
+    a, b = _new_labels(synthetic_data, 2, "l6u")
+    with _serving_one_added(bundle_root, state, a) as registry:
+        _record_past_the_disk(state, [a.uid, uid])
+        registry.change_labels(LabelChange(add=[b]))
+        bundle = Bundle.open(state / "bundles" / "v2.labels-2")
+        try:
+            assert len(bundle.labels) == (303 if used else 302)
+            assert bundle.labels.ids_of([b.uid]) == [302 if used else 301]
+        finally:
+            bundle.close()
+
+
+def test_offline_labels_add_skips_the_version_names_a_server_state_directory_holds(bundle_root_copy, synthetic_data,
+                                                                                   tmp_path):
+    """Audit 3 M1: `shortlist labels add` with SHORTLIST_STATE_DIR set, its default --out the bundle
+    root the server serves from: it must not make a second v2.labels-1 (listed twice, rollback 404)."""
+    state = tmp_path / "state"
+    a, b = _new_labels(synthetic_data, 2, "m1")
+    with _serving_one_added(bundle_root_copy, state, a):
+        pass
+    labels = tmp_path / "labels.jsonl"
+    labels.write_text(orjson.dumps({"uid": b.uid, "title": b.title}).decode() + "\n")
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SHORTLIST_")}, "SHORTLIST_STATE_DIR": str(state)}
+    done = subprocess.run([sys.executable, "-m", "shortlist.cli", "labels", "add", str(bundle_root_copy / "v2"),
+                           "--labels", str(labels)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert orjson.loads(done.stdout.splitlines()[-1])["version"] == "v2.labels-2"
+    assert not (bundle_root_copy / "v2.labels-1").exists()
+    registry = _registry(bundle_root_copy, state)
+    try:
+        assert registry.start()["active"] == "v2.labels-1"  # recorded by the server
+        assert registry.activate("v2.labels-2")["active"] == "v2.labels-2"
+        assert registry.rollback()["active"] == "v2.labels-1"  # the server's, named once
+    finally:
+        registry.close()

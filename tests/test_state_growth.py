@@ -79,9 +79,10 @@ def _versions(c: httpx.Client) -> list[str]:
 
 
 def _derived(state: Path) -> tuple[list[str], list[str]]:
-    """(the versions in STATE_DIR/bundles, the names removed ones keep taken: empty files)."""
+    """(the versions in STATE_DIR/bundles, the names removed ones keep taken: files holding the uids
+    each gave out past its base)."""
     entries = sorted((state / "bundles").iterdir())
-    assert all(p.is_dir() or p.stat().st_size == 0 for p in entries)
+    assert all(p.is_dir() or json.loads(p.read_bytes())["base"] == "v2" for p in entries)
     return [p.name for p in entries if p.is_dir()], [p.name for p in entries if not p.is_dir()]
 
 

@@ -20,6 +20,7 @@ from service.engine import schema
 from service.engine.jsonlines import iter_rows, iter_text_lines, row_uid
 from service.engine.label_changes import LabelChange, LabelEditor, NewLabel, derived_version
 from service.engine.predictor import Predictor
+from service.engine.store import DERIVED_DIR
 
 
 def read_label_file(path: Path, models: RequestModels | None = None) -> list[NewLabel]:
@@ -61,11 +62,15 @@ def run_cli(args: argparse.Namespace) -> int:
         change = LabelChange(add=read_label_file(Path(args.labels)))
     else:
         change = LabelChange(retire=list(args.uids) + (read_uids_file(Path(args.uids_file)) if args.uids_file else []))
+    # A server's state directory (SHORTLIST_STATE_DIR) lists its versions beside the bundle root's:
+    # a name it holds (or a removed version of it kept taken) is not given to another bundle here.
+    state_dir = load_settings().state_dir
+    roots = [out_root, *([state_dir / DERIVED_DIR] if state_dir is not None else [])]
     parent = Predictor.load(parent_dir).bundle
     try:
         lineage = parent.manifest.lineage
         version = args.version or derived_version(lineage.base if lineage else parent.version,
-                                                  lambda v: (out_root / v).exists())
+                                                  lambda v: any((root / v).exists() for root in roots))
         report = LabelEditor().derive(parent, change, out_root, schema.validate_version_name(version))
     finally:
         parent.close()

@@ -11,6 +11,7 @@ version to serve. They run one at a time, in the order they arrived, on their ow
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from service.api.active_state import HISTORY_LENGTH, ActiveVersionFile, StateBusy, StateUnavailable
+from service.api.active_state import ACTIVE_FILE, HISTORY_LENGTH, ActiveVersionFile, StateBusy, StateUnavailable
 from service.api.leases import Engine, Lease, NoBundle
 from service.engine import heap
 from service.engine.bundle import Bundle, drop_cached_pages
@@ -268,8 +269,7 @@ class BundleRegistry:
         if derived_root is None:
             raise LabelChangesUnavailable("label changes need a state directory (SHORTLIST_STATE_DIR)")
         ledger = LabelLedger(derived_root.parent)
-        with self._exclusive(wait=True):
-            self._settle_unconfirmed(ledger)
+        with self._exclusive(wait=True, change=True):
             self._catch_up()
             try:
                 with self.lease() as engine:
@@ -279,7 +279,10 @@ class BundleRegistry:
                 history = with_previous(self._history, self._current(), report.version)
                 result = self._converged(self._activate_locked(report.version, history=history))
             finally:
-                self._settle_unconfirmed(ledger)  # confirmed if activated, else set aside
+                try:
+                    self._settle_unconfirmed(ledger)  # confirmed if activated, else set aside
+                except StateUnavailable as exc:  # left to the next section; not this change's outcome
+                    log.error("%s", exc)
         return {**result, "change": report}
 
     def _derive(self, parent: Bundle, change: LabelChange, derived_root: Path, ledger: LabelLedger) -> ChangeReport:
@@ -290,7 +293,8 @@ class BundleRegistry:
         version = derived_version(base, self.store.exists)
         first_id = parent.manifest.tree_labels
         record = ledger.record(base, first_id) or ledger.rebuilt(base, first_id, [
-            b.path for b in self.store.list() if b.manifest.lineage is not None and b.manifest.lineage.base == base])
+            b.path for b in self.store.list() if b.manifest.lineage is not None and b.manifest.lineage.base == base
+        ] + self.store.removed_derived())
         record = record.merged(parent.labels)
 
         def reserve() -> None:
@@ -300,11 +304,13 @@ class BundleRegistry:
         return self.editor.derive(parent, change, derived_root, version,
                                   record.given_out_past(len(parent.labels)), before_commit=reserve)
 
-    def _settle_unconfirmed(self, ledger: LabelLedger) -> None:
-        """Under the activation lock: a version marked unconfirmed (label_ledger) is confirmed
-        when the record (or, without one, this registry) names it active or in the history;
-        otherwise it was never activated, and is set aside with its ids taken back. With a
-        record that cannot be read, it stays marked (and is never picked as the newest)."""
+    def _settle_unconfirmed(self, ledger: LabelLedger, *, change: bool = False) -> None:
+        """Under the activation lock, before anything changes active.json: a version marked
+        unconfirmed (label_ledger) is confirmed when the record (or, without one, this registry)
+        names it active or in the history; otherwise it was never activated, and is set aside with
+        its ids taken back. A mark that stays (a record that cannot be read, a mark that cannot be
+        removed) is StateUnavailable for a `change` (its own mark would replace this one) and for
+        any section when the record names its version (a rollback would drop it from the history)."""
         pending = ledger.unconfirmed()
         if pending is None:
             return
@@ -313,11 +319,17 @@ class BundleRegistry:
             if recorded is None and self.remembered.path.exists():
                 log.error("version %s is unconfirmed and %s cannot be read: it stays marked", pending.version,
                           self.remembered.path)
+                if change:  # why: the record's own problem, as read() logged it (the last one it kept)
+                    why = OSError(errno.EIO, self.remembered._last_problem or "it cannot be read")
+                    raise StateUnavailable(ledger.state_dir, why, (
+                        f"tell whether the unconfirmed label change {pending.version} was activated, since "
+                        f"{ACTIVE_FILE} cannot be read (fix or remove it)"))
                 return
         else:
             recorded, history = self.active_version, self._history
+        activated = pending.version in (recorded, *history)
         try:
-            if pending.version not in (recorded, *history):
+            if not activated:
                 where = ledger.state_dir / DERIVED_DIR / pending.version
                 if where.is_dir():
                     log.warning("label change %s was never activated: moved to %s", pending.version,
@@ -325,8 +337,25 @@ class BundleRegistry:
                 ledger.undo(pending)
             ledger.confirm()
         except OSError as exc:
-            log.error("could not settle the unconfirmed version %s (tried again at the next change or "
-                      "start-up): %s", pending.version, exc)
+            log.error("could not settle the unconfirmed version %s: %s", pending.version, exc)
+            if change or activated:
+                raise StateUnavailable(ledger.state_dir, exc,
+                                       f"settle the unconfirmed label change {pending.version}") from None
+
+    def _confirm_recorded(self, version: str) -> None:
+        """`version` was just recorded active: if a change's mark names it, it is confirmed for
+        good (later rollbacks drop it from the history, and a later settle must not take it for
+        one never activated). Best effort: a mark left names a version the record names, which
+        the next exclusive section confirms before it changes the record."""
+        if self.store.derived_root is None:
+            return
+        ledger = LabelLedger(self.store.derived_root.parent)
+        pending = ledger.unconfirmed()
+        if pending is not None and pending.version == version:
+            try:
+                ledger.confirm()
+            except OSError as exc:
+                log.error("could not confirm the label change %s now active: %s", version, exc)
 
     def _catch_up(self) -> None:
         """Serve the recorded version before deriving from it: another process sharing the state
@@ -337,12 +366,15 @@ class BundleRegistry:
             self._activate_locked(recorded, history=self._history, follow=True)
 
     @contextmanager
-    def _exclusive(self, *, shared_state: bool = True, wait: bool = False) -> Iterator[None]:
+    def _exclusive(self, *, shared_state: bool = True, wait: bool = False, change: bool = False) -> Iterator[None]:
         """This registry's activation lock and, with a state directory, the one the processes
         sharing it hold (exclusive_activation): ActivationInProgress at once if either is taken,
         or with `wait` once they stayed taken for twice the load-check timeout. Waiting polls
         rather than blocks, so this process keeps following the activation it waits for (process
-        sync takes the lock between polls) and that activation's wait for every process ends."""
+        sync takes the lock between polls) and that activation's wait for every process ends.
+        A section that may change the record (`shared_state`) first settles a change's mark
+        (_settle_unconfirmed; `change`: for a label change): its version may be recorded active
+        now and not after this section."""
         deadline = time.monotonic() + 2 * (self.check_timeout_s or 600.0)
         with ExitStack() as held:
             while True:
@@ -356,6 +388,8 @@ class BundleRegistry:
                     time.sleep(0.05)
             if history is not None:
                 self._history = history
+            if shared_state and self.store.derived_root is not None:
+                self._settle_unconfirmed(LabelLedger(self.store.derived_root.parent), change=change)
             yield
 
     def activate(self, version: str | None = None) -> dict[str, object]:
@@ -418,6 +452,7 @@ class BundleRegistry:
             raise
         if not follow:
             self._remember(predictor, history)
+            self._confirm_recorded(predictor.bundle.version)
         self._history = history
         new = Engine(predictor.bundle, predictor)
         old = self._active
@@ -453,8 +488,8 @@ class BundleRegistry:
 
     def _start(self, configured: str | None) -> dict[str, object]:
         if self.store.derived_root is not None:
-            with self._exclusive():  # a change in progress in another process holds it
-                self._settle_unconfirmed(LabelLedger(self.store.derived_root.parent))
+            with self._exclusive():  # settles a change's mark; a change in progress in another process holds it
+                pass
         wanted = (self.remembered.read() if self.remembered else None) or configured
         try:
             return self.activate(wanted)

@@ -9,15 +9,19 @@ gap with retired rows holding those uids (LabelEditor.derive's `given_out`): ids
 numbers, and neither an id nor a uid ever names two labels. The record is caught up with the
 parent's own rows at every change (`IdRecord.merged`), so a record behind never makes a change
 give out an id or uid its parent holds; a record lost (or unreadable) is made again from the
-base's versions on disk (`rebuilt`: their labels read once, not at every change).
+base's versions on disk (`rebuilt`: their labels read once, not at every change), and from
+the files retention leaves in place of the versions it removed (`removed_version_record`: the
+uids each gave out past its base), since a removed version's labels are no longer on disk.
 
 Confirmation: a change marks its version unconfirmed (`.unconfirmed.json`, with how much of the
 id record it added) before the version is renamed into place, and removes the mark once it is
-activated. A mark found by the next change or at start-up, under the activation lock (so the
-change that wrote it is not running), names a version that a crash left between its rename and
-its activation: nobody was told it exists. The registry then moves it out of the places
-bundles are listed from (`quarantine`) and takes its ids back (`undo`), unless the recorded
-active version or history names it (it was activated after all). Until then the store never
+activated (right after active.json names it, in the same locked section). A mark found at the
+start of the next activation, rollback, change or start-up, under the activation lock (so the
+change that wrote it is not running) and before that section changes active.json, names a
+version that a crash left between its rename and its activation: nobody was told it exists.
+The registry then moves it out of the places bundles are listed from (`quarantine`) and takes
+its ids back (`undo`), unless the recorded active version or history names it (it was
+activated after all: once recorded active, confirmed for good). Until then the store never
 picks it as "the newest bundle".
 
 Every file is written as active.json is (small_files.write_atomically): old or new, never torn.
@@ -27,7 +31,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -36,15 +39,27 @@ import orjson
 from service.engine.labels import LabelTable
 from service.engine.schema import LABELS, BundleError, validate_version_name
 from service.engine.small_files import read_small_file, write_atomically
+from service.engine.tokenizer import is_blank
 
 log = logging.getLogger("shortlist.ledger")
 
 LEDGER_DIR = "label_ledger"
 UNCONFIRMED_FILE = ".unconfirmed.json"
 QUARANTINE_DIR = "unconfirmed"
-# The mark holds three short fields. The id records are not capped: they grow with the labels
-# given out, as the bundles' labels.jsonl do, and a cap would stop every later change.
+# The mark holds three short fields.
 MAX_MARK_BYTES = 64 * 1024
+# The longest uid a record may hold: the most SHORTLIST_MAX_UID_CHARS allows (service.api.settings),
+# so a uid any configuration accepted is kept and a record holding a longer one is not this service's.
+MAX_UID_CHARS = 10_000
+# The most bytes of an id record read (or of a removed version's, below). Records grow with the
+# uids given out (~300 K uids of 200 characters); one larger is not read whole into memory but
+# made again from the versions on disk (logged), as an unreadable one is: slower, never wrong.
+MAX_ID_RECORD_BYTES = 64 * 1024 * 1024
+
+
+def is_recordable_uid(uid: object) -> bool:
+    """A uid as POST /admin/labels takes one (at most MAX_UID_CHARS, not blank: tokenizer.is_blank)."""
+    return isinstance(uid, str) and 0 < len(uid) <= MAX_UID_CHARS and not is_blank(uid)
 
 
 @dataclass(frozen=True)
@@ -67,9 +82,36 @@ class IdRecord:
         extra = tuple(table.row(i)[0] for i in range(self.next_id, len(table)))
         return IdRecord(self.base, self.first_id, self.uids + extra)
 
+    def extended(self, other: IdRecord) -> IdRecord:
+        """The record caught up with another record of the same base (the uids it holds past this one's)."""
+        return IdRecord(self.base, self.first_id, self.uids + other.uids[len(self.uids):])
+
     def given_out_past(self, rows: int) -> list[str]:
         """The uids of ids rows, rows + 1, ... given out on versions other than one of `rows` rows."""
         return list(self.uids[max(rows - self.first_id, 0):])
+
+    def encoded(self) -> bytes:
+        return orjson.dumps({"base": self.base, "first_id": self.first_id, "uids": self.uids})
+
+
+def decoded_record(data: bytes) -> IdRecord:
+    """The id record `data` holds; ValueError when it is not one, or holds what a change could not
+    have given out as a uid (is_recordable_uid)."""
+    raw = orjson.loads(data)
+    base, first_id, uids = raw["base"], raw["first_id"], raw["uids"]
+    if not isinstance(base, str) or not isinstance(first_id, int) or first_id < 0:
+        raise ValueError("not a record of a base and the first id it gives out")
+    bad = next((i for i, u in enumerate(uids) if not is_recordable_uid(u)), None)
+    if bad is not None:
+        raise ValueError(f"uids[{bad}] is not a uid (a non-blank string of at most {MAX_UID_CHARS} characters)")
+    return IdRecord(base, first_id, tuple(uids))
+
+
+def removed_version_record(bundle_dir: Path, base: str, first_id: int) -> bytes:
+    """What retention leaves in place of a removed version (service.engine.store.prune_derived):
+    the uids it holds past its base's rows, so a record made again (`rebuilt`) still holds them."""
+    table = LabelTable.load(bundle_dir / LABELS)
+    return IdRecord(base, first_id, tuple(table.row(i)[0] for i in range(first_id, len(table)))).encoded()
 
 
 @dataclass(frozen=True)
@@ -91,11 +133,10 @@ class LabelLedger:
         """The base's id record; None when there is none or it cannot be read (logged)."""
         path = self._record_path(base)
         try:
-            raw = orjson.loads(read_small_file(path, sys.maxsize))
-            uids = raw["uids"]
-            if raw["first_id"] != first_id or not all(isinstance(u, str) for u in uids):
-                raise ValueError(f"not a record of {first_id} rows and uids")
-            return IdRecord(base, first_id, tuple(uids))
+            record = decoded_record(read_small_file(path, MAX_ID_RECORD_BYTES))
+            if (record.base, record.first_id) != (base, first_id):
+                raise ValueError(f"not a record of base {base!r} starting at id {first_id}")
+            return record
         except FileNotFoundError:
             return None
         except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -103,20 +144,26 @@ class LabelLedger:
             return None
 
     def rebuilt(self, base: str, first_id: int, versions: list[Path]) -> IdRecord:
-        """The record of `base` made again from the label tables of its versions (bundle directories):
-        the rows of each past what the others hold. A version that cannot be read is skipped (logged)."""
+        """The record of `base` made again from the label tables of its versions (bundle directories)
+        and the records retention left of removed ones (files, removed_version_record; those of
+        another base are passed over): the rows of each past what the others hold. A version that
+        cannot be read is skipped (logged)."""
         record = IdRecord(base, first_id)
         for path in versions:
             try:
-                record = record.merged(LabelTable.load(path / LABELS))
-            except (OSError, ValueError) as exc:
+                if path.is_dir():
+                    record = record.merged(LabelTable.load(path / LABELS))
+                elif path.stat().st_size > 0:  # retention before removed versions kept their uids: empty
+                    removed = decoded_record(read_small_file(path, MAX_ID_RECORD_BYTES))
+                    if (removed.base, removed.first_id) == (base, first_id):
+                        record = record.extended(removed)
+            except (OSError, ValueError, KeyError, TypeError) as exc:
                 log.warning("label id record of %s: skipping %s: %s", base, path, exc)
         return record
 
     def write(self, record: IdRecord) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        write_atomically(self._record_path(record.base),
-                         orjson.dumps({"base": record.base, "first_id": record.first_id, "uids": record.uids}))
+        write_atomically(self._record_path(record.base), record.encoded())
 
     def mark(self, pending: Unconfirmed) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)

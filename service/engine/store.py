@@ -26,7 +26,7 @@ from typing import Any, Literal
 import orjson
 from pydantic import ValidationError
 
-from service.engine.label_ledger import LabelLedger
+from service.engine.label_ledger import LabelLedger, removed_version_record
 from service.engine.schema import (
     FORMAT_VERSION,
     MANIFEST,
@@ -323,19 +323,22 @@ class BundleStore:
     def prune_derived(self, keep: int, protected: Collection[str]) -> list[str]:
         """Remove the oldest derived versions (STATE_DIR/bundles) beyond the newest `keep`, never
         one in `protected`. Each is renamed out of sight first (no listing sees half of one),
-        then deleted, and an empty file keeps its name taken (`exists`): a version name is never
-        given to other contents. One that cannot be removed is logged and left. Returns the
-        versions removed."""
+        then deleted, and a file keeps its name taken (`exists`): a version name is never given to
+        other contents. The file holds the uids the version gave out past its base
+        (label_ledger.removed_version_record), so an id record lost later is made again with them.
+        One that cannot be removed is logged and left. Returns the versions removed."""
         if self.derived_root is None:
             return []
         derived = list_bundles(self.derived_root, self.max_manifest_bytes)  # oldest first
-        doomed = [m.version for m in derived[: max(len(derived) - keep, 0)] if m.version not in protected]
+        doomed = [m for m in derived[: max(len(derived) - keep, 0)] if m.version not in protected]
         removed = []
-        for version in doomed:
+        for manifest in doomed:
+            version = manifest.version
             hidden = self.derived_root / f"{REMOVING_PREFIX}{version}-{secrets.token_hex(4)}"
             try:
                 os.rename(self.derived_root / version, hidden)
-                (self.derived_root / version).touch(exist_ok=False)
+                with open(self.derived_root / version, "xb") as placeholder:
+                    placeholder.write(self._removed_record(hidden, manifest))
             except OSError as exc:
                 log.warning("cannot remove derived version %s: %s", version, exc)
                 continue
@@ -344,6 +347,25 @@ class BundleStore:
         if removed:
             log.info("removed derived versions beyond the newest %d: %s", keep, ", ".join(removed))
         return removed
+
+    @staticmethod
+    def _removed_record(bundle_dir: Path, manifest: Manifest) -> bytes:
+        """removed_version_record of a version about to be removed; empty (logged) when its labels
+        cannot be read: the name stays taken, and the record in label_ledger still holds its uids."""
+        lineage = manifest.lineage
+        try:
+            if lineage is None:
+                raise ValueError("no lineage: not a label change's version")
+            return removed_version_record(bundle_dir, lineage.base, manifest.tree_labels)
+        except (OSError, ValueError) as exc:
+            log.warning("removing derived version %s: its uids are not kept beside its name: %s", manifest.version, exc)
+            return b""
+
+    def removed_derived(self) -> list[Path]:
+        """The files retention left in place of the derived versions it removed (prune_derived)."""
+        if self.derived_root is None or not self.derived_root.is_dir():
+            return []
+        return [path for path in self.derived_root.iterdir() if path.is_file() and not path.name.startswith(".")]
 
     def exists(self, version: str) -> bool:
         """Whether the name is taken in any place (by a bundle, or by a removed derived version)."""
