@@ -4,9 +4,11 @@ and start-up's fallback kept for a well-formed version that cannot be served."""
 
 from __future__ import annotations
 
+import http.server
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import httpx
@@ -74,3 +76,34 @@ def test_a_well_formed_version_that_is_not_there_still_falls_back_to_the_newest(
     with serve(bundle_root, env={"SHORTLIST_VERSION": "v9"}, log_dir=tmp_path) as s:
         assert httpx.get(f"{s.url}/readyz").json()["version"] == "v2"
         assert 'shortlist_startup_fallback{wanted="v9"} 1.0' in httpx.get(f"{s.url}/metrics").text
+
+
+class _ProxySaysOk(http.server.BaseHTTPRequestHandler):
+    """A proxy that answers 200 to whatever it is asked, as a corporate proxy's error page might."""
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        self.server.asked.append(self.path)  # type: ignore[attr-defined]
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_healthcheck_never_asks_through_a_proxy(bundle_root, tmp_path):
+    # Audit s14 M2: Docker copies the client's proxy settings into every container.
+    proxy = http.server.HTTPServer(("127.0.0.1", 0), _ProxySaysOk)
+    proxy.asked = []  # type: ignore[attr-defined]
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    via = f"http://127.0.0.1:{proxy.server_address[1]}"
+    proxied = {"http_proxy": via, "HTTP_PROXY": via, "all_proxy": via}
+    try:
+        r = _healthcheck(SHORTLIST_PORT=str(free_port()), **proxied)  # nothing listens: unhealthy
+        assert r.returncode == 1 and "refused" in r.stdout, r
+        with serve(bundle_root, log_dir=tmp_path) as s:  # a proxy that cannot reach it does not matter
+            r = _healthcheck(SHORTLIST_PORT=s.url.rsplit(":", 1)[1], **proxied)
+            assert r.returncode == 0 and "answered 200" in r.stdout, r
+    finally:
+        proxy.shutdown()
+        proxy.server_close()
+    assert proxy.asked == []  # type: ignore[attr-defined]
