@@ -8,7 +8,9 @@ cannot hang or exhaust the reader:
   file is read (fstat of the descriptor read from, so nothing changes between check and read),
   and at most `max_bytes` of it, one byte more telling "too large";
 - a symlink at the path itself is not followed (O_NOFOLLOW); a bundle's files may be symlinks
-  inside the bundle, which `bundle_file` resolves first (and refuses leading out of it).
+  inside the bundle, which `bundle_file` resolves first (and refuses leading out of it). A file
+  an operator names in a setting (the admin token's: Kubernetes mounts secrets as symlinks) is
+  read with `follow_symlinks`, the same rules applying to what the link leads to.
 """
 
 from __future__ import annotations
@@ -32,12 +34,13 @@ def _kind(mode: int) -> str:
     return next((name for test, name in kinds if test(mode)), "not a regular file")
 
 
-def read_small_file(path: Path, max_bytes: int) -> bytes:
+def read_small_file(path: Path, max_bytes: int, follow_symlinks: bool = False) -> bytes:
     """The bytes of the regular file at `path` if it holds at most `max_bytes`. Raises
     FileNotFoundError when nothing is there, RefusedFile (naming the path and the reason) for
     anything else that is not such a file, OSError when it cannot be read."""
+    nofollow = 0 if follow_symlinks else os.O_NOFOLLOW
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | nofollow | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise RefusedFile(f"{path}: a symlink, not followed") from None
