@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import http.server
 import os
+import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
+import pytest
 from test_admin import TOKEN
 
 from shortlist.testing import free_port, serve
@@ -107,3 +110,36 @@ def test_healthcheck_never_asks_through_a_proxy(bundle_root, tmp_path):
         proxy.shutdown()
         proxy.server_close()
     assert proxy.asked == []  # type: ignore[attr-defined]
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback on this machine")
+def test_serve_and_healthcheck_agree_on_the_bracketed_ipv6_wildcard(bundle_root, tmp_path):
+    # Audit s14 L7: SHORTLIST_HOST=[::] passed the healthcheck's reading and stopped serve (exit 3).
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SHORTLIST_")},
+           "SHORTLIST_HOST": "[::]", "SHORTLIST_PORT": str(free_port())}
+    with (tmp_path / "serve.log").open("wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "shortlist.cli", "serve", "--bundle-root", str(bundle_root)],
+                                env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 90
+        while (r := _healthcheck(**env)).returncode != 0 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert r.returncode == 0 and f"[::1]:{env['SHORTLIST_PORT']}/readyz answered 200" in r.stdout, (
+            r, (tmp_path / "serve.log").read_text())
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def test_healthcheck_says_it_cannot_find_a_port_picked_at_start_up():
+    r = _healthcheck(SHORTLIST_PORT="0")
+    assert r.returncode == 1 and r.stdout.startswith("not ready: SHORTLIST_PORT=0 serves on a port picked"), r

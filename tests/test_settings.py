@@ -76,6 +76,15 @@ CASES = [
      [f"SHORTLIST_ADMIN_TOKEN holds U+00E9 at character {len(TOKEN) + 1}"]),
     ("a token one past the longest", {"SHORTLIST_ADMIN_TOKEN": "a" * 4097}, [],
      ["SHORTLIST_ADMIN_TOKEN is longer than 4096 characters"]),
+    # Audit s14 L7: hosts serve cannot bind stopped it after the bundle loaded (exit 3).
+    ("a host that does not resolve", {"SHORTLIST_HOST": "no.such.host.invalid"}, [],
+     ["SHORTLIST_HOST='no.such.host.invalid': not an IP address nor a name that resolves"]),
+    ("a host with a user part", {"SHORTLIST_HOST": "user@127.0.0.1"}, [],
+     ["SHORTLIST_HOST='user@127.0.0.1': not an IP address nor a name that resolves"]),
+    ("the host flag bracketing a name", {}, ["--host", "[localhost]"],
+     ["--host [localhost]: brackets hold an IPv6 address only"]),
+    ("an admin host bracketing an IPv4 address", {"SHORTLIST_ADMIN_HOST": "[127.0.0.1]"}, [],
+     ["SHORTLIST_ADMIN_HOST='[127.0.0.1]': brackets hold an IPv6 address only"]),
     ("a version that cannot be a bundle's", {"SHORTLIST_VERSION": "../x"}, [],
      ["SHORTLIST_VERSION='../x': invalid bundle version: use 1-64 letters"]),
     ("a version one character too long", {"SHORTLIST_VERSION": "v" * 65}, [], ["SHORTLIST_VERSION='vvv"]),
@@ -102,6 +111,7 @@ EDGES = [
     ("a token of the longest length, every visible ASCII character", {"SHORTLIST_ADMIN_TOKEN": (
         "".join(map(chr, range(0x21, 0x7F))) * 44)[:4096]}, []),
     ("a token of a raised minimum", {"SHORTLIST_ADMIN_TOKEN": TOKEN[:17], "SHORTLIST_ADMIN_TOKEN_MIN_CHARS": "17"}, []),
+    ("hosts serve can bind", {"SHORTLIST_HOST": "[::]", "SHORTLIST_ADMIN_HOST": "localhost"}, []),
     ("a version of 64 characters", {"SHORTLIST_VERSION": "v" * 64}, []),
     ("an admin port beside the port", {"SHORTLIST_ADMIN_PORT": "9001"}, ["--port", "9000"]),
     # Another address may take the same port; port 0 picks a free one for each server.

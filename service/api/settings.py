@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -176,6 +178,13 @@ class Settings(BaseSettings):
                              "unset: more than one process serves the admin routes on the main port")
         return self
 
+    @field_validator("host", "admin_host")
+    @classmethod
+    def _host_serve_can_bind(cls, host: str | None) -> str | None:
+        # Checked here, so that a host serve cannot bind stops start-up as a setting (exit 2),
+        # not after the bundle loaded (exit 3; audit s14 L7).
+        return None if host is None else bindable_host(host)
+
     @field_validator("version")
     @classmethod
     def _version_is_a_version_name(cls, version: str | None) -> str | None:
@@ -251,6 +260,28 @@ def _same_address(a: str, b: str) -> bool:
     """Whether servers on hosts `a` and `b` would both take a port's one address (a wildcard takes every one)."""
     wildcards = ("", "0.0.0.0", "::")
     return a == b or a in wildcards or b in wildcards
+
+
+def bindable_host(host: str) -> str:
+    """`host` as serve binds it: an IP address (an IPv6 one also in its URL form `[::1]`, which
+    is unbracketed), a name that resolves now, or "" (every address). Raises ValueError saying why not."""
+    bracketed = host.startswith("[") and host.endswith("]")
+    try:
+        address = ipaddress.ip_address(host[1:-1] if bracketed else host)
+    except ValueError:
+        address = None
+    if bracketed:
+        if not isinstance(address, ipaddress.IPv6Address):
+            raise ValueError("brackets hold an IPv6 address only, e.g. [::1]")
+        return str(address)
+    if address is not None or host == "":
+        return host
+    try:
+        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        raise ValueError(f"not an IP address nor a name that resolves ({getattr(exc, 'strerror', None) or exc}): "
+                         "serve could not listen on it") from None
+    return host
 
 
 def _read_token_file(path: Path) -> str:
