@@ -240,3 +240,32 @@ def test_a_label_change_on_a_nearly_full_disk_answers_507_naming_the_array_it_co
         _in_namespace(s.proc.pid, f"rm {state}/filler")
         r = c.post("/admin/labels", json={"labels": [{"uid": "sf-2", "title": "kama zani mbili"}]})
         assert r.status_code == 200 and r.json()["active"] == "v2.labels-2", r.text
+
+
+def test_an_unreadable_active_json_is_replaced_keeping_the_rollback_history(bundle_root, tmp_path):
+    # Audit s14 L3: a FIFO (or garbage) there was replaced with the history dropped, and with a
+    # directory there a rollback said "no previously active bundle" (404) instead of 503.
+    state = tmp_path / "state"
+    record = state / "active.json"
+    with serve(bundle_root, version="v1", env=_env(state), log_dir=tmp_path) as s, \
+            httpx.Client(base_url=s.url, headers=AUTH, timeout=120) as c:
+        for version in ("v2", "v1", "v2"):
+            assert c.post("/admin/bundles/activate", json={"version": version}).status_code == 200
+        history = ["v1", "v2", "v1"]
+        assert _recorded(state)["history"] == history
+        for unreadable, version in ((os.mkfifo, "v1"), (lambda p: p.write_text('{"version": '), "v2")):
+            record.unlink()
+            unreadable(record)
+            r = c.post("/admin/bundles/activate", json={"version": version})
+            assert r.status_code == 200, r.text
+            history.append("v2" if version == "v1" else "v1")
+            assert _recorded(state) | {"activated_at": None} == {"version": version, "history": history,
+                                                                 "activated_at": None}
+        record.unlink()
+        record.mkdir()
+        _assert_state_unavailable(c.post("/admin/bundles/rollback"), 503, state,
+                                  "record the active version in active.json: is a directory")
+        assert c.get("/readyz").json()["version"] == "v2"
+        record.rmdir()  # the fault gone (and the record with it): the next write works
+        r = c.post("/admin/bundles/activate", json={"version": "v1"})
+        assert r.status_code == 200 and _recorded(state)["version"] == "v1", r.text
