@@ -13,13 +13,15 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
 from test_admin import AUTH, TOKEN
 
-from shortlist.testing import serve
+from shortlist.testing import Server, serve
 
 ADD = {"labels": [{"uid": "sf-1", "title": "kama zani"}]}
 
@@ -145,14 +147,21 @@ def _read_only(path: Path) -> str:
     return f"mount --bind {path} {path} && mount -o remount,ro,bind {path}"
 
 
-@needs_namespace
-def test_a_label_change_on_a_full_disk_answers_507_and_the_next_works_once_there_is_room(bundle_root, tmp_path):
+@contextmanager
+def _serving_on_a_tmpfs(bundle_root: Path, tmp_path: Path, size: str) -> Iterator[tuple[Server, httpx.Client, Path]]:
+    """v2 served with its state directory on a tmpfs of `size` (in the server's mount namespace)."""
     state = tmp_path / "state"
     state.mkdir()
-    # Another filesystem than the bundle root: the first change copies the parent's files (~2 MB).
-    wrap = _mounting(f"mount -t tmpfs -o size=600k tmpfs {state}")
+    wrap = _mounting(f"mount -t tmpfs -o size={size} tmpfs {state}")
     with serve(bundle_root, version="v2", env=_env(state), log_dir=tmp_path, wrap=wrap) as s, \
             httpx.Client(base_url=s.url, headers=AUTH, timeout=120) as c:
+        yield s, c, state
+
+
+@needs_namespace
+def test_a_label_change_on_a_full_disk_answers_507_and_the_next_works_once_there_is_room(bundle_root, tmp_path):
+    # Another filesystem than the bundle root: the first change copies the parent's files (~2 MB).
+    with _serving_on_a_tmpfs(bundle_root, tmp_path, "600k") as (s, c, state):
         _assert_state_unavailable(c.post("/admin/labels", json=ADD), 507, state, "no space left on device")
         assert c.post("/v1/predict", json={"text": "kama"}).json()["version"] == "v2"
         listing = subprocess.run(["nsenter", "-t", str(s.proc.pid), "-m", "ls", "-A", state / "bundles"],
@@ -225,11 +234,7 @@ def test_a_short_write_of_an_array_is_an_oserror_with_its_errno_naming_the_file(
 @needs_namespace
 def test_a_label_change_on_a_nearly_full_disk_answers_507_naming_the_array_it_could_not_write(bundle_root, tmp_path):
     # Audit s14 L1: numpy's short write was a 503 (or a 507) naming no file.
-    state = tmp_path / "state"
-    state.mkdir()
-    wrap = _mounting(f"mount -t tmpfs -o size=64m tmpfs {state}")
-    with serve(bundle_root, version="v2", env=_env(state), log_dir=tmp_path, wrap=wrap) as s, \
-            httpx.Client(base_url=s.url, headers=AUTH, timeout=120) as c:
+    with _serving_on_a_tmpfs(bundle_root, tmp_path, "64m") as (s, c, state):
         assert c.post("/admin/labels", json=ADD).status_code == 200  # v2.labels-1: the next one links its files
         # Room for the small records a change writes first, not for its arrays (~10 KiB each).
         _in_namespace(s.proc.pid, f"dd if=/dev/zero of={state}/filler bs=1k count=$(( $(df -k --output=avail {state}"
