@@ -4,12 +4,17 @@ and start-up's fallback kept for a well-formed version that cannot be served."""
 
 from __future__ import annotations
 
+import http.server
 import os
+import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import httpx
+import pytest
 from test_admin import TOKEN
 
 from shortlist.testing import free_port, serve
@@ -74,3 +79,67 @@ def test_a_well_formed_version_that_is_not_there_still_falls_back_to_the_newest(
     with serve(bundle_root, env={"SHORTLIST_VERSION": "v9"}, log_dir=tmp_path) as s:
         assert httpx.get(f"{s.url}/readyz").json()["version"] == "v2"
         assert 'shortlist_startup_fallback{wanted="v9"} 1.0' in httpx.get(f"{s.url}/metrics").text
+
+
+class _ProxySaysOk(http.server.BaseHTTPRequestHandler):
+    """A proxy that answers 200 to whatever it is asked, as a corporate proxy's error page might."""
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        self.server.asked.append(self.path)  # type: ignore[attr-defined]
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_healthcheck_never_asks_through_a_proxy(bundle_root, tmp_path):
+    # Audit s14 M2: Docker copies the client's proxy settings into every container.
+    proxy = http.server.HTTPServer(("127.0.0.1", 0), _ProxySaysOk)
+    proxy.asked = []  # type: ignore[attr-defined]
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    via = f"http://127.0.0.1:{proxy.server_address[1]}"
+    proxied = {"http_proxy": via, "HTTP_PROXY": via, "all_proxy": via}
+    try:
+        r = _healthcheck(SHORTLIST_PORT=str(free_port()), **proxied)  # nothing listens: unhealthy
+        assert r.returncode == 1 and "refused" in r.stdout, r
+        with serve(bundle_root, log_dir=tmp_path) as s:  # a proxy that cannot reach it does not matter
+            r = _healthcheck(SHORTLIST_PORT=s.url.rsplit(":", 1)[1], **proxied)
+            assert r.returncode == 0 and "answered 200" in r.stdout, r
+    finally:
+        proxy.shutdown()
+        proxy.server_close()
+    assert proxy.asked == []  # type: ignore[attr-defined]
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback on this machine")
+def test_serve_and_healthcheck_agree_on_the_bracketed_ipv6_wildcard(bundle_root, tmp_path):
+    # Audit s14 L7: SHORTLIST_HOST=[::] passed the healthcheck's reading and stopped serve (exit 3).
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SHORTLIST_")},
+           "SHORTLIST_HOST": "[::]", "SHORTLIST_PORT": str(free_port())}
+    with (tmp_path / "serve.log").open("wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "shortlist.cli", "serve", "--bundle-root", str(bundle_root)],
+                                env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 90
+        while (r := _healthcheck(**env)).returncode != 0 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert r.returncode == 0 and f"[::1]:{env['SHORTLIST_PORT']}/readyz answered 200" in r.stdout, (
+            r, (tmp_path / "serve.log").read_text())
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def test_healthcheck_says_it_cannot_find_a_port_picked_at_start_up():
+    r = _healthcheck(SHORTLIST_PORT="0")
+    assert r.returncode == 1 and r.stdout.startswith("not ready: SHORTLIST_PORT=0 serves on a port picked"), r

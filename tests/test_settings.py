@@ -69,6 +69,22 @@ CASES = [
      ["SHORTLIST_ADMIN_TOKEN is the placeholder of an example"]),
     ("a token ending in a space", {"SHORTLIST_ADMIN_TOKEN": TOKEN + " "}, [],
      ["SHORTLIST_ADMIN_TOKEN starts or ends with white space"]),
+    # Audit s14 L2: tokens no client can send (a header line is visible ASCII), by their character, never shown.
+    ("a token with a space inside", {"SHORTLIST_ADMIN_TOKEN": TOKEN[:8] + " " + TOKEN[8:]}, [],
+     ["SHORTLIST_ADMIN_TOKEN holds U+0020 at character 9: a client's Authorization header carries visible ASCII"]),
+    ("a token with a non-ASCII letter", {"SHORTLIST_ADMIN_TOKEN": TOKEN + "é"}, [],
+     [f"SHORTLIST_ADMIN_TOKEN holds U+00E9 at character {len(TOKEN) + 1}"]),
+    ("a token one past the longest", {"SHORTLIST_ADMIN_TOKEN": "a" * 4097}, [],
+     ["SHORTLIST_ADMIN_TOKEN is longer than 4096 characters"]),
+    # Audit s14 L7: hosts serve cannot bind stopped it after the bundle loaded (exit 3).
+    ("a host that does not resolve", {"SHORTLIST_HOST": "no.such.host.invalid"}, [],
+     ["SHORTLIST_HOST='no.such.host.invalid': not an IP address nor a name that resolves"]),
+    ("a host with a user part", {"SHORTLIST_HOST": "user@127.0.0.1"}, [],
+     ["SHORTLIST_HOST='user@127.0.0.1': not an IP address nor a name that resolves"]),
+    ("the host flag bracketing a name", {}, ["--host", "[localhost]"],
+     ["--host [localhost]: brackets hold an IPv6 address only"]),
+    ("an admin host bracketing an IPv4 address", {"SHORTLIST_ADMIN_HOST": "[127.0.0.1]"}, [],
+     ["SHORTLIST_ADMIN_HOST='[127.0.0.1]': brackets hold an IPv6 address only"]),
     ("a version that cannot be a bundle's", {"SHORTLIST_VERSION": "../x"}, [],
      ["SHORTLIST_VERSION='../x': invalid bundle version: use 1-64 letters"]),
     ("a version one character too long", {"SHORTLIST_VERSION": "v" * 65}, [], ["SHORTLIST_VERSION='vvv"]),
@@ -92,7 +108,10 @@ def test_serve_names_each_bad_setting_on_one_line_without_the_token(tmp_path, wh
 EDGES = [
     ("limits", {"SHORTLIST_MAX_TEXT_CHARS": "100", "SHORTLIST_MAX_NORMALIZED_CHARS": "100"}, ["--port", "65535"]),
     ("a token of the minimum length", {"SHORTLIST_ADMIN_TOKEN": TOKEN[:16]}, []),
+    ("a token of the longest length, every visible ASCII character", {"SHORTLIST_ADMIN_TOKEN": (
+        "".join(map(chr, range(0x21, 0x7F))) * 44)[:4096]}, []),
     ("a token of a raised minimum", {"SHORTLIST_ADMIN_TOKEN": TOKEN[:17], "SHORTLIST_ADMIN_TOKEN_MIN_CHARS": "17"}, []),
+    ("hosts serve can bind", {"SHORTLIST_HOST": "[::]", "SHORTLIST_ADMIN_HOST": "localhost"}, []),
     ("a version of 64 characters", {"SHORTLIST_VERSION": "v" * 64}, []),
     ("an admin port beside the port", {"SHORTLIST_ADMIN_PORT": "9001"}, ["--port", "9000"]),
     # Another address may take the same port; port 0 picks a free one for each server.
@@ -131,10 +150,42 @@ def test_a_token_file_that_cannot_be_read_is_named(tmp_path):
     named = f"SHORTLIST_ADMIN_TOKEN_FILE={path}: cannot be read: "
     _assert_refused(_token_file_run(tmp_path, None), [named + "no such file or directory"])
     path.mkdir()
-    _assert_refused(_token_file_run(tmp_path, None), [named + "is a directory"])
+    _assert_refused(_token_file_run(tmp_path, None), [named + "a directory, not a regular file"])
     path.rmdir()
     path.write_bytes(b"\xff" * 20)  # not text: no client could send it either
     _assert_refused(_token_file_run(tmp_path, None), [named + "'utf-8' codec can't decode"])
+
+
+def test_a_token_file_is_read_no_further_than_a_token_may_be_long(tmp_path):
+    # Audit s14 L2: a FIFO hung start-up, /dev/zero was a MemoryError traceback, 200 MB were read.
+    path = tmp_path / "admin-token"
+    named = f"SHORTLIST_ADMIN_TOKEN_FILE={path}: cannot be read: "
+    os.mkfifo(path)
+    _assert_refused(_token_file_run(tmp_path, None), [named + "a fifo, not a regular file"])
+    path.unlink()
+    path.symlink_to("/dev/zero")
+    _assert_refused(_token_file_run(tmp_path, None), [named + "a character device, not a regular file"])
+    path.unlink()
+    _assert_refused(_token_file_run(tmp_path, "a" * 4099), [named + "4099 bytes, more than the limit of 4098"])
+    _assert_refused(_token_file_run(tmp_path, "a" * 4097 + "\n"),
+                    ["the token in SHORTLIST_ADMIN_TOKEN_FILE is longer than 4096 characters"])
+    # At the edge, with the line end Windows editors write; and through a symlink (a Kubernetes secret).
+    (tmp_path / "secret").write_text("a" * 4096 + "\r\n")
+    path.unlink()
+    path.symlink_to(tmp_path / "secret")
+    r = _token_file_run(tmp_path, None)
+    assert r.returncode == 2 and "bundle root" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize(("content", "why"), [
+    ("\ufeff" + TOKEN, "U+FEFF (a byte order mark) at character 1"),
+    (TOKEN[:10] + "\0" + TOKEN[10:], "U+0000 at character 11"),
+    (TOKEN + "\n" + TOKEN + "\n", f"U+000A at character {len(TOKEN) + 1}"),
+    (TOKEN + "ß", f"U+00DF at character {len(TOKEN) + 1}"),
+], ids=["a BOM", "a NUL", "two lines", "non-ASCII"])
+def test_a_token_file_no_client_could_send_is_refused_at_start_up(tmp_path, content, why):
+    # These started and then answered every admin request 403 (400): the admin API silently locked.
+    _assert_refused(_token_file_run(tmp_path, content), [f"the token in SHORTLIST_ADMIN_TOKEN_FILE holds {why}: "])
 
 
 def test_a_token_set_twice_is_refused(tmp_path):

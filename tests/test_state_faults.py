@@ -13,13 +13,15 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
 from test_admin import AUTH, TOKEN
 
-from shortlist.testing import serve
+from shortlist.testing import Server, serve
 
 ADD = {"labels": [{"uid": "sf-1", "title": "kama zani"}]}
 
@@ -145,14 +147,21 @@ def _read_only(path: Path) -> str:
     return f"mount --bind {path} {path} && mount -o remount,ro,bind {path}"
 
 
-@needs_namespace
-def test_a_label_change_on_a_full_disk_answers_507_and_the_next_works_once_there_is_room(bundle_root, tmp_path):
+@contextmanager
+def _serving_on_a_tmpfs(bundle_root: Path, tmp_path: Path, size: str) -> Iterator[tuple[Server, httpx.Client, Path]]:
+    """v2 served with its state directory on a tmpfs of `size` (in the server's mount namespace)."""
     state = tmp_path / "state"
     state.mkdir()
-    # Another filesystem than the bundle root: the first change copies the parent's files (~2 MB).
-    wrap = _mounting(f"mount -t tmpfs -o size=600k tmpfs {state}")
+    wrap = _mounting(f"mount -t tmpfs -o size={size} tmpfs {state}")
     with serve(bundle_root, version="v2", env=_env(state), log_dir=tmp_path, wrap=wrap) as s, \
             httpx.Client(base_url=s.url, headers=AUTH, timeout=120) as c:
+        yield s, c, state
+
+
+@needs_namespace
+def test_a_label_change_on_a_full_disk_answers_507_and_the_next_works_once_there_is_room(bundle_root, tmp_path):
+    # Another filesystem than the bundle root: the first change copies the parent's files (~2 MB).
+    with _serving_on_a_tmpfs(bundle_root, tmp_path, "600k") as (s, c, state):
         _assert_state_unavailable(c.post("/admin/labels", json=ADD), 507, state, "no space left on device")
         assert c.post("/v1/predict", json={"text": "kama"}).json()["version"] == "v2"
         listing = subprocess.run(["nsenter", "-t", str(s.proc.pid), "-m", "ls", "-A", state / "bundles"],
@@ -193,3 +202,75 @@ def test_a_read_only_state_dir_at_start_up_is_named_by_its_setting(bundle_root, 
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip() == (f"shortlist serve: error: the state directory {state} (SHORTLIST_STATE_DIR) "
                                 "cannot be written: cannot create a file there: read-only file system")
+
+
+_SHORT_WRITE = """
+import resource, sys
+from pathlib import Path
+import numpy as np
+from service.engine.small_files import save_array
+resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))  # writes past 64 KiB come out short: EFBIG
+for name, save in (("numpy", np.save), ("save_array", save_array)):
+    try:
+        save(Path(sys.argv[1]) / f"{name}.npy", np.ones(147456 // 8))
+    except OSError as exc:
+        print(name, exc.errno, exc.filename, exc)
+"""
+
+
+def test_a_short_write_of_an_array_is_an_oserror_with_its_errno_naming_the_file(tmp_path):
+    # Audit s14 L1: numpy's writer says "147456 requested and 61312 written", with no errno (so
+    # no 507 when the disk fills mid-write) and no file. A real short write, in a child process
+    # whose file size limit (RLIMIT_FSIZE) cuts it; the full-disk case is the tmpfs test below.
+    r = subprocess.run([sys.executable, "-c", _SHORT_WRITE, str(tmp_path)], capture_output=True, text=True,
+                       timeout=60, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    lines = dict(line.split(" ", 1) for line in r.stdout.splitlines())
+    assert set(lines) == {"numpy", "save_array"}, (r.stdout, r.stderr)
+    assert lines["numpy"].startswith("None None"), lines  # what the fix is for: if numpy changes, so may this
+    assert lines["save_array"] == f"27 {tmp_path / 'save_array.npy'} [Errno 27] File too large: " \
+                                  f"'{tmp_path / 'save_array.npy'}'", lines
+
+
+@needs_namespace
+def test_a_label_change_on_a_nearly_full_disk_answers_507_naming_the_array_it_could_not_write(bundle_root, tmp_path):
+    # Audit s14 L1: numpy's short write was a 503 (or a 507) naming no file.
+    with _serving_on_a_tmpfs(bundle_root, tmp_path, "64m") as (s, c, state):
+        assert c.post("/admin/labels", json=ADD).status_code == 200  # v2.labels-1: the next one links its files
+        # Room for the small records a change writes first, not for its arrays (~10 KiB each).
+        _in_namespace(s.proc.pid, f"dd if=/dev/zero of={state}/filler bs=1k count=$(( $(df -k --output=avail {state}"
+                                  " | tail -1) - 12 ))")
+        r = c.post("/admin/labels", json={"labels": [{"uid": "sf-2", "title": "kama zani mbili"}]})
+        _assert_state_unavailable(r, 507, state, ".npy: no space left on device")
+        assert c.post("/v1/predict", json={"text": "kama"}).json()["version"] == "v2.labels-1"
+        _in_namespace(s.proc.pid, f"rm {state}/filler")
+        r = c.post("/admin/labels", json={"labels": [{"uid": "sf-2", "title": "kama zani mbili"}]})
+        assert r.status_code == 200 and r.json()["active"] == "v2.labels-2", r.text
+
+
+def test_an_unreadable_active_json_is_replaced_keeping_the_rollback_history(bundle_root, tmp_path):
+    # Audit s14 L3: a FIFO (or garbage) there was replaced with the history dropped, and with a
+    # directory there a rollback said "no previously active bundle" (404) instead of 503.
+    state = tmp_path / "state"
+    record = state / "active.json"
+    with serve(bundle_root, version="v1", env=_env(state), log_dir=tmp_path) as s, \
+            httpx.Client(base_url=s.url, headers=AUTH, timeout=120) as c:
+        for version in ("v2", "v1", "v2"):
+            assert c.post("/admin/bundles/activate", json={"version": version}).status_code == 200
+        history = ["v1", "v2", "v1"]
+        assert _recorded(state)["history"] == history
+        for unreadable, version in ((os.mkfifo, "v1"), (lambda p: p.write_text('{"version": '), "v2")):
+            record.unlink()
+            unreadable(record)
+            r = c.post("/admin/bundles/activate", json={"version": version})
+            assert r.status_code == 200, r.text
+            history.append("v2" if version == "v1" else "v1")
+            assert _recorded(state) | {"activated_at": None} == {"version": version, "history": history,
+                                                                 "activated_at": None}
+        record.unlink()
+        record.mkdir()
+        _assert_state_unavailable(c.post("/admin/bundles/rollback"), 503, state,
+                                  "record the active version in active.json: is a directory")
+        assert c.get("/readyz").json()["version"] == "v2"
+        record.rmdir()  # the fault gone (and the record with it): the next write works
+        r = c.post("/admin/bundles/activate", json={"version": "v1"})
+        assert r.status_code == 200 and _recorded(state)["version"] == "v1", r.text

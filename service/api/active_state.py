@@ -90,10 +90,22 @@ class ActiveVersionFile:
         """The versions served before the remembered one, most recent last."""
         return self._record()[1]
 
+    def readable_history(self) -> list[str] | None:
+        """history(), or None when a record is there that cannot be read (a FIFO, a symlink, a
+        directory, garbage; logged): a writer then keeps the history it holds instead of taking it
+        as empty, and its next write does not drop the rollback history (audit s14 L3)."""
+        loaded = self._load()
+        return None if loaded is None else loaded[1]
+
     def _record(self) -> tuple[str | None, list[str]]:
         """(version, history) as recorded; (None, []) when nothing is, or when the record cannot be
-        used (logged, naming the file and why): start-up then serves the configured or newest
-        bundle, and the next activation replaces the file."""
+        used: start-up then serves the configured or newest bundle, and the next activation
+        replaces the file."""
+        return self._load() or (None, [])
+
+    def _load(self) -> tuple[str | None, list[str]] | None:
+        """(version, history) as recorded, (None, []) when nothing is; None when a record is there
+        that cannot be used (logged, naming the file and why)."""
         try:
             record = orjson.loads(read_small_file(self.path, self.max_bytes))
             version = record["version"]
@@ -109,7 +121,7 @@ class ActiveVersionFile:
             if str(exc) != self._last_problem:
                 log.error("ignoring the recorded active version: %s: %s", self.path, exc)
                 self._last_problem = str(exc)
-            return None, []
+            return None
 
     @contextmanager
     def exclusive(self) -> Iterator[None]:

@@ -30,9 +30,19 @@ def readiness_url(environ: dict[str, str] | os._Environ[str]) -> str:
 
 
 def run_cli(args: argparse.Namespace) -> int:
+    port = os.environ.get("SHORTLIST_PORT", "").strip()
+    if port.isdigit() and int(port) == 0:
+        # Port 0 makes serve listen on a free port it picks at start-up, which no variable tells this check.
+        print("not ready: SHORTLIST_PORT=0 serves on a port picked at start-up, which this check cannot know: "
+              "set a port to check")
+        return 1
     url = readiness_url(os.environ)
+    # Never through a proxy: the server is on this machine's loopback, and Docker copies the
+    # client's http_proxy into every container, where a proxy answering 200 would make a
+    # container with no server healthy (audit s14 M2).
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
-        with urllib.request.urlopen(url, timeout=args.timeout) as response:
+        with direct.open(url, timeout=args.timeout) as response:
             status = response.status
     except urllib.error.HTTPError as exc:
         status = exc.code

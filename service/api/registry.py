@@ -109,7 +109,8 @@ def exclusive_activation(lock: threading.Lock, remembered: ActiveVersionFile | N
     """`lock` (a registry's activation lock) and, with a state directory, the one the processes
     sharing it hold (ActivationInProgress at once if either is taken); yields the recorded
     history of versions (other processes may have activated since: their record is the truth),
-    None without a state directory."""
+    None without a state directory or when the record there cannot be read (the caller keeps the
+    history it holds: the next write replaces the record without dropping it)."""
     if not lock.acquire(blocking=False):
         raise ActivationInProgress("another activation is in progress")
     try:
@@ -118,7 +119,7 @@ def exclusive_activation(lock: threading.Lock, remembered: ActiveVersionFile | N
             return
         try:
             with remembered.exclusive():
-                yield remembered.history()
+                yield remembered.readable_history()
         except StateBusy as exc:
             raise ActivationInProgress(str(exc)) from None
     finally:

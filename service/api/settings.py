@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +12,7 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.engine.schema import MAX_MANIFEST_BYTES, BundleError, validate_version_name
+from service.engine.small_files import RefusedFile, read_small_file
 from service.engine.tree import MAX_BEAM
 
 ENV_PREFIX = "SHORTLIST_"
@@ -19,6 +22,9 @@ ENV_PREFIX = "SHORTLIST_"
 # short token is guessed, even at ADMIN_AUTH_FAILURES_PER_MINUTE from each of many addresses.
 # 16 random hex characters hold 64 bits; the README generates 64.
 ADMIN_TOKEN_MIN_CHARS = 16
+# The most characters an admin token may have: a client sends it in one header line, which
+# servers and proxies cap (ours: SHORTLIST_MAX_HEADER_BYTES); the token file is read no further.
+ADMIN_TOKEN_MAX_CHARS = 4096
 # Tokens printed in this project's examples (the README's `docker run` once used the first): a
 # deployment copied from an example would publish its admin API with a token anyone can read.
 ADMIN_TOKEN_PLACEHOLDERS = frozenset({"change-me"})
@@ -110,7 +116,7 @@ class Settings(BaseSettings):
     # read at start-up, its trailing newline dropped); optionally on its own port.
     admin_token: SecretStr | None = None
     admin_token_file: Path | None = None
-    admin_token_min_chars: int = Field(ADMIN_TOKEN_MIN_CHARS, ge=ADMIN_TOKEN_MIN_CHARS, le=4096)
+    admin_token_min_chars: int = Field(ADMIN_TOKEN_MIN_CHARS, ge=ADMIN_TOKEN_MIN_CHARS, le=ADMIN_TOKEN_MAX_CHARS)
     admin_host: str | None = None
     admin_port: int | None = Field(None, ge=0, le=65535)
     # Quality gate at activation, on the bundle's stored validation rows: P@1 (percent) must
@@ -171,6 +177,13 @@ class Settings(BaseSettings):
             raise CrossCheck(("processes", "admin_port"), f"{{processes}}={self.processes} needs {{admin_port}} "
                              "unset: more than one process serves the admin routes on the main port")
         return self
+
+    @field_validator("host", "admin_host")
+    @classmethod
+    def _host_serve_can_bind(cls, host: str | None) -> str | None:
+        # Checked here, so that a host serve cannot bind stops start-up as a setting (exit 2),
+        # not after the bundle loaded (exit 3; audit s14 L7).
+        return None if host is None else bindable_host(host)
 
     @field_validator("version")
     @classmethod
@@ -249,15 +262,51 @@ def _same_address(a: str, b: str) -> bool:
     return a == b or a in wildcards or b in wildcards
 
 
-def _read_token_file(path: Path) -> str:
+def bindable_host(host: str) -> str:
+    """`host` as serve binds it: an IP address (an IPv6 one also in its URL form `[::1]`, which
+    is unbracketed), a name that resolves now, or "" (every address). Raises ValueError saying why not."""
+    bracketed = host.startswith("[") and host.endswith("]")
     try:
-        token = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        address = ipaddress.ip_address(host[1:-1] if bracketed else host)
+    except ValueError:
+        address = None
+    if bracketed:
+        if not isinstance(address, ipaddress.IPv6Address):
+            raise ValueError("brackets hold an IPv6 address only, e.g. [::1]")
+        return str(address)
+    if address is not None or host == "":
+        return host
+    try:
+        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        raise ValueError(f"not an IP address nor a name that resolves ({getattr(exc, 'strerror', None) or exc}): "
+                         "serve could not listen on it") from None
+    return host
+
+
+def _read_token_file(path: Path) -> str:
+    # A regular file (symlinks followed: Kubernetes secrets are links), opened so that a FIFO
+    # cannot block start-up, and read no further than a token may be long (+2 for a line end):
+    # /dev/zero or a huge file are refused, not read into memory (audit s14 L2).
+    try:
+        token = read_small_file(path, ADMIN_TOKEN_MAX_CHARS + 2, follow_symlinks=True).decode("utf-8")
+    except (OSError, RefusedFile, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).removeprefix(f"{path}: ")
         raise CrossCheck(("admin_token_file",), f"{{admin_token_file}}={_braces(str(path))}: cannot be read: "
                          f"{_braces(reason.lower())}") from None
     # `echo TOKEN > file` and editors end the file with a newline, which no client sends.
     return token.removesuffix("\n").removesuffix("\r")
+
+
+def _unsendable(token: str) -> str | None:
+    """Why a client's `Authorization: Bearer` header cannot carry `token` (None when it can): the
+    first character that is not visible ASCII, by its position and code point, never the token.
+    (RFC 6750's b64token is a subset of visible ASCII; tokens accepted before stay valid.)"""
+    for position, char in enumerate(token, 1):
+        if not "!" <= char <= "~":
+            name = " (a byte order mark)" if char == "\ufeff" else ""
+            return f"U+{ord(char):04X}{name} at character {position}"
+    return None
 
 
 def _check_admin_token(token: str, source: str, min_chars: int) -> None:
@@ -273,6 +322,11 @@ def _check_admin_token(token: str, source: str, min_chars: int) -> None:
     if token != token.strip():
         raise CrossCheck((source,), f"{token_of} starts or ends with white space, which a client's "
                          "Authorization header cannot carry")
+    if len(token) > ADMIN_TOKEN_MAX_CHARS:
+        raise CrossCheck((source,), f"{token_of} is longer than {ADMIN_TOKEN_MAX_CHARS} characters: {advice}")
+    if (where := _unsendable(token)) is not None:
+        raise CrossCheck((source,), f"{token_of} holds {where}: a client's Authorization header carries visible "
+                         f"ASCII only: {advice}")
 
 
 def _braces(text: str) -> str:

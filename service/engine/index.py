@@ -14,6 +14,7 @@ import numpy as np
 
 from service.engine import heap
 from service.engine.schema import HnswParams, projection_file
+from service.engine.small_files import save_array
 
 # hnswlib's saved-index layout (HierarchicalNSW::saveIndex, unchanged since 0.6): offsetLevel0,
 # max_elements, cur_element_count, size_data_per_element, label_offset, offsetData (size_t),
@@ -223,7 +224,7 @@ class Projection:
 
     def save(self, path: Path) -> Path:
         """float32 [D + 1, d]: the components, then the offset as the last row."""
-        np.save(path, np.vstack((self.components, self.offset[None, :])))
+        save_array(path, np.vstack((self.components, self.offset[None, :])))
         return path
 
     @classmethod

@@ -47,6 +47,7 @@ import numpy as np
 from service.engine import canary, schema, store, vectors
 from service.engine.bundle import Bundle
 from service.engine.predictor import Predictor
+from service.engine.small_files import save_array
 from service.engine.tokenizer import is_blank
 
 DERIVED_SUFFIX = ".labels-"
@@ -368,7 +369,7 @@ class _Plan:
         self.overflow_rebuilt = False
 
     def save(self, name: str, array: np.ndarray) -> None:
-        np.save(self.staging / name, np.ascontiguousarray(array))
+        save_array(self.staging / name, array)
         self.written.add(name)
 
     def share_the_rest(self) -> dict[str, str]:

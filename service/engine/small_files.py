@@ -8,7 +8,9 @@ cannot hang or exhaust the reader:
   file is read (fstat of the descriptor read from, so nothing changes between check and read),
   and at most `max_bytes` of it, one byte more telling "too large";
 - a symlink at the path itself is not followed (O_NOFOLLOW); a bundle's files may be symlinks
-  inside the bundle, which `bundle_file` resolves first (and refuses leading out of it).
+  inside the bundle, which `bundle_file` resolves first (and refuses leading out of it). A file
+  an operator names in a setting (the admin token's: Kubernetes mounts secrets as symlinks) is
+  read with `follow_symlinks`, the same rules applying to what the link leads to.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import os
 import stat
 from contextlib import suppress
 from pathlib import Path
+
+import numpy as np
 
 _READ_CHUNK = 1 << 16
 
@@ -32,12 +36,13 @@ def _kind(mode: int) -> str:
     return next((name for test, name in kinds if test(mode)), "not a regular file")
 
 
-def read_small_file(path: Path, max_bytes: int) -> bytes:
+def read_small_file(path: Path, max_bytes: int, follow_symlinks: bool = False) -> bytes:
     """The bytes of the regular file at `path` if it holds at most `max_bytes`. Raises
     FileNotFoundError when nothing is there, RefusedFile (naming the path and the reason) for
     anything else that is not such a file, OSError when it cannot be read."""
+    nofollow = 0 if follow_symlinks else os.O_NOFOLLOW
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | nofollow | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise RefusedFile(f"{path}: a symlink, not followed") from None
@@ -97,3 +102,19 @@ def write_atomically(path: Path, data: bytes) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def save_array(path: Path, array: np.ndarray) -> None:
+    """np.save(path, array), its data written through Python's file object: numpy's own writer
+    (fwrite) reports a short write on a nearly full disk as "N requested and M written", an
+    OSError with no errno nor file (audit s14 L1). Raises OSError with the errno the kernel gave
+    (ENOSPC on a full disk) naming `path`."""
+    array = np.ascontiguousarray(array)
+    try:
+        with open(path, "wb") as f:
+            np.lib.format.write_array_header_1_0(f, np.lib.format.header_data_from_array_1_0(array))
+            f.write(array.reshape(-1).view(np.uint8))
+    except OSError as exc:
+        if exc.filename is not None:
+            raise
+        raise OSError(exc.errno, exc.strerror, str(path)) from exc
