@@ -90,6 +90,11 @@ class ActiveVersionFile:
         """The versions served before the remembered one, most recent last."""
         return self._record()[1]
 
+    @property
+    def problem(self) -> str | None:
+        """Why the record could not be used, as the last read that failed logged it (None before any)."""
+        return self._last_problem
+
     def readable_history(self) -> list[str] | None:
         """history(), or None when a record is there that cannot be read (a FIFO, a symlink, a
         directory, garbage; logged): a writer then keeps the history it holds instead of taking it

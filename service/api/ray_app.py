@@ -49,6 +49,15 @@ from ray.serve.schema import ApplicationStatus
 from starlette.requests import Request
 from starlette.responses import Response
 
+from service.api.activation import (
+    ActivationFailed,
+    ActivationInProgress,
+    BundleNotFound,
+    exclusive_activation,
+    record_no_history,
+    roll_back,
+    with_previous,
+)
 from service.api.active_state import ActiveVersionFile, StateUnavailable
 from service.api.app import apply_runtime_tuning, create_app
 from service.api.dependencies import MinuteBudget, ServiceState, lease_engine
@@ -56,16 +65,7 @@ from service.api.errors import ApiError
 from service.api.leases import Leased, lease
 from service.api.observability import ServiceMetrics, error_log
 from service.api.predict import json_response, label_rows, unknown_excluded_uids
-from service.api.registry import (
-    ActivationFailed,
-    ActivationInProgress,
-    BundleNotFound,
-    LabelChangesUnavailable,
-    exclusive_activation,
-    record_no_history,
-    roll_back,
-    with_previous,
-)
+from service.api.registry import LabelChangesUnavailable
 from service.api.schemas import RequestModels
 from service.api.settings import Settings, load_settings
 from service.engine.predictor import PredictorOptions

@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from service.engine.label_ledger import MAX_UID_CHARS
 from service.engine.schema import MAX_MANIFEST_BYTES, BundleError, validate_version_name
 from service.engine.small_files import RefusedFile, read_small_file
 from service.engine.tree import MAX_BEAM
@@ -131,7 +132,7 @@ class Settings(BaseSettings):
     # Retry-After) and
     # changes waiting for the one before them (past it 429): a change once accepted is applied.
     max_label_batch: int = Field(1000, ge=1, le=100_000)
-    max_uid_chars: int = Field(256, ge=1, le=10_000)
+    max_uid_chars: int = Field(256, ge=1, le=MAX_UID_CHARS)
     label_changes_per_minute: int = Field(120, ge=1, le=100_000)
     max_pending_label_changes: int = Field(64, ge=1, le=10_000)
     # Derived versions kept in STATE_DIR/bundles: after each activation the oldest beyond this many

@@ -48,7 +48,7 @@ UNCONFIRMED_FILE = ".unconfirmed.json"
 QUARANTINE_DIR = "unconfirmed"
 # The mark holds three short fields.
 MAX_MARK_BYTES = 64 * 1024
-# The longest uid a record may hold: the most SHORTLIST_MAX_UID_CHARS allows (service.api.settings),
+# The longest uid a record may hold, and the most SHORTLIST_MAX_UID_CHARS allows (service.api.settings),
 # so a uid any configuration accepted is kept and a record holding a longer one is not this service's.
 MAX_UID_CHARS = 10_000
 # The most bytes of an id record read (or of a removed version's, below). Records grow with the
