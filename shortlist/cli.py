@@ -199,6 +199,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         for line in message.splitlines() or [type(exc).__name__]:
             print(f"shortlist {args.command}: error: {line}", file=sys.stderr)
         return 2
+    except MemoryError:
+        # A resource, not an input problem: said plainly, with the limit a user can move.
+        print(f"shortlist {args.command}: error: out of memory: this machine's memory (or this process's "
+              "limit, `ulimit -v`, a container's memory limit) is not enough for this run", file=sys.stderr)
+        return 1
 
 
 # Errors only a write gets, and the options naming where a command writes.

@@ -161,6 +161,22 @@ def test_the_installed_command_exits_2_without_a_traceback(a_file):
     assert r.stderr.strip() == f"shortlist generate-data: error: --out {a_file}: exists and is not a directory"
 
 
+def test_running_out_of_memory_is_said_plainly_not_a_traceback(tmp_path):
+    # 10^8 labels in a 1 GiB address space: numpy's allocation fails part-way through a real command.
+    import resource
+
+    def one_gib() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+
+    out = tmp_path / "d"
+    r = subprocess.run([sys.executable, "-m", "shortlist.cli", "generate-data", "--out", str(out), "--profile",
+                        "scale", "--labels", "100000000"], capture_output=True, text=True, timeout=300,
+                       preexec_fn=one_gib)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stderr.strip().startswith("shortlist generate-data: error: out of memory: this machine's memory")
+    assert not [p for p in out.rglob("*") if p.is_file()]
+
+
 def test_a_file_option_given_a_folder_says_why_without_errno(capsys, bundle_root, synthetic_data, tmp_path):
     err = _refused(capsys, ["labels", "add", str(bundle_root / "v1"), "--labels", str(tmp_path), "--out",
                             str(tmp_path / "out")], "labels")

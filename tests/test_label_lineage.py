@@ -203,6 +203,28 @@ def test_a_change_whose_activation_is_refused_is_set_aside_and_its_ids_taken_bac
         registry.close()
 
 
+def test_versions_set_aside_are_kept_to_the_derived_versions_limit(bundle_root, synthetic_data, tmp_path):
+    # Each refused change sets a whole bundle aside: repeated refusals must not fill the disk.
+    state = tmp_path / "state"
+    labels = _new_labels(synthetic_data, 3, "aside")
+    registry = _registry(bundle_root, state, keep_derived_versions=2)
+    try:
+        registry.activate("v2")
+        registry.quality_gate_min_p1 = 100.5  # no bundle passes it: every change is refused
+        for label in labels:
+            with pytest.raises(ActivationFailed):
+                registry.change_labels(LabelChange(add=[label]))
+            time.sleep(0.01)  # mtimes apart even on a coarse clock
+        assert sorted(p.name for p in (state / QUARANTINE_DIR).iterdir()) == ["v2.labels-1.2", "v2.labels-1.3"]
+        registry.keep_derived_versions = 0  # the one just set aside stays for inspection
+        with pytest.raises(ActivationFailed):
+            registry.change_labels(LabelChange(add=[labels[0]]))
+        assert [p.name for p in (state / QUARANTINE_DIR).iterdir()] == ["v2.labels-1.4"]
+        assert registry.active_version == "v2"
+    finally:
+        registry.close()
+
+
 def _kill_between_rename_and_activation(bundle_root: Path, state: Path, label: NewLabel, log_dir: Path) -> None:
     """A real crash in the window G3 found: the server's active.json temporary file is a FIFO with
     no reader, so the change's activation blocks writing it, after its version was renamed into

@@ -93,6 +93,13 @@ CASES = [
      ["SHORTLIST_ADMIN_PORT=9000 equals SHORTLIST_PORT: the admin routes need a port of their own"]),
     ("the admin port on the port flag", {"SHORTLIST_ADMIN_PORT": "9000", "SHORTLIST_ADMIN_HOST": "0.0.0.0"},
      ["--port", "9000"], ["SHORTLIST_ADMIN_PORT=9000 equals --port"]),
+    # A name and the address it resolves to are one address (uvicorn stopped after loading, exit 3).
+    ("the admin port on a name for the host", {"SHORTLIST_PORT": "9000", "SHORTLIST_ADMIN_PORT": "9000",
+                                               "SHORTLIST_ADMIN_HOST": "localhost"}, [],
+     ["SHORTLIST_ADMIN_PORT=9000 equals SHORTLIST_PORT"]),
+    ("the admin port on the host's bracketed form", {"SHORTLIST_HOST": "::1", "SHORTLIST_PORT": "9000",
+                                                     "SHORTLIST_ADMIN_PORT": "9000", "SHORTLIST_ADMIN_HOST": "[::1]"},
+     [], ["SHORTLIST_ADMIN_PORT=9000 equals SHORTLIST_PORT"]),
 ]
 
 

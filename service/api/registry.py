@@ -263,7 +263,7 @@ class BundleRegistry:
                 where = ledger.state_dir / DERIVED_DIR / pending.version
                 if where.is_dir():
                     log.warning("label change %s was never activated: moved to %s", pending.version,
-                                ledger.quarantine(where))
+                                ledger.quarantine(where, self.keep_derived_versions))
                 ledger.undo(pending)
             ledger.confirm()
         except OSError as exc:

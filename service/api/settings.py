@@ -258,9 +258,22 @@ class Settings(BaseSettings):
 
 
 def _same_address(a: str, b: str) -> bool:
-    """Whether servers on hosts `a` and `b` would both take a port's one address (a wildcard takes every one)."""
+    """Whether servers on hosts `a` and `b` would both take a port's one address (a wildcard takes every one).
+    Names are compared by the addresses they resolve to: "localhost" and "127.0.0.1" clash."""
     wildcards = ("", "0.0.0.0", "::")
-    return a == b or a in wildcards or b in wildcards
+    if a == b or a in wildcards or b in wildcards:
+        return True
+    return bool(_addresses(a) & _addresses(b))
+
+
+def _addresses(host: str) -> set[str]:
+    # bindable_host has checked that the host resolves; a name that stops resolving in between
+    # shares no address here, and serve then reports what the bind says.
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return set()
+    return {str(ipaddress.ip_address(info[4][0].split("%")[0])) for info in infos}
 
 
 def bindable_host(host: str) -> str:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -195,16 +196,35 @@ class LabelLedger:
         if record is not None and len(record.uids) > pending.keep:
             self.write(IdRecord(record.base, record.first_id, record.uids[: pending.keep]))
 
-    def quarantine(self, bundle_dir: Path) -> Path:
+    def quarantine(self, bundle_dir: Path, keep: int | None = None) -> Path:
         """Move a version nobody confirmed to STATE_DIR/unconfirmed/VERSION.N (kept for inspection;
-        safe to delete): no place lists or activates it any more."""
+        safe to delete): no place lists or activates it any more. With `keep`, only the newest
+        `keep` set aside stay, this one always (a bundle each: repeated refusals must not fill the disk)."""
         out = self.state_dir / QUARANTINE_DIR
         out.mkdir(exist_ok=True)
-        n = 1
-        while (out / f"{bundle_dir.name}.{n}").exists():
-            n += 1
+        n = 1 + max((int(p.suffix[1:]) for p in out.glob(f"{bundle_dir.name}.*") if p.suffix[1:].isdigit()),
+                    default=0)  # past the highest: N orders a version's set-aside copies
         os.rename(bundle_dir, out / f"{bundle_dir.name}.{n}")
+        if keep is not None:
+            self._drop_oldest_set_aside(out, keep, newest=out / f"{bundle_dir.name}.{n}")
         return out / f"{bundle_dir.name}.{n}"
+
+    @staticmethod
+    def _drop_oldest_set_aside(out: Path, keep: int, newest: Path) -> None:
+        try:
+            held = sorted((p for p in out.iterdir() if p != newest), key=lambda p: p.lstat().st_mtime)
+        except OSError as exc:
+            log.warning("cannot list %s to keep the newest %d set aside: %s", out, keep, exc)
+            return
+        doomed = held[: max(len(held) + 1 - keep, 0)]
+        for path in doomed:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        if doomed:
+            log.info("removed %d versions set aside in %s beyond the newest %d: %s", len(doomed), out, keep,
+                     ", ".join(p.name for p in doomed))
 
     def _record_path(self, base: str) -> Path:
         return self.dir / f"{validate_version_name(base)}.json"
