@@ -201,6 +201,23 @@ def test_wrong_admin_tokens_past_the_budget_get_429_even_with_the_right_one(bund
         assert c.post("/v1/predict", json={"text": "x"}).status_code == 200  # serving is not affected
 
 
+def _forged_failures(c: httpx.Client, n: int) -> list[int]:
+    """n wrong tokens, each claiming another client address in X-Forwarded-For."""
+    return [c.get("/admin/bundles", headers={"authorization": "Bearer guess",
+                                             "x-forwarded-for": f"203.0.113.{i}"}).status_code for i in range(n)]
+
+
+def test_a_forwarded_address_does_not_escape_the_token_budget_unless_its_proxy_is_trusted(bundle_root, tmp_path):
+    # Audit s15 A12: uvicorn trusts loopback's X-Forwarded-For by default, so any client reaching
+    # the port through a local tunnel chose the address the budget counts.
+    with serve(bundle_root, env=LIMITS, log_dir=tmp_path) as s, httpx.Client(base_url=s.url) as c:
+        assert _forged_failures(c, 5) == [403, 403, 403, 429, 429]
+    trusted = {**LIMITS, "SHORTLIST_FORWARDED_ALLOW_IPS": "127.0.0.1, 10.0.0.0/8"}
+    with serve(bundle_root, env=trusted, log_dir=tmp_path) as s, httpx.Client(base_url=s.url) as c:
+        assert _forged_failures(c, 5) == [403] * 5  # each address its own budget: the proxy says who
+        assert c.get("/admin/bundles", headers={"authorization": "Bearer guess"}).status_code == 403
+
+
 def test_sigterm_is_not_held_by_a_body_trickling_in(bundle_root, tmp_path):
     with serve(bundle_root, env=LIMITS, log_dir=tmp_path) as s, _connect(s) as sock:
         sock.sendall(PREDICT_HEAD + b"content-length: 100000\r\n\r\n{")

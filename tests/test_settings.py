@@ -94,6 +94,8 @@ CASES = [
     ("the admin port on the port flag", {"SHORTLIST_ADMIN_PORT": "9000", "SHORTLIST_ADMIN_HOST": "0.0.0.0"},
      ["--port", "9000"], ["SHORTLIST_ADMIN_PORT=9000 equals --port"]),
     # A name and the address it resolves to are one address (uvicorn stopped after loading, exit 3).
+    ("a trusted proxy that is no address", {"SHORTLIST_FORWARDED_ALLOW_IPS": "127.0.0.1,proxy.local"}, [],
+     ["SHORTLIST_FORWARDED_ALLOW_IPS='127.0.0.1,proxy.local': 'proxy.local' is not an IP address, a network"]),
     ("the admin port on a name for the host", {"SHORTLIST_PORT": "9000", "SHORTLIST_ADMIN_PORT": "9000",
                                                "SHORTLIST_ADMIN_HOST": "localhost"}, [],
      ["SHORTLIST_ADMIN_PORT=9000 equals SHORTLIST_PORT"]),
@@ -125,6 +127,8 @@ EDGES = [
     ("the same port on another address", {"SHORTLIST_ADMIN_PORT": "9000", "SHORTLIST_ADMIN_HOST": "127.0.0.2"},
      ["--port", "9000"]),
     ("both ports picked free", {"SHORTLIST_ADMIN_PORT": "0"}, ["--port", "0"]),
+    ("trusted proxies: addresses, a network, any",
+     {"SHORTLIST_FORWARDED_ALLOW_IPS": "10.0.0.1, ::1,10.1.0.0/16,*"}, []),
 ]
 
 

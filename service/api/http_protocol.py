@@ -155,6 +155,8 @@ def protocol_kwargs(settings: Any) -> dict[str, Any]:
         "http": guarded_protocol(settings.max_connections, settings.header_timeout_s, settings.max_header_bytes,
                                  settings.body_timeout_s),
         "timeout_keep_alive": settings.keep_alive_timeout_s,
+        "proxy_headers": bool(settings.forwarded_allow_ips),
+        "forwarded_allow_ips": settings.forwarded_allow_ips or None,
         # The service has no WebSocket route: an Upgrade request is answered as plain HTTP rather
         # than handed to a WebSocket library whose handshake answers outside the app (a bare 403).
         "ws": "none",

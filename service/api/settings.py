@@ -111,6 +111,12 @@ class Settings(BaseSettings):
     max_header_bytes: int = Field(32_768, ge=1024, le=16_777_216)
     body_timeout_s: float = Field(30.0, gt=0.0, le=3600.0)
     keep_alive_timeout_s: float = Field(5.0, gt=0.0, le=3600.0)
+    # Proxies whose X-Forwarded-For / X-Forwarded-Proto the service believes (comma-separated
+    # addresses or networks, or "*"): the client address they give is the one the admin
+    # auth-failure limit counts and the access log names. None by default: uvicorn's own default
+    # trusts loopback, so any client whose connection came through a local tunnel or port-forward
+    # chose the address the limit counted.
+    forwarded_allow_ips: str = ""
 
     # Admin API: off unless a token is set (the variable, or the file admin_token_file names,
     # e.g. a Docker or compose secret: a variable's value shows in `docker inspect`; the file is
@@ -178,6 +184,19 @@ class Settings(BaseSettings):
             raise CrossCheck(("processes", "admin_port"), f"{{processes}}={self.processes} needs {{admin_port}} "
                              "unset: more than one process serves the admin routes on the main port")
         return self
+
+    @field_validator("forwarded_allow_ips")
+    @classmethod
+    def _addresses_or_networks(cls, value: str) -> str:
+        entries = [e.strip() for e in value.split(",") if e.strip()]
+        for entry in entries:
+            if entry == "*":
+                continue
+            try:
+                ipaddress.ip_network(entry, strict=False)
+            except ValueError:
+                raise ValueError(f"{entry!r} is not an IP address, a network (10.0.0.0/8) nor *") from None
+        return ",".join(entries)
 
     @field_validator("host", "admin_host")
     @classmethod
