@@ -4,10 +4,15 @@ bundle that cannot be served at start-up gives way to the newest one that can.""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import httpx
+from _api_helpers import renamed_copy
 from test_admin import AUTH, TOKEN, corrupt_copy
 
 from shortlist.testing import serve
@@ -55,9 +60,14 @@ def test_a_remembered_bundle_that_no_longer_loads_gives_way_to_the_newest_that_d
         events = [json.loads(line) for line in s.log().splitlines() if line.startswith("{")]
         fallback = [e for e in events if e.get("event") == "startup_fallback"]
         assert fallback and fallback[0]["serving"] == "v2" and "v0bad" in fallback[0]["wanted"]
-    # What serves is what is recorded: the next start does not try the broken bundle again
-    # (the log and the metric above tell the operator it was given up).
-    assert json.loads((state / "active.json").read_text())["version"] == "v2"
+    # The fallback is not the operator's choice (audit s15 A10: recorded, it became every process's
+    # and outlived the fault): the record keeps v0bad, so once it loads again a restart serves it.
+    assert json.loads((state / "active.json").read_text())["version"] == "v0bad"
+    shutil.rmtree(bundle_root_copy / "v0bad")
+    renamed_copy(bundle_root_copy, "v1", "v0bad")  # repaired
+    with serve(bundle_root_copy, env=_env(state), log_dir=tmp_path) as s:
+        assert _serving(s) == "v0bad"
+        assert "shortlist_startup_fallback{" not in httpx.get(f"{s.url}/metrics").text
 
 
 def test_a_broken_newest_bundle_does_not_keep_the_service_down(bundle_root_copy, tmp_path):
@@ -75,3 +85,27 @@ def test_an_unwritable_state_dir_stops_start_up_naming_it(bundle_root, tmp_path)
                        capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode != 0
     assert str(not_a_dir) in r.stderr
+
+
+def test_a_process_that_cannot_load_the_recorded_version_does_not_switch_the_others(bundle_root_copy, tmp_path):
+    """Audit s15 A10: a restarted process that could not load the active version fell back and
+    recorded its fallback, which every other process then followed, and the history was lost."""
+    from test_processes import _env as processes_env
+    from test_processes import _serving as serving_by_pid
+    from test_processes import _wait_for
+
+    state = tmp_path / "state"
+    with serve(bundle_root_copy, env=processes_env(state), log_dir=tmp_path, timeout=120) as s:
+        _wait_for(s.url, {"v2"})
+        r = httpx.post(f"{s.url}/admin/bundles/activate", json={"version": "v1"}, headers=AUTH, timeout=120)
+        assert r.status_code == 200, r.text
+        victim, survivor = r.json()["processes"]
+        time.sleep(2)  # the arbiter drops its preloaded v2 (no process serves it): a new process loads
+        (bundle_root_copy / "v1" / "labels.jsonl").unlink()  # served maps stay whole; a new load fails
+        os.kill(int(victim), signal.SIGKILL)
+        serving = _wait_for(s.url, {"v1", "v2"}, gone=victim)
+        assert serving[survivor] == "v1"
+        time.sleep(3)  # several process-sync ticks: nobody follows the fallback
+        assert serving_by_pid(s.url)[survivor] == "v1"
+        recorded = json.loads((state / "active.json").read_text())
+        assert recorded["version"] == "v1" and "v2" in recorded["history"], recorded

@@ -222,6 +222,8 @@ async def initial_load(state: ServiceState) -> None:
             state.metrics.startup_fallback.labels(wanted=result["fallback_from"]).set(1)
             error_log.error(json.dumps({"event": "startup_fallback", "wanted": result["fallback_from"],
                                         "serving": result["active"], "reason": result["reason"]}))
+            if state.group is not None:
+                state.group.cannot_serve(str(result["fallback_from"]), str(result["reason"]))
     except (ActivationFailed, BundleNotFound, ActivationInProgress, StateUnavailable) as exc:
         state.metrics.failed_activations.labels("startup").inc()
         error_log.error(json.dumps({"event": "startup_load_failed", "message": str(exc),

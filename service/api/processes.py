@@ -67,6 +67,12 @@ class ProcessGroup:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    def cannot_serve(self, version: str, why: str) -> None:
+        """This process failed to load `version` (at start-up, before the group starts): it is
+        published as this process's failure and not retried until the record changes (a version
+        refused by the checking child would be loaded here unchecked by `follow`)."""
+        self._failed = (version, why)
+
     def start(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.registry.converge = self.wait_for

@@ -371,7 +371,11 @@ class BundleRegistry:
             return result
         return {**result, "processes": self.converge(str(result["active"]))}
 
-    def _activate_locked(self, version: str | None, *, history: list[str], follow: bool = False) -> dict[str, object]:
+    def _activate_locked(self, version: str | None, *, history: list[str], follow: bool = False,
+                         record: bool = True) -> dict[str, object]:
+        """Load, check (unless `follow`: another process did) and swap in `version`; record it
+        in the state directory unless `follow` or not `record`."""
+        record = record and not follow
         t0 = time.perf_counter()
         path = self._resolve(version)
         try:
@@ -380,7 +384,7 @@ class BundleRegistry:
         except ActivationFailed:
             drop_cached_pages(path)  # nothing will serve what the checks read
             raise
-        if not follow:
+        if record:
             self._remember(predictor, history)
             self._confirm_recorded(predictor.bundle.version)
         self._history = history
@@ -392,7 +396,7 @@ class BundleRegistry:
             threading.Thread(target=self._drain_and_close, args=(old,), daemon=True).start()
         else:
             heap.trim()  # the load's buffers; otherwise the release of `old` trims
-        if not follow:
+        if record:
             self._prune_derived({new.version, *history, *([old.version] if old else [])})
         seconds = time.perf_counter() - t0
         if self.on_swap is not None:
@@ -432,12 +436,20 @@ class BundleRegistry:
             if stored.version == tried or stored.unconfirmed:
                 continue
             try:
-                result = self.activate(stored.version)
+                result = self._serve_fallback(stored.version)
             except (ActivationFailed, BundleNotFound) as exc:
                 log.error("fallback bundle %s cannot be served either: %s", stored.version, exc)
                 continue
             return {**result, "fallback_from": wanted or "(newest)", "reason": str(first_error)}
         raise first_error
+
+    def _serve_fallback(self, version: str) -> dict[str, object]:
+        """Serve `version` in this process only: checked and gated as any activation, never
+        recorded. A fallback is one process's stopgap, not the operator's choice: recorded, every
+        process sharing the state directory would follow it (one process's failed load switching
+        the whole service), and restarts would keep serving it once the wanted version loads again."""
+        with self._exclusive(shared_state=False):
+            return self._activate_locked(version, history=self._history, record=False)
 
     def _prune_derived(self, in_use: set[str]) -> None:
         """Remove the derived versions past keep_derived_versions that nothing may serve: not
