@@ -160,6 +160,15 @@ def test_the_processes_of_a_killed_arbiter_drain_and_exit_freeing_the_port(bundl
     assert not list(tmp.glob("shortlist-metrics-*"))
 
 
+def _stop_one_and_activate_v1(url: str, pids: dict[str, str]) -> tuple[str, httpx.Response, float]:
+    """SIGSTOP one of the serving processes, then activate v1: that pid, the answer, and its seconds."""
+    stopped = next(iter(pids))
+    os.kill(int(stopped), signal.SIGSTOP)
+    start = time.monotonic()
+    r = httpx.post(f"{url}/admin/bundles/activate", json={"version": "v1"}, headers=AUTH, timeout=120)
+    return stopped, r, time.monotonic() - start
+
+
 def test_an_admin_write_answers_503_naming_a_stopped_process_within_the_converge_timeout(bundle_root, tmp_path):
     """A process that is alive but does not follow (SIGSTOP, a debugger, a stuck load) holds an
     admin write no longer than SHORTLIST_PROCESS_CONVERGE_TIMEOUT_S; the change stays applied, and
@@ -168,12 +177,8 @@ def test_an_admin_write_answers_503_naming_a_stopped_process_within_the_converge
     env = {**_env(state), "SHORTLIST_PROCESS_CONVERGE_TIMEOUT_S": "2"}
     with serve(bundle_root, env=env, log_dir=tmp_path, timeout=120) as s:
         pids = _wait_for(s.url, {"v2"})
-        stopped = next(iter(pids))
-        os.kill(int(stopped), signal.SIGSTOP)
         try:
-            start = time.monotonic()
-            r = httpx.post(f"{s.url}/admin/bundles/activate", json={"version": "v1"}, headers=AUTH, timeout=120)
-            took = time.monotonic() - start
+            stopped, r, took = _stop_one_and_activate_v1(s.url, pids)
             assert r.status_code == 503 and r.json()["error"] == "processes_diverged", r.text
             message = r.json()["message"]
             assert f"process {stopped}: still serves v2 after 2 s" in message, message
@@ -182,7 +187,8 @@ def test_an_admin_write_answers_503_naming_a_stopped_process_within_the_converge
             assert took < 30, took
             assert _versions_answering(s.url, 10) == {"v1"}  # the other process serves the change already
         finally:
-            os.kill(int(stopped), signal.SIGCONT)
+            for pid in pids:
+                os.kill(int(pid), signal.SIGCONT)
         assert _wait_for(s.url, {"v1"}, timeout=30) == {pid: "v1" for pid in pids}
 
 
@@ -213,12 +219,7 @@ def test_a_stopped_process_is_replaced_after_the_stall_timeout_and_the_replaceme
     state = tmp_path / "state"
     env = {**_env(state), "SHORTLIST_PROCESS_STALL_TIMEOUT_S": "5"}
     with serve(bundle_root, env=env, log_dir=tmp_path, timeout=120) as s:
-        pids = _wait_for(s.url, {"v2"})
-        stopped = next(iter(pids))
-        os.kill(int(stopped), signal.SIGSTOP)
-        start = time.monotonic()
-        r = httpx.post(f"{s.url}/admin/bundles/activate", json={"version": "v1"}, headers=AUTH, timeout=120)
-        took = time.monotonic() - start
+        stopped, r, took = _stop_one_and_activate_v1(s.url, _wait_for(s.url, {"v2"}))
         assert r.status_code == 200, r.text
         assert stopped not in r.json()["processes"] and set(r.json()["processes"].values()) == {"v1"}
         assert took < 30, took  # not gunicorn's former hard-coded 60 s

@@ -162,7 +162,9 @@ class ProcessGroup:
                 return {str(pid): m.get("version") for pid, m in members.items()}
             timed_out = time.monotonic() > deadline
             if failed or timed_out:
-                late = f" after {self.converge_timeout_s:g} s (SHORTLIST_PROCESS_CONVERGE_TIMEOUT_S)" * timed_out
+                late = ""
+                if timed_out:
+                    late = f" after {self.converge_timeout_s:g} s (SHORTLIST_PROCESS_CONVERGE_TIMEOUT_S)"
                 reasons = "; ".join(f"process {pid}: " + (failed.get(pid) or f"still serves {m.get('version')}{late}")
                                     for pid, m in behind.items())
                 raise ProcessesDiverged(f"{version} is recorded as active and serves on {len(members) - len(behind)} "

@@ -109,7 +109,7 @@ def metrics_directory() -> Iterator[str]:
             shutil.rmtree(path, ignore_errors=True)
     finally:
         os.close(held)
-        shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)  # there only if the rename failed
 
 
 def sweep_metrics_directories() -> None:
