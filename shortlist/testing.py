@@ -66,11 +66,12 @@ def serve(
     ready: bool = True,
     timeout: float = 60.0,
     wrap: Sequence[str] = (),
+    port: int | None = None,
 ) -> Iterator[Server]:
     """Start `shortlist serve` and wait for /healthz (and /readyz unless ready=False). `wrap`: a
     command that execs the server's command given after it (e.g. `unshare -m` with a mount
-    first), so the server's pid is the process started."""
-    port = free_port()
+    first), so the server's pid is the process started. `port`: a free one unless given."""
+    port = port or free_port()
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("SHORTLIST_")}
     full_env.update(env or {})
     admin_url = None

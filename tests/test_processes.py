@@ -126,3 +126,111 @@ def test_several_processes_need_a_state_directory_and_the_admin_routes_on_the_ma
         Settings(processes=65, state_dir=tmp_path)
     with pytest.raises(ValidationError):
         Settings(processes=0)
+
+
+def _gone(pid: int) -> bool:
+    """Whether process `pid` has exited (a zombie waiting for init to reap it has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_the_processes_of_a_killed_arbiter_drain_and_exit_freeing_the_port(bundle_root, tmp_path):
+    """kill -9 of the arbiter: its processes notice within about a second, drain as on SIGTERM
+    (SHORTLIST_DRAIN_TIMEOUT_S) and exit, so a service restarted on the port can bind it."""
+    state, tmp = tmp_path / "state", tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**_env(state), "SHORTLIST_DRAIN_TIMEOUT_S": "2", "TMPDIR": str(tmp)}
+    with serve(bundle_root, env=env, log_dir=tmp_path, timeout=120) as s:
+        pids = [int(pid) for pid in _wait_for(s.url, {"v2"})]
+        os.kill(s.proc.pid, signal.SIGKILL)
+        s.proc.wait()
+        deadline = time.monotonic() + 1 + 2 + 10  # noticed, drained, shut down
+        while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert all(_gone(pid) for pid in pids), s.log()[-3000:]
+        assert "the arbiter" in s.log() and "is gone" in s.log()
+        port = int(s.url.rsplit(":", 1)[1])
+    with serve(bundle_root, env=env, log_dir=tmp_path, timeout=120, port=port) as again:
+        assert len(_wait_for(again.url, {"v2"})) == 2
+        assert _versions_answering(again.url, 10) == {"v2"}
+    # The run that was killed left its metrics directory; the next one removed it, and its own at its stop.
+    assert not list(tmp.glob("shortlist-metrics-*"))
+
+
+def _stop_one_and_activate_v1(url: str, pids: dict[str, str]) -> tuple[str, httpx.Response, float]:
+    """SIGSTOP one of the serving processes, then activate v1: that pid, the answer, and its seconds."""
+    stopped = next(iter(pids))
+    os.kill(int(stopped), signal.SIGSTOP)
+    start = time.monotonic()
+    r = httpx.post(f"{url}/admin/bundles/activate", json={"version": "v1"}, headers=AUTH, timeout=120)
+    return stopped, r, time.monotonic() - start
+
+
+def test_an_admin_write_answers_503_naming_a_stopped_process_within_the_converge_timeout(bundle_root, tmp_path):
+    """A process that is alive but does not follow (SIGSTOP, a debugger, a stuck load) holds an
+    admin write no longer than SHORTLIST_PROCESS_CONVERGE_TIMEOUT_S; the change stays applied, and
+    the process follows once it runs again."""
+    state = tmp_path / "state"
+    env = {**_env(state), "SHORTLIST_PROCESS_CONVERGE_TIMEOUT_S": "2"}
+    with serve(bundle_root, env=env, log_dir=tmp_path, timeout=120) as s:
+        pids = _wait_for(s.url, {"v2"})
+        try:
+            stopped, r, took = _stop_one_and_activate_v1(s.url, pids)
+            assert r.status_code == 503 and r.json()["error"] == "processes_diverged", r.text
+            message = r.json()["message"]
+            assert f"process {stopped}: still serves v2 after 2 s" in message, message
+            assert "SHORTLIST_PROCESS_CONVERGE_TIMEOUT_S" in message and "recorded" in message
+            # The check-in-child load of v1, then 2 s: far below the stall timeout (60 s) that ended it before.
+            assert took < 30, took
+            assert _versions_answering(s.url, 10) == {"v1"}  # the other process serves the change already
+        finally:
+            for pid in pids:
+                os.kill(int(pid), signal.SIGCONT)
+        assert _wait_for(s.url, {"v1"}, timeout=30) == {pid: "v1" for pid in pids}
+
+
+def test_metrics_name_only_the_version_each_live_process_serves(bundle_root, tmp_path):
+    """However many activations, /metrics has one shortlist_active_bundle series per live process
+    (as one process has one), each the version it serves, none for a process that died."""
+    state = tmp_path / "state"
+    with serve(bundle_root, env=_env(state), log_dir=tmp_path, timeout=120) as s:
+        pids = _wait_for(s.url, {"v2"})
+        for version in ["v1", "v2"] * 3:
+            r = httpx.post(f"{s.url}/admin/bundles/activate", json={"version": version}, headers=AUTH, timeout=120)
+            assert r.status_code == 200, r.text
+        series = [line for line in httpx.get(f"{s.url}/metrics").text.splitlines()
+                  if line.startswith("shortlist_active_bundle{")]
+        assert sorted(series) == sorted(f'shortlist_active_bundle{{pid="{pid}",version="v2"}} 1.0' for pid in pids)
+        victim = next(iter(pids))
+        os.kill(int(victim), signal.SIGKILL)
+        _wait_for(s.url, {"v2"}, gone=victim)  # the replacement serves
+        series = [line for line in httpx.get(f"{s.url}/metrics").text.splitlines()
+                  if line.startswith("shortlist_active_bundle{")]
+        assert len(series) == 2 and victim not in _serving(s.url), series
+
+
+def test_a_stopped_process_is_replaced_after_the_stall_timeout_and_the_replacement_follows(bundle_root, tmp_path):
+    """SHORTLIST_PROCESS_STALL_TIMEOUT_S: the arbiter kills a process whose loop stopped reporting
+    and starts another, which serves the version activated meanwhile; the admin write waiting for
+    the stopped one answers 200 once it is gone."""
+    state = tmp_path / "state"
+    env = {**_env(state), "SHORTLIST_PROCESS_STALL_TIMEOUT_S": "5"}
+    with serve(bundle_root, env=env, log_dir=tmp_path, timeout=120) as s:
+        stopped, r, took = _stop_one_and_activate_v1(s.url, _wait_for(s.url, {"v2"}))
+        assert r.status_code == 200, r.text
+        assert stopped not in r.json()["processes"] and set(r.json()["processes"].values()) == {"v1"}
+        assert took < 30, took  # not gunicorn's former hard-coded 60 s
+        assert _gone(int(stopped))
+        assert stopped not in _wait_for(s.url, {"v1"}, gone=stopped)  # the replacement serves v1
+
+
+def test_the_process_timeouts_are_bounded(tmp_path):
+    ok = Settings(processes=2, state_dir=tmp_path, process_converge_timeout_s=3600, process_stall_timeout_s=5)
+    assert (ok.process_converge_timeout_s, ok.process_stall_timeout_s) == (3600, 5)
+    for past_edge in ({"process_converge_timeout_s": 0}, {"process_converge_timeout_s": 3600.5},
+                      {"process_stall_timeout_s": 4.9}, {"process_stall_timeout_s": 86_401}):
+        with pytest.raises(ValidationError):
+            Settings(processes=2, state_dir=tmp_path, **past_edge)

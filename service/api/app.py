@@ -64,7 +64,8 @@ def build_state(settings: Settings, preloaded: Bundle | None = None) -> ServiceS
     group = None
     if settings.processes > 1 and settings.state_dir is not None:
         group = ProcessGroup(settings.state_dir, registry, settings.process_sync_interval_s,
-                             converge_timeout_s=settings.load_check_timeout_s)
+                             converge_timeout_s=settings.process_converge_timeout_s)
+        metrics.served_by = group.served_by
     return ServiceState(settings, registry, runner, metrics, RequestModels(settings),
                         MinuteBudget(settings.admin_auth_failures_per_minute),
                         MinuteBudget(settings.label_changes_per_minute), group)

@@ -14,11 +14,13 @@ import sys
 import time
 import traceback
 import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
+from prometheus_client.core import GaugeMetricFamily
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -34,6 +36,7 @@ _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 0.5,
                     1.0, 2.5, 10.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+ACTIVE_BUNDLE = ("shortlist_active_bundle", "1 for the bundle version now serving")
 
 
 class ServiceMetrics:
@@ -42,7 +45,10 @@ class ServiceMetrics:
     With several serving processes (PROMETHEUS_MULTIPROC_DIR set by `shortlist serve` before
     they start), prometheus-client keeps every value in a file per process and /metrics sums
     counters and histograms over the live processes; the active bundle and the start-up
-    fallback are reported per process (a `pid` label), requests in flight summed.
+    fallback are reported per process (a `pid` label), requests in flight summed. The active
+    bundle is then read at each scrape from what each live process published (`served_by`), not
+    kept in a value file: such a file cannot drop a label set, and would export every version a
+    process ever served.
     """
 
     def __init__(self) -> None:
@@ -55,8 +61,9 @@ class ServiceMetrics:
                                  ["route", "status"], buckets=_LATENCY_BUCKETS, registry=r)
         self.in_flight = Gauge("shortlist_http_requests_in_flight", "HTTP requests being served",
                                registry=r, multiprocess_mode="livesum")
-        self.active_bundle = Gauge("shortlist_active_bundle", "1 for the bundle version now serving",
-                                   ["version"], registry=r, multiprocess_mode="liveall")
+        self.active_bundle = Gauge(*ACTIVE_BUNDLE, ["version"], registry=r)
+        # With several processes: {pid: version served} of the live ones (service.api.processes).
+        self.served_by: Callable[[], dict[int, str]] | None = None
         self.batch_size = Histogram("shortlist_engine_batch_size", "texts per engine call",
                                     ["scorer"], buckets=_BATCH_BUCKETS, registry=r)
         self.swaps = Counter("shortlist_bundle_swaps_total", "successful bundle activations", registry=r)
@@ -81,11 +88,9 @@ class ServiceMetrics:
         child.observe(texts)
 
     def set_active(self, version: str) -> None:
-        if self.multiprocess:  # values live in files there: zero the old versions, no clear()
-            for (old,) in list(self.active_bundle._metrics):
-                self.active_bundle.labels(version=old).set(0)
-        else:
-            self.active_bundle.clear()
+        if self.multiprocess:  # exported from the processes' records (served_by)
+            return
+        self.active_bundle.clear()
         self.active_bundle.labels(version=version).set(1)
 
     def exposition(self) -> bytes:
@@ -99,7 +104,22 @@ class ServiceMetrics:
                 multiprocess.mark_process_dead(int(pid), str(directory))
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry, path=str(directory))
+        if self.served_by is not None:
+            registry.register(_ServedVersions(self.served_by))
         return generate_latest(registry)
+
+
+class _ServedVersions:
+    """shortlist_active_bundle{pid, version} = 1 for each live process, the version it serves."""
+
+    def __init__(self, served_by: Callable[[], dict[int, str]]) -> None:
+        self.served_by = served_by
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(*ACTIVE_BUNDLE, labels=["pid", "version"])
+        for pid, version in sorted(self.served_by().items()):
+            family.add_metric([str(pid), version], 1.0)
+        yield family
 
 
 def setup_logging(level: str = "info") -> None:

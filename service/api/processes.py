@@ -145,13 +145,18 @@ class ProcessGroup:
             out[pid] = record
         return out
 
+    def served_by(self) -> dict[int, str]:
+        """pid -> the version that live process serves (those serving none yet left out)."""
+        return {pid: str(m["version"]) for pid, m in self.members().items() if m.get("version")}
+
     def served_versions(self) -> set[str]:
         """The versions the live processes sharing the directory serve (derived versions kept)."""
-        return {str(m["version"]) for m in self.members().values() if m.get("version")}
+        return set(self.served_by().values())
 
     def wait_for(self, version: str) -> dict[str, object]:
         """Block until every live process serves `version`: {pid: version}. ProcessesDiverged
-        naming each process that cannot, or still does not after the timeout."""
+        naming each process that cannot, or still does not after `converge_timeout_s` (a process
+        alive but stopped, or stuck loading): the version stays recorded, and they follow when they can."""
         self._publish()
         deadline = time.monotonic() + self.converge_timeout_s
         while True:
@@ -161,9 +166,13 @@ class ProcessGroup:
                       if (m.get("failed") or {}).get("version") == version}
             if not behind:
                 return {str(pid): m.get("version") for pid, m in members.items()}
-            if failed or time.monotonic() > deadline:
-                reasons = "; ".join(f"process {pid}: {failed.get(pid, 'still serves ' + str(m.get('version')))}"
+            timed_out = time.monotonic() > deadline
+            if failed or timed_out:
+                late = ""
+                if timed_out:
+                    late = f" after {self.converge_timeout_s:g} s (SHORTLIST_PROCESS_CONVERGE_TIMEOUT_S)"
+                reasons = "; ".join(f"process {pid}: " + (failed.get(pid) or f"still serves {m.get('version')}{late}")
                                     for pid, m in behind.items())
-                raise ProcessesDiverged(f"{version} serves on {len(members) - len(behind)} of {len(members)} "
-                                        f"processes; {reasons}")
+                raise ProcessesDiverged(f"{version} is recorded as active and serves on {len(members) - len(behind)} "
+                                        f"of {len(members)} processes; {reasons}")
             time.sleep(min(self.interval_s, 0.05))

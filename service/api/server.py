@@ -10,8 +10,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import fcntl
 import os
+import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import uvicorn
 
@@ -19,6 +24,11 @@ from service.api.active_state import ActiveVersionFile
 from service.api.http_protocol import protocol_kwargs
 from service.api.processes import MULTIPROCESS_ENV
 from service.api.settings import Settings, load_settings
+
+METRICS_DIR_PREFIX = "shortlist-metrics-"
+# In each metrics directory: the file its run holds locked (flock) while its arbiter or any of
+# the processes it forked (which inherit the lock) lives.
+METRICS_DIR_LOCK = ".held"
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -71,11 +81,54 @@ def _run_processes(settings: Settings) -> None:
         # naming it (exit 2), instead of every process failing to boot under the arbiter.
         ActiveVersionFile(settings.state_dir).prepare()
     os.environ.update(settings.environment())
-    with tempfile.TemporaryDirectory(prefix="shortlist-metrics-") as metrics_dir:
+    with metrics_directory() as metrics_dir:
         os.environ[MULTIPROCESS_ENV] = metrics_dir
         from service.api.supervisor import ServingProcesses
 
         ServingProcesses(settings).run()
+
+
+@contextmanager
+def metrics_directory() -> Iterator[str]:
+    """A new directory in TMPDIR for the metric files of this run's processes, removed when the
+    run stops. Its lock is held until the arbiter and every process it forked have exited, so
+    the directory of a run whose arbiter was killed is known once its processes have gone
+    too: each start first removes those."""
+    sweep_metrics_directories()
+    # Made under a name the sweep does not match, and renamed once locked: a concurrent start's
+    # sweep never sees it unlocked.
+    staging = tempfile.mkdtemp(prefix=f".{METRICS_DIR_PREFIX}")
+    held = os.open(os.path.join(staging, METRICS_DIR_LOCK), os.O_RDONLY | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        path = os.path.join(os.path.dirname(staging), os.path.basename(staging)[1:])
+        os.rename(staging, path)
+        try:
+            yield path
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
+    finally:
+        os.close(held)
+        shutil.rmtree(staging, ignore_errors=True)  # there only if the rename failed
+
+
+def sweep_metrics_directories() -> None:
+    """Remove the metrics directories in TMPDIR whose runs have ended without removing them (an
+    arbiter killed by SIGKILL). One without a lock file, or whose lock is held, is left."""
+    for path in Path(tempfile.gettempdir()).glob(f"{METRICS_DIR_PREFIX}*"):
+        if path.is_symlink() or not path.is_dir():
+            continue
+        try:
+            lock = os.open(path / METRICS_DIR_LOCK, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:  # not one of ours, or another user's
+            continue
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            pass  # its run still lives
+        finally:
+            os.close(lock)
 
 
 def run(settings: Settings) -> None:

@@ -68,6 +68,16 @@ class Settings(BaseSettings):
     # `process_sync_interval_s` and answered once all serve it (README "Several processes").
     processes: int = Field(1, ge=1, le=64)
     process_sync_interval_s: float = Field(0.2, ge=0.01, le=60.0)
+    # How long an admin write waits for every other process to serve what it activated, past which
+    # it answers 503 naming the processes that do not yet (the change stays recorded; they follow
+    # when they can). A follower loads without a checking child: 5 s for a bundle of 10^6 labels on
+    # a 2-core machine (bench/RESULTS.md, Scale), 60 s leaves room for a cold page cache and a busy host.
+    process_converge_timeout_s: float = Field(60.0, gt=0.0, le=3600.0)
+    # A process whose event loop has not reported to the arbiter for this long (stopped, or stuck
+    # in a loop) is killed and replaced (gunicorn's worker timeout, whole seconds). The loop
+    # reports every second and never waits for a load or a prediction (both run on threads):
+    # only a stuck loop, or a host so overloaded a second's tick is a minute late, reaches it.
+    process_stall_timeout_s: float = Field(60.0, ge=5.0, le=86_400.0)
     # With several processes, the arbiter loads the bundle they start with before forking them,
     # so its pages (the HNSW graphs included) are shared copy-on-write (service/api/supervisor.py).
     process_preload: bool = True

@@ -27,6 +27,8 @@ from __future__ import annotations
 import gc
 import logging
 import math
+import os
+import signal
 from typing import Any
 
 from gunicorn.app.base import BaseApplication
@@ -48,7 +50,10 @@ log = logging.getLogger("shortlist.supervisor")
 
 class ServingWorker(UvicornWorker):
     """One serving process: uvicorn with the service's HTTP protocol and limits, no access log
-    (the app writes its own), and SIGTERM's drain bounded by `drain_timeout_s`."""
+    (the app writes its own), and SIGTERM's drain bounded by `drain_timeout_s`. A process whose
+    arbiter is gone (killed by SIGKILL or the OOM killer) drains and exits as on SIGTERM: nothing
+    would restart it, a new service could not bind its port, and SIGTERM to that service would
+    never reach it."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -57,6 +62,19 @@ class ServingWorker(UvicornWorker):
             setattr(self.config, name, value)
         self.config.access_log = False
         self.config.timeout_graceful_shutdown = int(settings.drain_timeout_s) or None
+        # Report on each of uvicorn's once-a-second ticks (not every half stall timeout): the
+        # report also looks for the arbiter, so an orphan notices within about a second.
+        self.config.timeout_notify = 0.0
+        self.leaving = False
+
+    async def callback_notify(self) -> None:
+        self.notify()
+        # gunicorn's own workers check this in their loops; uvicorn_worker's does not.
+        if os.getppid() != self.ppid and not self.leaving:
+            self.leaving = True
+            self.log.warning("the arbiter (pid %s) is gone: process %s drains and exits", self.ppid, os.getpid())
+            # uvicorn's SIGTERM handler: the same drain, bounded by SHORTLIST_DRAIN_TIMEOUT_S.
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 class ServingProcesses(BaseApplication):  # type: ignore[misc]
@@ -77,7 +95,7 @@ class ServingProcesses(BaseApplication):  # type: ignore[misc]
             "graceful_timeout": math.ceil(s.drain_timeout_s) + 5,
             # A process whose event loop did not report for this long is killed and replaced;
             # bundle loads run off the loop, so only a stuck loop reaches it.
-            "timeout": 60,
+            "timeout": math.ceil(s.process_stall_timeout_s),
             "keepalive": math.ceil(s.keep_alive_timeout_s),  # gunicorn takes whole seconds
             "loglevel": s.log_level,
             "accesslog": None,
