@@ -85,10 +85,6 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                 client_gone()
         super().connection_lost(exc)
 
-    def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
-        self._running = cycle
-        super()._start_asgi_task(cycle, app)
-
     def pause_writing(self) -> None:
         super().pause_writing()
         if self._send_timer is None:
@@ -103,7 +99,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def _send_timed_out(self) -> None:
         """The client has read nothing of what waits for it for send_timeout_s: what it holds
         (the unsent answer, the request waiting to write the next one, the requests pipelined
-        behind) is let go. abort(), not close(): close() would wait for the buffer to be sent."""
+        behind) is let go. abort(), not close(): asyncio's close() waits for the buffer to be sent."""
         self._send_timer = None
         self.transport.abort()
 
@@ -142,7 +138,15 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         # task per request, this one's included once it starts), with which the batcher computes
         # a lone request at once (service.api.batching); abandon() at shutdown.
         self.scope[CONNECTION] = self  # type: ignore[typeddict-unknown-key]
+        previous = self.cycle
         super().on_headers_complete()
+        if previous is None or previous.response_complete:  # else pipelined: it starts in on_response_complete
+            self._running = self.cycle
+
+    def on_response_complete(self) -> None:
+        if self.pipeline and not self.transport.is_closing():
+            self._running = self.pipeline[-1][0]  # the pipelined request uvicorn starts now
+        super().on_response_complete()
 
     def on_message_complete(self) -> None:
         super().on_message_complete()

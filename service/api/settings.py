@@ -78,7 +78,7 @@ class Settings(BaseSettings):
     batching: bool = True
     batch_max_size: int = Field(32, ge=1, le=4096)
     batch_max_wait_ms: float = Field(0.0, ge=0.0, le=1000.0)
-    # The line in front of the engine (service/api/batching.py): a prediction that would have to
+    # The line in front of each process's engine (service/api/batching.py): a prediction that would have to
     # wait while max_queued_texts texts already wait, or that waited max_queue_wait_ms before its
     # engine call could start, gets 503 `overloaded` with Retry-After, so a flood is refused at
     # once instead of answered tens of seconds late. Texts, not requests: a 128-text batch costs
