@@ -108,7 +108,7 @@ async def _answer(request: Request, engine: Engine, scorer: str, req: Any, **par
         else:
             results = list(await runner.run_batch(scorer, fn, req.texts, state))
     except Overloaded as exc:
-        raise overloaded(request, exc) from None
+        raise _overloaded(request, exc) from None
     return json_response({"version": engine.version, "results": results})
 
 
@@ -117,7 +117,7 @@ async def _answer(request: Request, engine: Engine, scorer: str, req: Any, **par
 OVERLOADED_RETRY_AFTER_S = 1
 
 
-def overloaded(request: Request, exc: Overloaded) -> ApiError:
+def _overloaded(request: Request, exc: Overloaded) -> ApiError:
     """The 503 for a prediction the engine's line refused (service.api.batching), counted by reason."""
     service_state(request).metrics.shed.labels(exc.reason).inc()
     return ApiError(503, "overloaded", f"{exc.message}; retry later",
