@@ -7,7 +7,8 @@ import threading
 
 import pytest
 
-from service.api.batching import EngineRunner
+from service.api.batching import EngineRunner, Overloaded
+from service.api.http_protocol import ON_CLIENT_GONE
 
 
 def _recording_fn(calls: list[list[str]], gate: threading.Event | None = None):
@@ -117,3 +118,66 @@ def test_a_lone_request_is_computed_at_once_and_a_busy_runner_still_queues_it():
 
     assert asyncio.run(scenario()) == ["ALONE", "BUSY", "A", "B"]
     assert calls == [["alone"], ["busy"], ["a", "b"]]
+
+
+async def _behind_a_busy_engine(runner: EngineRunner, calls: list[list[str]], queue_up, wait_s: float = 0.05) -> list:
+    """What queue_up(fn) starts (awaited: a list of tasks) while the runner's only slot computes a
+    gated call; after wait_s the gate opens. The outcomes: the busy call's, then each task's."""
+    gate = threading.Event()
+    blocker = asyncio.create_task(runner.run(_recording_fn(calls, gate), ["busy"]))
+    await asyncio.sleep(0.05)  # the only worker is now inside the blocked call
+    tasks = await queue_up(_recording_fn(calls))
+    await asyncio.sleep(wait_s)
+    gate.set()
+    out = await asyncio.gather(blocker, *tasks, return_exceptions=True)
+    runner.shutdown()
+    return out
+
+
+def test_the_line_admits_exactly_max_queued_texts():
+    calls: list[list[str]] = []
+
+    async def queue_up(fn) -> list:
+        return [asyncio.create_task(runner.run_batch("alpha", fn, ["a", "b", "c"])),  # 3 of 4
+                asyncio.create_task(runner.submit_one("k", "alpha", fn, "d")),  # 4 of 4: at the bound
+                asyncio.create_task(runner.submit_one("k", "alpha", fn, "e"))]  # one past it
+
+    runner = EngineRunner(1, max_batch=8, max_queued_texts=4)
+    busy, batch, single, past = asyncio.run(_behind_a_busy_engine(runner, calls, queue_up))
+    assert (busy, list(batch), single) == (["BUSY"], ["A", "B", "C"], "D")
+    assert isinstance(past, Overloaded) and past.reason == "queue_full"
+    assert calls == [["busy"], ["a", "b", "c"], ["d"]]
+
+
+@pytest.mark.parametrize(("bound_s", "refused"), [(0.1, True), (5.0, False)])
+def test_the_wait_bound_counts_time_in_line_not_time_computing(bound_s, refused):
+    async def queue_up(fn) -> list:
+        return [asyncio.create_task(runner.run_batch("alpha", fn, ["a"])),
+                asyncio.create_task(runner.submit_one("k", "alpha", fn, "b"))]
+
+    runner = EngineRunner(1, max_queue_wait_s=bound_s)
+    busy, batch, single = asyncio.run(_behind_a_busy_engine(runner, [], queue_up, wait_s=0.3))
+    assert busy == ["BUSY"]  # computing 0.35 s is not waiting
+    if refused:  # 0.3 s in line, past the bound
+        assert all(isinstance(r, Overloaded) and r.reason == "queue_wait" for r in (batch, single))
+    else:
+        assert (batch, single) == (["A"], "B")
+
+
+def test_a_waiting_request_whose_client_left_leaves_the_line_and_frees_its_place():
+    calls: list[list[str]] = []
+
+    async def queue_up(fn) -> list:
+        states: list[dict] = [{}, {}]
+        left = [asyncio.create_task(runner.run_batch("alpha", fn, ["gone-batch"], states[0])),
+                asyncio.create_task(runner.submit_one("k", "alpha", fn, "gone-text", state=states[1]))]
+        await asyncio.sleep(0.05)
+        for state in states:  # what the HTTP protocol does when their connections are lost
+            state.pop(ON_CLIENT_GONE)()
+        return [*left, *(asyncio.create_task(runner.submit_one("k", "alpha", fn, t)) for t in ("x", "y"))]
+
+    runner = EngineRunner(1, max_batch=8, max_queued_texts=2)
+    out = asyncio.run(_behind_a_busy_engine(runner, calls, queue_up))
+    assert [type(r).__name__ for r in out[1:3]] == ["ClientDisconnect", "ClientDisconnect"]
+    assert out[3:] == ["X", "Y"]  # in the places the two left
+    assert calls == [["busy"], ["x", "y"]]  # the two that left were never computed

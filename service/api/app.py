@@ -59,7 +59,8 @@ def build_state(settings: Settings, preloaded: Bundle | None = None) -> ServiceS
     runner = EngineRunner(
         settings.workers, batching=settings.batching, max_batch=settings.batch_max_size,
         max_wait_s=settings.batch_max_wait_ms / 1000.0,
-        on_batch=metrics.observe_batch,
+        on_batch=metrics.observe_batch, max_queued_texts=settings.max_queued_texts,
+        max_queue_wait_s=settings.max_queue_wait_ms / 1000.0,
     )
     group = None
     if settings.processes > 1 and settings.state_dir is not None:

@@ -11,9 +11,18 @@ long, was read to its end. Here, with the byte counting done before the parser s
   closed, the rest never read) and within `header_timeout_s` of its first byte, or of the
   connection for its first request (408 if some of it came, else closed silently);
 - a body must be complete within `body_timeout_s` of its head (408, closed);
+- a response the client does not read (the transport's buffer past its high-water mark, uvicorn
+  waiting in FlowControl.drain) for `send_timeout_s` closes the connection: its request in
+  progress is counted 499 and the requests pipelined behind it are dropped unanswered;
 - a request the HTTP parser refuses (a malformed request line or header, a Content-Length that is
   not a number or sits beside Transfer-Encoding, a bad chunk size) gets 400 with the one error
   body naming what the parser found, not uvicorn's plain-text "Invalid HTTP request received.".
+
+When a connection is lost while a request is in progress, the request's scope state says so
+(CLIENT_GONE, read by service.api.observability: 499) and the callback it may have left there
+(ON_CLIENT_GONE: service.api.batching takes a waiting request out of the engine's line) is
+called: the app learns its client left without polling. uvicorn marks only the newest request
+of a connection (a pipelined one) as disconnected, not the one running; here the running one is.
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ import asyncio
 import sys
 from typing import Any
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from service.api.errors import error_json
 
@@ -31,8 +40,12 @@ _REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header 
 _HEAD_END = b"\r\n\r\n"
 # Set in a request's scope state when its body timed out (the app then sees the client gone).
 BODY_TIMED_OUT = "body_timed_out"
-# A scope key: the set of this server's requests in progress (see on_headers_complete).
-REQUESTS_IN_PROGRESS = "shortlist.requests_in_progress"
+# Set in a request's scope state when its connection was lost before its response was complete.
+CLIENT_GONE = "client_gone"
+# A request's scope state may hold a callback here, called once if CLIENT_GONE is set.
+ON_CLIENT_GONE = "on_client_gone"
+# A scope key: the request's connection (a GuardedHttpToolsProtocol; see on_headers_complete).
+CONNECTION = "shortlist.connection"
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
@@ -42,6 +55,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     header_timeout_s = 10.0
     max_header_bytes = 32_768
     body_timeout_s = 30.0
+    send_timeout_s = 30.0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -49,6 +63,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._reading_head = True
         self._tail = b""
         self._timer: asyncio.TimerHandle | None = None
+        self._send_timer: asyncio.TimerHandle | None = None
+        self._running: RequestResponseCycle | None = None  # the request whose app runs now
         if len(self.connections) > self.max_connections:
             self._refuse(503, "too_many_connections", f"the server holds {self.max_connections} connections")
             return
@@ -56,7 +72,43 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+        running, self._running = self._running, None
+        if running is not None and not running.response_complete:
+            running.disconnected = True  # its send() returns at once, writing nothing
+            state = running.scope["state"]
+            state[CLIENT_GONE] = True
+            client_gone = state.pop(ON_CLIENT_GONE, None)
+            if client_gone is not None:
+                client_gone()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._send_timer is None:
+            self._send_timer = self.loop.call_later(self.send_timeout_s, self._send_timed_out)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    def _send_timed_out(self) -> None:
+        """The client has read nothing of what waits for it for send_timeout_s: what it holds
+        (the unsent answer, the request waiting to write the next one, the requests pipelined
+        behind) is let go. abort(), not close(): asyncio's close() waits for the buffer to be sent."""
+        self._send_timer = None
+        self.transport.abort()
+
+    def abandon(self) -> None:
+        """Close the connection at once without answering its running request, whose app gives
+        up (cancelled at shutdown): uvicorn then neither answers nor logs it."""
+        if self._running is not None:
+            self._running.disconnected = True
+        self.transport.abort()
 
     def data_received(self, data: bytes) -> None:
         if self._reading_head and not self.transport.is_closing():
@@ -82,10 +134,19 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._reading_head = False
         self._disarm()
-        # The server's requests in progress (uvicorn's task per request, this one's included once
-        # it starts): the batcher computes a lone request at once (service.api.batching).
-        self.scope[REQUESTS_IN_PROGRESS] = self.tasks  # type: ignore[typeddict-unknown-key]
+        # The connection, for the app: its `tasks` are the server's requests in progress (uvicorn's
+        # task per request, this one's included once it starts), with which the batcher computes
+        # a lone request at once (service.api.batching); abandon() at shutdown.
+        self.scope[CONNECTION] = self  # type: ignore[typeddict-unknown-key]
+        previous = self.cycle
         super().on_headers_complete()
+        if previous is None or previous.response_complete:  # else pipelined: it starts in on_response_complete
+            self._running = self.cycle
+
+    def on_response_complete(self) -> None:
+        if self.pipeline and not self.transport.is_closing():
+            self._running = self.pipeline[-1][0]  # the pipelined request uvicorn starts now
+        super().on_response_complete()
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
@@ -142,10 +203,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
 
 def guarded_protocol(max_connections: int, header_timeout_s: float, max_header_bytes: int,
-                     body_timeout_s: float) -> type[HttpToolsProtocol]:
+                     body_timeout_s: float, send_timeout_s: float) -> type[HttpToolsProtocol]:
     """The protocol class with these limits (pass it as uvicorn.Config(http=...))."""
     limits = {"max_connections": max_connections, "header_timeout_s": header_timeout_s,
-              "max_header_bytes": max_header_bytes, "body_timeout_s": body_timeout_s}
+              "max_header_bytes": max_header_bytes, "body_timeout_s": body_timeout_s,
+              "send_timeout_s": send_timeout_s}
     return type("GuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,), limits)
 
 
@@ -153,7 +215,7 @@ def protocol_kwargs(settings: Any) -> dict[str, Any]:
     """uvicorn.Config keyword arguments for the running settings' HTTP limits."""
     return {
         "http": guarded_protocol(settings.max_connections, settings.header_timeout_s, settings.max_header_bytes,
-                                 settings.body_timeout_s),
+                                 settings.body_timeout_s, settings.send_timeout_s),
         "timeout_keep_alive": settings.keep_alive_timeout_s,
         "proxy_headers": bool(settings.forwarded_allow_ips),
         "forwarded_allow_ips": settings.forwarded_allow_ips or None,

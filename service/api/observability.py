@@ -6,6 +6,7 @@ sees every response, including those of unmatched routes and of crashes.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -25,7 +26,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api.errors import error_json
-from service.api.http_protocol import BODY_TIMED_OUT
+from service.api.http_protocol import BODY_TIMED_OUT, CLIENT_GONE, CONNECTION
 from service.api.processes import MULTIPROCESS_ENV, process_alive
 
 access_log = logging.getLogger("shortlist.access")
@@ -66,6 +67,9 @@ class ServiceMetrics:
         self.served_by: Callable[[], dict[int, str]] | None = None
         self.batch_size = Histogram("shortlist_engine_batch_size", "texts per engine call",
                                     ["scorer"], buckets=_BATCH_BUCKETS, registry=r)
+        self.shed = Counter("shortlist_requests_shed_total", "predictions refused 503 overloaded: the engine's "
+                            "line was full (queue_full) or the request waited too long in it (queue_wait)",
+                            ["reason"], registry=r)
         self.swaps = Counter("shortlist_bundle_swaps_total", "successful bundle activations", registry=r)
         self.failed_activations = Counter("shortlist_bundle_activation_failures_total",
                                           "activations refused", ["reason"], registry=r)
@@ -171,10 +175,11 @@ class ObservabilityMiddleware:
         try:
             await self.app(scope, receive, send_wrapper)
         except ClientDisconnect:
-            # The client left mid-request: nothing to answer and no server fault. Counted as
-            # 499 (nginx's "client closed request"), apart from the 5xx an operator alerts on;
-            # or the server closed it on a body that did not arrive in time (answered 408).
-            status = 408 if state.get(BODY_TIMED_OUT) else CLIENT_CLOSED
+            status = CLIENT_CLOSED  # while the body was read, or while the request waited for the engine
+        except asyncio.CancelledError:
+            status = 503
+            if not _abandoned(scope, request_id):
+                raise
         except Exception as exc:
             status = 500
             error_log.error(json.dumps({
@@ -189,6 +194,12 @@ class ObservabilityMiddleware:
                     (b"x-request-id", request_id.encode())]})
                 await send({"type": "http.response.body", "body": body})
         finally:
+            if status == CLIENT_CLOSED or state.get(CLIENT_GONE):
+                # The client left before its answer was sent (the protocol marks the request):
+                # nothing answered and no server fault. Counted as 499 (nginx's "client closed
+                # request"), apart from the 5xx an operator alerts on; or the server closed it
+                # on a body that did not arrive in time (answered 408).
+                status = 408 if state.get(BODY_TIMED_OUT) else CLIENT_CLOSED
             self.metrics.in_flight.dec()
             elapsed = time.perf_counter() - start
             route = _route_label(scope)
@@ -202,6 +213,19 @@ class ObservabilityMiddleware:
                     "latency_ms": round(elapsed * 1000.0, 3), "version": state.get("bundle_version"),
                 }
                 access_log.info(orjson.dumps(record).decode())
+
+
+def _abandoned(scope: Scope, request_id: str) -> bool:
+    """A request cancelled by uvicorn (at shutdown, once SHORTLIST_DRAIN_TIMEOUT_S is over): one
+    JSON line, and its connection closed unanswered, instead of uvicorn's traceback for each
+    (and its plain-text 500). False outside our HTTP protocol: the cancellation goes on up."""
+    connection = scope.get(CONNECTION)
+    if connection is None:
+        return False
+    error_log.error(json.dumps({"event": "request_cancelled", "request_id": request_id, "path": scope.get("path"),
+                                "message": "the server stopped before answering (the drain timeout at shutdown)"}))
+    connection.abandon()
+    return True
 
 
 def _request_id(scope: Scope) -> str:

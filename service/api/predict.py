@@ -13,9 +13,10 @@ from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import Response
 
+from service.api.batching import Overloaded
 from service.api.dependencies import lease_engine, service_state
 from service.api.errors import MAX_DETAILS, ApiError, invalid_many, shown
-from service.api.http_protocol import REQUESTS_IN_PROGRESS
+from service.api.http_protocol import CONNECTION
 from service.api.leases import Engine
 from service.api.request_body import StrictJsonRoute
 from service.api.schemas import EchoResponse, ErrorResponse, PredictResponse, RequestModels
@@ -29,7 +30,7 @@ def documented(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 
 # A valid body can still get: 413 (size), 415 (media type), 422 (an unknown exclude uid), 503
-# (no bundle yet); and 400 for a body that is not JSON.
+# (no bundle yet, or `overloaded`); and 400 for a body that is not JSON.
 PREDICT_ERRORS = documented(400, 413, 415, 422, 503)
 
 
@@ -97,13 +98,30 @@ async def _answer(request: Request, engine: Engine, scorer: str, req: Any, **par
     def fn(texts: list[str]) -> list[Any]:
         return named_rows(labels, *top(texts, k=k, exclude=[excluded] * len(texts) if excluded else None, **params))
 
-    if req.text is not None:
-        key = (engine, scorer, req.k, *params.values(), excluded)
-        alone = len(request.scope.get(REQUESTS_IN_PROGRESS, ())) == 1
-        results = [await service_state(request).runner.submit_one(key, scorer, fn, req.text, alone)]
-    else:
-        results = list(await service_state(request).runner.run_batch(scorer, fn, req.texts))
+    runner, state = service_state(request).runner, request.scope.get("state")
+    try:
+        if req.text is not None:
+            key = (engine, scorer, req.k, *params.values(), excluded)
+            connection = request.scope.get(CONNECTION)
+            alone = connection is not None and len(connection.tasks) == 1
+            results = [await runner.submit_one(key, scorer, fn, req.text, alone, state)]
+        else:
+            results = list(await runner.run_batch(scorer, fn, req.texts, state))
+    except Overloaded as exc:
+        raise _overloaded(request, exc) from None
     return json_response({"version": engine.version, "results": results})
+
+
+# Seconds a refused client is asked to wait: the line moves by engine calls (milliseconds to
+# a fraction of a second each), and a load balancer may send the retry elsewhere at once.
+OVERLOADED_RETRY_AFTER_S = 1
+
+
+def _overloaded(request: Request, exc: Overloaded) -> ApiError:
+    """The 503 for a prediction the engine's line refused (service.api.batching), counted by reason."""
+    service_state(request).metrics.shed.labels(exc.reason).inc()
+    return ApiError(503, "overloaded", f"{exc.message}; retry later",
+                    headers={"Retry-After": str(OVERLOADED_RETRY_AFTER_S)})
 
 
 async def answer_here(request: Request, scorer: str, req: Any, params: dict[str, Any]) -> Response:

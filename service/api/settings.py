@@ -88,6 +88,15 @@ class Settings(BaseSettings):
     batching: bool = True
     batch_max_size: int = Field(32, ge=1, le=4096)
     batch_max_wait_ms: float = Field(0.0, ge=0.0, le=1000.0)
+    # The line in front of each process's engine (service/api/batching.py): a prediction that would have to
+    # wait while max_queued_texts texts already wait, or that waited max_queue_wait_ms before its
+    # engine call could start, gets 503 `overloaded` with Retry-After, so a flood is refused at
+    # once instead of answered tens of seconds late. Texts, not requests: a 128-text batch costs
+    # ~128 single texts. Defaults far above normal load: 16 connections of 128-text batches (the
+    # benchmarks') queue at most 2,048 texts, and their longest wait on the heaviest route
+    # (tree, beam 256: 0.2 s a call) is ~1.5 s.
+    max_queued_texts: int = Field(4096, ge=1, le=10_000_000)
+    max_queue_wait_ms: float = Field(10_000.0, ge=1.0, le=3_600_000.0)
 
     # Writable directory for what must survive a restart (the bundle root may be read-only):
     # the active version, recorded at every activation and rollback and served after a
@@ -115,11 +124,14 @@ class Settings(BaseSettings):
     # headers) must arrive within header_timeout_s of its first byte (of the connection, for a
     # new one: a socket that never sends is closed) and within max_header_bytes (431 past it,
     # refused before it is buffered); a body must arrive within body_timeout_s of its head
-    # (408). Idle keep-alive connections close after keep_alive_timeout_s.
+    # (408). Idle keep-alive connections close after keep_alive_timeout_s. A client that reads
+    # nothing of an answer waiting to be sent (past the socket's buffer) for send_timeout_s is
+    # disconnected (499), with any requests it pipelined behind: it held the answer's memory.
     max_connections: int = Field(1000, ge=1, le=1_000_000)
     header_timeout_s: float = Field(10.0, gt=0.0, le=3600.0)
     max_header_bytes: int = Field(32_768, ge=1024, le=16_777_216)
     body_timeout_s: float = Field(30.0, gt=0.0, le=3600.0)
+    send_timeout_s: float = Field(30.0, gt=0.0, le=3600.0)
     keep_alive_timeout_s: float = Field(5.0, gt=0.0, le=3600.0)
     # Proxies whose X-Forwarded-For / X-Forwarded-Proto the service believes (comma-separated
     # addresses or networks, or "*"): the client address they give is the one the admin
@@ -253,6 +265,14 @@ class Settings(BaseSettings):
             raise CrossCheck(("max_normalized_chars", "max_text_chars"),
                              f"{{max_normalized_chars}}={self.max_normalized_chars} is below {{max_text_chars}}="
                              f"{self.max_text_chars}: ASCII texts the text limit takes would be refused")
+        return self
+
+    @model_validator(mode="after")
+    def _a_full_batch_can_wait(self) -> Settings:
+        if self.max_queued_texts < self.max_batch:
+            raise CrossCheck(("max_queued_texts", "max_batch"),
+                             f"{{max_queued_texts}}={self.max_queued_texts} is below {{max_batch}}={self.max_batch}: "
+                             "a batch the request limit takes could never wait for the engine")
         return self
 
     @property
