@@ -118,6 +118,47 @@ def test_connections_past_the_cap_get_503_and_the_others_keep_working(limited):
     assert httpx.get(f"{limited.url}/healthz").status_code == 200
 
 
+def _refusals(server) -> dict[str, float]:
+    text = httpx.get(f"{server.url}/metrics").text
+    return {line.split('reason="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("shortlist_http_connections_refused_total{")}
+
+
+def _refused_status(raw_request: bytes, server) -> int:
+    with _connect(server) as sock:
+        try:
+            sock.sendall(raw_request)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        return _status_and_body(_read_all(sock))[0]
+
+
+def test_what_the_limits_refuse_below_the_app_is_counted_and_logged(limited):
+    # Audit s15 A14: these never reach the app's middleware, so neither /metrics nor the access log had them.
+    before = _refusals(limited)
+    assert _refused_status(b"GET /healthz HTTP/1.1\r\nhost: x\r\ncontent-length: 1\r\n"
+                           b"transfer-encoding: chunked\r\n\r\n", limited) == 400
+    assert _refused_status(PREDICT_HEAD, limited) == 408  # the head never ends
+    assert _refused_status(b"GET /healthz HTTP/1.1\r\nx-pad: " + b"a" * 5000 + b"\r\n\r\n", limited) == 431
+    held = [_connect(limited) for _ in range(20)]
+    try:
+        time.sleep(0.1)
+        assert _refused_status(b"", limited) == 503
+    finally:
+        for sock in held:
+            sock.close()
+    time.sleep(0.2)
+    after = _refusals(limited)
+    for reason in ("malformed", "header_timeout", "header_too_large", "max_connections"):
+        assert after.get(reason, 0) >= before.get(reason, 0) + 1, (reason, before, after)
+    lines = [json.loads(line) for line in limited.log().splitlines() if '"connection_refused"' in line]
+    assert {(r["status"], r["reason"]) for r in lines} >= {(400, "malformed"), (408, "header_timeout"),
+                                                        (431, "header_too_large"), (503, "max_connections")}
+    assert all(r["client"] == "127.0.0.1" for r in lines)
+    metrics = httpx.get(f"{limited.url}/metrics").text
+    assert any(line.startswith("shortlist_http_connections_open ") for line in metrics.splitlines())
+
+
 @pytest.mark.parametrize("extra", [-1, 0, 1, 100, 10**8])
 def test_a_head_past_max_header_bytes_gets_431_without_being_read(limited, extra):
     # A request head of exactly 4096 + extra bytes (request line, headers, blank line).

@@ -23,14 +23,24 @@ When a connection is lost while a request is in progress, the request's scope st
 (ON_CLIENT_GONE: service.api.batching takes a waiting request out of the engine's line) is
 called: the app learns its client left without polling. uvicorn marks only the newest request
 of a connection (a pipelined one) as disconnected, not the one running; here the running one is.
+
+What is refused here never reaches the app's middleware: it is counted here
+(`shortlist_http_connections_refused_total{reason}`, with `shortlist_http_connections_open`) and
+written to the access log as a `connection_refused` line, at most REFUSAL_LINES_PER_S a second
+(a flood of refused connections must not become a flood of log lines; the next line says how many
+were left out).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
+import time
 from typing import Any
 
+import orjson
+from prometheus_client import Counter, Gauge
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from service.api.errors import error_json
@@ -47,6 +57,16 @@ ON_CLIENT_GONE = "on_client_gone"
 # A scope key: the request's connection (a GuardedHttpToolsProtocol; see on_headers_complete).
 CONNECTION = "shortlist.connection"
 
+# Process-wide (one per process, whatever its servers): service.api.observability registers them
+# in each app's registry; with several processes their values files are summed as the others are.
+CONNECTIONS_REFUSED = Counter("shortlist_http_connections_refused_total",
+                              "connections answered and closed by the HTTP limits before a request reached "
+                              "the app", ["reason"], registry=None)
+CONNECTIONS_OPEN = Gauge("shortlist_http_connections_open", "open HTTP connections", registry=None,
+                         multiprocess_mode="livesum")
+REFUSAL_LINES_PER_S = 10
+_access_log = logging.getLogger("shortlist.access")
+
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with the limits above (a subclass per server sets them)."""
@@ -56,6 +76,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     max_header_bytes = 32_768
     body_timeout_s = 30.0
     send_timeout_s = 30.0
+    log_refusals = True  # not `access_log`: uvicorn's protocol sets that for its own log (off here)
+    _log_second, _log_lines, _log_left_out = 0, 0, 0  # this process's refusal lines in the current second
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -65,12 +87,15 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._timer: asyncio.TimerHandle | None = None
         self._send_timer: asyncio.TimerHandle | None = None
         self._running: RequestResponseCycle | None = None  # the request whose app runs now
+        CONNECTIONS_OPEN.inc()
         if len(self.connections) > self.max_connections:
-            self._refuse(503, "too_many_connections", f"the server holds {self.max_connections} connections")
+            self._refuse(503, "too_many_connections", f"the server holds {self.max_connections} connections",
+                         reason="max_connections")
             return
         self._timer = self.loop.call_later(self.header_timeout_s, self._head_timed_out)  # a first request
 
     def connection_lost(self, exc: Exception | None) -> None:
+        CONNECTIONS_OPEN.dec()
         self._disarm()
         if self._send_timer is not None:
             self._send_timer.cancel()
@@ -117,7 +142,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._head_bytes += len(data) if end < 0 else end + len(_HEAD_END) - len(tail)
             if self._head_bytes > self.max_header_bytes:
                 self._refuse(431, "headers_too_large",
-                             f"the request line and headers exceed {self.max_header_bytes} bytes")
+                             f"the request line and headers exceed {self.max_header_bytes} bytes",
+                             reason="header_too_large")
                 return
             self._tail = (tail + data)[-(len(_HEAD_END) - 1):] if end < 0 else b""
         if self.transport.is_closing():
@@ -163,7 +189,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self.transport.is_closing():
             return
         if self._head_bytes:
-            self._refuse(408, "request_timeout", f"the request head did not arrive within {self.header_timeout_s:g} s")
+            self._refuse(408, "request_timeout", f"the request head did not arrive within {self.header_timeout_s:g} s",
+                         reason="header_timeout")
         else:
             self.transport.close()  # never sent anything: nothing to answer
 
@@ -180,7 +207,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         state = self.scope.get("state", {})
         state[BODY_TIMED_OUT] = True
         self._refuse(408, "request_timeout", f"the body did not arrive within {self.body_timeout_s:g} s",
-                     state.get("request_id"))
+                     state.get("request_id"), reason="body_timeout")
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn calls this from the `except httptools.HttpParserError` of data_received: the
@@ -188,11 +215,16 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         Content-Length", "Invalid character in chunk size")."""
         exc = sys.exc_info()[1]
         reason = str(exc) if exc is not None and str(exc) else msg
-        self._refuse(400, "malformed_http", f"the request is not valid HTTP/1.1: {reason}")
+        self._refuse(400, "malformed_http", f"the request is not valid HTTP/1.1: {reason}", reason="malformed")
 
-    def _refuse(self, status: int, code: str, message: str, request_id: str | None = None) -> None:
-        """Answer with the one error body and close, whatever the parser was in the middle of."""
+    def _refuse(self, status: int, code: str, message: str, request_id: str | None = None, *,
+                reason: str) -> None:
+        """Answer with the one error body and close, whatever the parser was in the middle of;
+        counted by `reason`, and logged unless the app logs it (a body timeout's request is the app's)."""
         self._disarm()
+        CONNECTIONS_REFUSED.labels(reason).inc()
+        if self.log_refusals and reason != "body_timeout":
+            self._log_refusal(status, code, reason)
         body = error_json(code, message, [], request_id)
         head = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS[status]),
                 *(name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers),
@@ -200,14 +232,28 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self.transport.write(b"".join(head) + body)
         self.transport.close()
 
+    def _log_refusal(self, status: int, code: str, reason: str) -> None:
+        cls, second = type(self), int(time.monotonic())
+        if second != cls._log_second:
+            cls._log_second, cls._log_lines = second, 0
+        if cls._log_lines >= REFUSAL_LINES_PER_S:
+            cls._log_left_out += 1
+            return
+        cls._log_lines += 1
+        peer = self.client
+        record = {"ts": time.time(), "event": "connection_refused", "status": status, "error": code, "reason": reason,
+                  "client": peer[0] if peer else None, "left_out_before": cls._log_left_out}
+        cls._log_left_out = 0
+        _access_log.info(orjson.dumps(record).decode())
+
 
 
 def guarded_protocol(max_connections: int, header_timeout_s: float, max_header_bytes: int,
-                     body_timeout_s: float, send_timeout_s: float) -> type[HttpToolsProtocol]:
+                     body_timeout_s: float, send_timeout_s: float, access_log: bool = True) -> type[HttpToolsProtocol]:
     """The protocol class with these limits (pass it as uvicorn.Config(http=...))."""
     limits = {"max_connections": max_connections, "header_timeout_s": header_timeout_s,
               "max_header_bytes": max_header_bytes, "body_timeout_s": body_timeout_s,
-              "send_timeout_s": send_timeout_s}
+              "send_timeout_s": send_timeout_s, "log_refusals": access_log}
     return type("GuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,), limits)
 
 
@@ -215,7 +261,7 @@ def protocol_kwargs(settings: Any) -> dict[str, Any]:
     """uvicorn.Config keyword arguments for the running settings' HTTP limits."""
     return {
         "http": guarded_protocol(settings.max_connections, settings.header_timeout_s, settings.max_header_bytes,
-                                 settings.body_timeout_s, settings.send_timeout_s),
+                                 settings.body_timeout_s, settings.send_timeout_s, settings.access_log),
         "timeout_keep_alive": settings.keep_alive_timeout_s,
         "proxy_headers": bool(settings.forwarded_allow_ips),
         "forwarded_allow_ips": settings.forwarded_allow_ips or None,
