@@ -49,6 +49,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle
 from ray.serve.schema import ApplicationStatus
 from starlette.requests import Request
@@ -97,6 +98,11 @@ _POLL_S = 0.25
 # deployments, user code and the handles' router on each replica's event loop. bench/shards.py
 # measures it against Ray's defaults (bench/RESULTS.md); `shortlist serve-ray` starts its local Ray
 # instance with these unless the environment sets them (0 turns each off).
+# A shard call that failed in transport (the replica died under it, or Serve has none to route it
+# to): retried, then a 503. Over gRPC (the low-latency layout) a replica that dies after accepting
+# a call surfaces as the RPC's error or Serve's RuntimeError("Unexpected error (UNAVAILABLE) ...").
+SHARD_CALL_FAILURES = (RayActorError, grpc.aio.AioRpcError, RuntimeError, ReplicaUnavailableError,
+                       DeploymentUnavailableError, BackPressureError)
 LOW_LATENCY_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
 
 
@@ -152,6 +158,9 @@ class ShardReplica:
     def pid(self) -> int:
         return os.getpid()
 
+    def ping(self) -> None:
+        """Answers when a replica can take a call (service.api.app's /readyz)."""
+
     def predict(self, queries: Any, k: int, alpha: float | None, exclude: list[str],
                 head: np.ndarray | None) -> ShardAnswer:
         return self.shard.predict(queries, k, alpha, exclude, head)
@@ -162,7 +171,7 @@ class ShardedEngine(Leased):
     parent's token rows (for the head's fallback rule)."""
 
     def __init__(self, version: str, encoder: QueryEncoder, handles: list[DeploymentHandle], apps: list[str],
-                 parent: ShardOf, token_rows: np.ndarray | None, retries: int) -> None:
+                 parent: ShardOf, token_rows: np.ndarray | None, retries: int, timeout_s: float) -> None:
         super().__init__()
         self._version = version
         self.encoder = encoder
@@ -171,6 +180,7 @@ class ShardedEngine(Leased):
         self.parent = parent
         self.token_rows = token_rows
         self.retries = retries
+        self.timeout_s = timeout_s
 
     @property
     def version(self) -> str:
@@ -182,10 +192,7 @@ class ShardedEngine(Leased):
                 return await handle.predict.remote(*args)
             except RayTaskError:  # the shard's own code raised: not a transport failure
                 raise
-            # The replica died under the call: Serve routes the retry elsewhere. Over gRPC (the
-            # low-latency layout) a replica that dies after accepting a call surfaces as the RPC's
-            # error or Serve's RuntimeError("Unexpected error (UNAVAILABLE) ...").
-            except (RayActorError, grpc.aio.AioRpcError, RuntimeError) as exc:
+            except SHARD_CALL_FAILURES as exc:  # the replica died under the call: Serve routes the retry elsewhere
                 if attempt >= self.retries:
                     raise
                 log.warning("shard call failed (%s), retrying", type(exc).__name__)
@@ -195,12 +202,37 @@ class ShardedEngine(Leased):
         queries = self.encoder(req.all_texts)
         head = head_rows(self.token_rows, queries.tokens)
         exclude = list(req.exclude or ())
-        answers = await asyncio.gather(*(self._ask(h, queries, req.k, alpha, exclude, head) for h in self.handles))
+        calls = asyncio.gather(*(self._ask(h, queries, req.k, alpha, exclude, head) for h in self.handles))
+        try:
+            answers = await asyncio.wait_for(calls, self.timeout_s)
+        except TimeoutError:
+            raise self._unavailable(f"not every shard answered within {self.timeout_s:g} s "
+                                    "(SHORTLIST_SHARD_TIMEOUT_S)") from None
+        except SHARD_CALL_FAILURES as exc:  # its retries spent
+            raise self._unavailable(f"a shard call failed {self.retries + 1} times: {type(exc).__name__}") from exc
         missing = unknown_excluded(exclude, answers)
         if missing:
             raise unknown_excluded_uids(exclude, missing, self.version)
         results = merge_answers(answers, req.k)
         return json_response({"version": self.version, "results": [label_rows(r) for r in results]})
+
+    async def unavailable_shard(self) -> str | None:
+        """Why a shard cannot answer now (None: every shard answers a call within the shard
+        timeout). Serve holds a call to a shard with no live replica until it has a new one."""
+        try:
+            await asyncio.wait_for(asyncio.gather(*(h.ping.remote() for h in self.handles)), self.timeout_s)
+        except TimeoutError:
+            return f"not every shard answered within {self.timeout_s:g} s (SHORTLIST_SHARD_TIMEOUT_S)"
+        except SHARD_CALL_FAILURES as exc:
+            return f"a shard call failed: {type(exc).__name__}"
+        return None
+
+    def _unavailable(self, why: str) -> ApiError:
+        # Serve replaces a dead shard replica in ~10 s; a client (or a load balancer) retries
+        # rather than waits: the wait is bounded, the answer says when to come back.
+        log.warning("shard unavailable: %s", why)
+        return ApiError(503, "shard_unavailable", f"a shard of {self.version} is unavailable: {why}; retry later",
+                        headers={"Retry-After": str(math.ceil(self.timeout_s))})
 
 
 async def answer_sharded(request: Request, scorer: str, req: Any, params: dict[str, Any]) -> Response:
@@ -210,6 +242,12 @@ async def answer_sharded(request: Request, scorer: str, req: Any, params: dict[s
                        "use /v1/predict")
     with lease_engine(request) as engine:
         return await engine.answer(req, params.get("alpha"))
+
+
+async def shards_readiness(state: ServiceState) -> str | None:
+    """service.api.app.Readiness of the sharded service: /readyz 503 while a shard cannot answer."""
+    with state.registry.lease() as engine:
+        return await engine.unavailable_shard()  # type: ignore[attr-defined]  # a ShardedEngine here
 
 
 class ShardedRegistry:
@@ -382,7 +420,8 @@ class ShardedRegistry:
             if isinstance(exc, ActivationFailed):
                 raise
             raise ActivationFailed(f"{version}: {type(exc).__name__}: {exc}") from exc
-        return ShardedEngine(version, encoder, handles, apps, parent, token_rows, layout.shard_retries)
+        return ShardedEngine(version, encoder, handles, apps, parent, token_rows, layout.shard_retries,
+                             self.settings.shard_timeout_s)
 
     def _call_all(self, handles: list[DeploymentHandle], method: str,
                   args: list[tuple[Any, ...]] | None = None) -> list[Any]:
@@ -497,7 +536,7 @@ class ShardedIngress:
             registry.in_loader(registry.delete_stale, stale)
 
     def __serve_build_asgi_app__(self) -> Any:
-        return create_app(self.settings, state=self.state, answer=answer_sharded)
+        return create_app(self.settings, state=self.state, answer=answer_sharded, readiness=shards_readiness)
 
     def __del__(self) -> None:
         self.registry.close()
