@@ -589,10 +589,16 @@ def haproxy_front(settings: Settings, runtime_dir: Path) -> dict[str, str]:
             "RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S": str(math.ceil(settings.body_timeout_s))}
 
 
-def _serve_until(stop: threading.Event, layout: RayServing, settings: Settings) -> None:
-    """The application on the connected Ray, HTTP on the settings' host and port, until `stop`."""
+def _serve_until_stopped(layout: RayServing, settings: Settings) -> None:
+    """The application on the connected Ray, HTTP on the settings' host and port, until SIGINT
+    or SIGTERM (handled from here on: ray.init installs a SIGTERM handler of its own that exits)."""
+    import signal
+
     import ray
 
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": settings.host, "port": settings.port,
                                   "keep_alive_timeout_s": math.ceil(settings.keep_alive_timeout_s)})
@@ -607,8 +613,6 @@ def _serve_until(stop: threading.Event, layout: RayServing, settings: Settings) 
 def run_cli(args: Any) -> int:
     """`shortlist serve-ray`: the application on a local Ray instance (or the cluster at --address),
     HTTP on --host:--port, until interrupted; then Serve and the local instance are shut down."""
-    import signal
-
     import ray
 
     fields = {"bundle_root": args.bundle_root, "shards": args.shards, "replicas": args.replicas,
@@ -631,12 +635,9 @@ def run_cli(args: Any) -> int:
     if runtime_dir is not None:
         os.environ.update(haproxy_front(settings, runtime_dir))
     local = {} if args.address else {"num_cpus": args.num_cpus, "include_dashboard": False}
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     try:
         ray.init(address=args.address, **local)
-        _serve_until(stop, layout, settings)
+        _serve_until_stopped(layout, settings)
     finally:
         if runtime_dir is not None:
             shutil.rmtree(runtime_dir, ignore_errors=True)
