@@ -569,13 +569,17 @@ def haproxy_front(settings: Settings, runtime_dir: Path) -> dict[str, str]:
 
     # HAProxy refuses a socket path past 97 bytes; Ray puts its sockets in a directory named by
     # the node's id (56 characters) under runtime_dir.
-    if len(str(runtime_dir)) + len("/") + 56 + len("/metrics.sock") > HAPROXY_MAX_SOCKET_PATH:
-        raise ValueError(f"{runtime_dir}: too long a path for HAProxy's sockets under it "
-                         f"(at most {HAPROXY_MAX_SOCKET_PATH - 70} characters; TMPDIR sets where it is)")
+    longest_under = len("/") + 56 + len("/metrics.sock")
+    if len(str(runtime_dir)) + longest_under > HAPROXY_MAX_SOCKET_PATH:
+        raise ValueError(f"{runtime_dir}: too long a path for HAProxy's sockets under it (at most "
+                         f"{HAPROXY_MAX_SOCKET_PATH - longest_under} characters; TMPDIR sets where it is)")
+    directives = [f"timeout http-request {math.ceil(settings.header_timeout_s * 1000)}ms",
+                  # a connection closed before it sent a byte is closed silently, as `serve` does
+                  "option http-ignore-probes"]
     script = runtime_dir / "haproxy"
     command = [sys.executable, "-I", "-S", str(Path(__file__).with_name("ray_front.py")),
                "--haproxy", get_haproxy_binary(),  # an operator's RAY_SERVE_HAPROXY_BINARY_PATH first
-               "--http-request-timeout-ms", str(math.ceil(settings.header_timeout_s * 1000)), "--"]
+               *(f"--directive={d}" for d in directives), "--"]
     script.write_text(f"#!/bin/sh\nexec {shlex.join(command)} \"$@\"\n")
     script.chmod(0o700)
     return {"RAY_SERVE_HAPROXY_BINARY_PATH": str(script),

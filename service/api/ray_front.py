@@ -9,9 +9,10 @@ runs is the binary (RAY_SERVE_HAPROXY_BINARY_PATH): `serve-ray` points it at a s
 this file, which rewrites the configuration Ray just wrote (under Ray's own lock on it) and then
 execs the real HAProxy with Ray's arguments, so Ray supervises, reloads and stops it as before.
 The rewrite drops those two sections (Ray reads HAProxy's state through its admin socket, not
-through them), adds `timeout http-request` (a request head's deadline, which Ray leaves unset),
-and refuses to start HAProxy (exit 1, the reason on stderr, in Ray's HAProxy logs) if any `bind`
-line left listens elsewhere than the service's own front: a template that changed is a refusal,
+through them), puts serve-ray's directives in the `defaults` section (a request head's deadline,
+which Ray leaves unset; a connection closed silently if it never sent a byte), and refuses to start
+HAProxy (exit 1, the reason on stderr, in Ray's HAProxy logs) if any `bind` line left listens
+elsewhere than the service's own front: a template that changed is a refusal,
 not a listener nobody asked for.
 
 Run as a script (`python -I -S ray_front.py`), before Ray has imported anything: the standard
@@ -61,8 +62,9 @@ def _bind_addresses(group: list[str]) -> list[str]:
     return out
 
 
-def amend(text: str, http_request_timeout_ms: int) -> str:
-    """Ray's haproxy.cfg without its stats page and exporter, with a deadline on request heads;
+def amend(text: str, directives: list[str]) -> str:
+    """Ray's haproxy.cfg without its stats page and exporter, with `directives` in its defaults
+    (each in place of Ray's with the same first two words, e.g. `timeout http-request`);
     FrontConfigError if a listener would be left on another address than the service's front."""
     groups = [g for g in _sections(text) if _header(g) not in UNWANTED_SECTIONS]
     fronts = [g for g in groups if _header(g) == FRONT_SECTION]
@@ -78,17 +80,18 @@ def amend(text: str, http_request_timeout_ms: int) -> str:
     if len(defaults) != 1:
         raise FrontConfigError("expected one `defaults` section")
     section = defaults[0]
-    section[1:] = [line for line in section[1:] if line.split()[:2] != ["timeout", "http-request"]]
-    section.insert(1, f"    timeout http-request {http_request_timeout_ms}ms")
+    replaced = {tuple(d.split()[:2]) for d in directives}
+    section[1:] = [f"    {d}" for d in directives] + [
+        line for line in section[1:] if tuple(line.split()[:2]) not in replaced]
     return "\n".join(line for group in groups for line in group) + "\n"
 
 
-def rewrite(config_path: str, http_request_timeout_ms: int) -> None:
+def rewrite(config_path: str, directives: list[str]) -> None:
     """Amend the file in place, under the lock Ray holds while it writes it."""
     with open(config_path + ".lock", "w") as lock:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
         with open(config_path) as f:
-            text = amend(f.read(), http_request_timeout_ms)
+            text = amend(f.read(), directives)
         tmp = f"{config_path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
             f.write(text)
@@ -98,13 +101,13 @@ def rewrite(config_path: str, http_request_timeout_ms: int) -> None:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--haproxy", required=True, help="the real HAProxy binary")
-    parser.add_argument("--http-request-timeout-ms", type=int, required=True)
+    parser.add_argument("--directive", action="append", default=[], help="one for the defaults section")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="-- then HAProxy's arguments, as Ray gives them")
     ns = parser.parse_args(argv)
     args = ns.args[1:] if ns.args[:1] == ["--"] else ns.args
     if "-f" in args[:-1]:
         try:
-            rewrite(args[args.index("-f") + 1], ns.http_request_timeout_ms)
+            rewrite(args[args.index("-f") + 1], ns.directive)
         except (OSError, FrontConfigError) as exc:
             print(f"shortlist serve-ray: HAProxy not started: {exc}", file=sys.stderr)
             return 1
