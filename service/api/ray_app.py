@@ -205,7 +205,7 @@ class ShardedEngine(Leased):
         exclude = list(req.exclude or ())
         calls = asyncio.gather(*(self._ask(h, queries, req.k, alpha, exclude, head) for h in self.handles))
         try:
-            answers = await asyncio.wait_for(calls, self.timeout_s)
+            answers = await _within(calls, self.timeout_s)
         except TimeoutError:
             raise self._unavailable(f"not every shard answered within {self.timeout_s:g} s "
                                     "(SHORTLIST_SHARD_TIMEOUT_S)") from None
@@ -221,7 +221,7 @@ class ShardedEngine(Leased):
         """Why a shard cannot answer now (None: every shard answers a call within the shard
         timeout). Serve holds a call to a shard with no live replica until it has a new one."""
         try:
-            await asyncio.wait_for(asyncio.gather(*(h.ping.remote() for h in self.handles)), self.timeout_s)
+            await _within(asyncio.gather(*(h.ping.remote() for h in self.handles)), self.timeout_s)
         except TimeoutError:
             return f"not every shard answered within {self.timeout_s:g} s (SHORTLIST_SHARD_TIMEOUT_S)"
         except SHARD_CALL_FAILURES as exc:
@@ -243,6 +243,18 @@ async def answer_sharded(request: Request, scorer: str, req: Any, params: dict[s
                        "use /v1/predict")
     with lease_engine(request) as engine:
         return await engine.answer(req, params.get("alpha"))
+
+
+async def _within(calls: asyncio.Future[Any], timeout_s: float) -> Any:
+    """The result of `calls`, or TimeoutError once `timeout_s` has passed. Unlike asyncio.wait_for,
+    it does not wait for the cancelled calls to end: the deadline does not depend on how soon
+    Serve's router gives up a call it holds for a replica."""
+    done, _ = await asyncio.wait({calls}, timeout=timeout_s)
+    if not done:
+        calls.cancel()
+        calls.add_done_callback(lambda f: f.cancelled() or f.exception())  # its outcome retrieved, unlogged
+        raise TimeoutError
+    return calls.result()
 
 
 async def shards_readiness(state: ServiceState) -> str | None:
