@@ -34,7 +34,7 @@ from sharding_helpers import assert_same_answers, held_out, p_at_5, rescored_cop
 from model_export.shard import shard_bundle  # noqa: E402
 from service.api.ray_app import LOW_LATENCY_ENV, build_app, haproxy_front  # noqa: E402
 from service.api.ray_front import FrontConfigError, amend  # noqa: E402
-from service.api.settings import load_settings  # noqa: E402
+from service.api.settings import SettingsError, load_settings  # noqa: E402
 from service.engine import Predictor  # noqa: E402
 from shortlist.testing import free_port  # noqa: E402
 
@@ -148,7 +148,7 @@ def service(bundle_root: Path, synthetic_data: Path, tmp_path_factory: pytest.Te
            **LOW_LATENCY_ENV}  # what `shortlist serve-ray` runs on
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)  # Ray's processes, started below, inherit them
-    front_dir = Path(tempfile.mkdtemp(prefix="sl-ray-"))  # as serve-ray's: HAProxy's socket paths are short
+    front_dir = Path(tempfile.mkdtemp(prefix="sl-ray-", dir="/tmp"))  # short, as serve-ray's: HAProxy's socket paths
     front_env = haproxy_front(load_settings(), front_dir)
     saved.update({name: os.environ.get(name) for name in front_env})
     os.environ.update(front_env)
@@ -390,6 +390,31 @@ def test_the_front_rewrite_leaves_only_the_service_listener(tmp_path: Path):
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 0 and run.stdout.split() == ["-db", "-f", str(config)]  # HAProxy's arguments, as Ray's
     assert config.read_text() == amended
+
+
+def test_the_front_settings_at_and_past_their_edges(monkeypatch: pytest.MonkeyPatch):
+    """SHORTLIST_SHARD_TIMEOUT_S: (0, 600] s. The front's directory: HAProxy takes socket paths of at
+    most 97 bytes, and Ray puts them 70 characters deep (node id, metrics.sock) under it."""
+    for value, ok in (("0", False), ("0.001", True), ("600", True), ("600.5", False)):
+        monkeypatch.setenv("SHORTLIST_SHARD_TIMEOUT_S", value)
+        if ok:
+            assert load_settings().shard_timeout_s == float(value)
+        else:
+            with pytest.raises(SettingsError, match="SHORTLIST_SHARD_TIMEOUT_S"):
+                load_settings()
+    monkeypatch.delenv("SHORTLIST_SHARD_TIMEOUT_S")
+    base = Path(tempfile.mkdtemp(prefix="sl-", dir="/tmp"))
+    try:
+        at_edge = base / ("d" * (27 - len(str(base)) - 1))
+        past = Path(f"{at_edge}e")
+        for d in (at_edge, past):
+            d.mkdir()
+        assert len(str(at_edge)) == 27
+        assert haproxy_front(load_settings(), at_edge)["RAY_SERVE_HAPROXY_SOCKET_PATH"] == f"{at_edge}/admin.sock"
+        with pytest.raises(ValueError, match="at most 27 characters"):
+            haproxy_front(load_settings(), past)
+    finally:
+        shutil.rmtree(base)
 
 
 def _read_all(conn: socket.socket) -> bytes:
