@@ -7,7 +7,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -26,7 +32,9 @@ from ray import serve  # noqa: E402
 from sharding_helpers import assert_same_answers, held_out, p_at_5, rescored_copy  # noqa: E402
 
 from model_export.shard import shard_bundle  # noqa: E402
-from service.api.ray_app import LOW_LATENCY_ENV, build_app  # noqa: E402
+from service.api.ray_app import LOW_LATENCY_ENV, build_app, haproxy_front  # noqa: E402
+from service.api.ray_front import FrontConfigError, amend  # noqa: E402
+from service.api.settings import SettingsError, load_settings  # noqa: E402
 from service.engine import Predictor  # noqa: E402
 from shortlist.testing import free_port  # noqa: E402
 
@@ -50,6 +58,8 @@ def call(url: str, body: dict[str, Any] | None = None, token: str | None = None)
 @dataclass
 class Service:
     url: str
+    front_dir: Path  # serve-ray's HAProxy files (service.api.ray_app.haproxy_front)
+    unwanted_ports: tuple[int, int]  # where Ray's template binds HAProxy's stats page and exporter
     root: Path
     parents: dict[str, Path]
     texts: list[str]
@@ -132,9 +142,16 @@ def service(bundle_root: Path, synthetic_data: Path, tmp_path_factory: pytest.Te
            # Serve kills a proxy whose readiness check misses 5 s three times: a proxy starting
            # HAProxy on 2 cores busy with other work can take longer than that.
            "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30",
+           # Free ports, not 8404 and 9101: another Ray Serve on this machine may hold those.
+           "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()), "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
+           "SHORTLIST_HEADER_TIMEOUT_S": "2", "SHORTLIST_SHARD_TIMEOUT_S": "5",
            **LOW_LATENCY_ENV}  # what `shortlist serve-ray` runs on
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)  # Ray's processes, started below, inherit them
+    front_dir = Path(tempfile.mkdtemp(prefix="sl-ray-", dir="/tmp"))  # short, as serve-ray's: HAProxy's socket paths
+    front_env = haproxy_front(load_settings(), front_dir)
+    saved.update({name: os.environ.get(name) for name in front_env})
+    os.environ.update(front_env)
     try:
         ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20, log_to_driver=False,
                  configure_logging=False)
@@ -144,10 +161,12 @@ def service(bundle_root: Path, synthetic_data: Path, tmp_path_factory: pytest.Te
                   name="shortlist", route_prefix="/")
         texts, truths = held_out(synthetic_data)
         parents = {"full": full, "v1": bundle_root / "v1", "v2": bundle_root / "v2"}
-        yield Service(f"http://127.0.0.1:{port}", root, parents, texts, truths)
+        unwanted = (int(env["RAY_SERVE_HAPROXY_STATS_PORT"]), int(env["RAY_SERVE_HAPROXY_METRICS_PORT"]))
+        yield Service(f"http://127.0.0.1:{port}", front_dir, unwanted, root, parents, texts, truths)
     finally:
         serve.shutdown()
         ray.shutdown()
+        shutil.rmtree(front_dir, ignore_errors=True)
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)
@@ -287,6 +306,181 @@ def _wait(condition: Any, what: str, timeout: float = 120.0) -> None:
             return
         time.sleep(0.25)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_the_front_listens_only_where_asked_and_closes_a_silent_connection(service: Service):
+    """serve-ray's HAProxy (service.api.ray_front): Ray's stats page and Prometheus exporter are
+    off, its one listener is on the host asked for (127.0.0.1: nothing on this machine's other
+    address), its files and admin socket in a private directory; a connection that sends nothing
+    is closed after SHORTLIST_HEADER_TIMEOUT_S (2 s here), not Ray's hour, silently as `serve`
+    closes it, and a request head not complete by then is a 408 (HAProxy's page)."""
+    port = int(service.url.rsplit(":", 1)[1])
+    pids = _haproxy_pids(service.front_dir)
+    assert pids and _listening(pids) == {("127.0.0.1", port)}
+    refused = [("127.0.0.1", unwanted) for unwanted in service.unwanted_ports]
+    other = ray.util.get_node_ip_address()  # this machine's address on its network, if it has one
+    if other != "127.0.0.1":
+        refused += [(other, unwanted) for unwanted in (port, *service.unwanted_ports)]
+    for address in refused:
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(address, timeout=5).close()
+    assert stat.S_IMODE(service.front_dir.stat().st_mode) == 0o700
+    assert list(service.front_dir.glob("*/admin.sock"))
+    answers = []
+    for sent in (b"", b"POST /v1/predict HTTP/1.1\r\nhost: x\r\n"):
+        with socket.create_connection(("127.0.0.1", port)) as conn:
+            conn.sendall(sent)
+            conn.settimeout(1.0)
+            with pytest.raises(TimeoutError):  # open 1 s in
+                conn.recv(100)
+            conn.settimeout(10.0)
+            answers.append(_read_all(conn))  # closed at 2 s
+    assert answers[0] == b""
+    assert answers[1].startswith(b"HTTP/1.1 408"), answers[1]
+
+
+def test_a_hung_shard_is_a_503_within_the_shard_timeout_and_readyz_says_so(service: Service):
+    """Both replicas of a shard stopped (SIGSTOP: Serve still routes to them): a prediction is
+    answered 503 shard_unavailable with Retry-After after SHORTLIST_SHARD_TIMEOUT_S (5 s here),
+    not held until the shard answers; /readyz is 503 naming why; both 200 once it answers again."""
+    version = call(f"{service.url}/readyz")[1]["version"]
+    handle = serve.get_deployment_handle("shard", app_name=_shard_apps(version)[0])
+    pids: set[int] = set()
+    _wait(lambda: len(_sample_pids(handle, pids)) == 2, "both replicas answering")
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        status, headers, error = _predict_with_headers(service.url, "network monitor")
+        took = time.monotonic() - started
+        ready = call(f"{service.url}/readyz")
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+    assert (status, error["error"]) == (503, "shard_unavailable"), error
+    assert "SHORTLIST_SHARD_TIMEOUT_S" in error["message"] and headers["retry-after"] == "5"
+    assert 5.0 <= took < 10.0, took
+    assert ready[0] == 503 and "SHORTLIST_SHARD_TIMEOUT_S" in ready[1]["reason"], ready
+    _wait(lambda: _predict_with_headers(service.url, "network monitor")[0] == 200, "the shard answering again")
+    assert call(f"{service.url}/readyz") == (200, {"status": "ready", "version": version})
+
+
+def test_the_front_rewrite_leaves_only_the_service_listener(tmp_path: Path):
+    """service.api.ray_front on the configuration Ray 2.60 renders (its own template): the stats
+    page and exporter, on every interface there, are gone; a request head gets a deadline; a
+    configuration that would listen anywhere else is refused, and HAProxy is then not started."""
+    ray_cfg = _ray_haproxy_config(tmp_path, "127.0.0.1", 8123)
+    assert "bind :9101" in ray_cfg and "bind *:8404" in ray_cfg
+    amended = amend(ray_cfg, ["timeout http-request 2500ms"])
+    binds = [line.split()[1] for line in amended.splitlines() if line.split()[:1] == ["bind"]]
+    assert binds == ["127.0.0.1:8123"] and "    timeout http-request 2500ms" in amended.splitlines()
+    assert amend(amended, ["timeout http-request 2500ms"]) == amended
+    with pytest.raises(FrontConfigError, match="0.0.0.0"):
+        amend(amended + "frontend extra\n    bind 0.0.0.0:7000\n", [])
+    config = tmp_path / "haproxy.cfg"
+    config.write_text(ray_cfg + "listen other\n  bind *:7001\n")
+    front = Path(__file__).parents[1] / "service" / "api" / "ray_front.py"
+    run = subprocess.run([sys.executable, "-I", "-S", str(front), "--haproxy", "/bin/echo",
+                          "--directive=timeout http-request 2500ms", "--", "-db", "-f", str(config)],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1 and "HAProxy not started" in run.stderr and run.stdout == ""
+    config.write_text(ray_cfg)
+    run = subprocess.run([sys.executable, "-I", "-S", str(front), "--haproxy", "/bin/echo",
+                          "--directive=timeout http-request 2500ms", "--", "-db", "-f", str(config)],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stdout.split() == ["-db", "-f", str(config)]  # HAProxy's arguments, as Ray's
+    assert config.read_text() == amended
+
+
+def test_the_front_settings_at_and_past_their_edges(monkeypatch: pytest.MonkeyPatch):
+    """SHORTLIST_SHARD_TIMEOUT_S: (0, 600] s. The front's directory: HAProxy takes socket paths of at
+    most 97 bytes, and Ray puts them 70 characters deep (node id, metrics.sock) under it."""
+    for value, ok in (("0", False), ("0.001", True), ("600", True), ("600.5", False)):
+        monkeypatch.setenv("SHORTLIST_SHARD_TIMEOUT_S", value)
+        if ok:
+            assert load_settings().shard_timeout_s == float(value)
+        else:
+            with pytest.raises(SettingsError, match="SHORTLIST_SHARD_TIMEOUT_S"):
+                load_settings()
+    monkeypatch.delenv("SHORTLIST_SHARD_TIMEOUT_S")
+    base = Path(tempfile.mkdtemp(prefix="sl-", dir="/tmp"))
+    try:
+        at_edge = base / ("d" * (27 - len(str(base)) - 1))
+        past = Path(f"{at_edge}e")
+        for d in (at_edge, past):
+            d.mkdir()
+        assert len(str(at_edge)) == 27
+        assert haproxy_front(load_settings(), at_edge)["RAY_SERVE_HAPROXY_SOCKET_PATH"] == f"{at_edge}/admin.sock"
+        with pytest.raises(ValueError, match="at most 27 characters"):
+            haproxy_front(load_settings(), past)
+    finally:
+        shutil.rmtree(base)
+
+
+def _read_all(conn: socket.socket) -> bytes:
+    out = b""
+    while chunk := conn.recv(65536):
+        out += chunk
+    return out
+
+
+def _ray_haproxy_config(where: Path, host: str, port: int) -> str:
+    """The haproxy.cfg Ray Serve's HAProxy manager writes, before any replica (its template)."""
+    from ray.serve._private.haproxy import HAProxyApi, HAProxyConfig
+    from ray.serve.config import HTTPOptions
+
+    cfg = HAProxyConfig(http_options=HTTPOptions(host=host, port=port), socket_path=str(where / "admin.sock"),
+                        server_state_base=str(where), server_state_file=str(where / "server-state"),
+                        metrics_socket_path=str(where / "metrics.sock"))
+    api = HAProxyApi(cfg=cfg, config_file_path=str(where / "ray.cfg"))
+    api._generate_config_file_internal()
+    return (where / "ray.cfg").read_text()
+
+
+def _predict_with_headers(url: str, text: str) -> tuple[int, dict[str, str], dict[str, Any]]:
+    req = urllib.request.Request(f"{url}/v1/predict", data=json.dumps({"text": text}).encode(),
+                                 headers={"content-type": "application/json"})
+    try:
+        with _OPENER.open(req, timeout=120) as r:
+            return r.status, {k.lower(): v for k, v in r.headers.items()}, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, {k.lower(): v for k, v in exc.headers.items()}, json.loads(exc.read())
+
+
+def _haproxy_pids(front_dir: Path) -> list[int]:
+    """The HAProxy processes started with a configuration under `front_dir`."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if proc.name.isdigit() and argv[0].endswith(b"haproxy") and any(str(front_dir).encode() in a for a in argv):
+            pids.append(int(proc.name))
+    return pids
+
+
+def _listening(pids: list[int]) -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket these processes listen on (/proc/net/tcp, tcp6)."""
+    inodes = set()
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:["):-1])
+    out = set()
+    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                address, port = fields[1].split(":")
+                raw = bytes.fromhex(address)  # 32-bit words in host (little-endian) order
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                out.add((socket.inet_ntop(family, raw), int(port, 16)))
+    return out
 
 
 def test_serve_config_deploys_the_application():

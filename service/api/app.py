@@ -7,7 +7,7 @@ import gc
 import json
 import logging
 import traceback
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, FastAPI
@@ -81,7 +81,12 @@ def _remembered(settings: Settings) -> ActiveVersionFile | None:
     return remembered
 
 
-def _probes() -> APIRouter:
+# Why a service with a bundle serving cannot answer now (None: it can); e.g. a shard of the
+# sharded service with no live replica (service.api.ray_app).
+Readiness = Callable[[ServiceState], Awaitable[str | None]]
+
+
+def _probes(readiness: Readiness | None = None) -> APIRouter:
     router = APIRouter()
 
     # HEAD too: load balancers and orchestrators probe with it.
@@ -96,6 +101,9 @@ def _probes() -> APIRouter:
         version = state.registry.active_version
         if version is None:
             return JSONResponse({"status": "not ready", "version": None}, status_code=503)
+        reason = await readiness(state) if readiness is not None else None
+        if reason is not None:
+            return JSONResponse({"status": "not ready", "version": version, "reason": reason}, status_code=503)
         return JSONResponse({"status": "ready", "version": version})
 
     @router.api_route("/metrics", methods=["GET", "HEAD"], response_class=Response, summary="Prometheus text format",
@@ -155,7 +163,7 @@ def _new_app(state: ServiceState, title: str, lifespan: object = None) -> FastAP
 
 def create_app(settings: Settings | None = None, *, state: ServiceState | None = None,
                admin: bool | None = None, answer: Answer = answer_here,
-               preloaded: Bundle | None = None) -> FastAPI:
+               preloaded: Bundle | None = None, readiness: Readiness | None = None) -> FastAPI:
     """The service app. With `state` given (a shared registry), the caller owns loading and
     shutdown; otherwise the app loads the configured bundle at startup without blocking
     /healthz, and /readyz turns 200 once it is validated and serving.
@@ -163,6 +171,7 @@ def create_app(settings: Settings | None = None, *, state: ServiceState | None =
     `admin` None: admin routes are mounted here when a token is set and no admin port is.
     `answer`: how the prediction routes answer (a sharded service fans out, service.api.ray_app).
     `preloaded`: see build_state.
+    `readiness`: what /readyz checks besides a bundle serving.
     """
     settings = settings or load_settings()
     owns_state = state is None
@@ -187,7 +196,7 @@ def create_app(settings: Settings | None = None, *, state: ServiceState | None =
     app = _new_app(state, "Shortlist", lifespan)
     # The prediction routes first: routes are matched in order, and they take the traffic.
     app.include_router(predict_router(state.models, settings, answer))
-    app.include_router(_probes())
+    app.include_router(_probes(readiness))
     if admin and settings.admin_token is not None:
         app.include_router(admin_router(state.models))
     return app

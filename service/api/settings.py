@@ -189,6 +189,10 @@ class Settings(BaseSettings):
     load_check_timeout_s: float = Field(600.0, gt=0.0, le=86_400.0)
     # How long a retired bundle may wait for in-flight requests before it is closed anyway.
     drain_timeout_s: float = Field(30.0, ge=0.0)
+    # `serve-ray` only: how long a prediction waits for every shard's answer (a shard replica that
+    # died is replaced in ~10 s, during which Serve holds calls to it) before it is answered 503
+    # shard_unavailable with Retry-After (service/api/ray_app.py).
+    shard_timeout_s: float = Field(5.0, gt=0.0, le=600.0)
 
     # Diagnostics: a trivial echo route (the framework's floor in bench/http_bench.py) and a route
     # that raises (to exercise the 500 path in tests). Both off by default.
