@@ -34,13 +34,13 @@ were left out).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import sys
 import time
 from typing import Any
 
 import orjson
-from prometheus_client import Counter, Gauge
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from service.api.errors import error_json
@@ -57,13 +57,6 @@ ON_CLIENT_GONE = "on_client_gone"
 # A scope key: the request's connection (a GuardedHttpToolsProtocol; see on_headers_complete).
 CONNECTION = "shortlist.connection"
 
-# Process-wide (one per process, whatever its servers): service.api.observability registers them
-# in each app's registry; with several processes their values files are summed as the others are.
-CONNECTIONS_REFUSED = Counter("shortlist_http_connections_refused_total",
-                              "connections answered and closed by the HTTP limits before a request reached "
-                              "the app", ["reason"], registry=None)
-CONNECTIONS_OPEN = Gauge("shortlist_http_connections_open", "open HTTP connections", registry=None,
-                         multiprocess_mode="livesum")
 REFUSAL_LINES_PER_S = 10
 _access_log = logging.getLogger("shortlist.access")
 
@@ -87,7 +80,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._timer: asyncio.TimerHandle | None = None
         self._send_timer: asyncio.TimerHandle | None = None
         self._running: RequestResponseCycle | None = None  # the request whose app runs now
-        CONNECTIONS_OPEN.inc()
+        connection_metrics().open.inc()
         if len(self.connections) > self.max_connections:
             self._refuse(503, "too_many_connections", f"the server holds {self.max_connections} connections",
                          reason="max_connections")
@@ -95,7 +88,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._timer = self.loop.call_later(self.header_timeout_s, self._head_timed_out)  # a first request
 
     def connection_lost(self, exc: Exception | None) -> None:
-        CONNECTIONS_OPEN.dec()
+        connection_metrics().open.dec()
         self._disarm()
         if self._send_timer is not None:
             self._send_timer.cancel()
@@ -222,7 +215,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         """Answer with the one error body and close, whatever the parser was in the middle of;
         counted by `reason`, and logged unless the app logs it (a body timeout's request is the app's)."""
         self._disarm()
-        CONNECTIONS_REFUSED.labels(reason).inc()
+        connection_metrics().refused.labels(reason).inc()
         if self.log_refusals and reason != "body_timeout":
             self._log_refusal(status, code, reason)
         body = error_json(code, message, [], request_id)
@@ -246,6 +239,27 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         cls._log_left_out = 0
         _access_log.info(orjson.dumps(record).decode())
 
+
+
+class ConnectionMetrics:
+    """Process-wide (one per process, whatever its servers): service.api.observability registers
+    them in each app's registry; with several processes their value files are summed as the
+    others are. Made on first use, not at import: prometheus-client picks its multiprocess value
+    files when it is first imported, and `shortlist serve` imports this module before it sets
+    PROMETHEUS_MULTIPROC_DIR for its processes."""
+
+    def __init__(self) -> None:
+        from prometheus_client import Counter, Gauge
+
+        self.refused = Counter("shortlist_http_connections_refused_total", "connections answered and closed by "
+                               "the HTTP limits before a request reached the app", ["reason"], registry=None)
+        self.open = Gauge("shortlist_http_connections_open", "open HTTP connections", registry=None,
+                          multiprocess_mode="livesum")
+
+
+@functools.cache
+def connection_metrics() -> ConnectionMetrics:
+    return ConnectionMetrics()
 
 
 def guarded_protocol(max_connections: int, header_timeout_s: float, max_header_bytes: int,

@@ -26,7 +26,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api.errors import error_json
-from service.api.http_protocol import BODY_TIMED_OUT, CLIENT_GONE, CONNECTION, CONNECTIONS_OPEN, CONNECTIONS_REFUSED
+from service.api.http_protocol import BODY_TIMED_OUT, CLIENT_GONE, CONNECTION, connection_metrics
 from service.api.processes import MULTIPROCESS_ENV, process_alive
 
 access_log = logging.getLogger("shortlist.access")
@@ -82,7 +82,8 @@ class ServiceMetrics:
                                             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
                                             registry=r)
         self._batch_sizes: dict[str, Any] = {}  # batch_size's child per scorer
-        for process_wide in (CONNECTIONS_REFUSED, CONNECTIONS_OPEN):  # the HTTP protocol's (below the app)
+        connections = connection_metrics()  # the HTTP protocol's (below the app), one per process
+        for process_wide in (connections.refused, connections.open):
             r.register(process_wide)
 
     def observe_batch(self, scorer: str, texts: int) -> None:
