@@ -10,6 +10,7 @@ from contextlib import AbstractContextManager
 from typing import TypeVar
 
 from service.engine.bundle import Bundle
+from service.engine.file_guard import BundleChanged
 from service.engine.predictor import Predictor
 
 
@@ -100,6 +101,9 @@ class Engine(Leased):
         super().__init__()
         self.bundle = bundle
         self.predictor = predictor
+        # Set once a file of the bundle is found written in place (service.api.bundle_watch): it
+        # answers 503 from then on, until an activation replaces this engine.
+        self.changed: BundleChanged | None = None
 
     @property
     def version(self) -> str:

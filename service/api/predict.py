@@ -13,6 +13,7 @@ from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import Response
 
+from service.api.bundle_watch import changed_error
 from service.api.dependencies import lease_engine, service_state
 from service.api.errors import MAX_DETAILS, ApiError, invalid_many, shown
 from service.api.http_protocol import REQUESTS_IN_PROGRESS
@@ -20,6 +21,7 @@ from service.api.leases import Engine
 from service.api.request_body import StrictJsonRoute
 from service.api.schemas import EchoResponse, ErrorResponse, PredictResponse, RequestModels
 from service.api.settings import Settings
+from service.engine.file_guard import BundleChanged
 from service.engine.labels import LabelTable
 
 
@@ -95,6 +97,7 @@ async def _answer(request: Request, engine: Engine, scorer: str, req: Any, **par
     labels, k = engine.bundle.labels, req.k
 
     def fn(texts: list[str]) -> list[Any]:
+        engine.bundle.check_maps()  # a file truncated under its map: BundleChanged, not a SIGBUS
         return named_rows(labels, *top(texts, k=k, exclude=[excluded] * len(texts) if excluded else None, **params))
 
     if req.text is not None:
@@ -112,7 +115,13 @@ async def answer_here(request: Request, scorer: str, req: Any, params: dict[str,
         if scorer == "tree" and not engine.bundle.has_tree:
             raise ApiError(409, "no_tree_scorer", f"the active bundle {engine.version} has no tree scorer; "
                            "use /v1/predict")
-        return await _answer(request, engine, scorer, req, **params)
+        try:
+            return await _answer(request, engine, scorer, req, **params)
+        except BundleChanged as exc:
+            watch = service_state(request).watch
+            if watch is not None:
+                watch.mark(engine, exc)
+            raise changed_error(engine.version, exc) from None
 
 
 def predict_router(models: RequestModels, settings: Settings, answer: Answer = answer_here) -> APIRouter:

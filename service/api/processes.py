@@ -18,6 +18,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from contextlib import suppress
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,15 @@ PROCESSES_DIR = "processes"
 MAX_RECORD_BYTES = 1 << 20
 # prometheus-client's directory for the processes' metric files (service.api.observability)
 MULTIPROCESS_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def every(interval_s: float, stop: threading.Event, fn: Callable[[], object], what: str) -> None:
+    """fn() every interval_s until `stop` is set; a failure is logged and the next tick retries."""
+    while not stop.wait(interval_s):
+        try:
+            fn()
+        except Exception:  # the loop must outlive any one failure
+            log.exception("%s failed", what)
 
 
 class ProcessesDiverged(Exception):
@@ -85,11 +95,7 @@ class ProcessGroup:
         (self.dir / f"{self.pid}.json").unlink(missing_ok=True)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
-                self.sync()
-            except Exception:  # the loop must outlive any one failure; the next tick retries
-                log.exception("process sync failed")
+        every(self.interval_s, self._stop, self.sync, "process sync")
 
     def sync(self) -> None:
         """Serve the recorded version if this process does not yet, then publish what it serves."""

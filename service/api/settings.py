@@ -161,6 +161,10 @@ class Settings(BaseSettings):
     load_check_timeout_s: float = Field(600.0, gt=0.0, le=86_400.0)
     # How long a retired bundle may wait for in-flight requests before it is closed anyway.
     drain_timeout_s: float = Field(30.0, ge=0.0)
+    # How often the serving version's files are compared with what was loaded (size, mtime,
+    # inode: ~20 stats); a file written in place turns predictions into 503 `bundle_changed`
+    # until a version is activated (README "Faults"). 0: only the checks on the request path.
+    bundle_check_interval_s: float = Field(1.0, ge=0.0, le=3600.0)
 
     # Diagnostics: a trivial echo route (the framework's floor in bench/http_bench.py) and a route
     # that raises (to exercise the 500 path in tests). Both off by default.

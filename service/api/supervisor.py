@@ -39,6 +39,7 @@ from service.api.http_protocol import protocol_kwargs
 from service.api.settings import Settings, load_settings
 from service.engine import heap
 from service.engine.bundle import Bundle
+from service.engine.file_guard import BundleChanged, check_files
 from service.engine.isolated import check_in_child
 from service.engine.predictor import Predictor, PredictorOptions
 from service.engine.store import BundleStore
@@ -103,17 +104,26 @@ class ServingProcesses(BaseApplication):  # type: ignore[misc]
             raise SystemExit(f"Error: {exc}") from exc
 
     def drop_stale_preload(self) -> None:
-        """Release the preloaded bundle once the recorded active version is another one."""
+        """Release the preloaded bundle once the recorded active version is another one, or once
+        one of its files was written in place: a process forked with it would map that file as it
+        is now (a truncated one kills it by SIGBUS, over and over); without it, a new process loads
+        the version itself, checksums checked, and is refused naming the file."""
         bundle = self.preloaded
         if bundle is None:
             return
         recorded = ActiveVersionFile(self.settings.state_dir).read() if self.settings.state_dir else None
-        if recorded is not None and recorded != bundle.version:
+        try:
+            check_files(bundle)
+            why = f"{recorded} is active" if recorded is not None and recorded != bundle.version else None
+        except BundleChanged as exc:
+            why = f"{exc} (a process forked with it would map that file: a SIGBUS past its end)"
+            log.error("arbiter dropped its preloaded bundle %s: %s", bundle.version, why)
+        if why is not None:
             self.preloaded = None
             bundle.close()
             del bundle
             heap.trim()
-            log.info("arbiter released its preloaded bundle: %s is active", recorded)
+            log.info("arbiter released its preloaded bundle: %s", why)
 
 
 class PreloadingArbiter(Arbiter):  # type: ignore[misc]

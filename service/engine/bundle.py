@@ -22,6 +22,7 @@ import orjson
 
 from service.engine import heap, vectors
 from service.engine.encoder import OnnxEncoder
+from service.engine.file_guard import FileStamps
 from service.engine.index import VectorIndex
 from service.engine.labels import LabelTable
 from service.engine.lexical import TokenShortlist
@@ -102,6 +103,7 @@ class Bundle:
         self._label_vectors: tuple[np.ndarray, np.ndarray] | None = None
         self._unverified: set[str] = set()
         self._lock = threading.Lock()
+        self.stamps = FileStamps(path, [])
 
     @property
     def version(self) -> str:
@@ -168,6 +170,7 @@ class Bundle:
         are verified now, those of the sources opened on first need (ON_FIRST_NEED) then: at
         10^6 labels the HNSW indices are 2.6 GB that a bundle serving the token rows never reads."""
         files = self.manifest.files
+        self.stamps = FileStamps(self.path, [MANIFEST, *files])
         for name in REQUIRED_FILES:
             if name not in files:
                 raise BundleError(f"{self.path / MANIFEST}: required file {name} is not listed")
@@ -501,6 +504,12 @@ class Bundle:
                     self._maps.release()
                 self._label_vectors = (w, mu)
             return self._label_vectors
+
+    def check_maps(self) -> None:
+        """BundleChanged (file_guard) naming a mapped file truncated since it was mapped: an fstat
+        a map, before a batch is scored, so that a truncation is an answer, not a SIGBUS."""
+        self._maps.check_sizes()
+        self.labels.check_size()
 
     def release_pages(self) -> None:
         """Hand back the pages of every array map (their data stays in the page cache; the next

@@ -13,6 +13,8 @@ from typing import Any, overload
 import numpy as np
 import orjson
 
+from service.engine.file_guard import BundleChanged, check_not_truncated
+
 _ROWS_PER_CHUNK = 1024
 
 
@@ -47,6 +49,11 @@ class LabelTable:
             return self._rows.named(ids)
         uids, titles = self.uids, self.titles
         return [{"uid": uids[i], "title": titles[i]} for i in ids]
+
+    def check_size(self) -> None:
+        """BundleChanged if the mapped file was truncated since it was loaded (file_guard)."""
+        if self._rows is not None and isinstance(self._rows._map, mmap.mmap):
+            check_not_truncated(self._rows._map, self._rows.path)
 
     def ids_of(self, uids: Sequence[str]) -> list[int | None]:
         """The row of each uid, None for a uid not in the table (first occurrence if repeated: a
@@ -135,8 +142,19 @@ class MappedRows:
             first_row[uid] = row
 
     def row(self, i: int) -> tuple[str, str]:
-        obj = orjson.loads(self._map[self._starts[i] : self._ends[i]])
-        return str(obj["uid"]), str(obj["title"])
+        if isinstance(self._map, mmap.mmap):
+            check_not_truncated(self._map, self.path)
+        try:
+            obj = orjson.loads(self._map[self._starts[i] : self._ends[i]])
+            return str(obj["uid"]), str(obj["title"])
+        except (ValueError, KeyError, TypeError):
+            raise self._changed(f"line {i + 1}") from None
+
+    def _changed(self, where: str) -> BundleChanged:
+        """Every row was checked when the file was mapped: one that no longer decodes was
+        written in place since (the map shows the file as it is now)."""
+        return BundleChanged(self.path, f"{where} no longer decodes: the file was modified in place since it was "
+                             "loaded")
 
     def ids_of(self, uids: Sequence[str]) -> list[int | None]:
         """The first row whose uid is each of `uids`, None where no row's is."""
@@ -169,10 +187,17 @@ class MappedRows:
         """{"uid", "title"} of every row in `ids` (in range), the rows decoded as one JSON array by
         one orjson call: an answer's labels at about half the cost of a row() each."""
         m, starts, ends = self._map, self._starts, self._ends
-        rows = orjson.loads(b"[%b]" % b",".join([m[starts[i] : ends[i]] for i in ids]))
-        if self._plain:  # each row is exactly {"uid": str, "title": str} already
-            return rows
-        return [{"uid": str(row["uid"]), "title": str(row["title"])} for row in rows]
+        if isinstance(m, mmap.mmap):
+            check_not_truncated(m, self.path)
+        try:
+            rows = orjson.loads(b"[%b]" % b",".join([m[starts[i] : ends[i]] for i in ids]))
+            if self._plain and all(type(row) is dict and len(row) == 2 for row in rows):
+                return rows  # each row is exactly {"uid": str, "title": str} already
+            return [{"uid": str(row["uid"]), "title": str(row["title"])} for row in rows]
+        except (ValueError, KeyError, TypeError):
+            for i in ids:
+                self.row(i)  # raises naming the first row that no longer decodes
+            raise self._changed(f"a row of lines {min(ids) + 1}-{max(ids) + 1}") from None
 
     def _check(self) -> None:
         # Bundles load on a background thread while the service answers requests: a thousand

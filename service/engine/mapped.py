@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from service.engine.file_guard import check_not_truncated
+
 # Members of an .npz of a page or more are mapped; smaller ones are read.
 MAP_AT_LEAST = 1 << 12
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., file name length, extra field length
@@ -28,6 +30,7 @@ class MappedArrays:
 
     def __init__(self) -> None:
         self._maps: list[mmap.mmap] = []
+        self._paths: list[Path] = []  # the file of each map
 
     def npy(self, path: Path) -> np.ndarray:
         """The .npy file at `path`, mapped; ValueError if it holds anything but the array its
@@ -69,6 +72,7 @@ class MappedArrays:
         if offset + count * dtype.itemsize > len(mm):
             raise ValueError("file shorter than its header declares")
         self._maps.append(mm)
+        self._paths.append(path)
         return np.frombuffer(mm, dtype=dtype, count=count, offset=offset).reshape(shape)
 
     def release_rows(self, values: np.ndarray, start: int, stop: int) -> None:
@@ -94,9 +98,15 @@ class MappedArrays:
         for mm in self._maps:
             mm.madvise(mmap.MADV_DONTNEED)
 
+    def check_sizes(self) -> None:
+        """BundleChanged naming the first file truncated since it was mapped (file_guard)."""
+        for mm, path in zip(self._maps, self._paths, strict=True):
+            check_not_truncated(mm, path)
+
     def clear(self) -> None:
         """Forget the maps (each closes when the last array over it is gone)."""
         self._maps.clear()
+        self._paths.clear()
 
 
 def _read_header(f) -> tuple[tuple[int, ...], np.dtype, int]:
