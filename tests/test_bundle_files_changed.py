@@ -15,6 +15,8 @@ import httpx
 import pytest
 from test_admin import AUTH, TOKEN
 
+from service.api.registry import _parent_fault
+from service.engine.bundle import Bundle
 from shortlist.testing import serve
 
 TEXTS = ["network traffic monitor", "python library", "game arcade", "kernel driver", "font", "query 7"]
@@ -175,3 +177,49 @@ def test_with_two_processes_a_changed_bundle_is_never_forked_again(bundle_root_c
         assert r.status_code == 200, r.text
         assert all(r.status_code == 200 and r.json()["version"] == "v1" for r in _predictions(s.url, 8))
     assert "was sent SIGBUS" not in s.log()
+
+
+def test_with_two_processes_activating_the_version_again_once_its_files_are_back_clears_every_process(
+        bundle_root_copy, tmp_path):
+    path = bundle_root_copy / "v2" / "labels.jsonl"
+    original = path.read_bytes()
+    env = _env(tmp_path / "state", SHORTLIST_PROCESSES="2", SHORTLIST_ACCESS_LOG="false",
+               SHORTLIST_BUNDLE_CHECK_INTERVAL_S="0.2")
+    with serve(bundle_root_copy, version="v2", env=env, log_dir=tmp_path, timeout=120) as s:
+        pids = _serving(tmp_path / "state", "v2", 2)
+        _truncate(path)
+        time.sleep(1.0)  # both processes' periodic checks
+        for r in _predictions(s.url):
+            _assert_changed(r, "labels.jsonl")
+        assert len(_events(s.log(), "bundle_changed")) == 2  # once a process
+        with path.open("r+b") as f:
+            f.write(original)
+        r = httpx.post(f"{s.url}/admin/bundles/activate", json={"version": "v2"}, headers=AUTH, timeout=120)
+        assert r.status_code == 200 and set(r.json()["processes"].values()) == {"v2"}, r.text
+        deadline = time.monotonic() + 10
+        while any(r.status_code != 200 for r in _predictions(s.url, 8)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert all(r.status_code == 200 and r.json()["version"] == "v2" for r in _predictions(s.url, 12))
+        assert httpx.get(f"{s.url}/readyz").status_code == 200
+        assert _serving(tmp_path / "state", "v2", 2) == pids  # the same processes, none restarted
+
+
+def test_an_error_reading_the_parent_bundle_is_its_own_not_the_state_directorys(bundle_root_copy, tmp_path):
+    """What a label change maps to 422 naming the bundle's file (registry._parent_fault), and what
+    it leaves to state_unavailable: a failure on a path outside the parent's directory, or on two
+    paths (a link into the state directory)."""
+    bundle = Bundle.open(bundle_root_copy / "v2")
+    try:
+        (bundle.path / "hnsw_w.bin").unlink()
+        with pytest.raises(OSError) as missing:
+            (bundle.path / "hnsw_w.bin").open("rb")
+        fault = _parent_fault(missing.value, bundle)
+        assert fault is not None and "hnsw_w.bin" in str(fault) and "served version v2" in str(fault)
+        with pytest.raises(OSError) as elsewhere:
+            (tmp_path / "state" / "bundles" / "x").open("rb")
+        assert _parent_fault(elsewhere.value, bundle) is None
+        with pytest.raises(OSError) as link:
+            os.link(bundle.path / "labels.jsonl", tmp_path / "no-such-dir" / "labels.jsonl")
+        assert _parent_fault(link.value, bundle) is None
+    finally:
+        bundle.close()

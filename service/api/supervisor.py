@@ -18,7 +18,8 @@ answers the canaries). What hnswlib copied into its own memory (a 52 MB graph on
 and the Python objects of the tokenizer and label table are then pages every process shares
 copy-on-write instead of one copy each. Once another version is recorded as active, the
 arbiter drops its copy within a second (no process serves it any more) and processes forked
-later load their bundle themselves, as every process does after a swap. The arbiter listens
+later load their bundle themselves, as every process does after a swap; so it does, before it
+forks again, once a file of its copy was written in place (service.engine.file_guard). The arbiter listens
 once it has preloaded: until then no process answers, not even /healthz.
 """
 

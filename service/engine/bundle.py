@@ -244,6 +244,7 @@ class Bundle:
             self.labels = LabelTable.load(self.path / LABELS)
         except (OSError, ValueError) as exc:
             raise BundleError(str(exc)) from exc
+        self._maps.also_check(self.path / LABELS, self.labels.file_map)
         if len(self.labels) != m.num_labels:
             raise BundleError(f"{self.path / LABELS}: {len(self.labels)} labels, manifest says {m.num_labels}")
         self.classifiers = self._array(CLASSIFIERS, (m.num_labels, m.dim), self.vector_dtype)
@@ -505,11 +506,10 @@ class Bundle:
                 self._label_vectors = (w, mu)
             return self._label_vectors
 
-    def check_maps(self) -> None:
-        """BundleChanged (file_guard) naming a mapped file truncated since it was mapped: an fstat
-        a map, before a batch is scored, so that a truncation is an answer, not a SIGBUS."""
-        self._maps.check_sizes()
-        self.labels.check_size()
+    def check_maps(self, at_most_every_s: float = 0.0) -> None:
+        """BundleChanged (file_guard) naming a mapped file truncated since it was mapped: run before
+        a batch is scored, a truncation is an answer, not a SIGBUS. An fstat a file."""
+        self._maps.check_sizes(at_most_every_s)
 
     def release_pages(self) -> None:
         """Hand back the pages of every array map (their data stays in the page cache; the next

@@ -13,7 +13,7 @@ from typing import Any, overload
 import numpy as np
 import orjson
 
-from service.engine.file_guard import BundleChanged, check_not_truncated
+from service.engine.file_guard import BundleChanged
 
 _ROWS_PER_CHUNK = 1024
 
@@ -50,10 +50,11 @@ class LabelTable:
         uids, titles = self.uids, self.titles
         return [{"uid": uids[i], "title": titles[i]} for i in ids]
 
-    def check_size(self) -> None:
-        """BundleChanged if the mapped file was truncated since it was loaded (file_guard)."""
-        if self._rows is not None and isinstance(self._rows._map, mmap.mmap):
-            check_not_truncated(self._rows._map, self._rows.path)
+    @property
+    def file_map(self) -> mmap.mmap | None:
+        """The map of labels.jsonl a loaded table reads its rows from (None: built, or an empty file)."""
+        rows = self._rows
+        return rows._map if rows is not None and isinstance(rows._map, mmap.mmap) else None
 
     def ids_of(self, uids: Sequence[str]) -> list[int | None]:
         """The row of each uid, None for a uid not in the table (first occurrence if repeated: a
@@ -142,8 +143,6 @@ class MappedRows:
             first_row[uid] = row
 
     def row(self, i: int) -> tuple[str, str]:
-        if isinstance(self._map, mmap.mmap):
-            check_not_truncated(self._map, self.path)
         try:
             obj = orjson.loads(self._map[self._starts[i] : self._ends[i]])
             return str(obj["uid"]), str(obj["title"])
@@ -187,12 +186,12 @@ class MappedRows:
         """{"uid", "title"} of every row in `ids` (in range), the rows decoded as one JSON array by
         one orjson call: an answer's labels at about half the cost of a row() each."""
         m, starts, ends = self._map, self._starts, self._ends
-        if isinstance(m, mmap.mmap):
-            check_not_truncated(m, self.path)
         try:
             rows = orjson.loads(b"[%b]" % b",".join([m[starts[i] : ends[i]] for i in ids]))
-            if self._plain and all(type(row) is dict and len(row) == 2 for row in rows):
-                return rows  # each row is exactly {"uid": str, "title": str} already
+            # Each row is exactly {"uid": str, "title": str} already, unless written since it was checked.
+            if self._plain and all(type(row) is dict and len(row) == 2 and "uid" in row and "title" in row
+                                   for row in rows):
+                return rows
             return [{"uid": str(row["uid"]), "title": str(row["title"])} for row in rows]
         except (ValueError, KeyError, TypeError):
             for i in ids:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import mmap
 import struct
+import time
 import zipfile
 from pathlib import Path
 
@@ -30,7 +31,9 @@ class MappedArrays:
 
     def __init__(self) -> None:
         self._maps: list[mmap.mmap] = []
-        self._paths: list[Path] = []  # the file of each map
+        # One map of each file (all map it whole): its size is checked (check_sizes).
+        self._by_file: dict[Path, mmap.mmap] = {}
+        self._checked = -float("inf")  # when check_sizes last ran (time.monotonic)
 
     def npy(self, path: Path) -> np.ndarray:
         """The .npy file at `path`, mapped; ValueError if it holds anything but the array its
@@ -72,7 +75,7 @@ class MappedArrays:
         if offset + count * dtype.itemsize > len(mm):
             raise ValueError("file shorter than its header declares")
         self._maps.append(mm)
-        self._paths.append(path)
+        self._by_file.setdefault(path, mm)
         return np.frombuffer(mm, dtype=dtype, count=count, offset=offset).reshape(shape)
 
     def release_rows(self, values: np.ndarray, start: int, stop: int) -> None:
@@ -98,15 +101,25 @@ class MappedArrays:
         for mm in self._maps:
             mm.madvise(mmap.MADV_DONTNEED)
 
-    def check_sizes(self) -> None:
-        """BundleChanged naming the first file truncated since it was mapped (file_guard)."""
-        for mm, path in zip(self._maps, self._paths, strict=True):
+    def also_check(self, path: Path, mm: mmap.mmap | None) -> None:
+        """Check the size of `mm`, a map made elsewhere (the label table's), with these."""
+        if mm is not None:
+            self._by_file.setdefault(path, mm)
+
+    def check_sizes(self, at_most_every_s: float = 0.0) -> None:
+        """BundleChanged naming the first file truncated since it was mapped (file_guard); a no-op
+        within `at_most_every_s` of the last check (an fstat costs ~10 us in some sandboxes)."""
+        now = time.monotonic()
+        if now - self._checked < at_most_every_s:
+            return
+        for path, mm in list(self._by_file.items()):
             check_not_truncated(mm, path)
+        self._checked = now
 
     def clear(self) -> None:
         """Forget the maps (each closes when the last array over it is gone)."""
         self._maps.clear()
-        self._paths.clear()
+        self._by_file.clear()
 
 
 def _read_header(f) -> tuple[tuple[int, ...], np.dtype, int]:
