@@ -28,6 +28,9 @@ class Leased:
         self._closed = False
         self._lock = threading.Lock()
         self._drained = threading.Event()
+        # Set once a file it serves from is found written in place (service.api.bundle_watch): it
+        # answers 503 from then on, until an activation replaces it.
+        self.changed: BundleChanged | None = None
 
     @property
     def version(self) -> str:
@@ -101,9 +104,6 @@ class Engine(Leased):
         super().__init__()
         self.bundle = bundle
         self.predictor = predictor
-        # Set once a file of the bundle is found written in place (service.api.bundle_watch): it
-        # answers 503 from then on, until an activation replaces this engine.
-        self.changed: BundleChanged | None = None
 
     @property
     def version(self) -> str:
