@@ -132,8 +132,13 @@ def test_the_periodic_check_finds_a_file_no_request_reads(bundle_root_copy, tmp_
 
 def test_files_removed_from_the_served_version_serve_on_and_a_label_change_names_them(bundle_root_copy, tmp_path):
     with serve(bundle_root_copy, version="v2", env=_env(tmp_path / "state"), log_dir=tmp_path) as s:
+        labels = bundle_root_copy / "v2" / "labels.jsonl"
+        shutil.copyfile(labels, tmp_path / "labels.tmp")
+        os.replace(tmp_path / "labels.tmp", labels)  # another file (inode) of the same bytes renamed over it
         (bundle_root_copy / "v2" / "hnsw_w.bin").unlink()
+        time.sleep(1.5)  # past a periodic check
         assert all(r.status_code == 200 for r in _predictions(s.url, 3))
+        assert f"{labels}: replaced by another file" in s.log()
         r = httpx.post(f"{s.url}/admin/labels", json={"labels": [{"uid": "new-1", "title": "network monitor"}]},
                        headers=AUTH, timeout=120)
         assert r.status_code == 422 and r.json()["error"] == "bundle_rejected", r.text

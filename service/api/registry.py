@@ -83,8 +83,9 @@ def _check_parent(engine: Engine) -> None:
         raise engine.changed
     gone = check_files(engine.bundle)
     if gone:
-        raise BundleError(f"cannot derive a label change from the served version {engine.version}: {gone[0]}; "
-                          "activate a version whose files are all there")
+        more = f"; and {len(gone) - 3} more files" if len(gone) > 3 else ""
+        raise BundleError(f"cannot derive a label change from the served version {engine.version}: "
+                          f"{'; '.join(gone[:3])}{more}; activate a version whose files are all there")
 
 
 def _parent_fault(exc: OSError, parent: Bundle) -> BundleError | None:
