@@ -115,16 +115,17 @@ class ServingProcesses(BaseApplication):  # type: ignore[misc]
         recorded = ActiveVersionFile(self.settings.state_dir).read() if self.settings.state_dir else None
         try:
             check_files(bundle)
-            why = f"{recorded} is active" if recorded is not None and recorded != bundle.version else None
         except BundleChanged as exc:
-            why = f"{exc} (a process forked with it would map that file: a SIGBUS past its end)"
-            log.error("arbiter dropped its preloaded bundle %s: %s", bundle.version, why)
-        if why is not None:
-            self.preloaded = None
-            bundle.close()
-            del bundle
-            heap.trim()
-            log.info("arbiter released its preloaded bundle: %s", why)
+            log.error("arbiter dropped its preloaded bundle %s: %s (a process forked with it would map that file: "
+                      "a SIGBUS past its end)", bundle.version, exc)
+        else:
+            if recorded is None or recorded == bundle.version:
+                return
+            log.info("arbiter released its preloaded bundle: %s is active", recorded)
+        self.preloaded = None
+        bundle.close()
+        del bundle
+        heap.trim()
 
 
 class PreloadingArbiter(Arbiter):  # type: ignore[misc]
