@@ -63,7 +63,7 @@ def _events(log: str, event: str) -> list[dict]:
     return [json.loads(line) for line in log.splitlines() if line.startswith("{") and f'"event": "{event}"' in line]
 
 
-@pytest.mark.parametrize("name", ["labels.jsonl", "classifiers.npy"])
+@pytest.mark.parametrize("name", ["labels.jsonl", "classifiers.npy", "encoder.onnx.data"])
 def test_a_served_file_truncated_in_place_answers_503_naming_it_until_a_version_is_activated(
         bundle_root_copy, tmp_path, name):
     path = bundle_root_copy / "v2" / name

@@ -450,6 +450,7 @@ class Bundle:
                     raise BundleError(f"{self._encoder_files()}: {exc}") from exc
                 if not self._encoders:
                     self._check_encoder(encoder)
+                    self._maps.also_check_file(self.path / ENCODER_DATA)  # onnxruntime maps it: checked too
                 self._encoders[threads] = encoder
             return self._encoders[threads]
 

@@ -106,6 +106,15 @@ class MappedArrays:
         if mm is not None:
             self._by_file.setdefault(path, mm)
 
+    def also_check_file(self, path: Path) -> None:
+        """Check the size of `path`, a file another reader maps (onnxruntime's external data), with
+        these: mapped here only to be checked (nothing is read); a no-op for a missing or empty file."""
+        try:
+            with path.open("rb") as f:
+                self._by_file.setdefault(path, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+        except (FileNotFoundError, ValueError):
+            return
+
     def check_sizes(self, at_most_every_s: float = 0.0) -> None:
         """BundleChanged naming the first file truncated since it was mapped (file_guard); a no-op
         within `at_most_every_s` of the last check (an fstat costs ~10 us in some sandboxes)."""
