@@ -70,7 +70,10 @@ def test_a_served_file_truncated_in_place_answers_503_naming_it_until_a_version_
     original = path.read_bytes()
     with serve(bundle_root_copy, version="v2", env=_env(tmp_path / "state"), log_dir=tmp_path) as s:
         assert all(r.status_code == 200 for r in _predictions(s.url, 3))
-        _truncate(path)
+        with httpx.Client(base_url=s.url, timeout=30) as c:  # kept alive: the next request within a millisecond
+            assert c.post("/v1/predict", json={"text": TEXTS[0], "k": 50}).status_code == 200
+            _truncate(path)
+            _assert_changed(c.post("/v1/predict", json={"text": TEXTS[1], "k": 50}), name)
         for r in _predictions(s.url):  # checked before each batch: an answer, not a SIGBUS
             _assert_changed(r, name)
         ready = httpx.get(f"{s.url}/readyz")

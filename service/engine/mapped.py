@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import mmap
 import struct
-import time
 import zipfile
 from pathlib import Path
 
@@ -33,7 +32,6 @@ class MappedArrays:
         self._maps: list[mmap.mmap] = []
         # One map of each file (all map it whole): its size is checked (check_sizes).
         self._by_file: dict[Path, mmap.mmap] = {}
-        self._checked = -float("inf")  # when check_sizes last ran (time.monotonic)
 
     def npy(self, path: Path) -> np.ndarray:
         """The .npy file at `path`, mapped; ValueError if it holds anything but the array its
@@ -115,15 +113,10 @@ class MappedArrays:
         except (FileNotFoundError, ValueError):
             return
 
-    def check_sizes(self, at_most_every_s: float = 0.0) -> None:
-        """BundleChanged naming the first file truncated since it was mapped (file_guard); a no-op
-        within `at_most_every_s` of the last check (an fstat costs ~10 us in some sandboxes)."""
-        now = time.monotonic()
-        if now - self._checked < at_most_every_s:
-            return
+    def check_sizes(self) -> None:
+        """BundleChanged naming the first file truncated since it was mapped (file_guard)."""
         for path, mm in list(self._by_file.items()):
             check_not_truncated(mm, path)
-        self._checked = now
 
     def clear(self) -> None:
         """Forget the maps (each closes when the last array over it is gone)."""
