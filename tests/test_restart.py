@@ -103,9 +103,15 @@ def test_a_process_that_cannot_load_the_recorded_version_does_not_switch_the_oth
         time.sleep(2)  # the arbiter drops its preloaded v2 (no process serves it): a new process loads
         (bundle_root_copy / "v1" / "labels.jsonl").unlink()  # served maps stay whole; a new load fails
         os.kill(int(victim), signal.SIGKILL)
-        serving = _wait_for(s.url, {"v1", "v2"}, gone=victim)
-        assert serving[survivor] == "v1"
-        time.sleep(3)  # several process-sync ticks: nobody follows the fallback
-        assert serving_by_pid(s.url)[survivor] == "v1"
+        # Its replacement joins a live process: it serves what that one serves or nothing, never
+        # a version of its own choosing, and says why.
+        published = state / "processes"
+        deadline = time.monotonic() + 90
+        while not [r for r in map(json.loads, (p.read_text() for p in published.glob("*.json")))
+                   if r["pid"] not in (int(victim), int(survivor)) and r.get("failed")]:
+            assert time.monotonic() < deadline, s.log()[-3000:]
+            time.sleep(0.2)
+        time.sleep(2)  # several process-sync ticks: the survivor follows nobody
+        assert serving_by_pid(s.url) == {survivor: "v1"}
         recorded = json.loads((state / "active.json").read_text())
         assert recorded["version"] == "v1" and "v2" in recorded["history"], recorded

@@ -15,6 +15,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Path
 
 from service.api.active_state import StateUnavailable
+from service.api.bundle_watch import changed_error
 from service.api.dependencies import AdminRoute, State
 from service.api.errors import ApiError
 from service.api.leases import NoBundle
@@ -38,6 +39,7 @@ from service.api.schemas import (
     LabelChangeResult,
     RequestModels,
 )
+from service.engine.file_guard import BundleChanged
 from service.engine.label_changes import LabelChange, LabelChangeRejected, NewLabel
 from service.engine.schema import BundleError
 
@@ -135,6 +137,10 @@ async def _change(state: State, change: LabelChange, single_uid: bool = False) -
         raise ApiError(503, "not_ready", str(exc)) from None
     except StateUnavailable as exc:
         raise _state_unavailable(state, exc) from None
+    except BundleChanged as exc:  # the version the change derives from was written in place: it serves 503 too
+        if state.watch is not None:
+            state.watch.check()
+        raise changed_error(state.registry.active_version or "(none)", exc) from None
     report = result["change"]
     state.label_changes.record("all")  # the budget counts versions made, not refusals
     state.metrics.activation_seconds.observe(result["seconds"])

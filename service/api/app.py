@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import json
 import logging
@@ -19,6 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from service.api.active_state import ActiveVersionFile, StateUnavailable
 from service.api.admin import admin_router
 from service.api.batching import EngineRunner
+from service.api.bundle_watch import BundleWatch
 from service.api.dependencies import MinuteBudget, ServiceState, State
 from service.api.errors import install_error_handlers
 from service.api.observability import ObservabilityMiddleware, ServiceMetrics, error_log, setup_logging
@@ -69,7 +71,8 @@ def build_state(settings: Settings, preloaded: Bundle | None = None) -> ServiceS
         metrics.served_by = group.served_by
     return ServiceState(settings, registry, runner, metrics, RequestModels(settings),
                         MinuteBudget(settings.admin_auth_failures_per_minute),
-                        MinuteBudget(settings.label_changes_per_minute), group)
+                        MinuteBudget(settings.label_changes_per_minute), group,
+                        BundleWatch(registry, metrics, settings.bundle_check_interval_s))
 
 
 def _remembered(settings: Settings) -> ActiveVersionFile | None:
@@ -98,13 +101,16 @@ def _probes(readiness: Readiness | None = None) -> APIRouter:
     @router.api_route("/readyz", methods=["GET", "HEAD"], response_model=Health, responses={503: {"model": Health}},
                       summary="readiness: 200 once a validated bundle serves, 503 before")
     async def readyz(state: State) -> Response:
-        version = state.registry.active_version
-        if version is None:
+        engine = state.registry.active
+        if engine is None:
             return JSONResponse({"status": "not ready", "version": None}, status_code=503)
+        if engine.changed is not None:
+            return JSONResponse({"status": "bundle changed", "version": engine.version,
+                                 "message": str(engine.changed)}, status_code=503)
         reason = await readiness(state) if readiness is not None else None
         if reason is not None:
-            return JSONResponse({"status": "not ready", "version": version, "reason": reason}, status_code=503)
-        return JSONResponse({"status": "ready", "version": version})
+            return JSONResponse({"status": "not ready", "version": engine.version, "reason": reason}, status_code=503)
+        return JSONResponse({"status": "ready", "version": engine.version})
 
     @router.api_route("/metrics", methods=["GET", "HEAD"], response_class=Response, summary="Prometheus text format",
                       responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
@@ -228,7 +234,11 @@ def apply_runtime_tuning(settings: Settings) -> None:
 
 async def initial_load(state: ServiceState) -> None:
     try:
-        result = await asyncio.wrap_future(state.registry.in_loader(state.registry.start, state.settings.version))
+        # A process joining live ones (one the arbiter restarted) serves what they serve or nothing:
+        # a fallback of its own would be recorded, and every process would follow it.
+        joining = state.group is not None and bool(state.group.members())
+        result = await asyncio.wrap_future(state.registry.in_loader(
+            functools.partial(state.registry.start, state.settings.version, fall_back=not joining)))
         if "fallback_from" in result:
             state.metrics.startup_fallback.labels(wanted=result["fallback_from"]).set(1)
             error_log.error(json.dumps({"event": "startup_fallback", "wanted": result["fallback_from"],
@@ -239,6 +249,10 @@ async def initial_load(state: ServiceState) -> None:
         state.metrics.failed_activations.labels("startup").inc()
         error_log.error(json.dumps({"event": "startup_load_failed", "message": str(exc),
                                     "bundle_root": str(state.settings.bundle_root)}))
+        recorded = state.registry.remembered.read() if state.registry.remembered is not None else None
+        if state.group is not None and recorded is not None and isinstance(exc, ActivationFailed):
+            # Not followed unchecked next: the checking child may be what refused it.
+            state.group.cannot_serve(recorded, str(exc))
     except Exception as exc:
         # Anything else would end this task unseen, leaving /readyz at 503 with nothing in the log.
         state.metrics.failed_activations.labels("startup").inc()
@@ -248,9 +262,13 @@ async def initial_load(state: ServiceState) -> None:
     if state.group is not None:
         # Only now: following another process's activation before the first load would race it.
         state.group.start()
+    if state.watch is not None:
+        state.watch.start()
 
 
 async def shutdown(state: ServiceState) -> None:
+    if state.watch is not None:
+        state.watch.stop()
     if state.group is not None:
         await asyncio.to_thread(state.group.stop)
     state.runner.shutdown()

@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from service.api.batching import EngineRunner
+from service.api.bundle_watch import BundleWatch, changed_error
 from service.api.errors import ApiError, invalid, shown
 from service.api.leases import Engine, NoBundle
 from service.api.observability import ServiceMetrics
@@ -66,6 +67,7 @@ class ServiceState:
     auth_failures: MinuteBudget
     label_changes: MinuteBudget
     group: ProcessGroup | None = None  # with several serving processes (service.api.processes)
+    watch: BundleWatch | None = None  # the serving version's files (service.api.bundle_watch)
 
 
 def service_state(request: Request) -> ServiceState:
@@ -107,6 +109,9 @@ class lease_engine(AbstractContextManager[Engine]):  # noqa: N801 - entered as `
             raise ApiError(503, "not_ready", "no validated bundle is loaded yet") from None
         # The access log names the version that answered (service.api.observability).
         request.scope.setdefault("state", {})["bundle_version"] = engine.version
+        if engine.changed is not None:
+            self._lease.__exit__(None, None, None)
+            raise changed_error(engine.version, engine.changed)
         return engine
 
     def __exit__(self, *exc: object) -> None:

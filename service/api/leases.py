@@ -10,6 +10,7 @@ from contextlib import AbstractContextManager
 from typing import TypeVar
 
 from service.engine.bundle import Bundle
+from service.engine.file_guard import BundleChanged
 from service.engine.predictor import Predictor
 
 
@@ -27,6 +28,9 @@ class Leased:
         self._closed = False
         self._lock = threading.Lock()
         self._drained = threading.Event()
+        # Set once a file it serves from is found written in place (service.api.bundle_watch): it
+        # answers 503 from then on, until an activation replaces it.
+        self.changed: BundleChanged | None = None
 
     @property
     def version(self) -> str:

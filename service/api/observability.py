@@ -77,6 +77,8 @@ class ServiceMetrics:
                                       "1 when start-up could not serve the wanted bundle and serves "
                                       "the newest one that loads instead", ["wanted"], registry=r,
                                       multiprocess_mode="liveall")
+        self.bundle_changed = Counter("shortlist_bundle_changed_total", "serving versions found written in place "
+                                      "on disk since they were loaded (503 bundle_changed)", registry=r)
         self.activation_seconds = Histogram("shortlist_bundle_activation_seconds",
                                             "load + validate + swap time",
                                             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),

@@ -14,6 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from service.api.batching import Overloaded
+from service.api.bundle_watch import changed_error
 from service.api.dependencies import lease_engine, service_state
 from service.api.errors import MAX_DETAILS, ApiError, invalid_many, shown
 from service.api.http_protocol import CONNECTION
@@ -21,6 +22,7 @@ from service.api.leases import Engine
 from service.api.request_body import StrictJsonRoute
 from service.api.schemas import EchoResponse, ErrorResponse, PredictResponse, RequestModels
 from service.api.settings import Settings
+from service.engine.file_guard import BundleChanged
 from service.engine.labels import LabelTable
 
 
@@ -96,6 +98,8 @@ async def _answer(request: Request, engine: Engine, scorer: str, req: Any, **par
     labels, k = engine.bundle.labels, req.k
 
     def fn(texts: list[str]) -> list[Any]:
+        # A file truncated under its map: BundleChanged, not a SIGBUS (~16 us for 11 files, tags-g10).
+        engine.bundle.check_maps()
         return named_rows(labels, *top(texts, k=k, exclude=[excluded] * len(texts) if excluded else None, **params))
 
     runner, state = service_state(request).runner, request.scope.get("state")
@@ -130,7 +134,13 @@ async def answer_here(request: Request, scorer: str, req: Any, params: dict[str,
         if scorer == "tree" and not engine.bundle.has_tree:
             raise ApiError(409, "no_tree_scorer", f"the active bundle {engine.version} has no tree scorer; "
                            "use /v1/predict")
-        return await _answer(request, engine, scorer, req, **params)
+        try:
+            return await _answer(request, engine, scorer, req, **params)
+        except BundleChanged as exc:
+            watch = service_state(request).watch
+            if watch is not None:
+                watch.mark(engine, exc)
+            raise changed_error(engine.version, exc) from None
 
 
 def predict_router(models: RequestModels, settings: Settings, answer: Answer = answer_here) -> APIRouter:

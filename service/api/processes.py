@@ -18,6 +18,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from contextlib import suppress
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,15 @@ PROCESSES_DIR = "processes"
 MAX_RECORD_BYTES = 1 << 20
 # prometheus-client's directory for the processes' metric files (service.api.observability)
 MULTIPROCESS_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def every(interval_s: float, stop: threading.Event, fn: Callable[[], object], what: str) -> None:
+    """fn() every interval_s until `stop` is set; a failure is logged and the next tick retries."""
+    while not stop.wait(interval_s):
+        try:
+            fn()
+        except Exception:  # the loop must outlive any one failure
+            log.exception("%s failed", what)
 
 
 class ProcessesDiverged(Exception):
@@ -64,6 +74,7 @@ class ProcessGroup:
         self.pid = os.getpid()
         self._failed: tuple[str, str] | None = None  # (version, why): not retried until the record changes
         self._published: dict[str, Any] | None = None
+        self._changed_seen: tuple[object, tuple[int, int, int] | None] | None = None  # (engine, record stamp)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -91,17 +102,14 @@ class ProcessGroup:
         (self.dir / f"{self.pid}.json").unlink(missing_ok=True)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
-                self.sync()
-            except Exception:  # the loop must outlive any one failure; the next tick retries
-                log.exception("process sync failed")
+        every(self.interval_s, self._stop, self.sync, "process sync")
 
     def sync(self) -> None:
         """Serve the recorded version if this process does not yet, then publish what it serves."""
         wanted = self.registry.remembered.read()  # type: ignore[union-attr]
         failed_version = self._failed[0] if self._failed else None
-        if wanted is not None and wanted != self.registry.active_version and wanted != failed_version:
+        again = self._activated_again()
+        if wanted is not None and (wanted != self.registry.active_version and wanted != failed_version or again):
             try:
                 self.registry.follow(wanted)
                 self._failed = None
@@ -111,6 +119,21 @@ class ProcessGroup:
                 log.error("process %d cannot serve %s, activated by another process: %s", self.pid, wanted, exc)
                 self._failed = (wanted, str(exc))
         self._publish()
+
+    def _activated_again(self) -> bool:
+        """Whether this process's version changed on disk (service.api.bundle_watch) and the record
+        was written since this process saw that: an operator activated a version again, maybe the
+        same one, which it loads (and checks) again, once per write of the record."""
+        engine = self.registry.active
+        if engine is None or engine.changed is None:
+            return False
+        try:
+            st = os.stat(self.registry.remembered.path)  # type: ignore[union-attr]
+            record = (st.st_ino, st.st_mtime_ns, st.st_size)
+        except OSError:
+            record = None
+        seen, self._changed_seen = self._changed_seen, (engine, record)
+        return seen is not None and seen[0] is engine and seen[1] != record
 
     def _publish(self) -> None:
         record = {"pid": self.pid, "version": self.registry.active_version,

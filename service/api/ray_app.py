@@ -289,6 +289,10 @@ class ShardedRegistry:
         return self._loader.submit(fn, *args)
 
     @property
+    def active(self) -> ShardedEngine | None:
+        return self._active
+
+    @property
     def active_version(self) -> str | None:
         engine = self._active
         return engine.version if engine is not None else None

@@ -36,6 +36,7 @@ from service.api.active_state import ACTIVE_FILE, ActiveVersionFile, StateUnavai
 from service.api.leases import Engine, Lease, NoBundle
 from service.engine import heap
 from service.engine.bundle import Bundle, drop_cached_pages
+from service.engine.file_guard import check_files
 from service.engine.isolated import check_in_child
 from service.engine.label_changes import ChangeReport, LabelChange, LabelEditor, derived_version
 from service.engine.label_ledger import IdRecord, LabelLedger, Unconfirmed
@@ -72,6 +73,31 @@ def _lower_priority(nice: int) -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
     except OSError as exc:
         log.warning("could not lower the bundle loader's priority: %s", exc)
+
+
+def _check_parent(engine: Engine) -> None:
+    """The serving version's files as it loaded them, before a label change reads them: BundleChanged
+    for one written in place, BundleError naming one removed or replaced (its maps serve on, but
+    a change links and reads the files themselves)."""
+    if engine.changed is not None:
+        raise engine.changed
+    gone = check_files(engine.bundle)
+    if gone:
+        more = f"; and {len(gone) - 3} more files" if len(gone) > 3 else ""
+        raise BundleError(f"cannot derive a label change from the served version {engine.version}: "
+                          f"{'; '.join(gone[:3])}{more}; activate a version whose files are all there")
+
+
+def _parent_fault(exc: OSError, parent: Bundle) -> BundleError | None:
+    """An error reading a file of the version a change derives from (one path, in its directory)
+    is that version's fault, not the state directory's (a write there names its own path)."""
+    if exc.filename is None or exc.filename2 is not None:
+        return None
+    path = Path(os.fsdecode(exc.filename))
+    if path.parent.resolve() != parent.path.resolve():
+        return None
+    return BundleError(f"{path}: cannot be read from the served version {parent.version} ({exc.strerror}); "
+                       "activate a version whose files are all there")
 
 
 class BundleRegistry:
@@ -203,7 +229,14 @@ class BundleRegistry:
             self._catch_up()
             try:
                 with self.lease() as engine:
-                    report = self._derive(engine.bundle, change, derived_root, ledger)
+                    _check_parent(engine)
+                    try:
+                        report = self._derive(engine.bundle, change, derived_root, ledger)
+                    except OSError as exc:
+                        fault = _parent_fault(exc, engine.bundle)
+                        if fault is None:
+                            raise
+                        raise fault from exc
                 log.info("label change: %s -> %s (+%d, -%d labels) written in %.3fs", report.parent, report.version,
                          report.added, report.retired, report.seconds)
                 history = with_previous(self._history, self._current(), report.version)
@@ -333,7 +366,8 @@ class BundleRegistry:
         with self._exclusive():
             wanted = version if version is not None else _newest_or_none(self.store)
             current = self._current()
-            if wanted is not None and wanted == current == self.active_version:
+            changed = self._active is not None and self._active.changed is not None  # loaded again, checked
+            if wanted is not None and wanted == current == self.active_version and not changed:
                 return self._converged({"active": wanted, "previous": wanted, "seconds": 0.0, "quality": {},
                                         "unchanged": True})
             history = with_previous(self._history, current, wanted)
@@ -405,22 +439,22 @@ class BundleRegistry:
         return {"active": new.version, "previous": old.version if old else None, "seconds": seconds,
                 "quality": quality}
 
-    def start(self, configured: str | None = None) -> dict[str, object]:
+    def start(self, configured: str | None = None, *, fall_back: bool = True) -> dict[str, object]:
         """The first activation: the remembered version (the operator's last choice), else
-        `configured`, else the newest bundle; if that one cannot be served, the newest bundle
-        that can (the result's "fallback_from" names what was wanted and "reason" why not).
-        Processes sharing a state directory start one after another, each serving what the
-        one before it chose."""
+        `configured`, else the newest bundle; if that one cannot be served, with `fall_back` the
+        newest bundle that can (the result's "fallback_from" names what was wanted and "reason"
+        why not). Processes sharing a state directory start one after another, each serving what
+        the one before it chose."""
         deadline = time.monotonic() + 2 * (self.check_timeout_s or 600.0)
         while True:
             try:
-                return self._start(configured)
+                return self._start(configured, fall_back)
             except ActivationInProgress:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)
 
-    def _start(self, configured: str | None) -> dict[str, object]:
+    def _start(self, configured: str | None, fall_back: bool) -> dict[str, object]:
         if self.store.derived_root is not None:
             with self._exclusive():  # settles a change's mark; a change in progress in another process holds it
                 pass
@@ -428,6 +462,8 @@ class BundleRegistry:
         try:
             return self.activate(wanted)
         except (ActivationFailed, BundleNotFound) as exc:
+            if not fall_back:
+                raise
             first_error: Exception = exc
         log.error("cannot serve bundle %s: %s; falling back to the newest bundle that loads",
                   wanted or "(newest)", first_error)

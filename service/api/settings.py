@@ -193,6 +193,10 @@ class Settings(BaseSettings):
     # died is replaced in ~10 s, during which Serve holds calls to it) before it is answered 503
     # shard_unavailable with Retry-After (service/api/ray_app.py).
     shard_timeout_s: float = Field(5.0, gt=0.0, le=600.0)
+    # How often the serving version's files are compared with what was loaded (size, mtime,
+    # inode: ~20 stats); a file written in place turns predictions into 503 `bundle_changed`
+    # until a version is activated (README "Faults"). 0: only the checks on the request path.
+    bundle_check_interval_s: float = Field(1.0, ge=0.0, le=3600.0)
 
     # Diagnostics: a trivial echo route (the framework's floor in bench/http_bench.py) and a route
     # that raises (to exercise the 500 path in tests). Both off by default.

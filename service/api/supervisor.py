@@ -18,7 +18,8 @@ answers the canaries). What hnswlib copied into its own memory (a 52 MB graph on
 and the Python objects of the tokenizer and label table are then pages every process shares
 copy-on-write instead of one copy each. Once another version is recorded as active, the
 arbiter drops its copy within a second (no process serves it any more) and processes forked
-later load their bundle themselves, as every process does after a swap. The arbiter listens
+later load their bundle themselves, as every process does after a swap; so it does, before it
+forks again, once a file of its copy was written in place (service.engine.file_guard). The arbiter listens
 once it has preloaded: until then no process answers, not even /healthz.
 """
 
@@ -41,6 +42,7 @@ from service.api.http_protocol import protocol_kwargs
 from service.api.settings import Settings, load_settings
 from service.engine import heap
 from service.engine.bundle import Bundle
+from service.engine.file_guard import BundleChanged, check_files
 from service.engine.isolated import check_in_child
 from service.engine.predictor import Predictor, PredictorOptions
 from service.engine.store import BundleStore
@@ -121,17 +123,27 @@ class ServingProcesses(BaseApplication):  # type: ignore[misc]
             raise SystemExit(f"Error: {exc}") from exc
 
     def drop_stale_preload(self) -> None:
-        """Release the preloaded bundle once the recorded active version is another one."""
+        """Release the preloaded bundle once the recorded active version is another one, or once
+        one of its files was written in place: a process forked with it would map that file as it
+        is now (a truncated one kills it by SIGBUS, over and over); without it, a new process loads
+        the version itself, checksums checked, and is refused naming the file."""
         bundle = self.preloaded
         if bundle is None:
             return
         recorded = ActiveVersionFile(self.settings.state_dir).read() if self.settings.state_dir else None
-        if recorded is not None and recorded != bundle.version:
-            self.preloaded = None
-            bundle.close()
-            del bundle
-            heap.trim()
+        try:
+            check_files(bundle)
+        except BundleChanged as exc:
+            log.error("arbiter dropped its preloaded bundle %s: %s (a process forked with it would map that file: "
+                      "a SIGBUS past its end)", bundle.version, exc)
+        else:
+            if recorded is None or recorded == bundle.version:
+                return
             log.info("arbiter released its preloaded bundle: %s is active", recorded)
+        self.preloaded = None
+        bundle.close()
+        del bundle
+        heap.trim()
 
 
 class PreloadingArbiter(Arbiter):  # type: ignore[misc]

@@ -22,6 +22,7 @@ import orjson
 
 from service.engine import heap, vectors
 from service.engine.encoder import OnnxEncoder
+from service.engine.file_guard import FileStamps
 from service.engine.index import VectorIndex
 from service.engine.labels import LabelTable
 from service.engine.lexical import TokenShortlist
@@ -102,6 +103,7 @@ class Bundle:
         self._label_vectors: tuple[np.ndarray, np.ndarray] | None = None
         self._unverified: set[str] = set()
         self._lock = threading.Lock()
+        self.stamps = FileStamps(path, [])
 
     @property
     def version(self) -> str:
@@ -168,6 +170,7 @@ class Bundle:
         are verified now, those of the sources opened on first need (ON_FIRST_NEED) then: at
         10^6 labels the HNSW indices are 2.6 GB that a bundle serving the token rows never reads."""
         files = self.manifest.files
+        self.stamps = FileStamps(self.path, [MANIFEST, *files])
         for name in REQUIRED_FILES:
             if name not in files:
                 raise BundleError(f"{self.path / MANIFEST}: required file {name} is not listed")
@@ -241,6 +244,7 @@ class Bundle:
             self.labels = LabelTable.load(self.path / LABELS)
         except (OSError, ValueError) as exc:
             raise BundleError(str(exc)) from exc
+        self._maps.also_check(self.path / LABELS, self.labels.file_map)
         if len(self.labels) != m.num_labels:
             raise BundleError(f"{self.path / LABELS}: {len(self.labels)} labels, manifest says {m.num_labels}")
         self.classifiers = self._array(CLASSIFIERS, (m.num_labels, m.dim), self.vector_dtype)
@@ -446,6 +450,7 @@ class Bundle:
                     raise BundleError(f"{self._encoder_files()}: {exc}") from exc
                 if not self._encoders:
                     self._check_encoder(encoder)
+                    self._maps.also_check_file(self.path / ENCODER_DATA)  # onnxruntime maps it: checked too
                 self._encoders[threads] = encoder
             return self._encoders[threads]
 
@@ -501,6 +506,11 @@ class Bundle:
                     self._maps.release()
                 self._label_vectors = (w, mu)
             return self._label_vectors
+
+    def check_maps(self) -> None:
+        """BundleChanged (file_guard) naming a mapped file truncated since it was mapped: run before
+        a batch is scored, a truncation is an answer, not a SIGBUS. An fstat a file (~1.4 us)."""
+        self._maps.check_sizes()
 
     def release_pages(self) -> None:
         """Hand back the pages of every array map (their data stays in the page cache; the next

@@ -13,6 +13,8 @@ from typing import Any, overload
 import numpy as np
 import orjson
 
+from service.engine.file_guard import BundleChanged
+
 _ROWS_PER_CHUNK = 1024
 
 
@@ -47,6 +49,12 @@ class LabelTable:
             return self._rows.named(ids)
         uids, titles = self.uids, self.titles
         return [{"uid": uids[i], "title": titles[i]} for i in ids]
+
+    @property
+    def file_map(self) -> mmap.mmap | None:
+        """The map of labels.jsonl a loaded table reads its rows from (None: built, or an empty file)."""
+        rows = self._rows
+        return rows._map if rows is not None and isinstance(rows._map, mmap.mmap) else None
 
     def ids_of(self, uids: Sequence[str]) -> list[int | None]:
         """The row of each uid, None for a uid not in the table (first occurrence if repeated: a
@@ -135,8 +143,17 @@ class MappedRows:
             first_row[uid] = row
 
     def row(self, i: int) -> tuple[str, str]:
-        obj = orjson.loads(self._map[self._starts[i] : self._ends[i]])
-        return str(obj["uid"]), str(obj["title"])
+        try:
+            obj = orjson.loads(self._map[self._starts[i] : self._ends[i]])
+            return str(obj["uid"]), str(obj["title"])
+        except (ValueError, KeyError, TypeError):
+            raise self._changed(f"line {i + 1}") from None
+
+    def _changed(self, where: str) -> BundleChanged:
+        """Every row was checked when the file was mapped: one that no longer decodes was
+        written in place since (the map shows the file as it is now)."""
+        return BundleChanged(self.path, f"{where} no longer decodes: the file was modified in place since it was "
+                             "loaded")
 
     def ids_of(self, uids: Sequence[str]) -> list[int | None]:
         """The first row whose uid is each of `uids`, None where no row's is."""
@@ -169,10 +186,17 @@ class MappedRows:
         """{"uid", "title"} of every row in `ids` (in range), the rows decoded as one JSON array by
         one orjson call: an answer's labels at about half the cost of a row() each."""
         m, starts, ends = self._map, self._starts, self._ends
-        rows = orjson.loads(b"[%b]" % b",".join([m[starts[i] : ends[i]] for i in ids]))
-        if self._plain:  # each row is exactly {"uid": str, "title": str} already
-            return rows
-        return [{"uid": str(row["uid"]), "title": str(row["title"])} for row in rows]
+        try:
+            rows = orjson.loads(b"[%b]" % b",".join([m[starts[i] : ends[i]] for i in ids]))
+            # Each row is exactly {"uid": str, "title": str} already, unless written since it was checked.
+            if self._plain and all(type(row) is dict and len(row) == 2 and "uid" in row and "title" in row
+                                   for row in rows):
+                return rows
+            return [{"uid": str(row["uid"]), "title": str(row["title"])} for row in rows]
+        except (ValueError, KeyError, TypeError):
+            for i in ids:
+                self.row(i)  # raises naming the first row that no longer decodes
+            raise self._changed(f"a row of lines {min(ids) + 1}-{max(ids) + 1}") from None
 
     def _check(self) -> None:
         # Bundles load on a background thread while the service answers requests: a thousand

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from service.engine.file_guard import check_not_truncated
+
 # Members of an .npz of a page or more are mapped; smaller ones are read.
 MAP_AT_LEAST = 1 << 12
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., file name length, extra field length
@@ -28,6 +30,8 @@ class MappedArrays:
 
     def __init__(self) -> None:
         self._maps: list[mmap.mmap] = []
+        # One map of each file (all map it whole): its size is checked (check_sizes).
+        self._by_file: dict[Path, mmap.mmap] = {}
 
     def npy(self, path: Path) -> np.ndarray:
         """The .npy file at `path`, mapped; ValueError if it holds anything but the array its
@@ -69,6 +73,7 @@ class MappedArrays:
         if offset + count * dtype.itemsize > len(mm):
             raise ValueError("file shorter than its header declares")
         self._maps.append(mm)
+        self._by_file.setdefault(path, mm)
         return np.frombuffer(mm, dtype=dtype, count=count, offset=offset).reshape(shape)
 
     def release_rows(self, values: np.ndarray, start: int, stop: int) -> None:
@@ -94,9 +99,29 @@ class MappedArrays:
         for mm in self._maps:
             mm.madvise(mmap.MADV_DONTNEED)
 
+    def also_check(self, path: Path, mm: mmap.mmap | None) -> None:
+        """Check the size of `mm`, a map made elsewhere (the label table's), with these."""
+        if mm is not None:
+            self._by_file.setdefault(path, mm)
+
+    def also_check_file(self, path: Path) -> None:
+        """Check the size of `path`, a file another reader maps (onnxruntime's external data), with
+        these: mapped here only to be checked (nothing is read); a no-op for a missing or empty file."""
+        try:
+            with path.open("rb") as f:
+                self._by_file.setdefault(path, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+        except (FileNotFoundError, ValueError):
+            return
+
+    def check_sizes(self) -> None:
+        """BundleChanged naming the first file truncated since it was mapped (file_guard)."""
+        for path, mm in list(self._by_file.items()):
+            check_not_truncated(mm, path)
+
     def clear(self) -> None:
         """Forget the maps (each closes when the last array over it is gone)."""
         self._maps.clear()
+        self._by_file.clear()
 
 
 def _read_header(f) -> tuple[tuple[int, ...], np.dtype, int]:
