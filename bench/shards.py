@@ -14,7 +14,7 @@ sharded engine (service.engine.sharding, the code the shard deployments run) aga
 unsharded bundle on the data's test split (plain, and with --filter own the XC filtered
 protocol), and issue 26's bar: (p50 with 2 shards - p50 of echo on the same Ray instance) <= 2 x
 (`shortlist serve` predict p50 - its echo p50), split into Ray's part (ray-hop2 - ray-echo) and
-ours (the rest). --ray-mode: Ray Serve's low-latency layout (service.api.ray_app.LOW_LATENCY_ENV,
+ours (the rest). --ray-mode: Ray Serve's low-latency layout (service.api.ray_serve_cli.LOW_LATENCY_ENV,
 what `shortlist serve-ray` starts) or Ray's defaults. The machine is shared: compare figures of
 one run only; the load average is printed with them.
 """
@@ -60,7 +60,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--filter", default="plain", choices=["plain", "own"],
                    help="own: also the XC filtered protocol (a document's own label left out)")
     p.add_argument("--ray-mode", default=RAY_MODES[0], choices=RAY_MODES,
-                   help="low-latency: service.api.ray_app.LOW_LATENCY_ENV (serve-ray's); default: Ray's defaults")
+                   help="low-latency: service.api.ray_serve_cli.LOW_LATENCY_ENV (serve-ray's); default: Ray's defaults")
     p.add_argument("--work", type=Path, default=None,
                    help="where the shard sets go (WORK/N/VERSION); sets already there are reused (default: a new "
                         "directory under bench/out)")
@@ -172,7 +172,7 @@ def hop_application(fanout: int) -> Any:
 def start_ray(stack: ExitStack, root: Path, counts: Sequence[int], mode: str) -> dict[str, str]:
     """One local Ray instance (2 CPUs) serving application sN under /sN for each shard count N, and
     the hop applications; returns {name: url}."""
-    from service.api.ray_app import LOW_LATENCY_ENV
+    from service.api.ray_serve_cli import LOW_LATENCY_ENV
 
     os.environ.update({"RAY_USAGE_STATS_ENABLED": "0", "SHORTLIST_ECHO_ROUTE": "true",
                        "SHORTLIST_ACCESS_LOG": "false",

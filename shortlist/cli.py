@@ -162,7 +162,7 @@ def _add_serve_ray(sub: argparse._SubParsersAction) -> None:
                    help="CPUs of the local Ray instance (default: the machine's)")
     p.add_argument("--shard-num-cpus", type=float, default=None, help="Ray's CPU reservation per shard replica")
     p.add_argument("--ingress-num-cpus", type=float, default=None, help="Ray's CPU reservation for the ingress")
-    p.set_defaults(handler="service.api.ray_app:run_cli")
+    p.set_defaults(handler="service.api.ray_serve_cli:run_cli")
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:

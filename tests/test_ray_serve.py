@@ -32,8 +32,9 @@ from ray import serve  # noqa: E402
 from sharding_helpers import assert_same_answers, held_out, p_at_5, rescored_copy  # noqa: E402
 
 from model_export.shard import shard_bundle  # noqa: E402
-from service.api.ray_app import LOW_LATENCY_ENV, build_app, haproxy_front  # noqa: E402
+from service.api.ray_app import build_app  # noqa: E402
 from service.api.ray_front import FrontConfigError, amend  # noqa: E402
+from service.api.ray_serve_cli import LOW_LATENCY_ENV, haproxy_front  # noqa: E402
 from service.api.settings import SettingsError, load_settings  # noqa: E402
 from service.engine import Predictor  # noqa: E402
 from shortlist.testing import free_port  # noqa: E402
@@ -58,7 +59,7 @@ def call(url: str, body: dict[str, Any] | None = None, token: str | None = None)
 @dataclass
 class Service:
     url: str
-    front_dir: Path  # serve-ray's HAProxy files (service.api.ray_app.haproxy_front)
+    front_dir: Path  # serve-ray's HAProxy files (service.api.ray_serve_cli.haproxy_front)
     unwanted_ports: tuple[int, int]  # where Ray's template binds HAProxy's stats page and exporter
     root: Path
     parents: dict[str, Path]

