@@ -458,3 +458,36 @@ def test_offline_labels_add_skips_the_version_names_a_server_state_directory_hol
         assert registry.rollback()["active"] == "v2.labels-1"  # the server's, named once
     finally:
         registry.close()
+
+
+def _offline_add(bundle_dir: Path, label: NewLabel, state: Path, tmp_path: Path) -> subprocess.CompletedProcess:
+    labels = tmp_path / f"{label.uid}.jsonl"
+    labels.write_text(orjson.dumps({"uid": label.uid, "title": label.title}).decode() + "\n")
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SHORTLIST_")}, "SHORTLIST_STATE_DIR": str(state)}
+    return subprocess.run([sys.executable, "-m", "shortlist.cli", "labels", "add", str(bundle_dir), "--labels",
+                           str(labels)], env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_offline_labels_add_gives_ids_past_the_servers_and_records_its_own(bundle_root_copy, synthetic_data, tmp_path):
+    """Audit 3 M1's other half: an offline change beside a server's state directory gave out the
+    ids (and took uids) the server had given on another version of the base."""
+    state = tmp_path / "state"
+    a, b, c = _new_labels(synthetic_data, 3, "m1i")
+    with _serving_one_added(bundle_root_copy, state, a):  # the server gave id 300 to a
+        pass
+    done = _offline_add(bundle_root_copy / "v2", b, state, tmp_path)  # from the base, which lacks a
+    assert done.returncode == 0, done.stderr
+    offline = Bundle.open(bundle_root_copy / "v2.labels-2")
+    try:
+        assert offline.labels.ids_of([b.uid]) == [301] and bool(np.asarray(offline.retired)[300])
+    finally:
+        offline.close()
+    refused = _offline_add(bundle_root_copy / "v2", NewLabel(a.uid, c.title), state, tmp_path)
+    assert refused.returncode == 2 and "uids are never reused" in refused.stderr, refused.stderr
+    registry = _registry(bundle_root_copy, state)
+    try:
+        assert registry.start()["active"] == "v2.labels-1"
+        assert registry.change_labels(LabelChange(add=[c]))["active"] == "v2.labels-3"
+        assert _ids(state, "v2.labels-3", [c.uid])[0] == [302]  # past the offline change's 301
+    finally:
+        registry.close()

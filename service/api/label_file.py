@@ -13,14 +13,17 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from service.api.active_state import ActiveVersionFile, StateBusy
 from service.api.errors import error_message, field_name
 from service.api.schemas import RequestModels
 from service.api.settings import load_settings
 from service.engine import schema
+from service.engine.bundle import Bundle
 from service.engine.jsonlines import iter_rows, iter_text_lines, row_uid
-from service.engine.label_changes import LabelChange, LabelEditor, NewLabel, derived_version
+from service.engine.label_changes import ChangeReport, LabelChange, LabelEditor, NewLabel, derived_version
+from service.engine.label_ledger import IdRecord, LabelLedger
 from service.engine.predictor import Predictor
-from service.engine.store import DERIVED_DIR
+from service.engine.store import DERIVED_DIR, BundleStore
 
 
 def read_label_file(path: Path, models: RequestModels | None = None) -> list[NewLabel]:
@@ -71,9 +74,36 @@ def run_cli(args: argparse.Namespace) -> int:
         lineage = parent.manifest.lineage
         version = args.version or derived_version(lineage.base if lineage else parent.version,
                                                   lambda v: any((root / v).exists() for root in roots))
-        report = LabelEditor().derive(parent, change, out_root, schema.validate_version_name(version))
+        schema.validate_version_name(version)
+        if state_dir is None:
+            report = LabelEditor().derive(parent, change, out_root, version)
+        else:
+            report = _derive_recorded(parent, change, out_root, version, state_dir)
     finally:
         parent.close()
     Predictor.load(out_root / version).bundle.close()  # what was written passes the checks the service runs
     print(json.dumps({**asdict(report), "path": str(out_root / version)}))
     return 0
+
+
+def _derive_recorded(parent: Bundle, change: LabelChange, out_root: Path, version: str,
+                     state_dir: Path) -> ChangeReport:
+    """The change with the ids a server sharing `state_dir` would give: under its activation lock,
+    past every id the base's record has given out (the server's changes, rolled back or not), and
+    recorded there, so that neither side gives an id or a uid to two labels. Not marked
+    unconfirmed: an offline version is activated by an operator, never assumed."""
+    lineage = parent.manifest.lineage
+    base = lineage.base if lineage else parent.version
+    ledger, store = LabelLedger(state_dir), BundleStore(parent.path.parent, state_dir)
+    try:
+        with ActiveVersionFile(state_dir).exclusive():
+            record = ledger.current(base, parent.manifest.tree_labels, parent.labels, lambda: store.lineage_of(base))
+
+            def reserve() -> None:
+                ledger.write(IdRecord(base, record.first_id, record.uids + tuple(lab.uid for lab in change.add)))
+
+            return LabelEditor().derive(parent, change, out_root, version, record.given_out_past(len(parent.labels)),
+                                        before_commit=reserve)
+    except StateBusy:
+        raise ValueError(f"the activation lock of {state_dir} (SHORTLIST_STATE_DIR) is held: a server is activating "
+                         "a version or changing labels; try again") from None

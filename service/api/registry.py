@@ -254,11 +254,7 @@ class BundleRegistry:
         lineage = parent.manifest.lineage
         base = lineage.base if lineage else parent.version
         version = derived_version(base, self.store.exists)
-        first_id = parent.manifest.tree_labels
-        record = ledger.record(base, first_id) or ledger.rebuilt(base, first_id, [
-            b.path for b in self.store.list() if b.manifest.lineage is not None and b.manifest.lineage.base == base
-        ] + self.store.removed_derived())
-        record = record.merged(parent.labels)
+        record = ledger.current(base, parent.manifest.tree_labels, parent.labels, lambda: self.store.lineage_of(base))
 
         def reserve() -> None:
             ledger.mark(Unconfirmed(version, base, record.first_id, keep=len(record.uids)))

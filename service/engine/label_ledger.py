@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -161,6 +162,12 @@ class LabelLedger:
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 log.warning("label id record of %s: skipping %s: %s", base, path, exc)
         return record
+
+    def current(self, base: str, first_id: int, parent: LabelTable, versions: Callable[[], list[Path]]) -> IdRecord:
+        """What the base has given out, as a change derived from `parent` (its label table) sees it:
+        the record (made again from `versions()`, the base's versions and removed versions' files,
+        when lost) merged with the parent's rows."""
+        return (self.record(base, first_id) or self.rebuilt(base, first_id, versions())).merged(parent)
 
     def write(self, record: IdRecord) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)

@@ -361,6 +361,12 @@ class BundleStore:
             log.warning("removing derived version %s: its uids are not kept beside its name: %s", manifest.version, exc)
             return b""
 
+    def lineage_of(self, base: str) -> list[Path]:
+        """The versions derived from `base` in every place, and the files of removed derived
+        versions (label_ledger.LabelLedger.rebuilt reads what each gave out)."""
+        derived = [b.path for b in self.list() if b.manifest.lineage is not None and b.manifest.lineage.base == base]
+        return derived + self.removed_derived()
+
     def removed_derived(self) -> list[Path]:
         """The files retention left in place of the derived versions it removed (prune_derived)."""
         if self.derived_root is None or not self.derived_root.is_dir():
