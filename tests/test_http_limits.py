@@ -159,6 +159,27 @@ def test_what_the_limits_refuse_below_the_app_is_counted_and_logged(limited):
     assert any(line.startswith("shortlist_http_connections_open ") for line in metrics.splitlines())
 
 
+def test_refusal_log_lines_stop_at_their_rate_and_count_what_they_left_out(bundle_root, tmp_path):
+    # REFUSAL_LINES_PER_S (10) lines a second at most; every refusal is either a line or counted
+    # in the next line's left_out_before, so a flood of bad connections cannot flood the log.
+    from service.api.http_protocol import REFUSAL_LINES_PER_S
+
+    malformed = b"GET /healthz HTTP/1.1\r\nhost: x\r\ncontent-length: x\r\n\r\n"
+    with serve(bundle_root, env=LIMITS, log_dir=tmp_path) as s:
+        burst = 3 * REFUSAL_LINES_PER_S
+        assert [_refused_status(malformed, s) for _ in range(burst)] == [400] * burst
+        time.sleep(1.1)  # a new second: the next line is written and says what was left out
+        assert _refused_status(malformed, s) == 400
+        time.sleep(0.2)
+        lines = [json.loads(line) for line in s.log().splitlines() if '"connection_refused"' in line]
+    assert len(lines) < burst + 1
+    assert len(lines) + sum(r["left_out_before"] for r in lines) == burst + 1
+    per_second: dict[int, int] = {}
+    for r in lines:
+        per_second[int(r["ts"])] = per_second.get(int(r["ts"]), 0) + 1
+    assert max(per_second.values()) <= 2 * REFUSAL_LINES_PER_S  # wall-clock seconds straddle the buckets
+
+
 @pytest.mark.parametrize("extra", [-1, 0, 1, 100, 10**8])
 def test_a_head_past_max_header_bytes_gets_431_without_being_read(limited, extra):
     # A request head of exactly 4096 + extra bytes (request line, headers, blank line).
