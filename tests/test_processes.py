@@ -234,3 +234,39 @@ def test_the_process_timeouts_are_bounded(tmp_path):
                       {"process_stall_timeout_s": 4.9}, {"process_stall_timeout_s": 86_401}):
         with pytest.raises(ValidationError):
             Settings(processes=2, state_dir=tmp_path, **past_edge)
+
+
+def test_publishing_from_two_threads_at_once_never_fails(bundle_root, tmp_path):
+    """The sync thread and an admin request's wait for the others publish at once: through the one
+    temporary file, the second rename found it gone and the activation answered 503 (CI, once)."""
+    import threading
+
+    from service.api.active_state import ActiveVersionFile
+    from service.api.processes import ProcessGroup
+    from service.api.registry import BundleRegistry
+    from service.engine.store import BundleStore
+
+    state = tmp_path / "state"
+    state.mkdir()
+    registry = BundleRegistry(BundleStore(bundle_root, state), check_timeout_s=None,
+                              remembered=ActiveVersionFile(state))
+    group = ProcessGroup(state, registry, interval_s=3600, converge_timeout_s=1)
+    group.dir.mkdir()
+    errors: list[Exception] = []
+
+    def publish(name: str) -> None:
+        for i in range(300):
+            group.cannot_serve(f"{name}{i}", "a new record each time")
+            try:
+                group._publish()
+            except Exception as exc:  # noqa: BLE001 - any failure is the finding
+                errors.append(exc)
+
+    threads = [threading.Thread(target=publish, args=(n,)) for n in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    registry.close()
+    assert errors == []
+    assert list(group.dir.iterdir()) == [group.dir / f"{os.getpid()}.json"]

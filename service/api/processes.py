@@ -77,6 +77,7 @@ class ProcessGroup:
         self._changed_seen: tuple[object, tuple[int, int, int] | None] | None = None  # (engine, record stamp)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._publishing = threading.Lock()
 
     def cannot_serve(self, version: str, why: str) -> None:
         """This process failed to load `version` (at start-up, before the group starts): it is
@@ -136,19 +137,22 @@ class ProcessGroup:
         return seen is not None and seen[0] is engine and seen[1] != record
 
     def _publish(self) -> None:
-        record = {"pid": self.pid, "version": self.registry.active_version,
-                  "failed": {"version": self._failed[0], "error": self._failed[1]} if self._failed else None}
-        if record == self._published:
-            return
-        tmp = self.dir / f".{self.pid}.json.tmp"
-        try:
-            tmp.write_text(json.dumps(record), encoding="utf-8")
-            os.replace(tmp, self.dir / f"{self.pid}.json")
-        except OSError as exc:
-            with suppress(OSError):
-                tmp.unlink()
-            raise StateUnavailable(self.dir.parent, exc, "publish the version this process serves") from None
-        self._published = record
+        # One writer at a time: the sync thread and an admin request's wait_for both publish, and
+        # through the one temporary file the second's rename found it gone (a 503 for a fine state dir).
+        with self._publishing:
+            record = {"pid": self.pid, "version": self.registry.active_version,
+                      "failed": {"version": self._failed[0], "error": self._failed[1]} if self._failed else None}
+            if record == self._published:
+                return
+            tmp = self.dir / f".{self.pid}.json.tmp"
+            try:
+                tmp.write_text(json.dumps(record), encoding="utf-8")
+                os.replace(tmp, self.dir / f"{self.pid}.json")
+            except OSError as exc:
+                with suppress(OSError):
+                    tmp.unlink()
+                raise StateUnavailable(self.dir.parent, exc, "publish the version this process serves") from None
+            self._published = record
 
     def members(self) -> dict[int, dict[str, Any]]:
         """What every live process sharing the directory last published, by pid (files of
