@@ -184,3 +184,13 @@ def test_a_file_option_given_a_folder_says_why_without_errno(capsys, bundle_root
     err = _refused(capsys, ["eval", str(bundle_root / "v1"), "--data", str(synthetic_data), "--filter", str(tmp_path)],
                    "eval")
     assert err.endswith(f"{tmp_path}: cannot read filter file: is a directory")
+
+
+def test_a_filter_file_line_past_the_line_limit_is_refused_naming_file_and_line(
+        capsys, bundle_root, synthetic_data, tmp_path, monkeypatch):
+    monkeypatch.setenv("SHORTLIST_MAX_LINE_CHARS", "1024")
+    filter_file = tmp_path / "filter.txt"
+    filter_file.write_text("0 1\n" + "1" * 2000 + "\n")
+    err = _refused(capsys, ["eval", str(bundle_root / "v1"), "--data", str(synthetic_data), "--filter",
+                            str(filter_file)], "eval")
+    assert err.endswith(f"{filter_file}:2: line longer than 1024 characters (SHORTLIST_MAX_LINE_CHARS)")

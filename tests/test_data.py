@@ -314,3 +314,45 @@ def test_eval_without_a_trn_file_measures_all_but_psp(bundle_root, synthetic_dat
     assert "no trn file" in without["psp_not_measured"] and "psp_not_measured" not in with_trn
     assert main(["eval", str(bundle_root / "v1"), "--data", str(data), "--limit", "10"]) == 0
     assert "PSP@k not measured: no trn file in" in capsys.readouterr().out
+
+
+def _line_of(chars: int, uid: str = "d2") -> str:
+    """A document's JSON line of exactly `chars` characters (its content padded)."""
+    stem = json.dumps({"uid": uid, "title": "beta doc", "content": "", "target_ind": [1], "target_rel": [1.0]})
+    return stem.replace('"content": ""', '"content": "' + "y" * (chars - len(stem)) + '"')
+
+
+@pytest.mark.parametrize("suffix", [".json.gz", ".jsonl"])
+def test_a_line_at_the_limit_is_read_and_one_past_it_is_refused_naming_file_line_and_setting(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, suffix: str) -> None:
+    monkeypatch.setenv("SHORTLIST_MAX_LINE_CHARS", "1024")
+    at_limit = _dataset(tmp_path / "at", suffix=suffix, raw_doc_lines={1: _line_of(1024)})
+    assert len(_line_of(1024)) == 1024
+    split = load_split(at_limit, "trn", "title+content", 2)
+    assert split.uids == ["d1", "d2"] and split.texts[1].endswith("y" * 900)
+    past = _dataset(tmp_path / "past", suffix=suffix, raw_doc_lines={1: _line_of(1025)})
+    with pytest.raises(ValueError, match=rf"trn{re.escape(suffix)}:2: line longer than 1024 characters "
+                                         r"\(SHORTLIST_MAX_LINE_CHARS\)"):
+        load_split(past, "trn", "title", 2)
+
+
+def test_a_compressed_file_of_one_endless_line_is_refused_before_it_is_read_whole(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gzip bomb (here 64 MiB of zeros, no newline, in a 64 KiB file) is refused at the limit:
+    its line is never held whole (at the default limit, 1 GB of zeros was 2.7 GB of memory)."""
+    monkeypatch.setenv("SHORTLIST_MAX_LINE_CHARS", "4096")
+    d = _dataset(tmp_path)
+    with gzip.open(d / "trn.json.gz", "wb", compresslevel=1) as f:
+        for _ in range(64):
+            f.write(bytes(1 << 20))
+    with pytest.raises(ValueError, match=r"trn\.json\.gz:1: line longer than 4096 characters"):
+        load_split(d, "trn", "title", 2)
+
+
+@pytest.mark.parametrize("value", ["1023", "2147483649", "64MiB", "-5"])
+def test_the_line_limit_out_of_its_range_is_an_error_naming_the_variable(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv("SHORTLIST_MAX_LINE_CHARS", value)
+    with pytest.raises(ValueError, match=r"SHORTLIST_MAX_LINE_CHARS=.*expected a whole number of characters "
+                                         r"in \[1024, 2147483648\]"):
+        load_labels(_dataset(tmp_path))
