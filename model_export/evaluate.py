@@ -29,13 +29,12 @@ EVAL_BATCH = 256
 METRICS = ("P@1", "P@3", "P@5", "nDCG@1", "nDCG@3", "nDCG@5", "PSP@1", "PSP@3", "PSP@5")
 
 
-def filtered_pairs(protocol: str, docs: Split, labels: LabelSet | None, num_labels: int) -> list[list[int]]:
+def filtered_pairs(protocol: str, docs: Split, labels: LabelSet, num_labels: int) -> list[list[int]]:
     """Per document of the split the label ids its protocol leaves out ("plain", "own" or a filter
     file, whose label rows are checked against the bundle's `num_labels`)."""
     if protocol == "plain":
         return [[] for _ in range(len(docs))]
     if protocol == "own":
-        assert labels is not None
         return [[int(i)] if i >= 0 else [] for i in own_label_ids(docs.uids, labels.uids)]
     return read_filter_file(Path(protocol), len(docs), num_labels)
 
@@ -79,13 +78,18 @@ def evaluate_bundle(
     manifest = predictor.bundle.manifest
     field, num_labels = text_field or manifest.text_field, manifest.num_labels
     docs = load_split(data_dir, split, field, num_labels=num_labels)
-    labels = load_labels(data_dir, field) if protocol == "own" else None
+    labels = load_labels(data_dir, field)
+    check_same_labels(labels, predictor, data_dir)
     # Over the whole split, then limited: a filter file names rows of the whole split, and its
     # pairs past the limit are of documents not evaluated.
     left_out = filtered_pairs(protocol, docs, labels, num_labels)
     if limit is not None:
         docs, left_out = docs.subset(list(range(min(limit, len(docs))))), left_out[:limit]
     truths = [[t for t in truth if t not in drop] for truth, drop in zip(docs.targets, left_out, strict=True)]
+    unlabelled = sum(1 for truth in truths if not truth)
+    if unlabelled == len(truths):
+        raise ValueError(f"{find_split_file(data_dir, split)}: no document has a label"
+                         f"{'' if protocol == 'plain' else ' the filter leaves'}: every metric would be 0")
     inv_prop = _inverse_propensities(data_dir, split, docs, field, num_labels)
     ids = np.empty((len(docs), 5), dtype=np.int64)
     t0 = time.perf_counter()
@@ -96,7 +100,8 @@ def evaluate_bundle(
         ids[start : start + len(batch)] = predict(batch, k=5, exclude=drop, **kwargs)[0]
     elapsed = time.perf_counter() - t0
     out: dict[str, Any] = {"bundle": predictor.version, "split": split, "scorer": scorer, "protocol": protocol,
-                           "filtered_pairs": sum(len(d) for d in left_out), "documents": len(docs)}
+                           "filtered_pairs": sum(len(d) for d in left_out), "documents": len(docs),
+                           "documents_without_labels": unlabelled}
     if inv_prop is None:
         out["psp_not_measured"] = f"no trn file in {data_dir}: PSP@k's propensities come from its label frequencies"
     out.update(ranking_metrics(ids, truths, ks=(1, 3, 5), inv_propensity=inv_prop))
@@ -107,6 +112,23 @@ def evaluate_bundle(
         out["shortlist_size_mean"] = float(np.mean([len(s) for s in shortlists])) if shortlists else 0.0
     out["queries_per_s"] = len(docs) / elapsed if elapsed > 0 else 0.0
     return out
+
+
+def check_same_labels(labels: LabelSet, predictor: Predictor, data_dir: str | Path) -> None:
+    """The data's label rows must be the bundle's first rows, uid for uid (a bundle may have more:
+    labels added since): a document's target rows name labels of the data's table, predictions
+    rows of the bundle's, and another order or another label set would be scored silently
+    (a permuted lbl file: P@1 82.0 -> 2.0, exit 0)."""
+    path, table = find_split_file(data_dir, "lbl"), predictor.bundle.labels
+    if len(labels.uids) > len(table):
+        raise ValueError(f"{path}: {len(labels.uids)} labels, the bundle {predictor.version} has {len(table)}: "
+                         "not the label table it was trained on")
+    rows = table.ids_of(labels.uids)
+    bad = next((i for i, row in enumerate(rows) if row != i), None)
+    if bad is not None:
+        found = "not in the bundle" if rows[bad] is None else f"the bundle's row {rows[bad]}"
+        raise ValueError(f"{path}: label row {bad} (uid {labels.uids[bad]!r}) is {found}: the data's labels are "
+                         f"not the bundle {predictor.version}'s, row for row (target_ind would name other labels)")
 
 
 def _inverse_propensities(data_dir: str | Path, split: str, docs: Split, field: str,
@@ -129,7 +151,8 @@ def run_cli(args: argparse.Namespace) -> int:
         print(json.dumps(result))
         return 0
     print(f"bundle {result['bundle']}  split {result['split']}  scorer {result['scorer']}  "
-          f"protocol {result['protocol']} ({result['filtered_pairs']} pairs left out)  documents {result['documents']}")
+          f"protocol {result['protocol']} ({result['filtered_pairs']} pairs left out)  documents {result['documents']}"
+          f" ({result['documents_without_labels']} without a label: 0 in their P@k and nDCG@k)")
     for name in (*METRICS, "recall@shortlist", "queries_per_s"):
         if name in result:
             print(f"  {name:<18} {result[name]:10.2f}")

@@ -410,3 +410,48 @@ def test_eval_filter_rows_are_checked_at_and_past_the_split_and_the_bundle(bundl
         code, _, err = _eval_cli(capsys, bundle_root / "v1", synthetic_data, "--filter", str(pairs), *limit)
         assert code == 2 and err.strip().endswith(message), (line, limit, err)
         assert "None" not in err and "exclude[" not in err
+
+
+def _relabelled(synthetic_data: Path, out: Path, order: list[int] | None = None, drop_tail: int = 0,
+                no_targets: bool = False) -> Path:
+    """A copy of the data with its label rows in `order` (targets remapped: the same dataset), the
+    last `drop_tail` labels removed (and the targets naming them), or every test target removed."""
+    import gzip
+
+    out.mkdir()
+    labels = [json.loads(line) for line in gzip.open(synthetic_data / "lbl.json.gz", "rt")]
+    order = order or list(range(len(labels) - drop_tail))
+    new_row = {old: new for new, old in enumerate(order)}
+    for split in ("trn", "tst"):
+        with gzip.open(synthetic_data / f"{split}.json.gz", "rt") as f, (out / f"{split}.jsonl").open("w") as g:
+            for line in f:
+                doc = json.loads(line)
+                keep = [] if no_targets and split == "tst" else [t for t in doc["target_ind"] if t in new_row]
+                doc["target_ind"], doc["target_rel"] = [new_row[t] for t in keep], [1.0] * len(keep)
+                g.write(json.dumps(doc) + "\n")
+    with (out / "lbl.jsonl").open("w") as g:
+        g.writelines(json.dumps(labels[old]) + "\n" for old in order)
+    return out
+
+
+def test_eval_refuses_data_whose_label_rows_are_not_the_bundles(bundle_root, synthetic_data, tmp_path, capsys):
+    """A data set with its label rows in another order is the same data, but its target rows name
+    other rows of the bundle: it was scored silently (P@1 82.0 -> 2.0 on debian-tags)."""
+    labels = 300
+    swapped = _relabelled(synthetic_data, tmp_path / "swapped", order=[1, 0, *range(2, labels)])
+    code, out, err = _eval_cli(capsys, bundle_root / "v1", swapped)
+    assert code == 2 and out == ""
+    assert f"{swapped / 'lbl.jsonl'}: label row 0 (uid " in err
+    assert "is the bundle's row 1: the data's labels are not the bundle v1's, row for row" in err
+    # The bundle's first rows (a bundle with labels added since has more): accepted and measured.
+    prefix = _relabelled(synthetic_data, tmp_path / "prefix", drop_tail=1)
+    code, out, err = _eval_cli(capsys, bundle_root / "v1", prefix)
+    assert code == 0 and json.loads(out)["P@1"] > 30.0, err
+
+
+def test_eval_refuses_a_split_in_which_no_document_has_a_label(bundle_root, synthetic_data, tmp_path, capsys):
+    data = _relabelled(synthetic_data, tmp_path / "unlabelled", no_targets=True)
+    code, out, err = _eval_cli(capsys, bundle_root / "v1", data)
+    assert code == 2 and err.strip().endswith(f"{data / 'tst.jsonl'}: no document has a label: every metric would be 0")
+    code, out, _ = _eval_cli(capsys, bundle_root / "v1", synthetic_data)
+    assert code == 0 and json.loads(out)["documents_without_labels"] == 0
