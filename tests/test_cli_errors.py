@@ -194,3 +194,22 @@ def test_a_filter_file_line_past_the_line_limit_is_refused_naming_file_and_line(
     err = _refused(capsys, ["eval", str(bundle_root / "v1"), "--data", str(synthetic_data), "--filter",
                             str(filter_file)], "eval")
     assert err.endswith(f"{filter_file}:2: line longer than 1024 characters (SHORTLIST_MAX_LINE_CHARS)")
+
+
+def test_a_filter_file_that_is_a_fifo_or_a_device_is_refused_without_reading_it(
+        capsys, bundle_root, synthetic_data, tmp_path):
+    """A FIFO nobody writes hung `eval` for ever; /dev/zero was read until the OOM killer came (24 GB)."""
+    fifo = tmp_path / "pairs.fifo"
+    os.mkfifo(fifo)
+    zero = tmp_path / "zero"
+    zero.symlink_to("/dev/zero")
+    for path in (fifo, zero):
+        err = _refused(capsys, ["eval", str(bundle_root / "v1"), "--data", str(synthetic_data), "--filter",
+                                str(path)], "eval")
+        assert err.endswith(f"{path}: cannot read filter file: not a regular file")
+    data = tmp_path / "data"
+    shutil.copytree(synthetic_data, data)
+    (data / "tst.json.gz").unlink()
+    os.mkfifo(data / "tst.json.gz")  # found by name, refused before it is opened
+    err = _refused(capsys, ["eval", str(bundle_root / "v1"), "--data", str(data)], "eval")
+    assert err.endswith(f"{data / 'tst.json.gz'}: cannot read file: not a regular file")

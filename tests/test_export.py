@@ -455,3 +455,23 @@ def test_eval_refuses_a_split_in_which_no_document_has_a_label(bundle_root, synt
     assert code == 2 and err.strip().endswith(f"{data / 'tst.jsonl'}: no document has a label: every metric would be 0")
     code, out, _ = _eval_cli(capsys, bundle_root / "v1", synthetic_data)
     assert code == 0 and json.loads(out)["documents_without_labels"] == 0
+
+
+def test_eval_of_trn_with_a_limit_takes_propensities_from_the_whole_trn_split(bundle_root, synthetic_data, tmp_path):
+    """PSP@k's propensities come from trn: `--split trn --limit 50` took them from the 50 documents
+    evaluated (debian-tags PSP@1 67.47 where the same documents as tst scored 56.73)."""
+    import gzip
+
+    from model_export.evaluate import evaluate_bundle
+
+    data = tmp_path / "first50"
+    data.mkdir()
+    for name in ("trn.json.gz", "lbl.json.gz"):
+        shutil.copy(synthetic_data / name, data / name)
+    with gzip.open(synthetic_data / "trn.json.gz", "rt") as f:
+        (data / "tst.jsonl").write_text("".join(line for _, line in zip(range(50), f, strict=False)))
+    limited = evaluate_bundle(bundle_root / "v1", synthetic_data, split="trn", limit=50)
+    as_tst = evaluate_bundle(bundle_root / "v1", data, split="tst")
+    assert limited["documents"] == as_tst["documents"] == 50
+    for metric in ("P@1", "PSP@1", "PSP@3", "PSP@5"):
+        assert limited[metric] == pytest.approx(as_tst[metric]), metric

@@ -72,7 +72,9 @@ def find_split_file(data_dir: str | Path, split: str) -> Path | None:
     """The file holding `split` (trn, tst, lbl) in any accepted encoding, or None; two files of one
     split (tst.json and tst.jsonl) are refused: which one is meant cannot be told, and reading
     either silently would train or measure on the data the user did not pick."""
-    found = [path for suffix in SPLIT_SUFFIXES if (path := Path(data_dir) / f"{split}{suffix}").is_file()]
+    # Anything there but a folder: a FIFO or a device is then refused by name when read, not "missing".
+    found = [path for suffix in SPLIT_SUFFIXES
+             if (path := Path(data_dir) / f"{split}{suffix}").exists() and not path.is_dir()]
     if len(found) > 1:
         names = " and ".join(p.name for p in found)
         raise ValueError(f"{data_dir}: the {split} split is in {len(found)} files, {names}: keep one")

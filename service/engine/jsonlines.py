@@ -15,6 +15,7 @@ import gzip
 import json
 import os
 import re
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -71,10 +72,20 @@ def bounded_lines(f: IO[str], path: Path) -> Iterator[tuple[int, str]]:
         yield lineno, line.rstrip("\r\n")
 
 
+def _require_regular(path: Path, what: str) -> None:
+    """A data file must be a regular file (or a symlink to one): /dev/zero would be read for
+    ever, a FIFO nobody writes would hang the open itself. (A folder is left to open(): "is a
+    directory".)"""
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+        raise ValueError(f"{path}: cannot read {what}: not a regular file")
+
+
 def iter_text_lines(path: Path, what: str = "file") -> Iterator[tuple[int, str]]:
     """(line number, line) of a plain UTF-8 text file (a filter file, a uids file); `what` names
     the file in the error when it cannot be read."""
     try:
+        _require_regular(path, what)
         with open(path, encoding="utf-8", errors="surrogateescape") as f:
             for lineno, line in bounded_lines(f, path):
                 if (why := not_utf8(line)) is not None:
@@ -88,6 +99,7 @@ def iter_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     """(line number, object) for every line that is not blank."""
     opener = gzip.open if path.name.endswith(".gz") else open
     try:
+        _require_regular(path, "file")
         with opener(path, "rt", encoding="utf-8", errors="surrogateescape") as f:
             for lineno, line in bounded_lines(f, path):
                 if not line.strip():
