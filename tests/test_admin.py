@@ -293,7 +293,8 @@ def _checking_process(server_pid: int, timeout: float = 30.0) -> int:
     # What native code crashing on a bundle looks like from outside (here the signal comes
     # from the test): the checking process dies, the serving one refuses and goes on.
     (signal.SIGSEGV, {}, "crashed the checking process (SIGSEGV)"),
-    (signal.SIGKILL, {}, "crashed the checking process (SIGKILL)"),  # e.g. the OOM killer
+    # The OOM killer's signal, said as what it most likely is.
+    (signal.SIGKILL, {}, "the checking process was killed (SIGKILL) while loading it: most likely out of memory"),
     # A hang: the checking process stops making progress and is killed at the timeout.
     (signal.SIGSTOP, {"SHORTLIST_LOAD_CHECK_TIMEOUT_S": "3"}, "did not finish within 3 s"),
 ])
@@ -312,3 +313,24 @@ def test_a_load_that_kills_or_hangs_its_checking_process_is_refused_and_serving_
         if sig != signal.SIGSTOP:
             # The same bundle, checked without interference, activates.
             assert c.post("/admin/bundles/activate", json={"version": "v1"}).status_code == 200
+
+
+@pytest.mark.skipif(not Path("/proc/self/oom_score_adj").exists(), reason="no OOM score to read (not Linux)")
+def test_the_checking_process_is_the_first_the_oom_killer_picks(bundle_root, tmp_path):
+    """A bundle too large for a container's memory limit must kill the checking child (a refusal
+    naming the bundle), not the serving process: at start-up the kernel picked the server (exit 137)."""
+    with serve(bundle_root, env={"SHORTLIST_ADMIN_TOKEN": TOKEN}, log_dir=tmp_path) as s, \
+            httpx.Client(base_url=s.url, headers=AUTH, timeout=60) as c, ThreadPoolExecutor(1) as pool:
+        activation = pool.submit(c.post, "/admin/bundles/activate", json={"version": "v1"})
+        child = _checking_process(s.proc.pid)
+        scores = []
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and "1000" not in scores:
+            try:
+                scores.append(Path(f"/proc/{child}/oom_score_adj").read_text().strip())
+            except OSError:  # it finished: its score was read before or never set
+                break
+            time.sleep(0.005)
+        assert activation.result().status_code == 200
+        assert scores and scores[-1] == "1000", scores
+        assert Path(f"/proc/{s.proc.pid}/oom_score_adj").read_text().strip() != "1000"

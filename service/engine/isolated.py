@@ -43,6 +43,10 @@ def check_in_child(path: str | Path, *, threads: int = 1, timeout_s: float = 600
         except (ValueError, IndexError, KeyError, TypeError):
             message = f"{path}: refused (unreadable report from the checking process)"
         raise BundleError(message)
+    if done.returncode == -signal.SIGKILL:
+        raise BundleError(f"{path}: the checking process was killed (SIGKILL) while loading it: most likely out of "
+                          "memory (the machine's, or a container's memory limit, is too small for this bundle); "
+                          "not loaded into the serving process")
     if done.returncode < 0:
         raise BundleError(f"{path}: loading crashed the checking process ({_signal_name(-done.returncode)}); "
                           "not loaded into the serving process")
@@ -57,12 +61,29 @@ def _signal_name(number: int) -> str:
         return f"signal {number}"
 
 
+# The most a process may raise its own OOM score to (Linux): the kernel's OOM killer picks it first.
+_OOM_SCORE_ADJ_MAX = 1000
+
+
+def first_to_go() -> None:
+    """Make this process the first the kernel's OOM killer picks. A bundle too large for the memory
+    (a container's limit) then kills the checking child, a refusal naming the bundle, rather than
+    the serving process beside it: at start-up the two are of similar size and the kernel picked
+    the server (PID 1 of a container: exit 137, no message, a restart loop). Where there is no
+    such file (not Linux) nothing changes."""
+    try:
+        Path("/proc/self/oom_score_adj").write_text(str(_OOM_SCORE_ADJ_MAX))
+    except OSError:
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m service.engine.isolated", description=__doc__)
     parser.add_argument("bundle", type=Path)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--max-manifest-bytes", type=int, default=MAX_MANIFEST_BYTES)
     args = parser.parse_args(argv)
+    first_to_go()
     from service.engine.predictor import Predictor, PredictorOptions
 
     try:
