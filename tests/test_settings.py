@@ -50,6 +50,17 @@ CASES = [
      ["SHORTLIST_BUNDLE_CHECK_INTERVAL_S='3600.5': input should be less than or equal to 3600"]),
     ("a negative bundle check interval", {"SHORTLIST_BUNDLE_CHECK_INTERVAL_S": "-0.1"}, [],
      ["SHORTLIST_BUNDLE_CHECK_INTERVAL_S='-0.1': input should be greater than or equal to 0"]),
+    # Audit 5 B10: limits with no upper bound (MAX_K=10^12 let one request take 17.8 GB; inf was a traceback).
+    ("the answer's slots one past their bound", {"SHORTLIST_MAX_BATCH": "10000", "SHORTLIST_MAX_K": "1000",
+                                                  "SHORTLIST_MAX_EXCLUDE": "1"}, [],
+     ["SHORTLIST_MAX_BATCH x (SHORTLIST_MAX_K + SHORTLIST_MAX_EXCLUDE) = 10,010,000 label slots one request may "
+      "make the engine hold, past 10,000,000"]),
+    ("k past its bound", {"SHORTLIST_MAX_K": "1000000000000"}, [],
+     ["SHORTLIST_MAX_K='1000000000000': input should be less than or equal to 100000"]),
+    ("an endless drain", {"SHORTLIST_DRAIN_TIMEOUT_S": "inf"}, [],
+     ["SHORTLIST_DRAIN_TIMEOUT_S='inf': input should be less than or equal to 86400"]),
+    ("a body limit past its bound", {"SHORTLIST_MAX_BODY_BYTES": "99999999999999999999"}, [],
+     ["SHORTLIST_MAX_BODY_BYTES='99999999999999999999': input should be less than or equal to 1073741824"]),
     ("a variable that is not a number", {"SHORTLIST_MAX_K": "abc"}, [],
      ["SHORTLIST_MAX_K='abc': input should be a valid integer"]),
     ("the port flag one past its edge", {}, ["--port", "65536"],
@@ -133,6 +144,11 @@ EDGES = [
     ("the same port on another address", {"SHORTLIST_ADMIN_PORT": "9000", "SHORTLIST_ADMIN_HOST": "127.0.0.2"},
      ["--port", "9000"]),
     ("both ports picked free", {"SHORTLIST_ADMIN_PORT": "0"}, ["--port", "0"]),
+    ("the answer's slots at their bound", {"SHORTLIST_MAX_BATCH": "10000", "SHORTLIST_MAX_K": "999",
+                                           "SHORTLIST_MAX_EXCLUDE": "1", "SHORTLIST_MAX_QUEUED_TEXTS": "10000"}, []),
+    ("request limits at their upper bounds", {"SHORTLIST_MAX_K": "100000", "SHORTLIST_MAX_EXCLUDE": "0",
+                                              "SHORTLIST_MAX_BATCH": "100", "SHORTLIST_MAX_BODY_BYTES": "1073741824",
+                                              "SHORTLIST_DRAIN_TIMEOUT_S": "86400"}, []),
     ("trusted proxies: addresses, a network, any",
      {"SHORTLIST_FORWARDED_ALLOW_IPS": "10.0.0.1, ::1,10.1.0.0/16,*"}, []),
 ]
@@ -250,3 +266,16 @@ def test_labels_add_names_a_bad_setting_without_the_token(tmp_path):
     r = _run(args, {"SHORTLIST_ADMIN_TOKEN": TOKEN[:15]}, tmp_path, "labels")
     _assert_refused(r, ["SHORTLIST_ADMIN_TOKEN is shorter than"], "shortlist labels: error: ")
     assert TOKEN[:15] not in r.stderr
+
+
+def test_every_numeric_setting_has_both_bounds():
+    """A limit without an upper bound lets a value through that kills the server (audit 5 B10)."""
+    from annotated_types import Ge, Gt, Le, Lt
+
+    unbounded = []
+    for name, field in Settings.model_fields.items():
+        kinds = {type(m) for m in field.metadata}
+        if field.annotation in (int, float, int | None, float | None) and not (
+                kinds & {Ge, Gt} and kinds & {Le, Lt}):
+            unbounded.append(name)
+    assert unbounded == []

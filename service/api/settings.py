@@ -36,6 +36,12 @@ class SettingsError(ValueError):
     (or the command-line flag) that set it, never the value of a secret setting."""
 
 
+# The most label slots one request may make the engine hold, texts x (k + excluded uids): it
+# makes arrays of that size before anything is answered (SHORTLIST_MAX_K=10^12 let one
+# {"k": 10^9} take 17.8 GB). 10^7: ~120 MB of ids and scores; the defaults need 140,800.
+MAX_ANSWER_SLOTS = 10_000_000
+
+
 class CrossCheck(ValueError):
     """A rule between settings: `reason` names each of `fields` as {field}, filled in with the
     variable or flag that set it when the problem is reported (load_settings)."""
@@ -104,16 +110,18 @@ class Settings(BaseSettings):
     state_dir: Path | None = None
 
     # Request limits.
-    max_text_chars: int = Field(2000, ge=1)
+    # Upper bounds: far past any real use, below what one request could make the process allocate
+    # before anything refuses it (SHORTLIST_MAX_K=10^12 let {"k": 10^9} take 17.8 GB).
+    max_text_chars: int = Field(2000, ge=1, le=16_777_216)
     # What the tokenizer reads is the text after NFKC normalisation, which makes a character up to
     # 18 (U+FDFA): a text must also be at most this long in that form (None: 2 x max_text_chars;
     # ordinary text grows little, 2,000 ligatures "ﬁ" make 4,000).
-    max_normalized_chars: int | None = Field(None, ge=1)
-    max_k: int = Field(100, ge=1)
-    max_batch: int = Field(128, ge=1)
-    max_body_bytes: int = Field(1_048_576, ge=64)
+    max_normalized_chars: int | None = Field(None, ge=1, le=1 << 28)
+    max_k: int = Field(100, ge=1, le=100_000)
+    max_batch: int = Field(128, ge=1, le=65_536)
+    max_body_bytes: int = Field(1_048_576, ge=64, le=1 << 30)
     max_beam: int = Field(256, ge=1, le=MAX_BEAM)  # the engine's widest beam
-    max_exclude: int = Field(1000, ge=0)
+    max_exclude: int = Field(1000, ge=0, le=1_000_000)
     # The most bytes of a bundle's manifest.json read (listing, activation, start-up): past it the
     # bundle is refused, naming the file (service.engine.small_files).
     max_manifest_bytes: int = Field(MAX_MANIFEST_BYTES, ge=1024, le=1 << 30)
@@ -188,7 +196,7 @@ class Settings(BaseSettings):
     load_check_in_child: bool = True
     load_check_timeout_s: float = Field(600.0, gt=0.0, le=86_400.0)
     # How long a retired bundle may wait for in-flight requests before it is closed anyway.
-    drain_timeout_s: float = Field(30.0, ge=0.0)
+    drain_timeout_s: float = Field(30.0, ge=0.0, le=86_400.0)
     # `serve-ray` only: how long a prediction waits for every shard's answer (a shard replica that
     # died is replaced in ~10 s, during which Serve holds calls to it) before it is answered 503
     # shard_unavailable with Retry-After (service/api/ray_app.py).
@@ -273,6 +281,15 @@ class Settings(BaseSettings):
             raise CrossCheck(("max_normalized_chars", "max_text_chars"),
                              f"{{max_normalized_chars}}={self.max_normalized_chars} is below {{max_text_chars}}="
                              f"{self.max_text_chars}: ASCII texts the text limit takes would be refused")
+        return self
+
+    @model_validator(mode="after")
+    def _an_answer_is_bounded(self) -> Settings:
+        slots = self.max_batch * (self.max_k + self.max_exclude)
+        if slots > MAX_ANSWER_SLOTS:
+            raise CrossCheck(("max_batch", "max_k", "max_exclude"),
+                             f"{{max_batch}} x ({{max_k}} + {{max_exclude}}) = {slots:,} label slots one request may "
+                             f"make the engine hold, past {MAX_ANSWER_SLOTS:,}: lower one of them")
         return self
 
     @model_validator(mode="after")
