@@ -194,3 +194,20 @@ def test_data_aggregate_refuses_a_dataset_without_labels(tmp_path: Path, capsys)
     err = capsys.readouterr().err
     assert f"{data / 'trn.json.gz'}: no training document has a label (target_ind is empty in all 12)" in err
     assert "Traceback" not in err and not (tmp_path / "g" / "groups.json.gz").exists()
+
+
+def test_documents_without_tokens_are_refused_after_imputation_not_crashed(tmp_path: Path, capsys) -> None:
+    """With every document tokenless the choice of keep ratio finds no neighbour (it crashed with an
+    IndexError); with the held-out groups' documents tokenless and uncentred features it scores them
+    0 and imputation goes on (training then stops at min_train_docs, set past the data to be quick)."""
+    data = _grouped(tmp_path / "all")
+    _write(data / "trn.json.gz", [dict(d, title="!!!") for d in _read(data / "trn.json.gz")])
+    code, err = _train(data, tmp_path, capsys, aggregated_validation=0.25)
+    assert code == 2 and "no training document has a token of the vocabulary" in err
+    data = _grouped(tmp_path / "held")
+    held = {f"g{g}" for g in held_out_groups(sp.csr_matrix(np.ones((40, 1))), 0.25, TrainConfig.tiny().seed)}
+    _write(data / "trn.json.gz", [dict(d, title="!!!") if d["group"] in held else d
+                                  for d in _read(data / "trn.json.gz")])
+    code, err = _train(data, tmp_path, capsys, aggregated_validation=0.25, aggregated_center=False,
+                       min_train_docs=10**6)
+    assert code == 2 and "fewer than min_train_docs (1000000)" in err
