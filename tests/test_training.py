@@ -263,6 +263,7 @@ TRAIN_SETTING_EDGES = [
     ("lexical_tol", 0.0, -1e-9, {}), ("lexical_lr", 0.0, -1e-9, {}), ("lexical_l2", 0.0, -1e-9, {}),
     ("lexical_batch_size", 1, 0, {}), ("aggregated_iterations", 0, -1, {}),
     ("aggregated_validation", 0.0, -1e-9, {"aggregated_keep_ratio": 0.5}), ("aggregated_validation", 0.999, 1.0, {}),
+    ("aggregated_min_val_groups", 1, 0, {}),
     ("aggregated_step", 1e-9, 0.0, {}), ("aggregated_step", 1.0, 1.0 + 1e-9, {}), ("aggregated_rounds", 1, 0, {}),
     ("aggregated_keep_ratio", 0.0, -1e-9, {}), ("aggregated_keep_ratio", 1.0, 1.0 + 1e-9, {}),
 ]

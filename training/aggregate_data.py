@@ -72,6 +72,8 @@ def aggregate(data_dir: Path, out: Path, group_size: int, grouping: str, seed: i
     labels = xc_data.load_labels(data_dir)
     trn_path = xc_data.find_split_file(data_dir, "trn")
     trn = xc_data.load_split(data_dir, "trn", "title", len(labels))
+    if not any(trn.targets):  # every group would carry none: grouped data nothing can be imputed from
+        raise ValueError(f"{trn_path}: no training document has a label (target_ind is empty in all {len(trn)})")
     if grouping == "random":
         group_of = random_groups(len(trn), group_size, seed)
     else:

@@ -196,6 +196,12 @@ class TrainConfig:
     # 0 = T as given (the paper's method, measured with T = 10, lambda = 0.5: bench/RESULTS.md).
     aggregated_iterations: int = 10
     aggregated_validation: float = 0.1
+    # The fewest held-out groups with a label (a share aggregated_validation of the groups that
+    # have one, leaving at least one to learn from) the iterations and keep ratio are chosen on:
+    # fewer and the data is refused before training (exit 2), as with min_val_docs (a group is
+    # scored as a validation document is, by its labels' ranks). Data with too few groups trains
+    # with aggregated_validation 0 and aggregated_keep_ratio given (aggregated_iterations as given).
+    aggregated_min_val_groups: int = 10
     aggregated_step: float = 0.5
     # A second round re-imputes from the first model's posteriors (aggregated_reimpute): on
     # clustered groups of 4 it recovers more of the naive-to-true P@1 gap (debian-tags 24% -> 44%
@@ -337,6 +343,7 @@ _BOUNDS: dict[str, Bounds] = {
     "tune_source_level": _UNIT, "lexical_epochs": AT_LEAST_1, "lexical_max_steps": AT_LEAST_1,
     "lexical_tol": AT_LEAST_0, "lexical_lr": AT_LEAST_0, "lexical_l2": AT_LEAST_0, "lexical_batch_size": AT_LEAST_1,
     "aggregated_iterations": AT_LEAST_0, "aggregated_validation": _FRACTION,
+    "aggregated_min_val_groups": AT_LEAST_1,
     "aggregated_step": Bounds(0, 1, open_low=True), "aggregated_rounds": AT_LEAST_1, "aggregated_keep_ratio": _UNIT,
 }
 

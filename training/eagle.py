@@ -62,6 +62,28 @@ _PATIENCE = 3  # iterations without a better group-level P@1 before the validati
 _NEIGHBOURS = 20  # the neighbours (documents of other groups) a held-out member's labels are read from
 
 
+class TooFewHeldOutGroups(ValueError):
+    """A validation that would choose the iterations or the keep ratio on too few held-out groups
+    with a label (none: nothing to score, one: one group's luck)."""
+
+    def __init__(self, held: int, labelled: int, needed: int) -> None:
+        super().__init__(f"{held} held-out groups with a label (of {labelled} groups with one), fewer than the "
+                         f"{needed} the choice of iterations and keep ratio needs")
+        self.held, self.labelled, self.needed = held, labelled, needed
+
+
+def held_out_groups(group_labels: sp.csr_matrix, validation: float, seed: int) -> np.ndarray:
+    """The groups whose labels a validation hides (sorted; none without validation): a share
+    `validation` of the groups that carry a label (an unlabelled group has nothing to score),
+    leaving at least one of them to learn the label vectors from."""
+    labelled = np.flatnonzero(np.diff(sp.csr_matrix(group_labels).indptr) > 0)
+    count = min(max(1, int(round(validation * len(labelled)))), len(labelled) - 1)
+    if validation == 0 or count <= 0:
+        return np.zeros(0, np.int64)
+    # With every group labelled this draws what a choice among all groups drew (same seed, same count).
+    return np.sort(labelled[np.random.default_rng(seed).choice(len(labelled), count, replace=False)])
+
+
 class EagleImputer:
     """fit(features [N, F], members [G, N], group_labels [G, L]) -> label_vectors_ [L, F];
     impute() -> per-document label ids (Algorithm 2).
@@ -72,10 +94,13 @@ class EagleImputer:
     documents' mean (module docstring). validation: the share of groups held out to choose the
     number of iterations iterations_ in 0..T by group-level P@1 (0: T as given, the paper's) and,
     for the "relative" assignment, keep_ratio_ (EagleImputer.impute) when keep_ratio is None.
+    min_held_out: the fewest held-out groups with a label such a choice is made on
+    (TooFewHeldOutGroups from fit when fewer).
     """
 
     def __init__(self, iterations: int = 10, step: float = 0.5, seed: int = 0, assignment: str = "expected",
-                 center: bool = False, validation: float = 0.0, keep_ratio: float | None = None) -> None:
+                 center: bool = False, validation: float = 0.0, keep_ratio: float | None = None,
+                 min_held_out: int = 1) -> None:
         if iterations < 0:
             raise ValueError(f"iterations must be >= 0, got {iterations}")
         if not 0.0 < step <= 1.0:
@@ -95,6 +120,13 @@ class EagleImputer:
         if assignment == "relative" and keep_ratio is None and self.validation == 0:
             raise ValueError("the relative assignment needs a keep_ratio or a validation share to choose it on")
         self.keep_ratio = keep_ratio
+        self.min_held_out = max(1, int(min_held_out))
+
+    @property
+    def chooses_on_held_out(self) -> bool:
+        """Whether fit chooses the iterations or the keep ratio on held-out groups."""
+        choose_ratio = self.assignment == "relative" and self.keep_ratio is None
+        return self.validation > 0 and (self.iterations > 0 or choose_ratio)
 
     def fit(self, features: Features, members: sp.csr_matrix, group_labels: sp.csr_matrix,
             label_features: Features | None = None) -> EagleImputer:
@@ -103,12 +135,14 @@ class EagleImputer:
         With validation > 0, iterations_ (<= iterations) is chosen first on held-out groups."""
         members, group_labels = sp.csr_matrix(members), sp.csr_matrix(group_labels)
         num_docs, num_groups = features.shape[0], members.shape[0]
+        held = held_out_groups(group_labels, self.validation, self.seed)
+        if self.chooses_on_held_out and len(held) < self.min_held_out:
+            raise TooFewHeldOutGroups(len(held), int((np.diff(group_labels.indptr) > 0).sum()), self.min_held_out)
         if label_features is not None:
             features, members, group_labels = _with_label_groups(features, members, group_labels, label_features)
         space = _space(features, num_docs, self.center)
         self.iterations_, self.validation_scores_ = self.iterations, []
         self.keep_ratio_, self.keep_ratio_scores_ = self.keep_ratio, []
-        held = self._held_out(num_groups)
         if self.validation > 0 and self.iterations > 0:
             self.validation_scores_ = self._validate(space, members, group_labels, held)
             self.iterations_ = int(np.argmax(self.validation_scores_))  # the fewest iterations on ties
@@ -139,13 +173,6 @@ class EagleImputer:
                                                          space.num_rows)))
             v = space.normalize(space.mix(1.0 - self.step, v, self.step, u))
         return v
-
-    def _held_out(self, num_groups: int) -> np.ndarray:
-        """The groups whose labels a validation hides (sorted; none without validation)."""
-        if self.validation == 0:
-            return np.zeros(0, np.int64)
-        rng = np.random.default_rng(self.seed)
-        return np.sort(rng.choice(num_groups, max(1, int(round(self.validation * num_groups))), replace=False))
 
     def _validate(self, space: _Space, members: sp.csr_matrix, group_labels: sp.csr_matrix,
                   held: np.ndarray) -> list[float]:
@@ -502,6 +529,8 @@ def _r_precision(member_probs: sp.csr_matrix, member_group: np.ndarray, truth: s
     cut share its last places (the expected share under a random order of the ties)."""
     num_groups, num_labels = truth.shape
     coo = member_probs.tocoo()
+    if not coo.nnz:  # no held-out member has a neighbour with a label: nothing ranked, nothing found
+        return 0.0
     keys = member_group[coo.row].astype(np.int64) * num_labels + coo.col
     order = np.argsort(keys, kind="stable")
     keys, probs = keys[order], coo.data[order].astype(np.float64)

@@ -28,6 +28,7 @@ class GroupedSplit:
     group_of: np.ndarray  # int64 [N]: each document's group row
     group_uids: list[str]
     group_targets: list[list[int]]
+    groups_file: str = "groups"  # where the groups were read: named by refusals of the data
 
     def __len__(self) -> int:
         return len(self.uids)
@@ -74,7 +75,7 @@ def load_grouped(data_dir: str | Path, text_field: xc_data.TextField, num_labels
     if len(empty):
         g = int(empty[0])
         raise ValueError(f"{groups_path}:{group_lines[g]}: group {group_uids[g]!r} has no document in {path.name}")
-    return GroupedSplit(uids, texts, np.asarray(group_of, dtype=np.int64), group_uids, group_targets)
+    return GroupedSplit(uids, texts, np.asarray(group_of, dtype=np.int64), group_uids, group_targets, str(groups_path))
 
 
 def _group_uid(value: object, path: Path, lineno: int, name: str) -> str:
@@ -103,4 +104,6 @@ def _load_groups(path: Path, num_labels: int) -> tuple[list[str], list[list[int]
         lines.append(lineno)
     if not uids:
         raise ValueError(f"{path}: no groups")
+    if not any(targets):  # as ordinary data's "no training document has a label": nothing to impute
+        raise ValueError(f"{path}: no group has a label (target_ind is empty in all {len(uids)})")
     return uids, targets, lines
