@@ -17,7 +17,7 @@ from shortlist.cli import main as cli
 from training import data as xc_data
 from training.aggregated import fit_imputer, tfidf_spaces
 from training.config import TrainConfig
-from training.eagle import EagleImputer, held_out_groups
+from training.eagle import CLOSEST_ONLY, EagleImputer, SkippedChoice, held_out_groups
 from training.grouped import load_grouped
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
@@ -82,36 +82,36 @@ def test_no_group_with_a_label_is_refused_naming_the_groups_file(tmp_path: Path,
     assert f"{data / 'groups.json.gz'}: no group has a label (target_ind is empty in all 40)" in err
 
 
-def test_one_group_of_every_document_is_refused_naming_aggregated_min_val_groups(tmp_path: Path, capsys) -> None:
+def test_one_group_of_every_document_chooses_nothing_and_imputes_by_the_papers_method(tmp_path: Path, caplog) -> None:
     data = _grouped(tmp_path / "g")
     groups = _read(data / "groups.json.gz")
     union = sorted({t for g in groups for t in g["target_ind"]})
     _write(data / "groups.json.gz", [{"uid": "all", "target_ind": union}])
     _write(data / "trn.json.gz", [dict(d, group="all") for d in _read(data / "trn.json.gz")])
     # One group with a label cannot be split into one to learn from and one to choose on: none is
-    # held out, fewer than any minimum.
+    # held out, fewer than any minimum; the paper's method is used and a warning says why.
     for minimum in (10, 1):
-        code, err = _train(data, tmp_path, capsys, aggregated_min_val_groups=minimum)
-        assert code == 2
+        caplog.clear()
+        imputer, imputed = _fit(data, aggregated_min_val_groups=minimum)
+        assert imputer.choice_skipped_ == SkippedChoice(0, 1, minimum)
+        assert (imputer.iterations_, imputer.keep_ratio_) == (TrainConfig.tiny().aggregated_iterations, CLOSEST_ONLY)
+        assert imputer.validation_scores_ == [] and imputer.keep_ratio_scores_ == []
         assert (f"{data / 'groups.json.gz'}: aggregated_validation 0.1 holds out 0 of its 1 groups with a label, "
-                f"fewer than aggregated_min_val_groups ({minimum})") in err
-    # Without the choice (the documented way for few groups) the group's labels are imputed.
-    _, imputed = _fit(data, aggregated_validation=0.0, aggregated_keep_ratio=0.5)
-    assert set().union(*map(set, imputed)) == set(range(NUM_LABELS))
+                f"fewer than aggregated_min_val_groups ({minimum}): nothing chosen on them") in caplog.text
+        assert set().union(*map(set, imputed)) == set(range(NUM_LABELS))
 
 
-@pytest.mark.parametrize(("minimum", "refused"), [(10, False), (11, True)])
-def test_aggregated_min_val_groups_at_and_past_its_edge(tmp_path: Path, minimum: int, refused: bool) -> None:
+@pytest.mark.parametrize(("minimum", "chosen"), [(10, True), (11, False)])
+def test_aggregated_min_val_groups_at_and_past_its_edge(tmp_path: Path, minimum: int, chosen: bool) -> None:
     """40 groups with a label at aggregated_validation 0.25: 10 held out."""
     data = _grouped(tmp_path / "g")
-    config = {"aggregated_validation": 0.25, "aggregated_min_val_groups": minimum}
-    if refused:
-        with pytest.raises(ValueError, match=r"groups\.json\.gz: aggregated_validation 0\.25 holds out 10 of its 40 "
-                                             r"groups with a label, fewer than aggregated_min_val_groups \(11\)"):
-            _fit(data, **config)
+    imputer, _ = _fit(data, aggregated_validation=0.25, aggregated_min_val_groups=minimum)
+    if chosen:
+        assert imputer.choice_skipped_ is None and imputer.keep_ratio_scores_ and imputer.validation_scores_
     else:
-        imputer, _ = _fit(data, **config)
-        assert imputer.keep_ratio_scores_ and imputer.validation_scores_
+        assert imputer.choice_skipped_ == SkippedChoice(10, 40, 11)
+        assert imputer.keep_ratio_scores_ == [] and imputer.validation_scores_ == []
+        assert imputer.keep_ratio_ == CLOSEST_ONLY
 
 
 def test_held_out_groups_are_drawn_among_the_groups_with_a_label() -> None:
@@ -126,15 +126,19 @@ def test_held_out_groups_are_drawn_among_the_groups_with_a_label() -> None:
     assert len(held_out_groups(some, 0.0, 0)) == 0
 
 
-def test_a_choice_on_too_few_groups_needs_more_or_none(tmp_path: Path, capsys) -> None:
+def test_a_choice_on_too_few_groups_is_not_made_and_a_given_keep_ratio_is_kept(tmp_path: Path, capsys,
+                                                                               caplog) -> None:
     """Unlabelled groups do not count: 20 of 60 groups carry a label, 2 held out at 0.1."""
     data = _grouped(tmp_path / "g", num_groups=60, labelled=20)
-    code, err = _train(data, tmp_path, capsys, aggregated_min_val_groups=3)
-    assert code == 2 and "holds out 2 of its 20 groups with a label, fewer than aggregated_min_val_groups (3)" in err
-    assert "raise aggregated_validation, or set it to 0 with aggregated_keep_ratio given" in err
-    # Nothing is chosen without a validation share, or with the ratio given and no iterations.
+    # Imputed with a warning (training then needs more labelled documents than this tiny set has).
+    _train(data, tmp_path, capsys, aggregated_min_val_groups=3)
+    assert "holds out 2 of its 20 groups with a label, fewer than aggregated_min_val_groups (3): nothing chosen" in \
+        caplog.text
+    # Nothing is chosen without a validation share, or with the ratio given and no iterations;
+    # too few groups keep a given ratio.
     for config in ({"aggregated_validation": 0.0, "aggregated_keep_ratio": 0.7},
-                   {"aggregated_iterations": 0, "aggregated_keep_ratio": 0.7, "aggregated_min_val_groups": 3}):
+                   {"aggregated_iterations": 0, "aggregated_keep_ratio": 0.7, "aggregated_min_val_groups": 3},
+                   {"aggregated_keep_ratio": 0.7, "aggregated_min_val_groups": 3}):
         imputer, _ = _fit(data, **config)
         assert imputer.keep_ratio_ == 0.7 and imputer.keep_ratio_scores_ == []
 
@@ -168,7 +172,7 @@ def test_held_out_members_without_a_neighbour_score_every_keep_ratio_zero() -> N
     assert imputer.keep_ratio_scores_ == [0.0] * 11 and imputer.keep_ratio_ == 1.0
 
 
-def test_data_aggregate_at_its_edges(tmp_path: Path, capsys) -> None:
+def test_data_aggregate_at_its_edges(tmp_path: Path, capsys, caplog) -> None:
     data = _ordinary(tmp_path / "d")
     for grouping in ("random", "clustered"):
         assert cli(["data", "aggregate", "--data", str(data), "--out", str(tmp_path / f"one_{grouping}"),
@@ -178,13 +182,14 @@ def test_data_aggregate_at_its_edges(tmp_path: Path, capsys) -> None:
         groups = {g["uid"]: g["target_ind"] for g in _read(tmp_path / f"one_{grouping}" / "groups.json.gz")}
         assert all(groups[d["group"]] == [int(d["uid"][1:]) % NUM_LABELS]
                    for d in _read(tmp_path / f"one_{grouping}" / "trn.json.gz"))
-        # A group size past the data: one group of every document, which training then refuses.
+        # A group size past the data: one group of every document: nothing chosen on held-out groups,
+        # each label to its closest member, too few labelled documents for training.
         big = tmp_path / f"big_{grouping}"
         assert cli(["data", "aggregate", "--data", str(data), "--out", str(big), "--group-size", "1000",
                     "--grouping", grouping]) == 0
         assert json.loads(capsys.readouterr().out)["groups"] == 1
         code, err = _train(big, tmp_path, capsys)
-        assert code == 2 and "holds out 0 of its 1 groups with a label" in err
+        assert code == 2 and "holds out 0 of its 1 groups with a label" in caplog.text and "min_train_docs (10)" in err
 
 
 def test_data_aggregate_refuses_a_dataset_without_labels(tmp_path: Path, capsys) -> None:

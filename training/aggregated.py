@@ -20,7 +20,7 @@ from service.engine.tokenizer import Tokenizer
 from training import data as xc_data
 from training.checkpoint import Checkpoint
 from training.config import TrainConfig
-from training.eagle import KEEP_RATIOS, EagleImputer, TooFewHeldOutGroups, carrier_posteriors
+from training.eagle import KEEP_RATIOS, EagleImputer, carrier_posteriors
 from training.encoder import EncodedTexts, embed
 from training.grouped import GroupedSplit, load_grouped
 from training.pipeline import train
@@ -60,15 +60,14 @@ def fit_imputer(grouped: GroupedSplit, features: sp.csr_matrix | np.ndarray, num
     imputer = EagleImputer(cfg.aggregated_iterations, cfg.aggregated_step, cfg.seed, cfg.aggregated_assignment,
                            cfg.aggregated_center, cfg.aggregated_validation, cfg.aggregated_keep_ratio,
                            cfg.aggregated_min_val_groups)
-    try:
-        imputer.fit(features, grouped.members(), grouped.group_labels(num_labels),
-                    label_features if cfg.aggregated_label_texts else None)
-    except TooFewHeldOutGroups as exc:
-        raise ValueError(
-            f"{grouped.groups_file}: aggregated_validation {cfg.aggregated_validation} holds out {exc.held} of its "
-            f"{exc.labelled} groups with a label, fewer than aggregated_min_val_groups ({exc.needed}) the choice of "
-            "iterations and keep ratio needs (raise aggregated_validation, or set it to 0 with aggregated_keep_ratio "
-            "given)") from None
+    imputer.fit(features, grouped.members(), grouped.group_labels(num_labels),
+                label_features if cfg.aggregated_label_texts else None)
+    if (skipped := imputer.choice_skipped_) is not None:
+        log.warning("%s: aggregated_validation %s holds out %d of its %d groups with a label, fewer than "
+                    "aggregated_min_val_groups (%d): nothing chosen on them, %d iterations and keep ratio %s "
+                    "(each group label to its closest member where none is given: the paper's method)",
+                    grouped.groups_file, cfg.aggregated_validation, skipped.held, skipped.labelled, skipped.needed,
+                    imputer.iterations_, imputer.keep_ratio_)
     if imputer.validation_scores_:
         log.info("aggregated: %d iterations chosen on held-out groups (group P@1 by iterations: %s)",
                  imputer.iterations_, " ".join(f"{100 * p:.1f}" for p in imputer.validation_scores_))

@@ -197,10 +197,10 @@ class TrainConfig:
     aggregated_iterations: int = 10
     aggregated_validation: float = 0.1
     # The fewest held-out groups with a label (a share aggregated_validation of the groups that
-    # have one, leaving at least one to learn from) the iterations and keep ratio are chosen on:
-    # fewer and the data is refused before training (exit 2), as with min_val_docs (a group is
-    # scored as a validation document is, by its labels' ranks). Data with too few groups trains
-    # with aggregated_validation 0 and aggregated_keep_ratio given (aggregated_iterations as given).
+    # have one, leaving at least one to learn from) the iterations and keep ratio are chosen on
+    # (a group is scored as a validation document is, by its labels' ranks): with fewer nothing
+    # is chosen on one group's luck, a warning says so, and the paper's method is used
+    # (aggregated_iterations as given; aggregated_keep_ratio, else each group label to its closest member).
     aggregated_min_val_groups: int = 10
     aggregated_step: float = 0.5
     # A second round re-imputes from the first model's posteriors (aggregated_reimpute): on

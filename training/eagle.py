@@ -62,14 +62,19 @@ _PATIENCE = 3  # iterations without a better group-level P@1 before the validati
 _NEIGHBOURS = 20  # the neighbours (documents of other groups) a held-out member's labels are read from
 
 
-class TooFewHeldOutGroups(ValueError):
-    """A validation that would choose the iterations or the keep ratio on too few held-out groups
-    with a label (none: nothing to score, one: one group's luck)."""
+# The keep ratio where none is given and none can be chosen: each group's label goes to its closest
+# member (and members tied with it), the paper's Algorithm 2.
+CLOSEST_ONLY = 1.0
 
-    def __init__(self, held: int, labelled: int, needed: int) -> None:
-        super().__init__(f"{held} held-out groups with a label (of {labelled} groups with one), fewer than the "
-                         f"{needed} the choice of iterations and keep ratio needs")
-        self.held, self.labelled, self.needed = held, labelled, needed
+
+@dataclass(frozen=True)
+class SkippedChoice:
+    """Why fit made no choice on held-out groups: `held` of the `labelled` groups with a label were
+    held out, fewer than `needed` (none: nothing to score; one: one group's luck)."""
+
+    held: int
+    labelled: int
+    needed: int
 
 
 def held_out_groups(group_labels: sp.csr_matrix, validation: float, seed: int) -> np.ndarray:
@@ -94,8 +99,9 @@ class EagleImputer:
     documents' mean (module docstring). validation: the share of groups held out to choose the
     number of iterations iterations_ in 0..T by group-level P@1 (0: T as given, the paper's) and,
     for the "relative" assignment, keep_ratio_ (EagleImputer.impute) when keep_ratio is None.
-    min_held_out: the fewest held-out groups with a label such a choice is made on
-    (TooFewHeldOutGroups from fit when fewer).
+    min_held_out: the fewest held-out groups with a label such a choice is made on; with fewer,
+    fit chooses nothing (choice_skipped_ says why): iterations_ is T and keep_ratio_ keep_ratio,
+    else CLOSEST_ONLY (the paper's method).
     """
 
     def __init__(self, iterations: int = 10, step: float = 0.5, seed: int = 0, assignment: str = "expected",
@@ -136,17 +142,21 @@ class EagleImputer:
         members, group_labels = sp.csr_matrix(members), sp.csr_matrix(group_labels)
         num_docs, num_groups = features.shape[0], members.shape[0]
         held = held_out_groups(group_labels, self.validation, self.seed)
+        self.choice_skipped_ = None
         if self.chooses_on_held_out and len(held) < self.min_held_out:
-            raise TooFewHeldOutGroups(len(held), int((np.diff(group_labels.indptr) > 0).sum()), self.min_held_out)
+            self.choice_skipped_ = SkippedChoice(len(held), int((np.diff(group_labels.indptr) > 0).sum()),
+                                                 self.min_held_out)
         if label_features is not None:
             features, members, group_labels = _with_label_groups(features, members, group_labels, label_features)
         space = _space(features, num_docs, self.center)
         self.iterations_, self.validation_scores_ = self.iterations, []
         self.keep_ratio_, self.keep_ratio_scores_ = self.keep_ratio, []
-        if self.validation > 0 and self.iterations > 0:
+        if self.choice_skipped_ is not None:
+            self.keep_ratio_ = CLOSEST_ONLY if self.keep_ratio is None else self.keep_ratio
+        elif self.validation > 0 and self.iterations > 0:
             self.validation_scores_ = self._validate(space, members, group_labels, held)
             self.iterations_ = int(np.argmax(self.validation_scores_))  # the fewest iterations on ties
-        if self.assignment == "relative" and self.keep_ratio is None:
+        if self.choice_skipped_ is None and self.assignment == "relative" and self.keep_ratio is None:
             self.keep_ratio_scores_ = self._choose_keep_ratio(space, members, group_labels, held, num_groups)
             self.keep_ratio_ = KEEP_RATIOS[int(np.argmax(self.keep_ratio_scores_))]  # the highest on ties
         v = self._group_robust(space, members, group_labels, self.iterations_)
