@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -106,6 +107,10 @@ def evaluate_bundle(
     out: dict[str, Any] = {"bundle": predictor.version, "split": split, "scorer": scorer, "protocol": protocol,
                            "filtered_pairs": sum(len(d) for d in left_out), "documents": len(docs),
                            "documents_without_labels": unlabelled}
+    # What is measured is what is served: a text past the API's limit is scored here, refused there.
+    max_chars = serving_text_limit()
+    out["documents_past_max_text_chars"] = sum(1 for text in docs.texts if len(text) > max_chars)
+    out["max_text_chars"] = max_chars
     if inv_prop is None:
         out["psp_not_measured"] = f"no trn file in {data_dir}: PSP@k's propensities come from its label frequencies"
     out.update(ranking_metrics(ids, truths, ks=(1, 3, 5), inv_propensity=inv_prop))
@@ -116,6 +121,14 @@ def evaluate_bundle(
         out["shortlist_size_mean"] = float(np.mean([len(s) for s in shortlists])) if shortlists else 0.0
     out["queries_per_s"] = len(docs) / elapsed if elapsed > 0 else 0.0
     return out
+
+
+def serving_text_limit() -> int:
+    """The API's MAX_TEXT_CHARS as this environment sets it (SHORTLIST_MAX_TEXT_CHARS), else its default."""
+    from service.api.settings import Settings
+
+    raw = os.environ.get("SHORTLIST_MAX_TEXT_CHARS", "").strip()
+    return int(raw) if raw.isascii() and raw.isdigit() else int(Settings.model_fields["max_text_chars"].default)
 
 
 def check_same_labels(labels: LabelSet, predictor: Predictor, data_dir: str | Path) -> None:
@@ -160,6 +173,9 @@ def run_cli(args: argparse.Namespace) -> int:
     for name in (*METRICS, "recall@shortlist", "queries_per_s"):
         if name in result:
             print(f"  {name:<18} {result[name]:10.2f}")
+    if result["documents_past_max_text_chars"]:
+        print(f"  {result['documents_past_max_text_chars']} documents are longer than MAX_TEXT_CHARS "
+              f"({result['max_text_chars']}): scored here, refused by the API (422)")
     if "psp_not_measured" in result:
         print(f"  PSP@k not measured: {result['psp_not_measured']}")
     return 0

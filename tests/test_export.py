@@ -475,3 +475,18 @@ def test_eval_of_trn_with_a_limit_takes_propensities_from_the_whole_trn_split(bu
     assert limited["documents"] == as_tst["documents"] == 50
     for metric in ("P@1", "PSP@1", "PSP@3", "PSP@5"):
         assert limited[metric] == pytest.approx(as_tst[metric]), metric
+
+
+def test_eval_counts_the_documents_the_api_would_refuse_as_too_long(bundle_root, synthetic_data, monkeypatch):
+    """eval scores every text; POST /v1/predict refuses those past MAX_TEXT_CHARS (422): the count
+    says how much of the figure no client could have been served."""
+    from model_export.evaluate import evaluate_bundle
+    from training.data import load_split
+
+    texts = load_split(synthetic_data, "tst").texts
+    assert evaluate_bundle(bundle_root / "v1", synthetic_data)["documents_past_max_text_chars"] == sum(
+        len(t) > 2000 for t in texts)
+    monkeypatch.setenv("SHORTLIST_MAX_TEXT_CHARS", "40")
+    result = evaluate_bundle(bundle_root / "v1", synthetic_data)
+    assert result["max_text_chars"] == 40
+    assert result["documents_past_max_text_chars"] == sum(len(t) > 40 for t in texts) > 0
