@@ -206,6 +206,41 @@ def test_a_head_past_max_header_bytes_gets_431_without_being_read(limited, extra
     assert httpx.get(f"{limited.url}/healthz").status_code == 200
 
 
+def test_a_body_too_large_sent_whole_before_reading_gets_its_413_not_a_reset(limited):
+    """urllib sends `Connection: close` and the whole body before it reads: closed at once after
+    the 413, the unread body made the kernel reset the connection and the client lost the answer
+    (4 MiB and more on loopback). The server now reads and drops the rest before it closes."""
+    import urllib.error
+    import urllib.request
+
+    body = json.dumps({"text": "x", "pad": "y" * (16 << 20)}).encode()
+    request = urllib.request.Request(f"{limited.url}/v1/predict", data=body, method="POST",
+                                     headers={"content-type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(request, timeout=30)
+    assert caught.value.code == 413 and json.loads(caught.value.read())["error"] == "body_too_large"
+
+
+def test_the_rest_of_an_answered_body_is_read_no_longer_than_the_body_timeout(limited):
+    """The lingering close is bounded: a client that goes on sending after its answer is closed
+    on at SHORTLIST_BODY_TIMEOUT_S (1 s here)."""
+    sock = _connect(limited)
+    sock.sendall(b"POST /v1/predict HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                 b"connection: close\r\ncontent-length: 100000000\r\n\r\n" + b" " * 65536)
+    answer = b""
+    while chunk := sock.recv(65536):  # the answer, then the server's end of sending
+        answer += chunk
+    status, body = _status_and_body(answer)
+    assert (status, body["error"]) == (413, "body_too_large")
+    started = time.monotonic()
+    with pytest.raises(OSError):  # reset once the server closes: it reads no more
+        while time.monotonic() - started < 10:
+            sock.sendall(b" " * 4096)
+            time.sleep(0.01)
+    assert 0.5 < time.monotonic() - started < 5
+    sock.close()
+
+
 def test_a_client_leaving_mid_body_is_counted_apart_and_logs_no_error(limited):
     before_5xx, before_499 = _metric(limited, "500"), _metric(limited, "499")
     for _ in range(3):

@@ -16,7 +16,12 @@ long, was read to its end. Here, with the byte counting done before the parser s
   progress is counted 499 and the requests pipelined behind it are dropped unanswered;
 - a request the HTTP parser refuses (a malformed request line or header, a Content-Length that is
   not a number or sits beside Transfer-Encoding, a bad chunk size) gets 400 with the one error
-  body naming what the parser found, not uvicorn's plain-text "Invalid HTTP request received.".
+  body naming what the parser found, not uvicorn's plain-text "Invalid HTTP request received.";
+- a connection closed after an answer given before its request's body was read (a 413, or any
+  answer to a client that sent `Connection: close`) closes its sending side only and reads and
+  drops the rest of the body for at most `body_timeout_s` (a lingering close, as nginx and Apache
+  make): closed at once, unread data made the kernel reset the connection, and a client still
+  sending (Python's urllib, 4 MiB and more) lost the answer to "connection reset by peer".
 
 When a connection is lost while a request is in progress, the request's scope state says so
 (CLIENT_GONE, read by service.api.observability: 499) and the callback it may have left there
@@ -80,6 +85,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._timer: asyncio.TimerHandle | None = None
         self._send_timer: asyncio.TimerHandle | None = None
         self._running: RequestResponseCycle | None = None  # the request whose app runs now
+        self._lingering = False
         connection_metrics().open.inc()
         if len(self.connections) > self.max_connections:
             self._refuse(503, "too_many_connections", f"the server holds {self.max_connections} connections",
@@ -129,6 +135,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self.transport.abort()
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering:
+            return  # the rest of a body answered already: dropped unparsed
         if self._reading_head and not self.transport.is_closing():
             tail = self._tail
             end = (tail + data).find(_HEAD_END) if tail else data.find(_HEAD_END)
@@ -161,6 +169,18 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().on_headers_complete()
         if previous is None or previous.response_complete:  # else pipelined: it starts in on_response_complete
             self._running = self.cycle
+        if not self.cycle.keep_alive and _has_body(self.headers):
+            self.cycle.transport = _CloseAfterBody(self)
+
+    def close_after_body(self) -> None:
+        """Close once the request's body is read (the lingering close of the module's docstring)."""
+        if self._reading_head or self.transport.is_closing() or not self.transport.can_write_eof():
+            self.transport.close()  # the body was read whole: nothing unread to reset the connection
+            return
+        self._lingering = True
+        self._disarm()
+        self.transport.write_eof()  # after the answer is sent: the client reads it, then closes
+        self._timer = self.loop.call_later(self.body_timeout_s, self.transport.close)
 
     def on_response_complete(self) -> None:
         if self.pipeline and not self.transport.is_closing():
@@ -239,6 +259,26 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         cls._log_left_out = 0
         _access_log.info(orjson.dumps(record).decode())
 
+
+
+def _has_body(headers: list[tuple[bytes, bytes]]) -> bool:
+    """Whether a request with these headers (uvicorn's, names lower-case) sends a body."""
+    return any((name == b"content-length" and value.strip() not in (b"", b"0")) or name == b"transfer-encoding"
+               for name, value in headers)
+
+
+class _CloseAfterBody:
+    """A request's transport whose close() waits for the request's body (close_after_body); the
+    rest is the connection's transport."""
+
+    def __init__(self, protocol: GuardedHttpToolsProtocol) -> None:
+        self._protocol, self._transport = protocol, protocol.transport
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+    def close(self) -> None:
+        self._protocol.close_after_body()
 
 
 class ConnectionMetrics:
