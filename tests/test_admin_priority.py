@@ -8,7 +8,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import threading
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +18,7 @@ import httpx
 import pytest
 from pydantic import ValidationError
 from test_admin import AUTH, TOKEN
+from test_admin_labels import _Load
 from test_label_changes import _new_labels
 from test_processes import _wait_for
 
@@ -35,19 +35,18 @@ def _env(state_dir: Path, **extra: str) -> dict[str, str]:
             "SHORTLIST_LABEL_CHANGES_PER_MINUTE": "100000", "SHORTLIST_ACCESS_LOG": "false", **extra}
 
 
-class _Feed:
+class _Feed(_Load):
     """Threads each sending label changes one after another (a catalogue feed) until stopped, each
     on its own connection; every answer kept as (sent, answered, status, body), in monotonic time."""
 
     def __init__(self, url: str, synthetic_data: Path, threads: int = FEED_THREADS) -> None:
-        self.url, self.answers = url, []
+        super().__init__(url, [], clients=threads)
+        self.answers = []
         self._labels = [_new_labels(synthetic_data, 100, f"feed{i}") for i in range(threads)]
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, args=(labels,)) for labels in self._labels]
 
-    def _run(self, labels) -> None:
+    def _run(self, seed: int) -> None:
         with httpx.Client(base_url=self.url, headers=AUTH, timeout=300) as c:
-            for lab in labels:
+            for lab in self._labels[seed]:
                 if self._stop.is_set():
                     return
                 sent = time.monotonic()
@@ -59,16 +58,6 @@ class _Feed:
         while len(self.answers) < n:
             assert time.monotonic() < deadline, f"{len(self.answers)} label changes answered, waited for {n}"
             time.sleep(0.05)
-
-    def __enter__(self) -> _Feed:
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join()
 
 
 def _timed(client: httpx.Client, method: str, path: str, **kw) -> tuple[httpx.Response, float, float]:
