@@ -18,6 +18,13 @@ class ActivationInProgress(Exception):
     """Another activation holds the lock (HTTP 409)."""
 
 
+class ActivationLockBusy(ActivationInProgress):
+    """The activation lock stayed held past the time a caller waits for it (HTTP 503 with
+    Retry-After): what held it is named, and a retry once it is done goes through."""
+
+    retry_after_s = 5
+
+
 class BundleNotFound(Exception):
     """No bundle of that version under the root (HTTP 404)."""
 
@@ -73,9 +80,11 @@ def record_no_history(remembered: ActiveVersionFile | None, active: str | None) 
 
 
 @contextmanager
-def exclusive_activation(lock: threading.Lock, remembered: ActiveVersionFile | None) -> Iterator[list[str] | None]:
+def exclusive_activation(lock: threading.Lock, remembered: ActiveVersionFile | None,
+                         holder: str = "") -> Iterator[list[str] | None]:
     """`lock` (a registry's activation lock) and, with a state directory, the one the processes
-    sharing it hold (ActivationInProgress at once if either is taken); yields the recorded
+    sharing it hold (ActivationInProgress at once if either is taken; `holder` says what for, to
+    the processes that find it taken: ActiveVersionFile.holder); yields the recorded
     history of versions (other processes may have activated since: their record is the truth),
     None without a state directory or when the record there cannot be read (the caller keeps the
     history it holds: the next write replaces the record without dropping it)."""
@@ -86,7 +95,7 @@ def exclusive_activation(lock: threading.Lock, remembered: ActiveVersionFile | N
             yield None
             return
         try:
-            with remembered.exclusive():
+            with remembered.exclusive(holder):
                 yield remembered.readable_history()
         except StateBusy as exc:
             raise ActivationInProgress(str(exc)) from None

@@ -29,6 +29,12 @@ log = logging.getLogger("shortlist.state")
 
 ACTIVE_FILE = "active.json"
 LOCK_FILE = ".activation.lock"
+# Held by the one activation or rollback in progress among the processes sharing the directory,
+# from before it waits for LOCK_FILE until it is done: a second one is refused, and label
+# changes that find it held let that one take LOCK_FILE first.
+OPERATOR_LOCK_FILE = ".activation.operator.lock"
+# The most bytes of LOCK_FILE's note on its holder read back.
+MAX_HOLDER_NOTE_BYTES = 1024
 HISTORY_LENGTH = 16
 # The most bytes of active.json read. `write` makes at most ~1.2 KB (17 names of <= 64 characters
 # and a timestamp); anything larger is not this service's record and is not read (service.engine.
@@ -129,20 +135,62 @@ class ActiveVersionFile:
             return None
 
     @contextmanager
-    def exclusive(self) -> Iterator[None]:
+    def exclusive(self, holder: str = "") -> Iterator[None]:
         """Hold the activation lock of the directory; StateBusy at once if another process does.
         (flock: released by the kernel when its holder dies, so a crash leaves no stale lock.)
-        StateUnavailable when the lock file cannot be opened."""
+        `holder` says what holds it, for holder(). StateUnavailable when the lock file cannot be opened."""
+        with self._flock(LOCK_FILE, "activating a bundle or changing labels") as fd:
+            if not holder:
+                yield
+                return
+            _note_holder(fd, f"process {os.getpid()}: {holder}, since {utc_now()}")
+            try:
+                yield
+            finally:
+                _note_holder(fd, "")  # while no one holds the lock, its note names no one
+
+    @contextmanager
+    def operator_turn(self) -> Iterator[None]:
+        """The one activation or rollback in progress among the processes (OPERATOR_LOCK_FILE);
+        StateBusy at once if another process has it."""
+        with self._flock(OPERATOR_LOCK_FILE, "activating or rolling back a bundle"):
+            yield
+
+    def operator_waiting(self) -> bool:
+        """Whether an activation or rollback (of any process, this one included) holds its turn.
+        A lock file that cannot be opened says no: the activation lock's own open reports it."""
         try:
-            fd = os.open(self.dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(self.dir / OPERATOR_LOCK_FILE, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return False
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)  # releases the probe's shared lock with it
+
+    def holder(self) -> str | None:
+        """What the process holding the activation lock noted it holds it for (None if unknown)."""
+        try:
+            note = read_small_file(self.dir / LOCK_FILE, MAX_HOLDER_NOTE_BYTES).decode("utf-8", "replace")
+        except (OSError, ValueError):
+            return None
+        return note.strip() or None
+
+    @contextmanager
+    def _flock(self, name: str, doing: str) -> Iterator[int]:
+        try:
+            fd = os.open(self.dir / name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as exc:
             raise StateUnavailable(self.dir, exc, "open the activation lock") from None
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                raise StateBusy(f"another process is activating a bundle ({self.dir / LOCK_FILE})") from None
-            yield
+                raise StateBusy(f"another process is {doing} ({self.dir / name})") from None
+            yield fd
         finally:
             os.close(fd)
 
@@ -155,3 +203,14 @@ class ActiveVersionFile:
             write_atomically(self.path, data)
         except OSError as exc:
             raise StateUnavailable(self.dir, exc, f"record the active version in {ACTIVE_FILE}") from None
+
+
+def _note_holder(fd: int, note: str) -> None:
+    """`note` as the activation lock file's content. Best effort: a state directory that cannot
+    take these few bytes fails the section's own writes, with a message naming why."""
+    data = note.encode("utf-8", "replace")[:MAX_HOLDER_NOTE_BYTES]
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, data, 0)
+    except OSError:
+        pass

@@ -25,6 +25,7 @@ from service.api.processes import ProcessesDiverged
 from service.api.registry import (
     ActivationFailed,
     ActivationInProgress,
+    ActivationLockBusy,
     BundleNotFound,
     LabelChangesUnavailable,
     TooManyPendingChanges,
@@ -44,15 +45,18 @@ from service.engine.label_changes import LabelChange, LabelChangeRejected, NewLa
 from service.engine.schema import BundleError
 
 # 401 / 403: no or a wrong token; 404: no such bundle (or nothing to roll back to); 409: another
-# activation is running; 422: the bundle was refused (the serving one keeps serving).
-# 429: too many wrong admin tokens from this address (dependencies.MinuteBudget). 503: with
-# several processes, one could not serve the version the others now serve (service.api.processes);
-# or `state_unavailable`: the state directory cannot be written (507 when out of space).
+# activation or rollback is running (on any process); 422: the bundle was refused (the serving one
+# keeps serving). 429: too many wrong admin tokens from this address (dependencies.MinuteBudget).
+# 503: `activation_lock_busy` with Retry-After: a label change held the lock past
+# activation_lock_wait_s; with several processes, one could not serve the version the others now
+# serve (service.api.processes); or `state_unavailable`: the state directory cannot be written
+# (507 when out of space).
 ACTIVATION_ERRORS = documented(401, 403, 404, 409, 422, 429, 503, 507)
 # 409: no state directory to write to; 422: a label or uid that does not fit (named), or the new
 # bundle refused; 429: past label_changes_per_minute or max_pending_label_changes; 503: nothing
 # serves, or with several processes one could not serve the new version, or the state directory
-# cannot be written (507 when out of space).
+# cannot be written (507 when out of space), or `activation_lock_busy` (Retry-After) when the lock
+# stayed held for twice load_check_timeout_s.
 LABEL_ERRORS = documented(400, 401, 403, 409, 413, 415, 422, 429, 503, 507)
 _ENGINE_FIELD = re.compile(r"^(add|retire)(\[\d+\])?(\.\w+)?$")
 
@@ -61,6 +65,8 @@ async def _activate(state: State, fn: Callable[..., dict[str, Any]], *args: Any)
     registry, metrics = state.registry, state.metrics
     try:
         result = await asyncio.wrap_future(registry.in_loader(fn, *args))
+    except ActivationLockBusy as exc:
+        raise _lock_busy(state, exc) from None
     except ActivationInProgress as exc:
         metrics.failed_activations.labels("busy").inc()
         raise ApiError(409, "activation_in_progress", str(exc)) from None
@@ -87,6 +93,14 @@ def _state_unavailable(state: State, exc: StateUnavailable) -> ApiError:
     state.metrics.failed_activations.labels("state").inc()
     error_log.error(json.dumps({"event": "state_unavailable", "message": str(exc)}))
     return ApiError(507 if exc.no_space else 503, "state_unavailable", str(exc))
+
+
+def _lock_busy(state: State, exc: ActivationLockBusy) -> ApiError:
+    """The answer to an admin write that waited for the activation lock as long as it may: the
+    section holding it is named, and a retry once it is done goes through."""
+    state.metrics.failed_activations.labels("busy").inc()
+    error_log.error(json.dumps({"event": "activation_lock_busy", "message": str(exc)}))
+    return ApiError(503, "activation_lock_busy", str(exc), headers={"Retry-After": str(exc.retry_after_s)})
 
 
 def _request_field(engine_field: str, single_uid: bool) -> str:
@@ -137,6 +151,8 @@ async def _change(state: State, change: LabelChange, single_uid: bool = False) -
         raise ApiError(503, "not_ready", str(exc)) from None
     except StateUnavailable as exc:
         raise _state_unavailable(state, exc) from None
+    except ActivationLockBusy as exc:
+        raise _lock_busy(state, exc) from None
     except BundleChanged as exc:  # the version the change derives from was written in place: it serves 503 too
         if state.watch is not None:
             state.watch.check()

@@ -56,7 +56,7 @@ def build_state(settings: Settings, preloaded: Bundle | None = None) -> ServiceS
         on_swap=on_swap, loader_nice=settings.loader_nice, remembered=_remembered(settings),
         check_timeout_s=settings.load_check_timeout_s if settings.load_check_in_child else None,
         max_pending_changes=settings.max_pending_label_changes, preloaded=preloaded,
-        keep_derived_versions=settings.keep_derived_versions,
+        keep_derived_versions=settings.keep_derived_versions, activation_lock_wait_s=settings.activation_lock_wait_s,
     )
     runner = EngineRunner(
         settings.workers, batching=settings.batching, max_batch=settings.batch_max_size,

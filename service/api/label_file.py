@@ -96,7 +96,7 @@ def _derive_recorded(parent: Bundle, change: LabelChange, out_root: Path, versio
     base = lineage.base if lineage else parent.version
     ledger, store = LabelLedger(state_dir), BundleStore(parent.path.parent, state_dir)
     try:
-        with ActiveVersionFile(state_dir).exclusive():
+        with ActiveVersionFile(state_dir).exclusive("shortlist labels add (offline)"):
             record = ledger.current(base, parent.manifest.tree_labels, parent.labels, lambda: store.lineage_of(base))
 
             def reserve() -> None:

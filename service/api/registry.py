@@ -26,13 +26,14 @@ import numpy as np
 from service.api.activation import (
     ActivationFailed,
     ActivationInProgress,
+    ActivationLockBusy,
     BundleNotFound,
     exclusive_activation,
     record_no_history,
     roll_back,
     with_previous,
 )
-from service.api.active_state import ACTIVE_FILE, ActiveVersionFile, StateUnavailable
+from service.api.active_state import ACTIVE_FILE, ActiveVersionFile, StateBusy, StateUnavailable
 from service.api.leases import Engine, Lease, NoBundle
 from service.engine import heap
 from service.engine.bundle import Bundle, drop_cached_pages
@@ -46,6 +47,8 @@ from service.engine.schema import BundleError, validate_version_name
 from service.engine.store import DERIVED_DIR, BundleStore, StoredBundle
 
 log = logging.getLogger("shortlist.registry")
+# How often a section waiting for the activation lock tries it again (it polls: see _exclusive).
+LOCK_POLL_S = 0.05
 
 
 class LabelChangesUnavailable(Exception):
@@ -116,6 +119,7 @@ class BundleRegistry:
         max_pending_changes: int = 64,
         preloaded: Bundle | None = None,
         keep_derived_versions: int | None = None,
+        activation_lock_wait_s: float = 60.0,
     ) -> None:
         self.store = root if isinstance(root, BundleStore) else BundleStore(root)
         # Derived versions kept beyond those in use after each activation (None: all, for ever).
@@ -144,6 +148,14 @@ class BundleRegistry:
         self._active: Engine | None = None
         self._history: list[str] = []  # previously active versions, most recent last
         self._activation_lock = threading.Lock()
+        # What this process holds the activation lock for, named to those that wait for it.
+        self._holder: str | None = None
+        # Held by this process's activation or rollback in progress (_operator_turn): one at a time,
+        # and label changes let it take the activation lock first.
+        self._operator_lock = threading.Lock()
+        self._operator: str | None = None
+        # How long an activation or rollback waits for the activation lock held by another section.
+        self.activation_lock_wait_s = activation_lock_wait_s
         if engine_threads > 1 and loader_nice > 0:
             # onnxruntime's intra-op threads are started by the thread that makes the session
             # (the loader) and would inherit its nice value while serving.
@@ -225,7 +237,9 @@ class BundleRegistry:
         if derived_root is None:
             raise LabelChangesUnavailable("label changes need a state directory (SHORTLIST_STATE_DIR)")
         ledger = LabelLedger(derived_root.parent)
-        with self._exclusive(wait=True, change=True):
+        with self._exclusive(f"label change (+{len(change.add)}, -{len(change.retire)} labels)",
+                             wait_s=2 * (self.check_timeout_s or 600.0), bound="twice SHORTLIST_LOAD_CHECK_TIMEOUT_S",
+                             change=True):
             self._catch_up()
             try:
                 with self.lease() as engine:
@@ -325,41 +339,86 @@ class BundleRegistry:
             self._activate_locked(recorded, history=self._history, follow=True)
 
     @contextmanager
-    def _exclusive(self, *, shared_state: bool = True, wait: bool = False, change: bool = False) -> Iterator[None]:
+    def _exclusive(self, what: str, *, shared_state: bool = True, wait_s: float | None = None,
+                   bound: str = "SHORTLIST_ACTIVATION_LOCK_WAIT_S", change: bool = False) -> Iterator[None]:
         """This registry's activation lock and, with a state directory, the one the processes
-        sharing it hold (exclusive_activation): ActivationInProgress at once if either is taken,
-        or with `wait` once they stayed taken for twice the load-check timeout. Waiting polls
-        rather than blocks, so this process keeps following the activation it waits for (process
-        sync takes the lock between polls) and that activation's wait for every process ends.
-        A section that may change the record (`shared_state`) first settles a change's mark
-        (_settle_unconfirmed; `change`: for a label change): its version may be recorded active
-        now and not after this section."""
-        deadline = time.monotonic() + 2 * (self.check_timeout_s or 600.0)
+        sharing it hold (exclusive_activation), held for `what`: ActivationInProgress at once if
+        either is taken, or with `wait_s` ActivationLockBusy naming the holder once they stayed
+        taken that long (`bound`: the setting). Waiting polls rather than blocks, so this process
+        keeps following the activation it waits for (process sync takes the lock between polls)
+        and that activation's wait for every process ends. A label change (`change`) does not try
+        the lock while an activation or rollback waits for it (_operator_waiting): the operator's
+        command is not starved by a feed of changes. A section that may change the record
+        (`shared_state`) first settles a change's mark (_settle_unconfirmed): its version may be
+        recorded active now and not after this section."""
+        deadline = None if wait_s is None else time.monotonic() + wait_s
         with ExitStack() as held:
             while True:
-                try:
-                    history = held.enter_context(
-                        exclusive_activation(self._activation_lock, self.remembered if shared_state else None))
-                    break
-                except ActivationInProgress:
-                    if not wait or time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.05)
+                if not (change and self._operator_waiting()):
+                    try:
+                        history = held.enter_context(exclusive_activation(
+                            self._activation_lock, self.remembered if shared_state else None, what))
+                        break
+                    except ActivationInProgress:
+                        if deadline is None:
+                            raise
+                if deadline is None or time.monotonic() > deadline:
+                    raise ActivationLockBusy(
+                        f"the activation lock is still held after {wait_s or 0:g} s ({bound}), by "
+                        f"{self._lock_holder()}; retry in {ActivationLockBusy.retry_after_s} s")
+                time.sleep(LOCK_POLL_S)
+            self._holder = what
+            held.callback(setattr, self, "_holder", None)
             if history is not None:
                 self._history = history
             if shared_state and self.store.derived_root is not None:
                 self._settle_unconfirmed(LabelLedger(self.store.derived_root.parent), change=change)
             yield
 
+    def _operator_waiting(self) -> bool:
+        """Whether an activation or rollback, here or in a process sharing the state directory, holds its turn."""
+        return self._operator_lock.locked() or (self.remembered is not None and self.remembered.operator_waiting())
+
+    def _lock_holder(self) -> str:
+        """What holds the activation lock, as far as this process can tell."""
+        here = self._holder
+        if here is not None:
+            return f"this process ({os.getpid()}): {here}"
+        noted = self.remembered.holder() if self.remembered is not None else None
+        return noted or "another process sharing the state directory"
+
+    @contextmanager
+    def _operator_turn(self, what: str) -> Iterator[None]:
+        """The activation lock for an activation or rollback (`what`): one at a time among the
+        processes sharing the state directory (ActivationInProgress at once for a second one),
+        taken ahead of the label changes waiting for it here or there (they let it go first), after
+        at most activation_lock_wait_s of waiting for the section holding it (ActivationLockBusy)."""
+        if not self._operator_lock.acquire(blocking=False):
+            raise ActivationInProgress(f"another activation or rollback is in progress: {self._operator or 'starting'}")
+        try:
+            self._operator = what
+            with ExitStack() as turn:
+                if self.remembered is not None:
+                    try:
+                        turn.enter_context(self.remembered.operator_turn())
+                    except StateBusy as exc:
+                        raise ActivationInProgress(str(exc)) from None
+                turn.enter_context(self._exclusive(what, wait_s=self.activation_lock_wait_s))
+                yield
+        finally:
+            self._operator = None
+            self._operator_lock.release()
+
     def activate(self, version: str | None = None) -> dict[str, object]:
         """Load, validate and swap in `version` (default: the newest bundle of any place). The
         version this process serves and the state directory records is left as it is: nothing
         loaded, nothing pushed onto the rollback history (the result's "unchanged").
 
-        Raises ActivationInProgress, BundleNotFound, ActivationFailed or StateUnavailable; on
-        any failure the active bundle is untouched.
+        Raises ActivationInProgress (another activation or rollback is in progress),
+        ActivationLockBusy (_operator_turn), BundleNotFound, ActivationFailed or StateUnavailable;
+        on any failure the active bundle is untouched.
         """
-        with self._exclusive():
+        with self._operator_turn(f"activation of {version or 'the newest bundle'}"):
             wanted = version if version is not None else _newest_or_none(self.store)
             current = self._current()
             changed = self._active is not None and self._active.changed is not None  # loaded again, checked
@@ -380,7 +439,7 @@ class BundleRegistry:
 
     def rollback(self) -> dict[str, object]:
         """Serve the most recent previously active version that still loads (roll_back)."""
-        with self._exclusive():
+        with self._operator_turn("rollback"):
             result, skipped = roll_back(self._history, lambda version, rest: self._activate_locked(
                 version, history=rest), self._forget_history, self._current())
             return {**self._converged(result), "skipped": skipped}
@@ -392,7 +451,7 @@ class BundleRegistry:
     def follow(self, version: str) -> dict[str, object]:
         """Serve `version`, which another process sharing the state directory activated (it has
         checked, gated and recorded it): load and swap only."""
-        with self._exclusive(shared_state=False):
+        with self._exclusive(f"following {version}, activated by another process", shared_state=False):
             return self._activate_locked(version, history=self._history, follow=True)
 
     def _converged(self, result: dict[str, object]) -> dict[str, object]:
@@ -452,7 +511,8 @@ class BundleRegistry:
 
     def _start(self, configured: str | None, fall_back: bool) -> dict[str, object]:
         if self.store.derived_root is not None:
-            with self._exclusive():  # settles a change's mark; a change in progress in another process holds it
+            # Settles a change's mark; a change in progress in another process holds it.
+            with self._exclusive("start-up"):
                 pass
         wanted = (self.remembered.read() if self.remembered else None) or configured
         try:
@@ -480,7 +540,7 @@ class BundleRegistry:
         recorded. A fallback is one process's stopgap, not the operator's choice: recorded, every
         process sharing the state directory would follow it (one process's failed load switching
         the whole service), and restarts would keep serving it once the wanted version loads again."""
-        with self._exclusive(shared_state=False):
+        with self._exclusive(f"start-up, falling back to {version}", shared_state=False):
             return self._activate_locked(version, history=self._history, record=False)
 
     def _prune_derived(self, in_use: set[str]) -> None:
