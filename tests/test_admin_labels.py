@@ -194,7 +194,7 @@ def test_a_full_queue_refuses_new_changes_and_loses_none_it_accepted(bundle_root
                               max_pending_changes=1)
     try:
         registry.activate("v2")
-        with registry._activation_lock:  # an activation in progress: the change waits for it
+        with registry._gate.exclusive("an activation in progress"):  # the change waits for it
             accepted = registry.submit_label_change(LabelChange(add=[NewLabel("a", "kama zani")]))
             with pytest.raises(TooManyPendingChanges):
                 registry.submit_label_change(LabelChange(add=[NewLabel("b", "kama zani")]))

@@ -5,9 +5,11 @@ rollback history they record in the state directory (service.api.active_state)."
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 from service.api.active_state import HISTORY_LENGTH, ActiveVersionFile, StateBusy
 
@@ -101,3 +103,84 @@ def exclusive_activation(lock: threading.Lock, remembered: ActiveVersionFile | N
             raise ActivationInProgress(str(exc)) from None
     finally:
         lock.release()
+
+
+# How often a section waiting for the activation lock tries it again (it polls: ActivationGate.exclusive).
+LOCK_POLL_S = 0.05
+
+
+class ActivationGate:
+    """A registry's activation lock and, with a state directory (`remembered`), the one the
+    processes sharing it hold; and the turn an activation or rollback takes ahead of the label
+    changes waiting for that lock (a feed of changes polling it back to back starved them: 27 of
+    27 got 409)."""
+
+    def __init__(self, remembered: ActiveVersionFile | None) -> None:
+        self.remembered = remembered
+        self._lock = threading.Lock()
+        self._holder: str | None = None  # what this process holds the lock for, named to those that wait
+        # Held by this process's activation or rollback in progress (operator_turn): one at a time.
+        self._operator_lock = threading.Lock()
+        self._operator: str | None = None
+
+    @contextmanager
+    def exclusive(self, what: str, *, shared_state: bool = True, wait_s: float | None = None,
+                  bound: str = "", change: bool = False) -> Iterator[list[str] | None]:
+        """Both locks, held for `what` (exclusive_activation's, yielding its history):
+        ActivationInProgress at once if either is taken, or with `wait_s` ActivationLockBusy
+        naming the holder once they stayed taken that long (`bound`: the setting). Waiting polls
+        rather than blocks, so this process keeps following the activation it waits for (process
+        sync takes the lock between polls) and that activation's wait for every process ends. A
+        label change (`change`) does not try the lock while an activation or rollback holds its
+        turn: the operator's command is not starved by a feed of changes."""
+        deadline = None if wait_s is None else time.monotonic() + wait_s
+        with ExitStack() as held:
+            while True:
+                if not (change and self.operator_waiting()):
+                    try:
+                        history = held.enter_context(exclusive_activation(
+                            self._lock, self.remembered if shared_state else None, what))
+                        break
+                    except ActivationInProgress:
+                        if deadline is None:
+                            raise
+                if deadline is None or time.monotonic() > deadline:
+                    raise ActivationLockBusy(
+                        f"the activation lock is still held after {wait_s or 0:g} s ({bound}), by "
+                        f"{self.lock_holder()}; retry in {ActivationLockBusy.retry_after_s} s")
+                time.sleep(LOCK_POLL_S)
+            self._holder = what
+            held.callback(setattr, self, "_holder", None)
+            yield history
+
+    def operator_waiting(self) -> bool:
+        """Whether an activation or rollback, here or in a process sharing the state directory, holds its turn."""
+        return self._operator_lock.locked() or (self.remembered is not None and self.remembered.operator_waiting())
+
+    def lock_holder(self) -> str:
+        """What holds the activation lock, as far as this process can tell."""
+        here = self._holder
+        if here is not None:
+            return f"this process ({os.getpid()}): {here}"
+        noted = self.remembered.holder() if self.remembered is not None else None
+        return noted or "another process sharing the state directory"
+
+    @contextmanager
+    def operator_turn(self, what: str) -> Iterator[None]:
+        """The turn of an activation or rollback (`what`): one at a time among the processes sharing
+        the state directory (ActivationInProgress at once for a second one); label changes waiting
+        for the activation lock here or there let it go first while it holds the turn."""
+        if not self._operator_lock.acquire(blocking=False):
+            raise ActivationInProgress(f"another activation or rollback is in progress: {self._operator or 'starting'}")
+        try:
+            self._operator = what
+            with ExitStack() as turn:
+                if self.remembered is not None:
+                    try:
+                        turn.enter_context(self.remembered.operator_turn())
+                    except StateBusy as exc:
+                        raise ActivationInProgress(str(exc)) from None
+                yield
+        finally:
+            self._operator = None
+            self._operator_lock.release()

@@ -14,6 +14,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Path
 
+from service.api.activation import ActivationFailed, ActivationInProgress, ActivationLockBusy, BundleNotFound
 from service.api.active_state import StateUnavailable
 from service.api.bundle_watch import changed_error
 from service.api.dependencies import AdminRoute, State
@@ -22,14 +23,7 @@ from service.api.leases import NoBundle
 from service.api.observability import error_log
 from service.api.predict import documented
 from service.api.processes import ProcessesDiverged
-from service.api.registry import (
-    ActivationFailed,
-    ActivationInProgress,
-    ActivationLockBusy,
-    BundleNotFound,
-    LabelChangesUnavailable,
-    TooManyPendingChanges,
-)
+from service.api.registry import LabelChangesUnavailable, TooManyPendingChanges
 from service.api.schemas import (
     ActivateRequest,
     ActivationResult,

@@ -18,22 +18,21 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import numpy as np
 
 from service.api.activation import (
     ActivationFailed,
+    ActivationGate,
     ActivationInProgress,
-    ActivationLockBusy,
     BundleNotFound,
-    exclusive_activation,
     record_no_history,
     roll_back,
     with_previous,
 )
-from service.api.active_state import ACTIVE_FILE, ActiveVersionFile, StateBusy, StateUnavailable
+from service.api.active_state import ACTIVE_FILE, ActiveVersionFile, StateUnavailable
 from service.api.leases import Engine, Lease, NoBundle
 from service.engine import heap
 from service.engine.bundle import Bundle, drop_cached_pages
@@ -47,8 +46,6 @@ from service.engine.schema import BundleError, validate_version_name
 from service.engine.store import DERIVED_DIR, BundleStore, StoredBundle
 
 log = logging.getLogger("shortlist.registry")
-# How often a section waiting for the activation lock tries it again (it polls: see _exclusive).
-LOCK_POLL_S = 0.05
 
 
 class LabelChangesUnavailable(Exception):
@@ -147,13 +144,7 @@ class BundleRegistry:
         self.served_by_processes: Callable[[], set[str]] | None = None
         self._active: Engine | None = None
         self._history: list[str] = []  # previously active versions, most recent last
-        self._activation_lock = threading.Lock()
-        # What this process holds the activation lock for, named to those that wait for it.
-        self._holder: str | None = None
-        # Held by this process's activation or rollback in progress (_operator_turn): one at a time,
-        # and label changes let it take the activation lock first.
-        self._operator_lock = threading.Lock()
-        self._operator: str | None = None
+        self._gate = ActivationGate(self.remembered)
         # How long an activation or rollback waits for the activation lock held by another section.
         self.activation_lock_wait_s = activation_lock_wait_s
         if engine_threads > 1 and loader_nice > 0:
@@ -341,73 +332,25 @@ class BundleRegistry:
     @contextmanager
     def _exclusive(self, what: str, *, shared_state: bool = True, wait_s: float | None = None,
                    bound: str = "SHORTLIST_ACTIVATION_LOCK_WAIT_S", change: bool = False) -> Iterator[None]:
-        """This registry's activation lock and, with a state directory, the one the processes
-        sharing it hold (exclusive_activation), held for `what`: ActivationInProgress at once if
-        either is taken, or with `wait_s` ActivationLockBusy naming the holder once they stayed
-        taken that long (`bound`: the setting). Waiting polls rather than blocks, so this process
-        keeps following the activation it waits for (process sync takes the lock between polls)
-        and that activation's wait for every process ends. A label change (`change`) does not try
-        the lock while an activation or rollback waits for it (_operator_waiting): the operator's
-        command is not starved by a feed of changes. A section that may change the record
-        (`shared_state`) first settles a change's mark (_settle_unconfirmed): its version may be
-        recorded active now and not after this section."""
-        deadline = None if wait_s is None else time.monotonic() + wait_s
-        with ExitStack() as held:
-            while True:
-                if not (change and self._operator_waiting()):
-                    try:
-                        history = held.enter_context(exclusive_activation(
-                            self._activation_lock, self.remembered if shared_state else None, what))
-                        break
-                    except ActivationInProgress:
-                        if deadline is None:
-                            raise
-                if deadline is None or time.monotonic() > deadline:
-                    raise ActivationLockBusy(
-                        f"the activation lock is still held after {wait_s or 0:g} s ({bound}), by "
-                        f"{self._lock_holder()}; retry in {ActivationLockBusy.retry_after_s} s")
-                time.sleep(LOCK_POLL_S)
-            self._holder = what
-            held.callback(setattr, self, "_holder", None)
+        """The activation lock for `what` (ActivationGate.exclusive: at once, or waiting up to
+        `wait_s`, then ActivationLockBusy naming `bound`). A section that may change the record
+        (`shared_state`) first settles a change's mark (_settle_unconfirmed; `change`: for a label
+        change): its version may be recorded active now and not after this section."""
+        with self._gate.exclusive(what, shared_state=shared_state, wait_s=wait_s, bound=bound,
+                                  change=change) as history:
             if history is not None:
                 self._history = history
             if shared_state and self.store.derived_root is not None:
                 self._settle_unconfirmed(LabelLedger(self.store.derived_root.parent), change=change)
             yield
 
-    def _operator_waiting(self) -> bool:
-        """Whether an activation or rollback, here or in a process sharing the state directory, holds its turn."""
-        return self._operator_lock.locked() or (self.remembered is not None and self.remembered.operator_waiting())
-
-    def _lock_holder(self) -> str:
-        """What holds the activation lock, as far as this process can tell."""
-        here = self._holder
-        if here is not None:
-            return f"this process ({os.getpid()}): {here}"
-        noted = self.remembered.holder() if self.remembered is not None else None
-        return noted or "another process sharing the state directory"
-
     @contextmanager
     def _operator_turn(self, what: str) -> Iterator[None]:
-        """The activation lock for an activation or rollback (`what`): one at a time among the
-        processes sharing the state directory (ActivationInProgress at once for a second one),
-        taken ahead of the label changes waiting for it here or there (they let it go first), after
-        at most activation_lock_wait_s of waiting for the section holding it (ActivationLockBusy)."""
-        if not self._operator_lock.acquire(blocking=False):
-            raise ActivationInProgress(f"another activation or rollback is in progress: {self._operator or 'starting'}")
-        try:
-            self._operator = what
-            with ExitStack() as turn:
-                if self.remembered is not None:
-                    try:
-                        turn.enter_context(self.remembered.operator_turn())
-                    except StateBusy as exc:
-                        raise ActivationInProgress(str(exc)) from None
-                turn.enter_context(self._exclusive(what, wait_s=self.activation_lock_wait_s))
-                yield
-        finally:
-            self._operator = None
-            self._operator_lock.release()
+        """The activation lock for an activation or rollback (`what`), taken ahead of the label
+        changes waiting for it (ActivationGate.operator_turn), after at most
+        activation_lock_wait_s of waiting for the section holding it (ActivationLockBusy)."""
+        with self._gate.operator_turn(what), self._exclusive(what, wait_s=self.activation_lock_wait_s):
+            yield
 
     def activate(self, version: str | None = None) -> dict[str, object]:
         """Load, validate and swap in `version` (default: the newest bundle of any place). The
