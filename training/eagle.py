@@ -37,15 +37,15 @@ method; training/config.py says which are on by default and bench/RESULTS.md wha
 
 Features are rows of a matrix fixed before training: sparse TF-IDF (the first round) or the
 trained encoder's embeddings (a second round). Everything is vectorised over the (group,
-label) pairs: scores of every pair's members in one pass (sparse lookups or chunked dense
-products), picks by one sort, updates by one sparse product. Centred sparse features stay
+label) pairs: scores of the pairs' members in chunks (sparse lookups or dense products; a
+chunk's pairs whole), picks by one sort a chunk, updates by one sparse product. Centred sparse features stay
 sparse: a row is a_i (x_i - m) and a label vector S_l - c_l m, so every product is a sparse one
 plus rank-one corrections.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,7 +57,11 @@ ASSIGNMENTS = ("closest", "expected", "relative")
 # The keep ratios a group-level validation chooses among for the "relative" assignment.
 KEEP_RATIOS = tuple(round(0.1 * k, 1) for k in range(10, -1, -1))
 _DENSE_CHUNK = 1 << 16
-_VALIDATION_CHUNK = 256  # held-out groups scored against every label at once
+# The (pair, member) scores, or for sparse features their (pair, member, token) products, computed at
+# once: memory is bounded by this chunk (plus one pair or one document beyond it), not by groups x
+# their labels x their members (audit 5 B11: groups of 500 took 6-7 GB).
+SCORE_CHUNK = 1 << 22
+_VALIDATION_CHUNK = 256  # held-out members compared with every document of other groups at once
 _PATIENCE = 3  # iterations without a better group-level P@1 before the validation stops
 _NEIGHBOURS = 20  # the neighbours (documents of other groups) a held-out member's labels are read from
 
@@ -72,10 +76,13 @@ class EagleImputer:
     documents' mean (module docstring). validation: the share of groups held out to choose the
     number of iterations iterations_ in 0..T by group-level P@1 (0: T as given, the paper's) and,
     for the "relative" assignment, keep_ratio_ (EagleImputer.impute) when keep_ratio is None.
+    chunk: the most (pair, member) scores, (pair, member, token) products or (member, label)
+    validation scores computed at once (the results do not depend on it).
     """
 
     def __init__(self, iterations: int = 10, step: float = 0.5, seed: int = 0, assignment: str = "expected",
-                 center: bool = False, validation: float = 0.0, keep_ratio: float | None = None) -> None:
+                 center: bool = False, validation: float = 0.0, keep_ratio: float | None = None,
+                 chunk: int = SCORE_CHUNK) -> None:
         if iterations < 0:
             raise ValueError(f"iterations must be >= 0, got {iterations}")
         if not 0.0 < step <= 1.0:
@@ -95,6 +102,9 @@ class EagleImputer:
         if assignment == "relative" and keep_ratio is None and self.validation == 0:
             raise ValueError("the relative assignment needs a keep_ratio or a validation share to choose it on")
         self.keep_ratio = keep_ratio
+        if chunk < 1:
+            raise ValueError(f"chunk must be >= 1, got {chunk}")
+        self.chunk = int(chunk)
 
     def fit(self, features: Features, members: sp.csr_matrix, group_labels: sp.csr_matrix,
             label_features: Features | None = None) -> EagleImputer:
@@ -105,7 +115,7 @@ class EagleImputer:
         num_docs, num_groups = features.shape[0], members.shape[0]
         if label_features is not None:
             features, members, group_labels = _with_label_groups(features, members, group_labels, label_features)
-        space = _space(features, num_docs, self.center)
+        space = _space(features, num_docs, self.center, self.chunk)
         self.iterations_, self.validation_scores_ = self.iterations, []
         self.keep_ratio_, self.keep_ratio_scores_ = self.keep_ratio, []
         held = self._held_out(num_groups)
@@ -118,7 +128,7 @@ class EagleImputer:
         v = self._group_robust(space, members, group_labels, self.iterations_)
         real = self.pair_group_ < num_groups  # the labels' own texts shaped the vectors; documents get labels
         self.pair_group_, self.pair_label_ = self.pair_group_[real], self.pair_label_[real]
-        self.pair_members_ = _pair_members(members[:num_groups], self.pair_group_)
+        self._pair_source = members[:num_groups]
         self.label_vectors_ = v
         self._space, self._members, self._num_docs = space, members[:num_groups], num_docs
         return self
@@ -128,7 +138,7 @@ class EagleImputer:
         """Algorithm 1 for every label at once; after_step(v) sees the start and each iteration
         and stops them by returning True."""
         self.pair_group_, self.pair_label_ = _pairs(group_labels)
-        self.pair_members_ = _pair_members(members, self.pair_group_)
+        self._pair_source = members
         v = space.normalize(space.pool(sp.csr_matrix(group_labels.T) @ members))
         v = self._seed_empty(space, v, group_labels)
         for step in range(iterations + 1):
@@ -160,18 +170,32 @@ class EagleImputer:
 
         def score(v: Vectors) -> bool:
             hits = 0
-            for s in range(0, len(held), _VALIDATION_CHUNK):
-                chunk = held_members[s : s + _VALIDATION_CHUNK]
-                best = np.maximum.reduceat(space.all_dots(chunk.indices.astype(np.int64), v), chunk.indptr[:-1],
-                                           axis=0)  # every group has a member: no empty slice
+            for run, best in self._best_member_scores(space, held_members, v):
                 best[:, unknown] = -np.inf
                 top = np.argmax(best, axis=1)
-                hits += int(np.asarray(truth[s : s + _VALIDATION_CHUNK][np.arange(len(top)), top]).sum())
+                hits += int(np.asarray(truth[run][np.arange(len(top)), top]).sum())
             scores.append(hits / len(held))
             return len(scores) - 1 - int(np.argmax(scores)) >= _PATIENCE
 
         self._group_robust(space, members, visible, self.iterations, score)
         return scores
+
+    def _best_member_scores(self, space: _Space, groups: sp.csr_matrix, v: Vectors
+                            ) -> Iterator[tuple[slice, np.ndarray]]:
+        """Runs of groups (rows of a members matrix), each with its members' best score per label
+        [run, L] (-inf for a group without members), scoring at most `chunk` (member, label) at
+        once: a group of many members is scored in runs of its members."""
+        per_run = max(1, self.chunk // max(v.shape[0], 1))
+        for lo, hi in _runs(np.diff(groups.indptr), per_run):
+            first = groups.indptr[lo]
+            docs = groups.indices[first : groups.indptr[hi]].astype(np.int64)
+            group_of = np.repeat(np.arange(hi - lo), np.diff(groups.indptr[lo : hi + 1]))
+            best = np.full((hi - lo, v.shape[0]), -np.inf, np.float32)
+            for a, b in _runs(np.ones(len(docs), np.int64), per_run):
+                cuts = a + np.flatnonzero(np.r_[True, group_of[a + 1 : b] != group_of[a : b - 1]])
+                partial = np.maximum.reduceat(space.all_dots(docs[a:b], v), cuts - a, axis=0)
+                best[group_of[cuts]] = np.maximum(best[group_of[cuts]], partial)
+            yield slice(lo, hi), best
 
     def _choose_keep_ratio(self, space: _Space, members: sp.csr_matrix, group_labels: sp.csr_matrix,
                            held: np.ndarray, num_groups: int) -> list[float]:
@@ -242,27 +266,47 @@ class EagleImputer:
         validation ranks a held-out group's labels by its members' best score)."""
         return self._space.all_dots(np.asarray(docs, dtype=np.int64), self.label_vectors_)
 
+    @property
+    def pair_members_(self) -> tuple[np.ndarray, np.ndarray]:
+        """CSR-like (starts [P + 1], docs) of every pair's group members, all at once (groups x
+        their labels x their members entries: _scored_pairs goes chunk by chunk instead)."""
+        return _pair_members(self._pair_source, self.pair_group_)
+
+    def _scored_pairs(self, space: _Space, v: Vectors) -> Iterator[tuple[slice, np.ndarray, np.ndarray, np.ndarray]]:
+        """Consecutive runs of pairs with at most `chunk` (pair, member) entries (a larger pair
+        alone): (the run, starts [len + 1] into docs, docs, each member's score with its pair's label)."""
+        sizes = np.diff(self._pair_source.indptr)[self.pair_group_]
+        for lo, hi in _runs(sizes, self.chunk):
+            run = slice(lo, hi)
+            starts, docs = _pair_members(self._pair_source, self.pair_group_[run])
+            yield run, starts, docs, space.dots(docs, v, np.repeat(self.pair_label_[run], sizes[run]))
+
     def _closest(self, space: _Space, v: Vectors, counts: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Per pair, the member of its group with the largest inner product with its label's vector
         (the first such member on ties), or its `counts[pair]` closest: (documents, their labels)."""
-        starts, docs = self.pair_members_
-        pair_of = np.repeat(np.arange(len(self.pair_label_)), np.diff(starts))
-        scores = space.dots(docs, v, self.pair_label_[pair_of])
-        order = np.lexsort((np.arange(len(docs)), -scores, pair_of))
-        rank = np.arange(len(order)) - starts[pair_of[order]]  # 0 = the pair's closest member
-        keep = rank < (1 if counts is None else counts[pair_of[order]])
-        return docs[order[keep]], self.pair_label_[pair_of[order[keep]]]
+        picked: list[tuple[np.ndarray, np.ndarray]] = []
+        for run, starts, docs, scores in self._scored_pairs(space, v):
+            pair_of = np.repeat(np.arange(len(starts) - 1), np.diff(starts))
+            order = np.lexsort((np.arange(len(docs)), -scores, pair_of))
+            rank = np.arange(len(order)) - starts[pair_of[order]]  # 0 = the pair's closest member
+            keep = rank < (1 if counts is None else counts[run][pair_of[order]])
+            picked.append((docs[order[keep]], self.pair_label_[run][pair_of[order[keep]]]))
+        return _concatenated(picked, 2)
 
     def _relative(self, space: _Space, v: Vectors, ratio: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per pair, every member whose score reaches ratio times the best member's: (documents,
         labels, their scores over the best's, in [0, 1]; 1 where the best is not positive)."""
-        starts, docs = self.pair_members_
-        pair_of = np.repeat(np.arange(len(self.pair_label_)), np.diff(starts))
-        scores = space.dots(docs, v, self.pair_label_[pair_of])
-        best = np.maximum.reduceat(scores, starts[:-1])[pair_of]
-        keep = scores >= _keep_threshold(best, ratio)
-        relative = np.where(best > 0, np.clip(scores / np.where(best > 0, best, 1.0), 0.0, 1.0), 1.0)
-        return docs[keep], self.pair_label_[pair_of[keep]], relative[keep]
+        kept: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        for run, starts, docs, scores in self._scored_pairs(space, v):
+            pair_of = np.repeat(np.arange(len(starts) - 1), np.diff(starts))
+            if not len(docs):
+                continue
+            # a pair without members (none in a valid grouping) would index past the end: clipped, unused
+            best = np.maximum.reduceat(scores, np.minimum(starts[:-1], len(docs) - 1))[pair_of]
+            keep = scores >= _keep_threshold(best, ratio)
+            relative = np.where(best > 0, np.clip(scores / np.where(best > 0, best, 1.0), 0.0, 1.0), 1.0)
+            kept.append((docs[keep], self.pair_label_[run][pair_of[keep]], relative[keep]))
+        return _concatenated(kept, 3)
 
     def _expected_counts(self) -> np.ndarray:
         """Per pair, how many members of a group of its size hold its label, given that one does:
@@ -281,12 +325,12 @@ class EagleImputer:
         if not len(empty):
             return v
         rng = np.random.default_rng(self.seed)
-        starts, docs = self.pair_members_
+        indptr, indices = self._pair_source.indptr, self._pair_source.indices
         chosen = []
         for label in empty:  # rare (members that cancel out exactly): a loop is fine
             pairs = np.flatnonzero(self.pair_label_ == label)
-            pair = pairs[rng.integers(len(pairs))]
-            chosen.append(docs[starts[pair] + rng.integers(starts[pair + 1] - starts[pair])])
+            group = self.pair_group_[pairs[rng.integers(len(pairs))]]
+            chosen.append(indices[indptr[group] + rng.integers(indptr[group + 1] - indptr[group])])
         keep = np.ones(v.shape[0], np.float32)
         keep[empty] = 0.0
         fix = space.pool(_label_by_doc(empty, np.asarray(chosen), v.shape[0], space.num_rows))
@@ -354,10 +398,10 @@ class _Space:
         return self.mix(np.where(norms > 1e-12, 1.0 / np.maximum(norms, 1e-30), 0.0), v, 0.0, v)
 
 
-def _space(features: Features, num_docs: int, center: bool) -> _Space:
+def _space(features: Features, num_docs: int, center: bool, chunk: int = SCORE_CHUNK) -> _Space:
     if isinstance(features, np.ndarray):
         return _DenseSpace(features, num_docs, center)
-    return _SparseSpace(sp.csr_matrix(features, dtype=np.float32), num_docs, center)
+    return _SparseSpace(sp.csr_matrix(features, dtype=np.float32), num_docs, center, chunk)
 
 
 class _DenseSpace(_Space):
@@ -393,9 +437,11 @@ class _DenseSpace(_Space):
 
 
 class _SparseSpace(_Space):
-    """Rows a_i (x_i - m) of unit-norm sparse x_i (m = 0 and a_i = 1 uncentred)."""
+    """Rows a_i (x_i - m) of unit-norm sparse x_i (m = 0 and a_i = 1 uncentred); dots looks up
+    at most `chunk` of the rows' nonzeros at once."""
 
-    def __init__(self, x: sp.csr_matrix, num_docs: int, center: bool) -> None:
+    def __init__(self, x: sp.csr_matrix, num_docs: int, center: bool, chunk: int = SCORE_CHUNK) -> None:
+        self.chunk = chunk
         self.x = sp.csr_matrix(sp.diags(1.0 / np.maximum(_row_norms(x), 1e-30)) @ x, dtype=np.float32)
         self.x.sort_indices()
         self.num_rows = x.shape[0]
@@ -426,7 +472,7 @@ class _SparseSpace(_Space):
 
     def dots(self, docs: np.ndarray, v: CenteredVectors, labels: np.ndarray) -> np.ndarray:
         """a_i <x_i - m, S_l - c_l m> = a_i (x_i.S_l - c_l x_i.m - m.S_l + c_l m.m)."""
-        raw = _sparse_row_dots(self.x, docs, v.sparse, labels)
+        raw = _sparse_row_dots(self.x, docs, v.sparse, labels, self.chunk)
         if not self.mean_sq:
             return (self.scale[docs] * raw).astype(np.float32)
         s_mean = np.asarray(v.sparse @ self.mean).ravel()[labels]
@@ -551,25 +597,48 @@ def _pair_members(members: sp.csr_matrix, pair_group: np.ndarray) -> tuple[np.nd
     return starts, docs
 
 
+def _concatenated(parts: list[tuple[np.ndarray, ...]], width: int) -> tuple[np.ndarray, ...]:
+    """The chunks' arrays joined column by column (width empty int64 arrays without a chunk)."""
+    if not parts:
+        return tuple(np.zeros(0, np.int64) for _ in range(width))
+    return tuple(np.concatenate(column) for column in zip(*parts, strict=True))
+
+
 def _label_by_doc(labels: np.ndarray, docs: np.ndarray, num_labels: int, num_docs: int) -> sp.csr_matrix:
     return sp.csr_matrix((np.ones(len(docs), np.float32), (labels, docs)), shape=(num_labels, num_docs))
 
 
-def _sparse_row_dots(x: sp.csr_matrix, docs: np.ndarray, v: sp.csr_matrix, labels: np.ndarray) -> np.ndarray:
+def _sparse_row_dots(x: sp.csr_matrix, docs: np.ndarray, v: sp.csr_matrix, labels: np.ndarray,
+                     chunk: int = SCORE_CHUNK) -> np.ndarray:
     """<x[docs[i]], v[labels[i]]> for every i: each of x's nonzeros looked up in v by the key
-    row * F + column (v's keys are sorted)."""
-    rows = x[docs]
+    row * F + column (v's keys are sorted), for runs of docs with at most `chunk` nonzeros (a
+    longer row alone): one key per (doc, token) for all docs at once was the data times the
+    group size times its labels. A row's products are summed in the same order whatever the runs."""
     width = x.shape[1]
-    keys = np.repeat(labels, np.diff(rows.indptr)) * width + rows.indices
     v = sp.csr_matrix(v)
     v.sort_indices()
     v_keys = np.repeat(np.arange(v.shape[0], dtype=np.int64), np.diff(v.indptr)) * width + v.indices
+    out = np.zeros(len(docs), np.float64)
     if not len(v_keys):
-        return np.zeros(len(docs), np.float64)
-    at = np.minimum(np.searchsorted(v_keys, keys), len(v_keys) - 1)
-    products = np.where(v_keys[at] == keys, v.data[at], 0.0) * rows.data
-    entry_row = np.repeat(np.arange(len(docs)), np.diff(rows.indptr))
-    return np.bincount(entry_row, weights=products, minlength=len(docs))
+        return out
+    for lo, hi in _runs(np.diff(x.indptr)[docs], chunk):
+        rows = x[docs[lo:hi]]
+        keys = np.repeat(labels[lo:hi], np.diff(rows.indptr)) * width + rows.indices
+        at = np.minimum(np.searchsorted(v_keys, keys), len(v_keys) - 1)
+        products = np.where(v_keys[at] == keys, v.data[at], 0.0) * rows.data
+        entry_row = np.repeat(np.arange(hi - lo), np.diff(rows.indptr))
+        out[lo:hi] = np.bincount(entry_row, weights=products, minlength=hi - lo)
+    return out
+
+
+def _runs(sizes: np.ndarray, chunk: int) -> Iterator[tuple[int, int]]:
+    """Consecutive [lo, hi) of items whose sizes add up to at most chunk (an item larger alone)."""
+    ends = np.r_[0, np.cumsum(sizes)]
+    lo = 0
+    while lo < len(sizes):
+        hi = max(lo + 1, int(np.searchsorted(ends, ends[lo] + chunk, side="right")) - 1)
+        yield lo, hi
+        lo = hi
 
 
 def _row_norms(m: Features) -> np.ndarray:
