@@ -16,7 +16,8 @@ from training import data as xc_data
 from training.aggregate_data import aggregate, clustered_groups, random_groups
 from training.aggregated import impute, tfidf_features, tfidf_spaces
 from training.config import TrainConfig
-from training.eagle import KEEP_RATIOS, EagleImputer, _normalize
+from training.eagle import KEEP_RATIOS, EagleImputer
+from training.eagle_space import normalize_rows
 from training.grouped import load_grouped
 from training.synthetic import generate
 
@@ -33,7 +34,7 @@ def _toy() -> tuple[np.ndarray, sp.csr_matrix, sp.csr_matrix, np.ndarray]:
 @pytest.mark.parametrize("sparse", [False, True])
 def test_the_papers_toy_example(sparse: bool) -> None:
     features, members, group_labels, unit_x = _toy()
-    naive = _normalize(np.asarray(group_labels.T @ members @ features))
+    naive = normalize_rows(np.asarray(group_labels.T @ members @ features))
     assert np.allclose(naive, 0.0)  # the union of the groups' members cancels out
     imputer = EagleImputer(iterations=10, step=0.5, seed=3, assignment="closest").fit(
         sp.csr_matrix(features) if sparse else features, members, group_labels)

@@ -37,27 +37,34 @@ method; training/config.py says which are on by default and bench/RESULTS.md wha
 
 Features are rows of a matrix fixed before training: sparse TF-IDF (the first round) or the
 trained encoder's embeddings (a second round). Everything is vectorised over the (group,
-label) pairs: scores of every pair's members in one pass (sparse lookups or chunked dense
-products), picks by one sort, updates by one sparse product. Centred sparse features stay
+label) pairs: scores of the pairs' members in chunks (sparse lookups or dense products; a
+chunk's pairs whole), picks by one sort a chunk, updates by one sparse product. Centred sparse features stay
 sparse: a row is a_i (x_i - m) and a label vector S_l - c_l m, so every product is a sparse one
 plus rank-one corrections.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import scipy.sparse as sp
 
-Features = sp.csr_matrix | np.ndarray
+from training.eagle_space import (
+    SCORE_CHUNK,
+    Features,
+    Space,
+    Vectors,
+    runs,
+    space_of,
+)
+
 # Algorithm 2 as in the paper ("closest"), or beyond it ("expected", "relative"): see EagleImputer.impute.
 ASSIGNMENTS = ("closest", "expected", "relative")
 # The keep ratios a group-level validation chooses among for the "relative" assignment.
 KEEP_RATIOS = tuple(round(0.1 * k, 1) for k in range(10, -1, -1))
-_DENSE_CHUNK = 1 << 16
-_VALIDATION_CHUNK = 256  # held-out groups scored against every label at once
+_VALIDATION_CHUNK = 256  # held-out members compared with every document of other groups at once
 _PATIENCE = 3  # iterations without a better group-level P@1 before the validation stops
 _NEIGHBOURS = 20  # the neighbours (documents of other groups) a held-out member's labels are read from
 
@@ -102,11 +109,13 @@ class EagleImputer:
     min_held_out: the fewest held-out groups with a label such a choice is made on; with fewer,
     fit chooses nothing (choice_skipped_ says why): iterations_ is T and keep_ratio_ keep_ratio,
     else CLOSEST_ONLY (the paper's method).
+    chunk: the most (pair, member) scores, (pair, member, token) products or (member, label)
+    validation scores computed at once (the results do not depend on it).
     """
 
     def __init__(self, iterations: int = 10, step: float = 0.5, seed: int = 0, assignment: str = "expected",
                  center: bool = False, validation: float = 0.0, keep_ratio: float | None = None,
-                 min_held_out: int = 1) -> None:
+                 min_held_out: int = 1, chunk: int = SCORE_CHUNK) -> None:
         if iterations < 0:
             raise ValueError(f"iterations must be >= 0, got {iterations}")
         if not 0.0 < step <= 1.0:
@@ -127,6 +136,9 @@ class EagleImputer:
             raise ValueError("the relative assignment needs a keep_ratio or a validation share to choose it on")
         self.keep_ratio = keep_ratio
         self.min_held_out = max(1, int(min_held_out))
+        if chunk < 1:
+            raise ValueError(f"chunk must be >= 1, got {chunk}")
+        self.chunk = int(chunk)
 
     @property
     def chooses_on_held_out(self) -> bool:
@@ -148,7 +160,7 @@ class EagleImputer:
                                                  self.min_held_out)
         if label_features is not None:
             features, members, group_labels = _with_label_groups(features, members, group_labels, label_features)
-        space = _space(features, num_docs, self.center)
+        space = space_of(features, num_docs, self.center, self.chunk)
         self.iterations_, self.validation_scores_ = self.iterations, []
         self.keep_ratio_, self.keep_ratio_scores_ = self.keep_ratio, []
         if self.choice_skipped_ is not None:
@@ -162,17 +174,17 @@ class EagleImputer:
         v = self._group_robust(space, members, group_labels, self.iterations_)
         real = self.pair_group_ < num_groups  # the labels' own texts shaped the vectors; documents get labels
         self.pair_group_, self.pair_label_ = self.pair_group_[real], self.pair_label_[real]
-        self.pair_members_ = _pair_members(members[:num_groups], self.pair_group_)
+        self._pair_source = members[:num_groups]
         self.label_vectors_ = v
         self._space, self._members, self._num_docs = space, members[:num_groups], num_docs
         return self
 
-    def _group_robust(self, space: _Space, members: sp.csr_matrix, group_labels: sp.csr_matrix, iterations: int,
+    def _group_robust(self, space: Space, members: sp.csr_matrix, group_labels: sp.csr_matrix, iterations: int,
                       after_step: Callable[[Vectors], bool] | None = None) -> Vectors:
         """Algorithm 1 for every label at once; after_step(v) sees the start and each iteration
         and stops them by returning True."""
         self.pair_group_, self.pair_label_ = _pairs(group_labels)
-        self.pair_members_ = _pair_members(members, self.pair_group_)
+        self._pair_source = members
         v = space.normalize(space.pool(sp.csr_matrix(group_labels.T) @ members))
         v = self._seed_empty(space, v, group_labels)
         for step in range(iterations + 1):
@@ -184,7 +196,7 @@ class EagleImputer:
             v = space.normalize(space.mix(1.0 - self.step, v, self.step, u))
         return v
 
-    def _validate(self, space: _Space, members: sp.csr_matrix, group_labels: sp.csr_matrix,
+    def _validate(self, space: Space, members: sp.csr_matrix, group_labels: sp.csr_matrix,
                   held: np.ndarray) -> list[float]:
         """Group-level P@1 after 0..T iterations: the labels of a held-out share of the groups are
         hidden while the vectors are learnt, then each held-out group's labels are ranked by the
@@ -197,20 +209,34 @@ class EagleImputer:
 
         def score(v: Vectors) -> bool:
             hits = 0
-            for s in range(0, len(held), _VALIDATION_CHUNK):
-                chunk = held_members[s : s + _VALIDATION_CHUNK]
-                best = np.maximum.reduceat(space.all_dots(chunk.indices.astype(np.int64), v), chunk.indptr[:-1],
-                                           axis=0)  # every group has a member: no empty slice
+            for run, best in self._best_member_scores(space, held_members, v):
                 best[:, unknown] = -np.inf
                 top = np.argmax(best, axis=1)
-                hits += int(np.asarray(truth[s : s + _VALIDATION_CHUNK][np.arange(len(top)), top]).sum())
+                hits += int(np.asarray(truth[run][np.arange(len(top)), top]).sum())
             scores.append(hits / len(held))
             return len(scores) - 1 - int(np.argmax(scores)) >= _PATIENCE
 
         self._group_robust(space, members, visible, self.iterations, score)
         return scores
 
-    def _choose_keep_ratio(self, space: _Space, members: sp.csr_matrix, group_labels: sp.csr_matrix,
+    def _best_member_scores(self, space: Space, groups: sp.csr_matrix, v: Vectors
+                            ) -> Iterator[tuple[slice, np.ndarray]]:
+        """Runs of groups (rows of a members matrix), each with its members' best score per label
+        [run, L] (-inf for a group without members), scoring at most `chunk` (member, label) at
+        once: a group of many members is scored in runs of its members."""
+        per_run = max(1, self.chunk // max(v.shape[0], 1))
+        for lo, hi in runs(np.diff(groups.indptr), per_run):
+            first = groups.indptr[lo]
+            docs = groups.indices[first : groups.indptr[hi]].astype(np.int64)
+            group_of = np.repeat(np.arange(hi - lo), np.diff(groups.indptr[lo : hi + 1]))
+            best = np.full((hi - lo, v.shape[0]), -np.inf, np.float32)
+            for a, b in runs(np.ones(len(docs), np.int64), per_run):
+                cuts = a + np.flatnonzero(np.r_[True, group_of[a + 1 : b] != group_of[a : b - 1]])
+                partial = np.maximum.reduceat(space.all_dots(docs[a:b], v), cuts - a, axis=0)
+                best[group_of[cuts]] = np.maximum(best[group_of[cuts]], partial)
+            yield slice(lo, hi), best
+
+    def _choose_keep_ratio(self, space: Space, members: sp.csr_matrix, group_labels: sp.csr_matrix,
                            held: np.ndarray, num_groups: int) -> list[float]:
         """Per candidate in KEEP_RATIOS, how well labels imputed with it find the held-out groups'
         labels: the vectors are learnt with those hidden (iterations_ iterations), the other groups'
@@ -279,27 +305,47 @@ class EagleImputer:
         validation ranks a held-out group's labels by its members' best score)."""
         return self._space.all_dots(np.asarray(docs, dtype=np.int64), self.label_vectors_)
 
-    def _closest(self, space: _Space, v: Vectors, counts: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    @property
+    def pair_members_(self) -> tuple[np.ndarray, np.ndarray]:
+        """CSR-like (starts [P + 1], docs) of every pair's group members, all at once (groups x
+        their labels x their members entries: _scored_pairs goes chunk by chunk instead)."""
+        return _pair_members(self._pair_source, self.pair_group_)
+
+    def _scored_pairs(self, space: Space, v: Vectors) -> Iterator[tuple[slice, np.ndarray, np.ndarray, np.ndarray]]:
+        """Consecutive runs of pairs with at most `chunk` (pair, member) entries (a larger pair
+        alone): (the run, starts [len + 1] into docs, docs, each member's score with its pair's label)."""
+        sizes = np.diff(self._pair_source.indptr)[self.pair_group_]
+        for lo, hi in runs(sizes, self.chunk):
+            run = slice(lo, hi)
+            starts, docs = _pair_members(self._pair_source, self.pair_group_[run])
+            yield run, starts, docs, space.dots(docs, v, np.repeat(self.pair_label_[run], sizes[run]))
+
+    def _closest(self, space: Space, v: Vectors, counts: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Per pair, the member of its group with the largest inner product with its label's vector
         (the first such member on ties), or its `counts[pair]` closest: (documents, their labels)."""
-        starts, docs = self.pair_members_
-        pair_of = np.repeat(np.arange(len(self.pair_label_)), np.diff(starts))
-        scores = space.dots(docs, v, self.pair_label_[pair_of])
-        order = np.lexsort((np.arange(len(docs)), -scores, pair_of))
-        rank = np.arange(len(order)) - starts[pair_of[order]]  # 0 = the pair's closest member
-        keep = rank < (1 if counts is None else counts[pair_of[order]])
-        return docs[order[keep]], self.pair_label_[pair_of[order[keep]]]
+        picked: list[tuple[np.ndarray, np.ndarray]] = []
+        for run, starts, docs, scores in self._scored_pairs(space, v):
+            pair_of = np.repeat(np.arange(len(starts) - 1), np.diff(starts))
+            order = np.lexsort((np.arange(len(docs)), -scores, pair_of))
+            rank = np.arange(len(order)) - starts[pair_of[order]]  # 0 = the pair's closest member
+            keep = rank < (1 if counts is None else counts[run][pair_of[order]])
+            picked.append((docs[order[keep]], self.pair_label_[run][pair_of[order[keep]]]))
+        return _concatenated(picked, 2)
 
-    def _relative(self, space: _Space, v: Vectors, ratio: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _relative(self, space: Space, v: Vectors, ratio: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per pair, every member whose score reaches ratio times the best member's: (documents,
         labels, their scores over the best's, in [0, 1]; 1 where the best is not positive)."""
-        starts, docs = self.pair_members_
-        pair_of = np.repeat(np.arange(len(self.pair_label_)), np.diff(starts))
-        scores = space.dots(docs, v, self.pair_label_[pair_of])
-        best = np.maximum.reduceat(scores, starts[:-1])[pair_of]
-        keep = scores >= _keep_threshold(best, ratio)
-        relative = np.where(best > 0, np.clip(scores / np.where(best > 0, best, 1.0), 0.0, 1.0), 1.0)
-        return docs[keep], self.pair_label_[pair_of[keep]], relative[keep]
+        kept: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        for run, starts, docs, scores in self._scored_pairs(space, v):
+            pair_of = np.repeat(np.arange(len(starts) - 1), np.diff(starts))
+            if not len(docs):
+                continue
+            # a pair without members (none in a valid grouping) would index past the end: clipped, unused
+            best = np.maximum.reduceat(scores, np.minimum(starts[:-1], len(docs) - 1))[pair_of]
+            keep = scores >= _keep_threshold(best, ratio)
+            relative = np.where(best > 0, np.clip(scores / np.where(best > 0, best, 1.0), 0.0, 1.0), 1.0)
+            kept.append((docs[keep], self.pair_label_[run][pair_of[keep]], relative[keep]))
+        return _concatenated(kept, 3)
 
     def _expected_counts(self) -> np.ndarray:
         """Per pair, how many members of a group of its size hold its label, given that one does:
@@ -313,17 +359,17 @@ class EagleImputer:
         expected = sizes * p_pair / (1.0 - (1.0 - p_pair) ** sizes)
         return np.clip(np.rint(expected), 1, sizes).astype(np.int64)
 
-    def _seed_empty(self, space: _Space, v: Vectors, group_labels: sp.csr_matrix) -> Vectors:
+    def _seed_empty(self, space: Space, v: Vectors, group_labels: sp.csr_matrix) -> Vectors:
         empty = np.flatnonzero((space.norms(v) < 1e-6) & (np.diff(sp.csc_matrix(group_labels).indptr) > 0))
         if not len(empty):
             return v
         rng = np.random.default_rng(self.seed)
-        starts, docs = self.pair_members_
+        indptr, indices = self._pair_source.indptr, self._pair_source.indices
         chosen = []
         for label in empty:  # rare (members that cancel out exactly): a loop is fine
             pairs = np.flatnonzero(self.pair_label_ == label)
-            pair = pairs[rng.integers(len(pairs))]
-            chosen.append(docs[starts[pair] + rng.integers(starts[pair + 1] - starts[pair])])
+            group = self.pair_group_[pairs[rng.integers(len(pairs))]]
+            chosen.append(indices[indptr[group] + rng.integers(indptr[group + 1] - indptr[group])])
         keep = np.ones(v.shape[0], np.float32)
         keep[empty] = 0.0
         fix = space.pool(_label_by_doc(empty, np.asarray(chosen), v.shape[0], space.num_rows))
@@ -351,136 +397,6 @@ def carrier_posteriors(members: sp.csr_matrix, group_labels: sp.csr_matrix,
     out = sp.csr_matrix((posterior, (docs, labels)), shape=(members.shape[1], group_labels.shape[1]))
     out.sum_duplicates()  # a document is in one group: no (document, label) twice
     return out
-
-
-@dataclass
-class CenteredVectors:
-    """Rows S_l - c_l m: sparse S [L, F], c [L], the documents' mean m [F]."""
-
-    sparse: sp.csr_matrix
-    coef: np.ndarray
-    mean: np.ndarray
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.sparse.shape
-
-    def toarray(self) -> np.ndarray:
-        return self.sparse.toarray() - self.coef[:, None] * self.mean[None, :]
-
-
-Vectors = np.ndarray | CenteredVectors
-
-
-class _Space:
-    """The feature rows the imputer compares (unit norm, centred or not) and label vectors in their
-    span: pool (a weighted sum of rows per label), mix, normalize, norms, dots."""
-
-    num_rows: int
-
-    def pool(self, weights: sp.csr_matrix) -> Vectors: ...
-    def mix(self, a: float | np.ndarray, v: Vectors, b: float, u: Vectors) -> Vectors: ...
-    def norms(self, v: Vectors) -> np.ndarray: ...
-    def dots(self, docs: np.ndarray, v: Vectors, labels: np.ndarray) -> np.ndarray: ...
-    def all_dots(self, docs: np.ndarray, v: Vectors) -> np.ndarray: ...
-    def row_dots(self, a: np.ndarray, b: np.ndarray) -> np.ndarray: ...
-
-    def normalize(self, v: Vectors) -> Vectors:
-        """Rows scaled to unit norm (zero rows stay zero)."""
-        norms = self.norms(v)
-        return self.mix(np.where(norms > 1e-12, 1.0 / np.maximum(norms, 1e-30), 0.0), v, 0.0, v)
-
-
-def _space(features: Features, num_docs: int, center: bool) -> _Space:
-    if isinstance(features, np.ndarray):
-        return _DenseSpace(features, num_docs, center)
-    return _SparseSpace(sp.csr_matrix(features, dtype=np.float32), num_docs, center)
-
-
-class _DenseSpace(_Space):
-    def __init__(self, x: np.ndarray, num_docs: int, center: bool) -> None:
-        x = np.asarray(x, dtype=np.float32)
-        if center:
-            x = x - x[:num_docs].mean(axis=0, keepdims=True)
-        norms = np.linalg.norm(x, axis=1, keepdims=True)
-        self.x = (x / np.where(norms > 0, norms, 1.0)).astype(np.float32)
-        self.num_rows = x.shape[0]
-
-    def pool(self, weights: sp.csr_matrix) -> np.ndarray:
-        return np.asarray(weights @ self.x, dtype=np.float32)
-
-    def mix(self, a: float | np.ndarray, v: np.ndarray, b: float, u: np.ndarray) -> np.ndarray:
-        return (np.asarray(a, np.float32).reshape(-1, 1) * v + np.float32(b) * u).astype(np.float32)
-
-    def norms(self, v: np.ndarray) -> np.ndarray:
-        return np.linalg.norm(v, axis=1)
-
-    def dots(self, docs: np.ndarray, v: np.ndarray, labels: np.ndarray) -> np.ndarray:
-        out = np.empty(len(docs), np.float32)
-        for s in range(0, len(docs), _DENSE_CHUNK):
-            e = s + _DENSE_CHUNK
-            out[s:e] = np.einsum("ij,ij->i", self.x[docs[s:e]], v[labels[s:e]])
-        return out
-
-    def all_dots(self, docs: np.ndarray, v: np.ndarray) -> np.ndarray:
-        return self.x[docs] @ v.T
-
-    def row_dots(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        return self.x[a] @ self.x[b].T
-
-
-class _SparseSpace(_Space):
-    """Rows a_i (x_i - m) of unit-norm sparse x_i (m = 0 and a_i = 1 uncentred)."""
-
-    def __init__(self, x: sp.csr_matrix, num_docs: int, center: bool) -> None:
-        self.x = sp.csr_matrix(sp.diags(1.0 / np.maximum(_row_norms(x), 1e-30)) @ x, dtype=np.float32)
-        self.x.sort_indices()
-        self.num_rows = x.shape[0]
-        self.mean = (np.asarray(self.x[:num_docs].mean(axis=0)).ravel() if center
-                     else np.zeros(x.shape[1])).astype(np.float64)
-        self.x_mean = np.asarray(self.x @ self.mean).ravel()
-        self.mean_sq = float(self.mean @ self.mean)
-        # ||x_i - m||^2 = ||x_i||^2 - 2 x_i.m + m.m, rows of zero norm stay zero
-        centred = np.sqrt(np.maximum(_row_norms(self.x) ** 2 - 2 * self.x_mean + self.mean_sq, 0.0))
-        self.scale = np.where(centred > 1e-12, 1.0 / np.maximum(centred, 1e-30), 0.0)
-
-    def pool(self, weights: sp.csr_matrix) -> CenteredVectors:
-        w = sp.csr_matrix(weights) @ sp.diags(self.scale)
-        return CenteredVectors(sp.csr_matrix(w @ self.x, dtype=np.float32), np.asarray(w.sum(axis=1)).ravel(),
-                               self.mean)
-
-    def mix(self, a: float | np.ndarray, v: CenteredVectors, b: float, u: CenteredVectors) -> CenteredVectors:
-        a_rows = np.broadcast_to(np.asarray(a, np.float64), v.coef.shape)
-        s = sp.diags(a_rows) @ v.sparse
-        if b != 0.0:
-            s = s + b * u.sparse
-        return CenteredVectors(sp.csr_matrix(s, dtype=np.float32), a_rows * v.coef + b * u.coef, self.mean)
-
-    def norms(self, v: CenteredVectors) -> np.ndarray:
-        s_mean = np.asarray(v.sparse @ self.mean).ravel()
-        sq = _row_norms(v.sparse) ** 2 - 2 * v.coef * s_mean + v.coef**2 * self.mean_sq
-        return np.sqrt(np.maximum(sq, 0.0))
-
-    def dots(self, docs: np.ndarray, v: CenteredVectors, labels: np.ndarray) -> np.ndarray:
-        """a_i <x_i - m, S_l - c_l m> = a_i (x_i.S_l - c_l x_i.m - m.S_l + c_l m.m)."""
-        raw = _sparse_row_dots(self.x, docs, v.sparse, labels)
-        if not self.mean_sq:
-            return (self.scale[docs] * raw).astype(np.float32)
-        s_mean = np.asarray(v.sparse @ self.mean).ravel()[labels]
-        c = v.coef[labels]
-        return (self.scale[docs] * (raw - c * self.x_mean[docs] - s_mean + c * self.mean_sq)).astype(np.float32)
-
-    def all_dots(self, docs: np.ndarray, v: CenteredVectors) -> np.ndarray:
-        raw = np.asarray((self.x[docs] @ v.sparse.T).todense(), dtype=np.float64)
-        s_mean = np.asarray(v.sparse @ self.mean).ravel()
-        raw -= np.outer(self.x_mean[docs], v.coef) + s_mean[None, :] - v.coef[None, :] * self.mean_sq
-        return (self.scale[docs, None] * raw).astype(np.float32)
-
-    def row_dots(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        """[len(a), len(b)]: a_i a_j <x_i - m, x_j - m>."""
-        raw = np.asarray((self.x[a] @ self.x[b].T).todense(), dtype=np.float64)
-        raw -= self.x_mean[a][:, None] + self.x_mean[b][None, :] - self.mean_sq
-        return (self.scale[a][:, None] * raw * self.scale[b][None, :]).astype(np.float32)
 
 
 def _with_label_groups(features: Features, members: sp.csr_matrix, group_labels: sp.csr_matrix,
@@ -515,7 +431,7 @@ def _keep_threshold(best: np.ndarray, ratio: float) -> np.ndarray:
     return np.where(best > 0, ratio * best, best)
 
 
-def _neighbour_weights(space: _Space, queries: np.ndarray, pool: np.ndarray) -> sp.csr_matrix:
+def _neighbour_weights(space: Space, queries: np.ndarray, pool: np.ndarray) -> sp.csr_matrix:
     """[len(queries), rows]: each query's _NEIGHBOURS most similar pool rows, weighted by their
     (non-negative) similarity, each row summing to 1 (0 without a positive similarity)."""
     k = min(_NEIGHBOURS, len(pool))
@@ -590,37 +506,14 @@ def _pair_members(members: sp.csr_matrix, pair_group: np.ndarray) -> tuple[np.nd
     return starts, docs
 
 
+def _concatenated(parts: list[tuple[np.ndarray, ...]], width: int) -> tuple[np.ndarray, ...]:
+    """The chunks' arrays joined column by column (width empty int64 arrays without a chunk)."""
+    if not parts:
+        return tuple(np.zeros(0, np.int64) for _ in range(width))
+    return tuple(np.concatenate(column) for column in zip(*parts, strict=True))
+
+
 def _label_by_doc(labels: np.ndarray, docs: np.ndarray, num_labels: int, num_docs: int) -> sp.csr_matrix:
     return sp.csr_matrix((np.ones(len(docs), np.float32), (labels, docs)), shape=(num_labels, num_docs))
 
 
-def _sparse_row_dots(x: sp.csr_matrix, docs: np.ndarray, v: sp.csr_matrix, labels: np.ndarray) -> np.ndarray:
-    """<x[docs[i]], v[labels[i]]> for every i: each of x's nonzeros looked up in v by the key
-    row * F + column (v's keys are sorted)."""
-    rows = x[docs]
-    width = x.shape[1]
-    keys = np.repeat(labels, np.diff(rows.indptr)) * width + rows.indices
-    v = sp.csr_matrix(v)
-    v.sort_indices()
-    v_keys = np.repeat(np.arange(v.shape[0], dtype=np.int64), np.diff(v.indptr)) * width + v.indices
-    if not len(v_keys):
-        return np.zeros(len(docs), np.float64)
-    at = np.minimum(np.searchsorted(v_keys, keys), len(v_keys) - 1)
-    products = np.where(v_keys[at] == keys, v.data[at], 0.0) * rows.data
-    entry_row = np.repeat(np.arange(len(docs)), np.diff(rows.indptr))
-    return np.bincount(entry_row, weights=products, minlength=len(docs))
-
-
-def _row_norms(m: Features) -> np.ndarray:
-    if isinstance(m, np.ndarray):
-        return np.linalg.norm(m, axis=1)
-    return np.sqrt(np.asarray(m.multiply(m).sum(axis=1)).ravel())
-
-
-def _normalize(m: Features) -> Features:
-    """Rows scaled to unit norm (zero rows stay zero)."""
-    norms = _row_norms(m)
-    scale = np.where(norms > 0, 1.0 / np.maximum(norms, 1e-30), 0.0).astype(np.float32)
-    if isinstance(m, np.ndarray):
-        return (m * scale[:, None]).astype(np.float32)
-    return sp.csr_matrix(sp.diags(scale) @ m, dtype=np.float32)

@@ -1,0 +1,93 @@
+"""EAGLE scores (group, label, member) in chunks: the same imputation, memory bounded by the chunk
+rather than by the groups' sizes times their labels (audit 5 B11: groups of 500 took 6-7 GB)."""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+from training import data as xc_data
+from training.aggregate_data import aggregate
+from training.aggregated import tfidf_spaces
+from training.config import TrainConfig
+from training.eagle import SCORE_CHUNK, EagleImputer
+from training.grouped import load_grouped
+from training.synthetic import generate
+
+
+@pytest.fixture(scope="module")
+def grouped_data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
+    """Per grouping, (TF-IDF rows, label texts, members, group labels): 400 documents in groups of 20
+    and 800 in groups of 200 (each group carrying most of the 100 labels)."""
+    root = tmp_path_factory.mktemp("eagle_chunks")
+    out = {}
+    for name, docs, size, grouping in (("random20", 400, 20, "random"), ("clustered20", 400, 20, "clustered"),
+                                       ("random200", 800, 200, "random")):
+        generate(root / f"data{docs}", num_labels=100, train_docs=docs, test_docs=10, seed=5)
+        labels = xc_data.load_labels(root / f"data{docs}")
+        aggregate(root / f"data{docs}", root / name, size, grouping, seed=1)
+        grouped = load_grouped(root / name, "title", len(labels))
+        x, z = tfidf_spaces(grouped.texts, labels.texts, TrainConfig())
+        out[name] = (x, z, grouped.members(), grouped.group_labels(len(labels)))
+    return out
+
+
+def _result(imputer: EagleImputer) -> tuple:
+    v = imputer.label_vectors_
+    vectors = v if isinstance(v, np.ndarray) else (v.sparse.toarray(), v.coef)
+    return (imputer.impute(), imputer.impute_weights(), vectors, imputer.iterations_, imputer.validation_scores_,
+            imputer.keep_ratio_scores_)
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, np.ndarray):
+        return a.dtype == b.dtype and np.array_equal(a, b)
+    if isinstance(a, tuple | list):
+        return len(a) == len(b) and all(_same(p, q) for p, q in zip(a, b, strict=True))
+    return a == b
+
+
+@pytest.mark.parametrize("grouping", ["random20", "clustered20"])
+@pytest.mark.parametrize("dense", [False, True])
+@pytest.mark.parametrize("assignment", [dict(assignment="closest"),
+                                        dict(assignment="expected", center=True, validation=0.3),
+                                        dict(assignment="relative", center=True, validation=0.3)])
+def test_scoring_in_small_chunks_imputes_exactly_what_one_chunk_does(grouped_data, grouping, dense,
+                                                                     assignment) -> None:
+    x, z, members, group_labels = grouped_data[grouping]
+    if dense:
+        x, z = x.toarray(), z.toarray()
+    whole = _result(EagleImputer(iterations=3, **assignment).fit(x, members, group_labels, z))
+    assert sum(map(len, whole[0])) > 0
+    # 150 entries: runs of 7 pairs of 20 members, a pair's members' tokens (~7 a member) in two runs,
+    # a held-out group's members scored against the 100 labels one member at a time.
+    chunked = _result(EagleImputer(iterations=3, chunk=150, **assignment).fit(x, members, group_labels, z))
+    assert _same(whole, chunked)
+
+
+def test_memory_is_bounded_by_the_chunk_not_by_group_size_times_labels(grouped_data) -> None:
+    # 4 groups of 200 members, each carrying most of the 100 labels: ~64,000 (pair, member)
+    # entries of ~7 tokens each.
+    x, z, members, group_labels = grouped_data["random200"]
+    peaks, results = {}, {}
+    for chunk in (SCORE_CHUNK, 4096):
+        imputer = EagleImputer(iterations=2, center=True, validation=0.5, assignment="closest", chunk=chunk)
+        tracemalloc.start()
+        try:
+            results[chunk] = imputer.fit(x, members, group_labels, z).impute()
+            peaks[chunk] = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert results[4096] == results[SCORE_CHUNK]
+    assert peaks[4096] * 4 < peaks[SCORE_CHUNK], peaks
+
+
+def test_a_chunk_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="chunk must be >= 1, got 0"):
+        EagleImputer(chunk=0)
+    imputer = EagleImputer(iterations=0, assignment="closest", chunk=1).fit(
+        np.eye(2, dtype=np.float32), sp.csr_matrix(np.ones((1, 2))), sp.csr_matrix(np.ones((1, 1))))
+    assert imputer.impute() == [[0], []]
