@@ -290,6 +290,8 @@ def test_readiness_is_503_until_a_validated_bundle_is_loaded(bundle_root, tmp_pa
         assert c.get("/healthz").status_code == 200
         r = c.get("/readyz")
         assert r.status_code == 503 and r.json()["status"] == "not ready"
+        # Why, for an operator who finds it not ready (the start-up's refusal, as its log line says).
+        assert r.json()["reason"].startswith("start-up could not serve a bundle: "), r.json()
         r = c.post("/v1/predict", json={"text": "x"})
         assert r.status_code == 503 and r.json()["error"] == "not_ready"
         shutil.copytree(bundle_root / "v1", root / "v1")

@@ -68,7 +68,7 @@ def test_healthcheck_follows_the_port_and_is_healthy_only_when_ready(bundle_root
     empty.mkdir()
     with serve(empty, ready=False, log_dir=tmp_path) as s:  # alive, nothing to serve: /readyz 503
         r = _healthcheck(SHORTLIST_PORT=s.url.rsplit(":", 1)[1])
-        assert r.returncode == 1 and "answered 503" in r.stdout, r
+        assert r.returncode == 1 and "answered 503: start-up could not serve a bundle: " in r.stdout, r
     r = _healthcheck(SHORTLIST_PORT=str(free_port()))  # nothing listens
     assert r.returncode == 1 and r.stdout.startswith("not ready: ") and "refused" in r.stdout, r
     r = _healthcheck(SHORTLIST_PORT="http")

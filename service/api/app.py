@@ -103,7 +103,8 @@ def _probes(readiness: Readiness | None = None) -> APIRouter:
     async def readyz(state: State) -> Response:
         engine = state.registry.active
         if engine is None:
-            return JSONResponse({"status": "not ready", "version": None}, status_code=503)
+            return JSONResponse({"status": "not ready", "version": None,
+                                 "reason": state.startup_error or "no bundle loaded yet"}, status_code=503)
         if engine.changed is not None:
             return JSONResponse({"status": "bundle changed", "version": engine.version,
                                  "message": str(engine.changed)}, status_code=503)
@@ -246,6 +247,7 @@ async def initial_load(state: ServiceState) -> None:
             if state.group is not None:
                 state.group.cannot_serve(str(result["fallback_from"]), str(result["reason"]))
     except (ActivationFailed, BundleNotFound, ActivationInProgress, StateUnavailable) as exc:
+        state.startup_error = f"start-up could not serve a bundle: {exc}"
         state.metrics.failed_activations.labels("startup").inc()
         error_log.error(json.dumps({"event": "startup_load_failed", "message": str(exc),
                                     "bundle_root": str(state.settings.bundle_root)}))
@@ -255,6 +257,7 @@ async def initial_load(state: ServiceState) -> None:
             state.group.cannot_serve(recorded, str(exc))
     except Exception as exc:
         # Anything else would end this task unseen, leaving /readyz at 503 with nothing in the log.
+        state.startup_error = f"start-up failed: {type(exc).__name__}: {exc}"
         state.metrics.failed_activations.labels("startup").inc()
         error_log.error(json.dumps({"event": "startup_load_failed", "message": f"{type(exc).__name__}: {exc}",
                                     "bundle_root": str(state.settings.bundle_root),

@@ -68,6 +68,7 @@ class ServiceState:
     label_changes: MinuteBudget
     group: ProcessGroup | None = None  # with several serving processes (service.api.processes)
     watch: BundleWatch | None = None  # the serving version's files (service.api.bundle_watch)
+    startup_error: str | None = None  # why start-up serves nothing (/readyz says it until a bundle serves)
 
 
 def service_state(request: Request) -> ServiceState:

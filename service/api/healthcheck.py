@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import http.client
+import json
 import os
 import urllib.error
 import urllib.request
@@ -41,13 +42,24 @@ def run_cli(args: argparse.Namespace) -> int:
     # client's http_proxy into every container, where a proxy answering 200 would make a
     # container with no server healthy (audit s14 M2).
     direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    why = ""
     try:
         with direct.open(url, timeout=args.timeout) as response:
             status = response.status
     except urllib.error.HTTPError as exc:
-        status = exc.code
+        status, why = exc.code, _reason(exc)
     except (OSError, ValueError, http.client.HTTPException) as exc:  # refused, timed out, a bad port
         print(f"not ready: {url}: {getattr(exc, 'reason', exc)}")
         return 1
-    print(f"{'ready' if status == 200 else 'not ready'}: {url} answered {status}")
+    print(f"{'ready' if status == 200 else 'not ready'}: {url} answered {status}{why}")
     return 0 if status == 200 else 1
+
+
+def _reason(answer: urllib.error.HTTPError) -> str:
+    """What a 503 from /readyz says (its reason or message), for Docker's health log; "" if nothing."""
+    try:
+        body = json.loads(answer.read(4096))
+        said = body.get("reason") or body.get("message") if isinstance(body, dict) else None
+    except (OSError, ValueError, http.client.HTTPException):
+        return ""
+    return f": {str(said)[:300]}" if said else ""

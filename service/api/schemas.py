@@ -172,6 +172,7 @@ class EchoResponse(BaseModel):
 class Health(BaseModel):
     status: str
     version: str | None = None
+    reason: str | None = None  # /readyz's 503: why not ready
 
 
 class ActivateRequest(_Request):
