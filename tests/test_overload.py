@@ -6,7 +6,9 @@ runner's exact edges (EngineRunner without HTTP) are in test_api_batching.py.
 
 A burst is sent while the server is stopped (SIGSTOP) and released at once (SIGCONT): the
 server then reads every request in one turn of its loop, before any engine call ends, so what
-the line admits does not depend on the machine's speed.
+the line admits does not depend on the machine's speed. Each connection has had one answer
+(GET /healthz) before the burst: a connection the server had accepted but not yet watched
+would be read a turn later, behind an engine call (CI once saw 8 answers instead of 4 that way).
 """
 
 from __future__ import annotations
@@ -43,6 +45,16 @@ def _connect(server) -> socket.socket:
     return socket.create_connection((host, int(port)), timeout=30)
 
 
+def _connect_served(server) -> tuple[socket.socket, object]:
+    """A keep-alive connection the server has answered once (so its loop watches it), and its reader."""
+    sock = _connect(server)
+    sock.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
+    reader = sock.makefile("rb")
+    status, _, _ = _read_response(sock, reader)
+    assert status == 200
+    return sock, reader
+
+
 def _read_response(sock: socket.socket, reader=None) -> tuple[int, dict[str, str], dict]:
     """One answer read from `sock` (through `reader`, its file, when more answers follow on it)."""
     reader = reader or sock.makefile("rb")
@@ -68,15 +80,14 @@ def _stopped(server) -> Iterator[None]:
 
 def _burst(server, requests: list[bytes]) -> list[tuple[int, dict[str, str], dict]]:
     """Each request on its own connection, all arriving at once; their answers in order."""
-    socks = [_connect(server) for _ in requests]
+    served = [_connect_served(server) for _ in requests]
     try:
-        time.sleep(0.3)  # the server accepts them first
         with _stopped(server):
-            for sock, request in zip(socks, requests, strict=True):
+            for (sock, _), request in zip(served, requests, strict=True):
                 sock.sendall(request)
-        return [_read_response(sock) for sock in socks]
+        return [_read_response(sock, reader) for sock, reader in served]
     finally:
-        for sock in socks:
+        for sock, _ in served:
             sock.close()
 
 
@@ -172,8 +183,7 @@ def test_requests_whose_clients_left_while_waiting_are_not_computed_and_count_49
         holder.sendall(_request("/v1/predict/tree", {"texts": _texts(1024), "k": 100, "beam": 256}))
         assert _wait_for(lambda: _engine_calls(s, "tree") > tree_before, 30)  # its engine call has started
         waiting = [_request("/v1/predict", {"texts": _texts(4)})] * 5 + [_request("/v1/predict", {"text": "font"})] * 4
-        socks = [_connect(s) for _ in waiting]
-        time.sleep(0.1)
+        socks = [_connect_served(s)[0] for _ in waiting]
         with _stopped(s):
             for sock, request in zip(socks, waiting, strict=True):
                 sock.sendall(request)
