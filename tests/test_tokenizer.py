@@ -10,13 +10,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from service.engine.token_schemes import DEFAULT_SCHEME, WORDS
 from service.engine.tokenizer import (
     MAX_COMBINING_RUN,
     Tokenizer,
     normalize_text,
     normalized_length_exceeds,
-    word_tokens,
 )
+
+
+def word_tokens(text: str, scheme: str = DEFAULT_SCHEME) -> list[str]:
+    return Tokenizer([], [], scheme=scheme).tokens(text)
 
 
 @pytest.fixture()
@@ -130,7 +134,8 @@ def test_a_long_run_of_combining_marks_is_cut_every_30_as_unicode_stream_safe_te
     text = "word e" + "\u0301" * 999 + "\u0316" * 1000 + " other"
     normalized = normalize_text(text)
     assert normalized.count("\u034f") == (1999 - 1) // MAX_COMBINING_RUN
-    assert word_tokens(text) == ["word", "é", "other"]
+    assert word_tokens(text, WORDS) == ["word", "é", "other"]
+    assert [token[0] for token in word_tokens(text)] == ["w", "é", "o"]  # the marks stay with their letter
     # A run in the astral planes is cut the same way.
     astral = normalize_text("x" + "\U0001d165\U0001d167" * 40 + "\u0301")
     assert astral.count("\u034f") == 80 // MAX_COMBINING_RUN

@@ -37,7 +37,7 @@ def tfidf_features(texts: list[str], label_texts: list[str], cfg: TrainConfig) -
 def tfidf_spaces(texts: list[str], label_texts: list[str], cfg: TrainConfig) -> tuple[sp.csr_matrix, sp.csr_matrix]:
     """(documents [N, V], label texts [L, V]) as TF-IDF rows of one tokenizer fitted on both."""
     tokenizer = Tokenizer.fit([*texts, *label_texts], min_df=cfg.min_df, max_vocab=cfg.max_vocab,
-                              max_tokens=cfg.max_tokens)
+                              max_tokens=cfg.max_tokens, scheme=cfg.token_scheme)
     return _rows(tokenizer, texts), _rows(tokenizer, label_texts)
 
 

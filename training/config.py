@@ -14,6 +14,7 @@ from typing import Any
 import orjson
 
 from service.engine.schema import LEXICAL_FORMS, VECTOR_DTYPES
+from service.engine.token_schemes import DEFAULT_SCHEME, SCHEME_PATTERNS
 from training.config_values import AT_LEAST_0, AT_LEAST_1, POSITIVE, Bounds, json_value
 from training.tree_config import resolve_config as resolve_tree_config
 
@@ -41,7 +42,9 @@ class TrainConfig:
     # Deterministic torch kernels (the parallel embedding-gradient sum otherwise varies run to run)
     # and training's HNSW indices built on one thread (false: on `threads`, faster at 10^6 labels).
     deterministic: bool = True
-    # tokenizer
+    # tokenizer: token_scheme is how a text splits into tokens (service.engine.token_schemes:
+    # "unicode-words", or "words", the split of bundles trained before schemes)
+    token_scheme: str = DEFAULT_SCHEME
     min_df: int = 1
     max_vocab: int = 200_000
     max_tokens: int = 64
@@ -295,6 +298,7 @@ class TrainConfig:
         _choice("m3_negatives", self.m3_negatives, ("auto", "all", "shortlist"))
         _choice("vector_dtype", self.vector_dtype, VECTOR_DTYPES)
         _choice("device", self.device, ("auto", "cpu", "cuda"))
+        _choice("token_scheme", self.token_scheme, tuple(SCHEME_PATTERNS))
         _choice("lexical_form", self.lexical_form, (*LEXICAL_FORMS, "auto"))
         _choice("aggregated_assignment", self.aggregated_assignment, ("closest", "expected", "relative"))
         _choice("aggregated_reimpute", self.aggregated_reimpute, ("model", "encoder"))

@@ -63,7 +63,7 @@ class TrainingSet:
         log.info("data: %d train, %d validation, %d test documents, %d labels (%s)",
                  len(trn), len(val), len(tst) if tst else 0, len(labels), text_field)
         tokenizer = Tokenizer.fit([*trn.texts, *labels.texts], min_df=cfg.min_df, max_vocab=cfg.max_vocab,
-                                  max_tokens=cfg.max_tokens)
+                                  max_tokens=cfg.max_tokens, scheme=cfg.token_scheme)
         log.info("tokenizer: %d tokens", tokenizer.vocab_size - 1)
         docs, val_texts = EncodedTexts.of(tokenizer, trn.texts), EncodedTexts.of(tokenizer, val.texts)
         warnings = check_teachable(str(source), trn, docs, val, val_texts, cfg)

@@ -22,10 +22,18 @@ from typing import NamedTuple
 import numpy as np
 import orjson
 
+from service.engine.token_schemes import (
+    DEFAULT_SCHEME,
+    SCHEME_PATTERNS,
+    char_class,
+    load_scheme_tables,
+    scheme_of_pattern,
+    splitter,
+)
+
 TOKENIZER_FORMAT = 1
 # Id 0 is padding: it has weight 0 in every padded batch, so its embedding row never counts.
 PAD_ID = 0
-_TOKEN_RE = re.compile(r"\w+")
 
 
 def normalize_text(text: str) -> str:
@@ -35,9 +43,9 @@ def normalize_text(text: str) -> str:
     MAX_COMBINING_RUN combining characters in a row, as Unicode's Stream-Safe Text Format does
     (UAX #15): NFKC sorts each run by combining class with an insertion sort (CPython), so a
     base letter and 2,000 marks in descending class took 6 ms against 60 us for 2,000 ASCII
-    characters. Ordinary text has no such runs (its tokens are unchanged), and neither the marks
-    nor the joiner are word characters. A text in NFKC needs no sort (CPython's check, linear,
-    says no to marks out of order).
+    characters. Ordinary text has no such runs (its tokens are unchanged); the joiner is a mark, in
+    a word where marks are (service.engine.token_schemes). A text in NFKC needs no sort (CPython's
+    check, linear, says no to marks out of order).
     """
     if text.isascii():  # NFKC leaves ASCII as it is
         return text.lower()
@@ -114,9 +122,11 @@ class _UnicodeTables(NamedTuple):
 
 
 def load_unicode_tables() -> None:
-    """Build the tables normalize_text needs for text not in NFKC now (~0.25 s, once a process),
-    so that the first such text does not wait for them: the service calls it as it starts."""
+    """Build the tables normalize_text and the token schemes need for text not in NFKC or not
+    ASCII now (~0.5 s, once a process), so that the first such text does not wait for them: the
+    service calls it as it starts."""
     _unicode_tables()
+    load_scheme_tables()
 
 
 @functools.cache
@@ -151,15 +161,15 @@ def _unicode_tables() -> _UnicodeTables:
             growing.add(char)
     unsafe.update(c for c in joins_back if ord(c) <= 0xFFFF)
     unsafe = {c for c in unsafe if ord(c) <= 0xFFFF}  # every astral character is unsafe (below)
-    bmp = _char_class(c for c in combining if ord(c) <= 0xFFFF)
+    bmp = char_class(c for c in combining if ord(c) <= 0xFFFF)
     anywhere = f"{bmp}\U00010000-\U0010ffff"
     return _UnicodeTables(
         frozenset(combining),
         re.compile(f"(?<![{bmp}])[{bmp}]{{{MAX_COMBINING_RUN + 1}}}"),
         re.compile(f"(?<![{anywhere}])[{anywhere}]{{{MAX_COMBINING_RUN + 1}}}"),
         re.compile(f"[{bmp}]{{{MAX_COMBINING_RUN}}}(?=[{bmp}])"),
-        re.compile(f"[^{_char_class(unsafe)}\U00010000-\U0010ffff]"),
-        re.compile(f"[{_char_class(c for c in growing if ord(c) <= 0xFFFF)}\U00010000-\U0010ffff]"),
+        re.compile(f"[^{char_class(unsafe)}\U00010000-\U0010ffff]"),
+        re.compile(f"[{char_class(c for c in growing if ord(c) <= 0xFFFF)}\U00010000-\U0010ffff]"),
     )
 
 
@@ -194,19 +204,6 @@ def non_blank_pattern() -> str:
     return f"[^{''.join(parts)}]"
 
 
-def _char_class(chars: Iterable[str]) -> str:
-    """A regular expression character class's body matching exactly `chars`, as ranges."""
-    points = sorted(set(map(ord, chars)))
-    parts, i = [], 0
-    while i < len(points):
-        j = i
-        while j + 1 < len(points) and points[j + 1] == points[j] + 1:
-            j += 1
-        parts.append(re.escape(chr(points[i])) + (f"-{re.escape(chr(points[j]))}" if j > i else ""))
-        i = j + 1
-    return "".join(parts)
-
-
 def _stream_safe(text: str) -> str:
     """`text` with a joiner after every MAX_COMBINING_RUN combining characters in a row."""
     tables = _unicode_tables()
@@ -229,18 +226,19 @@ def _stream_safe(text: str) -> str:
     return "".join(out)
 
 
-def word_tokens(text: str) -> list[str]:
-    return _TOKEN_RE.findall(normalize_text(text))
-
-
 class Tokenizer:
     """Word tokens with TF-IDF weights over a fixed vocabulary.
 
     Unknown tokens are dropped; a text with no known token encodes to an empty list,
-    which the encoder maps to the zero vector (a valid input, not an error).
+    which the encoder maps to the zero vector (a valid input, not an error). `scheme` says how a
+    normalised text splits into tokens (service.engine.token_schemes); it is saved with the
+    vocabulary, so a tokenizer reads texts as it did when it was fitted.
     """
 
-    def __init__(self, vocab: Sequence[str], idf: Sequence[float], max_tokens: int = 64) -> None:
+    def __init__(self, vocab: Sequence[str], idf: Sequence[float], max_tokens: int = 64,
+                 scheme: str = DEFAULT_SCHEME) -> None:
+        self.scheme = scheme
+        self._split = splitter(scheme)
         if len(vocab) != len(idf):
             raise ValueError(f"vocab has {len(vocab)} tokens but idf has {len(idf)} values")
         if max_tokens < 1:
@@ -267,12 +265,14 @@ class Tokenizer:
         min_df: int = 1,
         max_vocab: int | None = None,
         max_tokens: int = 64,
+        scheme: str = DEFAULT_SCHEME,
     ) -> Tokenizer:
         """Build the vocabulary and smoothed idf = ln((1 + n) / (1 + df)) + 1 from `texts`."""
+        split = splitter(scheme)
         df: Counter[str] = Counter()
         n = 0
         for text in texts:
-            df.update(set(word_tokens(text)))
+            df.update(set(split(normalize_text(text))))
             n += 1
         items = [(tok, c) for tok, c in df.items() if c >= min_df]
         # Most frequent first, ties broken by the token so the vocabulary is deterministic.
@@ -281,13 +281,17 @@ class Tokenizer:
             items = items[:max_vocab]
         vocab = [tok for tok, _ in items]
         idf = [math.log((1 + n) / (1 + c)) + 1.0 for _, c in items]
-        return cls(vocab, idf, max_tokens=max_tokens)
+        return cls(vocab, idf, max_tokens=max_tokens, scheme=scheme)
+
+    def tokens(self, text: str) -> list[str]:
+        """The tokens this tokenizer reads in `text` (known to its vocabulary or not), in order."""
+        return self._split(normalize_text(text))
 
     def encode(self, text: str) -> tuple[list[int], list[float]]:
         """Token ids (first-occurrence order) and their L2-normalised tf * idf weights."""
         index = self._index
         counts: dict[int, int] = {}
-        for tok in _TOKEN_RE.findall(normalize_text(text)):
+        for tok in self._split(normalize_text(text)):
             i = index.get(tok)
             if i is not None:
                 counts[i] = counts.get(i, 0) + 1
@@ -322,7 +326,7 @@ class Tokenizer:
         return {
             "format": TOKENIZER_FORMAT,
             "normalization": "NFKC+lower",
-            "token_pattern": _TOKEN_RE.pattern,
+            "token_pattern": SCHEME_PATTERNS[self.scheme],
             "max_tokens": self.max_tokens,
             "vocab": self.vocab,
             "idf": [float(x) for x in self.idf],
@@ -344,10 +348,12 @@ class Tokenizer:
             raise ValueError(f"{path}: a tokenizer is a JSON object")
         if data.get("format") != TOKENIZER_FORMAT:
             raise ValueError(f"{path}: tokenizer format {data.get('format')!r}, expected {TOKENIZER_FORMAT}")
-        if data.get("token_pattern") != _TOKEN_RE.pattern:
-            raise ValueError(f"{path}: tokenizer was built with another token pattern")
         try:
-            tokenizer = cls(data["vocab"], data["idf"], max_tokens=data.get("max_tokens", 64))
+            scheme = scheme_of_pattern(data.get("token_pattern"))
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
+        try:
+            tokenizer = cls(data["vocab"], data["idf"], max_tokens=data.get("max_tokens", 64), scheme=scheme)
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{path}: bad tokenizer: {exc!r}") from exc
         if not all(isinstance(token, str) for token in tokenizer.vocab):
