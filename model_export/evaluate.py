@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -77,6 +76,7 @@ def evaluate_bundle(
     """P@1/3/5, nDCG@1/3/5, PSP@1/3/5 (propensities from trn), shortlist recall and queries/s."""
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1 (documents evaluated), got {limit}")
+    max_chars = serving_text_limit()  # before any work: a bad value is refused at once
     predictor = predictor or Predictor.load(bundle_dir)
     manifest = predictor.bundle.manifest
     field, num_labels = text_field or manifest.text_field, manifest.num_labels
@@ -108,7 +108,6 @@ def evaluate_bundle(
                            "filtered_pairs": sum(len(d) for d in left_out), "documents": len(docs),
                            "documents_without_labels": unlabelled}
     # What is measured is what is served: a text past the API's limit is scored here, refused there.
-    max_chars = serving_text_limit()
     out["documents_past_max_text_chars"] = sum(1 for text in docs.texts if len(text) > max_chars)
     out["max_text_chars"] = max_chars
     if inv_prop is None:
@@ -124,11 +123,11 @@ def evaluate_bundle(
 
 
 def serving_text_limit() -> int:
-    """The API's MAX_TEXT_CHARS as this environment sets it (SHORTLIST_MAX_TEXT_CHARS), else its default."""
-    from service.api.settings import Settings
+    """The API's MAX_TEXT_CHARS as this environment sets it (SHORTLIST_MAX_TEXT_CHARS, checked as
+    `shortlist serve` checks it: a bad value is a ValueError naming it), else its default."""
+    from service.api.settings import environment_setting
 
-    raw = os.environ.get("SHORTLIST_MAX_TEXT_CHARS", "").strip()
-    return int(raw) if raw.isascii() and raw.isdigit() else int(Settings.model_fields["max_text_chars"].default)
+    return int(environment_setting("max_text_chars"))
 
 
 def check_same_labels(labels: LabelSet, predictor: Predictor, data_dir: str | Path) -> None:

@@ -487,6 +487,21 @@ def test_eval_counts_the_documents_the_api_would_refuse_as_too_long(bundle_root,
     assert evaluate_bundle(bundle_root / "v1", synthetic_data)["documents_past_max_text_chars"] == sum(
         len(t) > 2000 for t in texts)
     monkeypatch.setenv("SHORTLIST_MAX_TEXT_CHARS", "40")
+    monkeypatch.setenv("SHORTLIST_PORT", "99999")  # a setting eval does not use: no reason to refuse
     result = evaluate_bundle(bundle_root / "v1", synthetic_data)
     assert result["max_text_chars"] == 40
     assert result["documents_past_max_text_chars"] == sum(len(t) > 40 for t in texts) > 0
+
+
+@pytest.mark.parametrize(("value", "why"), [
+    ("2k", "valid integer"), ("0", "greater than or equal to 1"), ("16777217", "less than or equal to 16777216"),
+])
+def test_eval_refuses_a_max_text_chars_serve_would_refuse_naming_it(bundle_root, synthetic_data, value, why):
+    """The count is of the limit the service would run with: a value `shortlist serve` refuses
+    is refused here too (exit 2 naming the variable), not read as the default."""
+    env = {**os.environ, "SHORTLIST_MAX_TEXT_CHARS": value}
+    out = subprocess.run([sys.executable, "-m", "shortlist.cli", "eval", str(bundle_root / "v1"), "--data",
+                          str(synthetic_data)], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 2, out.stderr
+    assert f"SHORTLIST_MAX_TEXT_CHARS={value!r}" in out.stderr and why in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr

@@ -6,9 +6,9 @@ import ipaddress
 import os
 import socket
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import Field, SecretStr, TypeAdapter, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.engine.label_ledger import MAX_UID_CHARS
@@ -448,6 +448,23 @@ def load_settings(flags: dict[str, tuple[str, Any]] | None = None) -> Settings:
         problems = [_problem(error, flags) for error in exc.errors(include_input=False, include_url=False)]
         # `from None`: the chained ValidationError, printed by any traceback, would show the inputs.
         raise SettingsError(_without_secrets("\n".join(problems), flags)) from None
+
+
+def environment_setting(field: str) -> Any:
+    """One setting as the environment sets it (its default when unset or empty), checked as
+    load_settings checks it, a SettingsError naming the variable otherwise: for an offline
+    command that reads this one setting and must not refuse over other variables it does not use
+    (`shortlist eval` counts the texts past MAX_TEXT_CHARS). Cross-checks between settings are not
+    made (they need the others)."""
+    info = Settings.model_fields[field]
+    raw = _environment_value(variable_name(field))
+    if not raw:
+        return info.get_default(call_default_factory=True)
+    try:
+        return TypeAdapter(Annotated[info.annotation, info]).validate_python(raw)
+    except ValidationError as exc:
+        errors = exc.errors(include_input=False, include_url=False)
+        raise SettingsError("\n".join(_problem({**error, "loc": (field,)}, {}) for error in errors)) from None
 
 
 def _problem(error: Any, flags: dict[str, tuple[str, Any]]) -> str:
