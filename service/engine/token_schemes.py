@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import operator
 import re
 import unicodedata
@@ -43,9 +44,10 @@ class _Classes(NamedTuple):
     special: re.Pattern[str]  # a mark, a character of a script without spaces, or an astral one
     word: re.Pattern[str]  # a run of word characters and combining marks
     no_space: re.Pattern[str]  # a character of a script written without spaces
-    mark: re.Pattern[str]  # a combining mark
     parts: re.Pattern[str]  # a run's parts: such characters (with their marks), or the rest
-    unit: re.Pattern[str]  # one such character with its marks
+    # Inside a part of such characters, every other character is a mark:
+    mark: re.Pattern[str]  # a mark in such a part
+    unit: re.Pattern[str]  # one character of such a part with its marks
 
 
 @functools.cache
@@ -53,24 +55,24 @@ def _classes() -> _Classes:
     """Built once a process from the running Python's unicodedata (~0.3 s; the service builds it
     as it starts, with the other Unicode tables).
 
-    A character class is tested item by item, and its astral ranges cost every character that
-    fails the items before them: the marks of the astral planes are tested only for astral
-    characters (a lookbehind), and a text with no `special` character (most non-ASCII text:
-    accented Latin, Cyrillic, Greek after NFKC) is split by `\\w+` alone, as under "words"."""
+    Every repeated item is one character class: re keeps a backtracking record for each repeat
+    of a group (an alternation repeated over a 2-million-character run took 300 MB), none for a
+    class. A class is tested item by item, and its astral ranges cost every character that fails
+    the items before them: a text with no `special` character (most non-ASCII text: accented
+    Latin, Cyrillic, Greek after NFKC) is split by `\\w+` alone, as under "words"."""
     marks = [chr(cp) for cp in range(0x110000) if unicodedata.category(chr(cp))[0] == "M"]
     bmp_marks = char_class(m for m in marks if ord(m) <= 0xFFFF)
-    astral_marks = char_class(m for m in marks if ord(m) > 0xFFFF)
+    all_marks = char_class(marks)
     # The blocks' marks are marks: they go with the character before them, of any script.
     no_space = char_class(chr(cp) for lo, hi in _NO_SPACE_BLOCKS for cp in range(lo, hi + 1)
                           if unicodedata.category(chr(cp))[0] != "M")
-    mark = f"(?:[{bmp_marks}]|[\U00010000-\U0010ffff](?<=[{astral_marks}]))"
     return _Classes(
         re.compile(f"[{bmp_marks}{no_space}\U00010000-\U0010ffff]"),
-        re.compile(f"(?:\\w|{mark})+"),
+        re.compile(f"[\\w{all_marks}]+"),
         re.compile(f"[{no_space}]"),
-        re.compile(mark),
-        re.compile(f"(?:[{no_space}]{mark}*)+|[^{no_space}]+"),
-        re.compile(f"[{no_space}]{mark}*"),
+        re.compile(f"[{no_space}][{no_space}{all_marks}]*|[^{no_space}]+"),
+        re.compile(f"[^{no_space}]"),
+        re.compile(f"[{no_space}][^{no_space}]*"),
     )
 
 
@@ -96,7 +98,7 @@ def _words(text: str) -> list[str]:
     return _ASCII_WORD.findall(text)
 
 
-def _unicode_words(text: str) -> list[str]:
+def _unicode_words(text: str) -> Iterable[str]:
     if text.isascii():
         return _ASCII_WORD.findall(text)
     classes = _classes()
@@ -105,26 +107,33 @@ def _unicode_words(text: str) -> list[str]:
     runs = classes.word.findall(text)
     if classes.no_space.search(text) is None:
         return runs
-    tokens: list[str] = []
-    for run in runs:
-        if classes.no_space.search(run) is None:
-            tokens.append(run)
-            continue
-        for part in classes.parts.findall(run):
-            if classes.no_space.match(part) is None:
-                tokens.append(part)
-                continue
-            # Characters without marks (Chinese, Japanese): pairs of the part's characters, not
-            # of matches (a third of the time on a 6,000-character text).
-            units = part if classes.mark.search(part) is None else classes.unit.findall(part)
-            tokens.extend([part] if len(units) == 1 else map(operator.add, units, units[1:]))
-    return tokens
+    # Lazily: a text of n such characters makes n - 1 new strings, which a reader counts one at
+    # a time (a list of them was ~80 bytes a character: 5 GB for a 64 Mi-character line).
+    return itertools.chain.from_iterable(_run_tokens(run, classes) for run in runs)
 
 
-_SPLITTERS: dict[str, Callable[[str], list[str]]] = {WORDS: _words, UNICODE_WORDS: _unicode_words}
+def _run_tokens(run: str, classes: _Classes) -> Iterable[str]:
+    if classes.no_space.search(run) is None:
+        return (run,)
+    return itertools.chain.from_iterable(
+        (part,) if classes.no_space.match(part) is None else _pairs(part, classes)
+        for part in classes.parts.findall(run))
 
 
-def splitter(scheme: str) -> Callable[[str], list[str]]:
+def _pairs(part: str, classes: _Classes) -> Iterable[str]:
+    """Overlapping pairs of the part's characters (each with its marks), or the one character."""
+    if classes.unit.fullmatch(part):
+        return (part,)
+    if classes.mark.search(part) is None:  # Chinese, Japanese: the characters themselves
+        return map(operator.add, part, part[1:])
+    units = map(re.Match.group, classes.unit.finditer(part))
+    return itertools.starmap(operator.add, itertools.pairwise(units))
+
+
+_SPLITTERS: dict[str, Callable[[str], Iterable[str]]] = {WORDS: _words, UNICODE_WORDS: _unicode_words}
+
+
+def splitter(scheme: str) -> Callable[[str], Iterable[str]]:
     """The function that splits a normalised text into tokens under `scheme` (ValueError naming
     the known schemes otherwise)."""
     try:

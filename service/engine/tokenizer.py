@@ -285,7 +285,7 @@ class Tokenizer:
 
     def tokens(self, text: str) -> list[str]:
         """The tokens this tokenizer reads in `text` (known to its vocabulary or not), in order."""
-        return self._split(normalize_text(text))
+        return list(self._split(normalize_text(text)))
 
     def encode(self, text: str) -> tuple[list[int], list[float]]:
         """Token ids (first-occurrence order) and their L2-normalised tf * idf weights."""
