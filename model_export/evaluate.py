@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,7 @@ from service.engine.jsonlines import iter_text_lines
 from service.engine.metrics import label_frequencies, propensities, ranking_metrics, shortlist_recall
 from service.engine.predictor import Predictor
 from training.data import LabelSet, Split, find_split_file, load_labels, load_split, own_label_ids
+from training.progress import Progress
 
 EVAL_BATCH = 256
 METRICS = ("P@1", "P@3", "P@5", "nDCG@1", "nDCG@3", "nDCG@5", "PSP@1", "PSP@3", "PSP@5")
@@ -96,14 +99,7 @@ def evaluate_bundle(
     if unlabelled == len(truths):
         raise ValueError(f"{find_split_file(data_dir, split)}: no document has a label"
                          f"{'' if protocol == 'plain' else ' the filter leaves'}: every metric would be 0")
-    ids = np.empty((len(docs), 5), dtype=np.int64)
-    t0 = time.perf_counter()
-    for start in range(0, len(docs), EVAL_BATCH):
-        batch, drop = docs.texts[start : start + EVAL_BATCH], left_out[start : start + EVAL_BATCH]
-        predict = predictor.predict_tree_ids if scorer == "tree" else predictor.predict_ids
-        kwargs = {} if scorer == "tree" else {"alpha": alpha}
-        ids[start : start + len(batch)] = predict(batch, k=5, exclude=drop, **kwargs)[0]
-    elapsed = time.perf_counter() - t0
+    ids, shortlists, elapsed = _predict_all(predictor, docs.texts, left_out, scorer, alpha)
     out: dict[str, Any] = {"bundle": predictor.version, "split": split, "scorer": scorer, "protocol": protocol,
                            "filtered_pairs": sum(len(d) for d in left_out), "documents": len(docs),
                            "documents_without_labels": unlabelled}
@@ -114,12 +110,30 @@ def evaluate_bundle(
         out["psp_not_measured"] = f"no trn file in {data_dir}: PSP@k's propensities come from its label frequencies"
     out.update(ranking_metrics(ids, truths, ks=(1, 3, 5), inv_propensity=inv_prop))
     if scorer == "alpha":
-        shortlists = [s for start in range(0, len(docs), EVAL_BATCH)
-                      for s in predictor.shortlist(docs.texts[start : start + EVAL_BATCH])]
         out["recall@shortlist"] = shortlist_recall(shortlists, truths)
         out["shortlist_size_mean"] = float(np.mean([len(s) for s in shortlists])) if shortlists else 0.0
     out["queries_per_s"] = len(docs) / elapsed if elapsed > 0 else 0.0
     return out
+
+
+def _predict_all(predictor: Predictor, texts: list[str], left_out: list[list[int]], scorer: str,
+                 alpha: float | None) -> tuple[np.ndarray, list, float]:
+    """Each text's top 5 as the route serves it (its left-out labels excluded), the alpha route's
+    shortlists, and the seconds the predictions took (the shortlists' not counted)."""
+    ids = np.empty((len(texts), 5), dtype=np.int64)
+    shortlists: list = []
+    elapsed = 0.0
+    predict = predictor.predict_tree_ids if scorer == "tree" else predictor.predict_ids
+    kwargs = {} if scorer == "tree" else {"alpha": alpha}
+    batches = range(0, len(texts), EVAL_BATCH)
+    for start in Progress(batches, f"eval ({scorer}, {len(texts)} documents, batches of {EVAL_BATCH})"):
+        batch, drop = texts[start : start + EVAL_BATCH], left_out[start : start + EVAL_BATCH]
+        t0 = time.perf_counter()
+        ids[start : start + len(batch)] = predict(batch, k=5, exclude=drop, **kwargs)[0]
+        elapsed += time.perf_counter() - t0
+        if scorer == "alpha":
+            shortlists.extend(predictor.shortlist(batch))
+    return ids, shortlists, elapsed
 
 
 def serving_text_limit() -> int:
@@ -161,6 +175,7 @@ def _inverse_propensities(data_dir: str | Path, split: str, docs: Split, field: 
 
 
 def run_cli(args: argparse.Namespace) -> int:
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(message)s")
     result = evaluate_bundle(args.bundle, args.data, args.split, args.text_field, args.scorer, args.alpha,
                              args.limit, args.filter)
     if args.json:

@@ -9,8 +9,6 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
-from tqdm import tqdm
-
 T = TypeVar("T")
 log = logging.getLogger("shortlist.training")
 LOG_EVERY_S = 10.0
@@ -26,14 +24,15 @@ class Progress:
         self.total = total if total is not None else _length(items)
         self.enabled = enabled
         self.every_s = every_s
-        self._bar: tqdm | None = None
+        self._bar: Any = None  # tqdm's bar, on a terminal
         self._values: dict[str, Any] = {}
 
     def __iter__(self) -> Iterator[T]:
         if not self.enabled:
             yield from self.items
             return
-        if sys.stderr.isatty():
+        tqdm = _tqdm() if sys.stderr.isatty() else None
+        if tqdm is not None:
             self._bar = tqdm(self.items, desc=self.desc, total=self.total, leave=False, mininterval=1.0)
             yield from self._bar
             return
@@ -57,6 +56,16 @@ class Progress:
 
     def _figures(self) -> str:
         return "".join(f", {k}={v}" for k, v in self._values.items())
+
+
+def _tqdm() -> Any:
+    """tqdm's bar class, or None: it comes with the training extra, and `shortlist eval` runs
+    without it (log lines then, on a terminal too)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm
 
 
 def _length(items: Iterable[Any]) -> int | None:
