@@ -63,6 +63,14 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
                    help="clustered: leaves of a balanced hierarchical 2-means on TF-IDF (alike documents together)")
     a.add_argument("--seed", type=int, default=0)
     a.set_defaults(handler="training.aggregate_data:run_cli")
+    i = data_sub.add_parser("import-arff", help="a multi-label ARFF dataset (MULAN's or MEKA's layout) as an "
+                            "XC raw-text dataset, split at random")
+    i.add_argument("--arff", type=Path, required=True, help="the .arff file (or .arff.gz)")
+    i.add_argument("--labels-xml", type=Path, help="MULAN's label file (else MEKA's -C N in the relation name)")
+    i.add_argument("--out", type=Path, required=True, help="folder to write trn/tst/lbl.json.gz to")
+    i.add_argument("--test-fraction", type=float, default=0.3)
+    i.add_argument("--seed", type=int, default=0)
+    i.set_defaults(handler="training.arff_data:run_cli")
 
 
 def _add_export(sub: argparse._SubParsersAction) -> None:

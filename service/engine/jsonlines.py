@@ -72,7 +72,7 @@ def bounded_lines(f: IO[str], path: Path) -> Iterator[tuple[int, str]]:
         yield lineno, line.rstrip("\r\n")
 
 
-def _require_regular(path: Path, what: str) -> None:
+def require_regular(path: Path, what: str) -> None:
     """A data file must be a regular file (or a symlink to one): /dev/zero would be read for
     ever, a FIFO nobody writes would hang the open itself. (A folder is left to open(): "is a
     directory".)"""
@@ -85,7 +85,7 @@ def iter_text_lines(path: Path, what: str = "file") -> Iterator[tuple[int, str]]
     """(line number, line) of a plain UTF-8 text file (a filter file, a uids file); `what` names
     the file in the error when it cannot be read."""
     try:
-        _require_regular(path, what)
+        require_regular(path, what)
         with open(path, encoding="utf-8", errors="surrogateescape") as f:
             for lineno, line in bounded_lines(f, path):
                 if (why := not_utf8(line)) is not None:
@@ -99,7 +99,7 @@ def iter_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     """(line number, object) for every line that is not blank."""
     opener = gzip.open if path.name.endswith(".gz") else open
     try:
-        _require_regular(path, "file")
+        require_regular(path, "file")
         with opener(path, "rt", encoding="utf-8", errors="surrogateescape") as f:
             for lineno, line in bounded_lines(f, path):
                 if not line.strip():
