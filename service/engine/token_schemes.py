@@ -147,5 +147,5 @@ def scheme_of_pattern(pattern: object) -> str:
     for scheme, known in SCHEME_PATTERNS.items():
         if pattern == known:
             return scheme
-    raise ValueError(f"tokenizer was built with another token pattern ({pattern!r}); this version reads "
+    raise ValueError(f"tokenizer was built with another token pattern ({str(pattern)[:80]!r}); this version reads "
                      f"{', '.join(repr(p) for p in SCHEME_PATTERNS.values())}")
