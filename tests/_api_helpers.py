@@ -5,10 +5,14 @@ from __future__ import annotations
 import gzip
 import json
 import shutil
+import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from service.engine import Predictor
+
+T = TypeVar("T")
 
 
 def sample_titles(data_dir: Path, n: int) -> list[str]:
@@ -74,3 +78,17 @@ def flip_a_byte(path: Path) -> None:
     data[len(data) // 2] ^= 0x01
     path.unlink()
     path.write_bytes(bytes(data))
+
+
+def wait_until(condition: Callable[[], T], what: str, timeout: float = 60.0, interval: float = 0.05) -> T:
+    """The first truthy value of `condition()`, polled until `timeout` (AssertionError naming `what`).
+
+    What a test waits for on a server (a metric counted, a log line written, a lock taken) happens
+    on the server's schedule: a fixed sleep before checking it fails on a loaded machine. The
+    deadline is generous because reaching it means a failure anyway."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"still waiting after {timeout:g} s for {what}")
+        time.sleep(interval)
+    return value

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from _api_helpers import wait_until
 from pydantic import ValidationError
 from test_admin import AUTH, TOKEN
 from test_admin_labels import _Load
@@ -139,6 +140,15 @@ def _held(path: Path, note: str = ""):
         os.close(fd)
 
 
+def _flock_held(path: Path, pid: int) -> bool:
+    """Whether process `pid` holds a flock on `path`, read from /proc/locks: probing it with a lock
+    of the test's own would make the server's non-blocking attempt at that moment fail."""
+    inode = os.stat(path).st_ino
+    with open("/proc/locks") as f:
+        rows = [line.split() for line in f]
+    return any(row[1] == "FLOCK" and row[4] == str(pid) and int(row[5].rsplit(":", 1)[1]) == inode for row in rows)
+
+
 def test_an_activation_waits_for_the_lock_up_to_its_bound_then_answers_503_naming_the_holder(bundle_root,
                                                                                              tmp_path):
     state = tmp_path / "state"
@@ -159,7 +169,9 @@ def test_an_activation_waits_for_the_lock_up_to_its_bound_then_answers_503_namin
         with _held(state / LOCK_FILE, "process 4242: shortlist labels add (offline), since noon"), \
                 ThreadPoolExecutor(1) as pool:
             waiting = pool.submit(_timed, c, "POST", "/admin/bundles/rollback")
-            time.sleep(0.5)
+            # In progress once it holds the operator's turn (then it waits for the lock held here):
+            # sent sooner, a second one could take the turn first and wait in its place.
+            wait_until(lambda: _flock_held(state / OPERATOR_LOCK_FILE, s.proc.pid), "the rollback's turn", 30)
             # A second activation or rollback meanwhile: 409 at once, as ever.
             for second in (c.post("/admin/bundles/activate", json={"version": "v2"}),
                            c.post("/admin/bundles/rollback")):

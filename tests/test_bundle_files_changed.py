@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from _api_helpers import wait_until
 from test_admin import AUTH, TOKEN
 
 from service.api.registry import _parent_fault
@@ -139,9 +140,9 @@ def test_files_removed_from_the_served_version_serve_on_and_a_label_change_names
         shutil.copyfile(labels, tmp_path / "labels.tmp")
         os.replace(tmp_path / "labels.tmp", labels)  # another file (inode) of the same bytes renamed over it
         (bundle_root_copy / "v2" / "hnsw_w.bin").unlink()
-        time.sleep(1.5)  # past a periodic check
+        # The periodic check (every 1 s, on its own thread) logs it when it runs.
+        wait_until(lambda: f"{labels}: replaced by another file" in s.log(), "the periodic check's warning", 30)
         assert all(r.status_code == 200 for r in _predictions(s.url, 3))
-        assert f"{labels}: replaced by another file" in s.log()
         r = httpx.post(f"{s.url}/admin/labels", json={"labels": [{"uid": "new-1", "title": "network monitor"}]},
                        headers=AUTH, timeout=120)
         assert r.status_code == 422 and r.json()["error"] == "bundle_rejected", r.text
@@ -196,7 +197,8 @@ def test_with_two_processes_activating_the_version_again_once_its_files_are_back
     with serve(bundle_root_copy, version="v2", env=env, log_dir=tmp_path, timeout=120) as s:
         pids = _serving(tmp_path / "state", "v2", 2)
         _truncate(path)
-        time.sleep(1.0)  # both processes' periodic checks
+        # Both processes' periodic checks (every 0.2 s), each logging it once when it runs.
+        wait_until(lambda: len(_events(s.log(), "bundle_changed")) >= 2, "both processes' bundle_changed", 30)
         for r in _predictions(s.url):
             _assert_changed(r, "labels.jsonl")
         assert len(_events(s.log(), "bundle_changed")) == 2  # once a process

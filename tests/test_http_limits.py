@@ -12,6 +12,7 @@ import time
 
 import httpx
 import pytest
+from _api_helpers import wait_until
 
 from shortlist.testing import serve
 
@@ -225,6 +226,7 @@ def test_the_rest_of_an_answered_body_is_read_no_longer_than_the_body_timeout(li
     """The lingering close is bounded: a client that goes on sending after its answer is closed
     on at SHORTLIST_BODY_TIMEOUT_S (1 s here)."""
     sock = _connect(limited)
+    sent = time.monotonic()  # the server's 1 s starts later, once it has read this and answered
     sock.sendall(b"POST /v1/predict HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
                  b"connection: close\r\ncontent-length: 100000000\r\n\r\n" + b" " * 65536)
     answer = b""
@@ -237,7 +239,9 @@ def test_the_rest_of_an_answered_body_is_read_no_longer_than_the_body_timeout(li
         while time.monotonic() - started < 10:
             sock.sendall(b" " * 4096)
             time.sleep(0.01)
-    assert 0.5 < time.monotonic() - started < 5
+    # Lingering (not closed at once), and for about 1 s: measured from before the request, as
+    # reading the answer may take a loaded machine most of that second.
+    assert 0.9 < time.monotonic() - sent < 8
     sock.close()
 
 
@@ -247,7 +251,8 @@ def test_a_client_leaving_mid_body_is_counted_apart_and_logs_no_error(limited):
         with _connect(limited) as sock:
             sock.sendall(PREDICT_HEAD + b'content-length: 1000\r\n\r\n{"text": "abc')
             time.sleep(0.1)
-    time.sleep(0.3)
+    # Counted when each request's handler returns, on the server's schedule, after the close.
+    wait_until(lambda: _metric(limited, "499") >= before_499 + 3, "the 3 requests counted 499", 30)
     assert _metric(limited, "499") == before_499 + 3
     assert _metric(limited, "500") == before_5xx
     assert "ClientDisconnect" not in limited.log() and "Traceback" not in limited.log()
@@ -321,14 +326,16 @@ def test_sigterm_is_not_held_by_a_body_trickling_in(bundle_root, tmp_path):
         time.sleep(0.1)
         started = time.monotonic()
         s.proc.send_signal(signal.SIGTERM)
-        for _ in range(20):  # keep trickling while the server drains
+        for _ in range(100):  # keep trickling while the server drains (20 s, if it waited for the trickle)
             try:
                 sock.sendall(b" ")
             except OSError:
                 break
             time.sleep(0.2)
         s.proc.wait(timeout=30)
-        assert time.monotonic() - started < 4  # the 1 s body timeout, not the trickle's length
+        # The 1 s body timeout and the server's exit, not the trickle's 20 s nor the drain's 30 s:
+        # the room is for a loaded machine's slower exit.
+        assert time.monotonic() - started < 12
 
 
 def test_bundle_listing_skips_symlinks_outside_the_root_and_misnamed_copies(bundle_root_copy, tmp_path):

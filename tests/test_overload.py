@@ -23,6 +23,7 @@ from contextlib import contextmanager
 
 import httpx
 import pytest
+from _api_helpers import wait_until
 
 from service.api.settings import SettingsError, load_settings
 from shortlist.testing import serve
@@ -181,7 +182,7 @@ def test_requests_whose_clients_left_while_waiting_are_not_computed_and_count_49
         tree_before = _engine_calls(s, "tree")
         holder = _connect(s)
         holder.sendall(_request("/v1/predict/tree", {"texts": _texts(1024), "k": 100, "beam": 256}))
-        assert _wait_for(lambda: _engine_calls(s, "tree") > tree_before, 30)  # its engine call has started
+        wait_until(lambda: _engine_calls(s, "tree") > tree_before, "the holder's engine call", 30)
         waiting = [_request("/v1/predict", {"texts": _texts(4)})] * 5 + [_request("/v1/predict", {"text": "font"})] * 4
         socks = [_connect_served(s)[0] for _ in waiting]
         with _stopped(s):
@@ -194,25 +195,36 @@ def test_requests_whose_clients_left_while_waiting_are_not_computed_and_count_49
         status, _, body = _read_response(holder)
         holder.close()
         assert status == 200 and len(body["results"]) == 1024
-        time.sleep(0.5)
+        # Each is counted, then logged, when its handler returns, on the server's schedule: the
+        # log line is the later of the two.
+        wait_until(lambda: _gone_lines(s) >= 9, "the 9 requests' 499 lines")
         assert _engine_calls(s, "alpha") == alpha_before  # none of the 9 reached the engine
         assert _metric(s, "shortlist_http_requests_total", status="499") == gone_before + 9
-        records = [json.loads(line) for line in s.log().splitlines() if line.startswith('{"ts"')]
-        assert sum(1 for r in records if r["route"] == "/v1/predict" and r["status"] == 499) == 9
+        assert _gone_lines(s) == 9
         assert "Traceback" not in s.log()
         assert httpx.post(f"{s.url}/v1/predict", json={"text": "font"}).status_code == 200
 
 
+def _gone_lines(server) -> int:
+    """The access log's 499 lines for /v1/predict."""
+    records = [json.loads(line) for line in server.log().splitlines() if line.startswith('{"ts"')]
+    return sum(1 for r in records if r["route"] == "/v1/predict" and r["status"] == 499)
+
+
 # -- clients that never read -------------------------------------------------------------------------
 
-def _server_sockets(pid: int) -> int:
-    count = 0
+def _server_connections(pid: int, client_ports: set[int]) -> int:
+    """How many of process `pid`'s TCP sockets are connected to these client ports (loopback,
+    IPv4): the clients' own connections, whatever else the server opens or closes meanwhile."""
+    inodes = set()
     for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
-            count += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
+            inodes.add(os.readlink(f"/proc/{pid}/fd/{fd}").removeprefix("socket:[").removesuffix("]"))
         except OSError:
             pass  # closed meanwhile
-    return count
+    with open(f"/proc/{pid}/net/tcp") as f:
+        rows = [line.split() for line in f.readlines()[1:]]
+    return sum(1 for row in rows if row[9] in inodes and int(row[2].rsplit(":", 1)[1], 16) in client_ports)
 
 
 def _never_reading(server, pipelined: int) -> socket.socket:
@@ -225,28 +237,20 @@ def _never_reading(server, pipelined: int) -> socket.socket:
     return sock
 
 
-def _wait_for(condition, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.1)
-    return False
-
-
 def test_a_client_that_never_reads_is_disconnected_after_the_send_timeout(bundle_root, tmp_path):
     with serve(bundle_root, env={"SHORTLIST_SEND_TIMEOUT_S": "1"}, log_dir=tmp_path) as s:
         pid = s.proc.pid
         tree_before, gone_before = _engine_calls(s, "tree"), _metric(s, "shortlist_http_requests_total", status="499")
-        time.sleep(0.5)  # the connections /metrics was asked on are closed
-        sockets_before = _server_sockets(pid)
         clients = [_never_reading(s, 12) for _ in range(4)]
+        ports = {sock.getsockname()[1] for sock in clients}
         try:
-            assert _wait_for(lambda: _server_sockets(pid) >= sockets_before + 4, 10)  # held, for now
+            wait_until(lambda: _server_connections(pid, ports) == 4, "the 4 connections held", 10)
             # Within the timeout (1 s) of the server's buffers filling, every connection is closed.
-            assert _wait_for(lambda: _server_sockets(pid) <= sockets_before, 30), _server_sockets(pid)
-            # What each held: answers buffered, the next one waiting to be written (499); the
-            # requests pipelined behind it were never computed.
+            wait_until(lambda: _server_connections(pid, ports) == 0, "the 4 connections closed", 30)
+            # What each held: answers buffered, the next one waiting to be written (499, counted
+            # once its handler returns, after the close); the requests pipelined behind it were never computed.
+            wait_until(lambda: _metric(s, "shortlist_http_requests_total", status="499") >= gone_before + 4,
+                       "the 4 requests counted 499")
             assert _engine_calls(s, "tree") - tree_before <= 4 * 6
             assert _metric(s, "shortlist_http_requests_total", status="499") == gone_before + 4
         finally:
@@ -276,7 +280,7 @@ def test_a_request_cancelled_at_shutdown_is_one_json_line_not_a_traceback(bundle
         clients = [_never_reading(s, 4) for _ in range(3)]
         try:
             # Each connection holds a request waiting to write its answer (the second computed).
-            assert _wait_for(lambda: _engine_calls(s, "tree") >= tree_before + 6, 30)
+            wait_until(lambda: _engine_calls(s, "tree") >= tree_before + 6, "the 6 engine calls", 30)
             time.sleep(0.5)
             s.proc.send_signal(signal.SIGTERM)
             s.proc.wait(timeout=20)  # stops within the drain timeout (uvicorn then re-raises SIGTERM: -15)
