@@ -164,6 +164,24 @@ def test_the_wait_bound_refuses_what_waited_longer_before_its_engine_call(bundle
         assert httpx.post(f"{s.url}/v1/predict", json={"text": "kernel"}).status_code == 200  # an idle engine: no wait
 
 
+def test_a_lone_request_waits_batch_max_wait_for_company(bundle_root, tmp_path):
+    """SHORTLIST_BATCH_MAX_WAIT_MS holds a request that finds the engine idle that long, so the
+    ones that come meanwhile leave with it in one engine call (it was computed at once, alone)."""
+    with serve(bundle_root, env={"SHORTLIST_BATCH_MAX_WAIT_MS": "1000"}, log_dir=tmp_path) as s:
+        calls, texts = _engine_calls(s, "alpha"), _metric(s, "shortlist_engine_batch_size_sum", scorer="alpha")
+        served = [_connect_served(s) for _ in range(3)]
+        started = time.monotonic()
+        for sock, _ in served:  # one after another, well within the wait
+            sock.sendall(_request("/v1/predict", {"text": "kernel driver", "k": 5}))
+            time.sleep(0.05)
+        answers = [_read_response(sock, reader) for sock, reader in served]
+        assert [a[0] for a in answers] == [200] * 3 and time.monotonic() - started >= 1.0
+        assert _engine_calls(s, "alpha") == calls + 1
+        assert _metric(s, "shortlist_engine_batch_size_sum", scorer="alpha") == texts + 3
+        for sock, _ in served:
+            sock.close()
+
+
 def test_the_defaults_do_not_shed_sixteen_connections_of_full_batches_at_once(bundle_root, tmp_path):
     with serve(bundle_root, log_dir=tmp_path) as s:
         heavy = _request("/v1/predict/tree", {"texts": _texts(128), "k": 100, "beam": 256})

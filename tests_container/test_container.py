@@ -114,9 +114,16 @@ def test_the_image_runs_as_documented(volumes: dict[str, Path]) -> None:
         assert c.get("/readyz").json()["version"] == "v1"
 
 
+def _in_flight(url: str) -> float:
+    """shortlist_http_requests_in_flight as /metrics reads it (its own request counted)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return next(float(line.split()[-1]) for line in text.splitlines()
+                if line.startswith("shortlist_http_requests_in_flight "))
+
+
 def test_sigterm_lets_requests_in_flight_finish(volumes: dict[str, Path]) -> None:
-    # A lone request waits up to 1 s for company (batching): every request below is in flight
-    # when the signal arrives.
+    # A request that finds the engine idle waits up to 1 s for company (batching), so the 8 below
+    # are in flight together; the signal is sent once the server counts all 8 (and /metrics' own).
     with container(volumes, SHORTLIST_BATCH_MAX_WAIT_MS="1000", SHORTLIST_BATCH_MAX_SIZE="64") as (name, url):
         statuses: list[int | str] = []
 
@@ -129,7 +136,10 @@ def test_sigterm_lets_requests_in_flight_finish(volumes: dict[str, Path]) -> Non
         threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
         for t in threads:
             t.start()
-        time.sleep(0.4)
+        deadline = time.monotonic() + 20
+        while _in_flight(url) < 9:
+            assert time.monotonic() < deadline and any(t.is_alive() for t in threads), statuses
+            time.sleep(0.02)
         docker("kill", "--signal", "TERM", name)
         for t in threads:
             t.join()

@@ -215,10 +215,11 @@ class EngineRunner:
         with nothing queued or computing the text is computed here and now, without waiting a
         turn of the loop for company: at one connection that turn (a future, a callback, the
         request's task suspended and resumed) was a tenth of predict's time beyond echo's and
-        the engine's (bench/RESULTS.md, issue 22)."""
+        the engine's (bench/RESULTS.md, issue 22). Not with max_wait_s > 0: the operator asked
+        a lone request to wait for company."""
         if not self.batching:
             return (await self.run_batch(kind, fn, [text], state))[0]
-        if alone and self._free == self.workers and not self._queues and not self._waiting:
+        if alone and not self.max_wait_s and self._free == self.workers and not self._queues and not self._waiting:
             self._free -= 1
             try:
                 return self._batch(kind, fn, [text])[0]
