@@ -360,7 +360,7 @@ def test_a_hung_shard_is_a_503_within_the_shard_timeout_and_readyz_says_so(servi
             os.kill(pid, signal.SIGCONT)
     assert (status, error["error"]) == (503, "shard_unavailable"), error
     assert "SHORTLIST_SHARD_TIMEOUT_S" in error["message"] and headers["retry-after"] == "5"
-    assert 5.0 <= took < 10.0, took
+    assert 5.0 <= took < 20.0, took  # the 5 s bound, not the client's 120 s; room for a loaded machine
     assert ready[0] == 503 and "SHORTLIST_SHARD_TIMEOUT_S" in ready[1]["reason"], ready
     _wait(lambda: _predict_with_headers(service.url, "network monitor")[0] == 200, "the shard answering again")
     assert call(f"{service.url}/readyz") == (200, {"status": "ready", "version": version})
