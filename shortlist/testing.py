@@ -15,11 +15,21 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+_HANDED_OUT: set[int] = set()
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port free now and, if the kernel offers one within 100 tries, not handed out
+    before by this process: it may give a port closed a moment ago again, and a server's main and
+    admin ports come from two calls."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _HANDED_OUT:
+            break
+    _HANDED_OUT.add(port)
+    return port
 
 
 @dataclass
