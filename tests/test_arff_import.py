@@ -95,6 +95,9 @@ def test_the_split_is_seeded_and_a_gzip_file_reads_as_the_plain_one(tmp_path):
         import_arff(path, tmp_path / name, xml, test_fraction=0.3, seed=seed)
         splits.append([r["uid"] for r in _rows(tmp_path / name / "tst.json.gz")])
     assert splits[0] == splits[1] != splits[2] and len(splits[0]) == round(0.3 * 44)
+    # Near the edges every split keeps at least one document.
+    for fraction, test_docs in ((0.001, 1), (0.999, 43)):
+        assert import_arff(gz, tmp_path / f"f{fraction}", xml, test_fraction=fraction)["tst"] == test_docs
 
 
 @pytest.mark.parametrize(("arff", "xml", "extra", "message"), [
@@ -105,6 +108,7 @@ def test_the_split_is_seeded_and_a_gzip_file_reads_as_the_plain_one(tmp_path):
     (MULAN_ARFF, "<labels>", [], "not a MULAN label file"),
     (MULAN_ARFF.replace("{2 0.5,3 0,4 1}", "{2 0.5,4 1"), MULAN_XML, [], "line 11"),
     (MULAN_ARFF, MULAN_XML, ["--test-fraction", "1"], "--test-fraction must be in (0, 1)"),
+    (MULAN_ARFF, MULAN_XML, ["--test-fraction", "0"], "--test-fraction must be in (0, 1)"),
 ])
 def test_bad_input_exits_2_naming_what_is_wrong(tmp_path, arff, xml, extra, message):
     command = [sys.executable, "-m", "shortlist.cli", "data", "import-arff",

@@ -486,6 +486,9 @@ def test_eval_counts_the_documents_the_api_would_refuse_as_too_long(bundle_root,
     texts = load_split(synthetic_data, "tst").texts
     assert evaluate_bundle(bundle_root / "v1", synthetic_data)["documents_past_max_text_chars"] == sum(
         len(t) > 2000 for t in texts)
+    for edge in ("1", "16777216"):  # the setting's bounds are accepted
+        monkeypatch.setenv("SHORTLIST_MAX_TEXT_CHARS", edge)
+        assert evaluate_bundle(bundle_root / "v1", synthetic_data, limit=5)["max_text_chars"] == int(edge)
     monkeypatch.setenv("SHORTLIST_MAX_TEXT_CHARS", "40")
     monkeypatch.setenv("SHORTLIST_PORT", "99999")  # a setting eval does not use: no reason to refuse
     result = evaluate_bundle(bundle_root / "v1", synthetic_data)
