@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from service.engine.lexical import TokenShortlist
 from service.engine.schema import LEXICAL_FILES, TOKEN_SHORTLIST
 from training.config import TrainConfig
+from training.distinct_keys import contained, distinct
 from training.encoder import EncodedTexts
 from training.progress import Progress
 
@@ -130,15 +131,15 @@ def fit_token_logistic(
         total = 0.0
         for start in Progress(range(0, len(order), batch_size), f"lexical weights epoch {epoch + 1}/{epochs}"):
             batch = order[start : start + batch_size]
-            cand, slot_token, slot_col, slot_x, inverse, target = _candidate_batch(
-                doc_tokens[batch], doc_weights[batch], y[batch], slots
-            )
+            cand, tokens, x, inverse, target = _candidate_batch(doc_tokens[batch], doc_weights[batch], y[batch], slots)
             if not len(cand):
                 continue
-            terms = torch.from_numpy(slot_x).to(device) * theta[
-                torch.from_numpy(slot_token).to(device), torch.from_numpy(slot_col).to(device)
-            ]
-            z = torch.zeros(len(cand), device=device).index_add(0, torch.from_numpy(inverse).to(device), terms)
+            # each (document, token) row of theta times the token's weight, summed into the
+            # candidate its label is (slots without a label into one more, dropped)
+            terms = F.embedding(torch.from_numpy(tokens).to(device), theta) * torch.from_numpy(x).to(device)
+            z = torch.zeros(len(cand) + 1, device=device).index_add(
+                0, torch.from_numpy(inverse).to(device), terms.reshape(-1)
+            )[:-1]
             z = z + bias[torch.from_numpy(cand).to(device)]
             fit = F.binary_cross_entropy_with_logits(z, torch.from_numpy(target).to(device), reduction="sum")
             loss = fit / len(batch) + l2 * theta.pow(2).sum()
@@ -157,22 +158,27 @@ def fit_token_logistic(
 
 def _candidate_batch(
     tokens: np.ndarray, token_weights: np.ndarray, y: sp.csr_matrix, slots: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Each document's distinct token candidates (flat label ids, document-major) and the slots
-    that point at them: token id, column, the token's weight, the candidate each slot sums into;
-    and the candidates' 0/1 targets."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Each document's distinct token candidates (flat label ids, document-major); the batch's
+    token ids [B, T] and weights [B, T, 1] cut to its longest document; for every slot of
+    slots[tokens] [B, T, k] the candidate it sums into (len(candidates) where it holds no
+    label); and the candidates' 0/1 targets."""
     num_labels = y.shape[1]
+    used = np.flatnonzero((tokens > 0).any(axis=0))  # 0 pads
+    width = int(used[-1]) + 1 if len(used) else 1
+    tokens, token_weights = tokens[:, :width], token_weights[:, :width]
     labels = slots[tokens]  # [B, T, k]
     valid = labels >= 0
     rows = np.broadcast_to(np.arange(len(tokens))[:, None, None], labels.shape)[valid]
     keys = rows.astype(np.int64) * num_labels + labels[valid]
-    uniq, inverse = np.unique(keys, return_inverse=True)
-    slot_token = np.broadcast_to(tokens[:, :, None], labels.shape)[valid]
-    slot_col = np.broadcast_to(np.arange(slots.shape[1]), labels.shape)[valid]
-    slot_x = np.broadcast_to(token_weights[:, :, None], labels.shape)[valid].astype(np.float32)
+    bound = len(tokens) * num_labels
+    uniq, inverse = distinct(keys, bound)
     target_keys = np.repeat(np.arange(y.shape[0], dtype=np.int64), np.diff(y.indptr)) * num_labels + y.indices
-    target = np.isin(uniq, target_keys).astype(np.float32)
-    return uniq % num_labels, slot_token, slot_col, slot_x, inverse, target
+    target = contained(uniq, target_keys, bound).astype(np.float32)
+    slot_candidate = np.full(labels.shape, len(uniq), dtype=np.int64)
+    slot_candidate[valid] = inverse
+    x = np.ascontiguousarray(token_weights[:, :, None], dtype=np.float32)
+    return uniq % num_labels, np.ascontiguousarray(tokens, dtype=np.int64), x, slot_candidate.ravel(), target
 
 
 class TokenTable:

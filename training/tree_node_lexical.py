@@ -18,6 +18,7 @@ import time
 import numpy as np
 
 from service.engine.tree_lexical import MAX_NODE_LEXICAL_BITS, NodeLexical, Tokens
+from training.distinct_keys import distinct
 from training.progress import Progress
 from training.tree import LabelTree
 
@@ -92,13 +93,15 @@ class NodeLexicalFit:
         """One Adagrad step on the documents `docs`; returns their summed loss."""
         lengths = doc_start[docs + 1] - doc_start[docs]
         pairs = np.repeat(doc_start[docs] - np.cumsum(lengths) + lengths, lengths) + np.arange(lengths.sum())
-        pair_doc = np.repeat(docs, lengths)
+        # a document's rank in the batch keys its rows: sorted as by its id, in a batch-sized range
+        batch_docs = np.sort(docs)
+        pair_rank = np.repeat(np.searchsorted(batch_docs, docs), lengths)
         nodes, signs = tree.path_nodes_[pair_label[pairs]], tree.path_signs_[pair_label[pairs]]
         num_nodes = len(tree.node_bias_)
-        keys, row = np.unique((pair_doc[:, None] * num_nodes + nodes).ravel(), return_inverse=True)
+        keys, row = distinct((pair_rank[:, None] * num_nodes + nodes).ravel(), len(docs) * num_nodes)
         left = np.bincount(row, weights=(signs > 0).ravel(), minlength=len(keys))
         right = np.bincount(row, weights=(signs < 0).ravel(), minlength=len(keys))
-        row_doc, row_node = keys // num_nodes, keys % num_nodes
+        row_doc, row_node = batch_docs[keys // num_nodes], keys % num_nodes
         bias = tree.bias_eff_[row_node]
         learned = np.isfinite(bias)  # a forced split (one side padding) has nothing to learn
         row_doc, row_node, left, right, bias = (a[learned] for a in (row_doc, row_node, left, right, bias))
@@ -112,7 +115,7 @@ class NodeLexicalFit:
         loss = float((left * _softplus(-s) + right * _softplus(s)).sum() + self.l2 * (count * value**2).sum())
         d_s = right * _sigmoid(s) - left * _sigmoid(-s)
         grad_flat = d_s[r] * x + 2.0 * self.l2 * count * value
-        touched, where = np.unique(slot, return_inverse=True)
+        touched, where = distinct(slot, len(work.table))
         grad = np.bincount(where, weights=grad_flat, minlength=len(touched))
         sum_sq[touched] += grad**2
         work.table[touched] -= (self.lr * grad / (np.sqrt(sum_sq[touched]) + 1e-10)).astype(np.float32)
