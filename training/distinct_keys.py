@@ -30,9 +30,9 @@ def distinct(keys: np.ndarray, bound: int) -> tuple[np.ndarray, np.ndarray]:
     present = np.zeros(bound, dtype=bool)
     present[keys] = True
     uniq = np.flatnonzero(present)
-    rank = np.empty(bound, dtype=np.intp)  # read only where a key is, each written below
-    rank[uniq] = np.arange(len(uniq))
-    return uniq, rank[keys]
+    rank = np.empty(bound, dtype=np.int32)  # read only where a key is, each written below
+    rank[uniq] = np.arange(len(uniq), dtype=np.int32)
+    return uniq, rank[keys].astype(np.intp)
 
 
 def contained(keys: np.ndarray, among: np.ndarray, bound: int) -> np.ndarray:

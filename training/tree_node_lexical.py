@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -31,6 +32,31 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
 
 def _softplus(x: np.ndarray) -> np.ndarray:
     return np.logaddexp(0.0, x)
+
+
+@dataclass
+class _DocWords:
+    """The documents' words without their padding: document d's are start[d]:start[d + 1] of
+    offsets (where each word's run of table slots starts) and weights (float64)."""
+
+    start: np.ndarray
+    offsets: np.ndarray
+    weights: np.ndarray
+
+    @classmethod
+    def of(cls, work: NodeLexical, tokens: Tokens) -> _DocWords:
+        ids, weights = np.asarray(tokens[0]), np.asarray(tokens[1], dtype=np.float32)
+        doc, col = np.nonzero(weights)
+        start = np.searchsorted(doc, np.arange(len(weights) + 1))
+        return cls(start, work.token_offsets(ids[doc, col]), weights[doc, col].astype(np.float64))
+
+    def of_rows(self, row_doc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """For rows of documents row_doc: each word's row and its index here, row by row (the
+        order np.nonzero gives over the rows' padded [R, T] weights)."""
+        lengths = self.start[row_doc + 1] - self.start[row_doc]
+        rows = np.repeat(np.arange(len(row_doc)), lengths)
+        at = np.repeat(self.start[row_doc] - np.cumsum(lengths) + lengths, lengths) + np.arange(lengths.sum())
+        return rows, at
 
 
 class NodeLexicalFit:
@@ -58,8 +84,7 @@ class NodeLexicalFit:
         [N, T]; (pair_doc, pair_label): the positive pairs, by document (training.tree.flatten_pairs)."""
         self.validate()
         work = NodeLexical(np.zeros(1 << self.bits, dtype=np.float32))
-        ids, weights = np.asarray(tokens[0]), np.asarray(tokens[1], dtype=np.float32)
-        offsets = work.token_offsets(ids)
+        words = _DocWords.of(work, tokens)
         sum_sq = np.zeros_like(work.table)
         doc_start = np.searchsorted(pair_doc, np.arange(len(z) + 1))
         with_pairs = np.flatnonzero(np.diff(doc_start) > 0)
@@ -76,7 +101,7 @@ class NodeLexicalFit:
                 if self.steps_ >= self.max_steps:
                     break
                 docs = order[begin : begin + self.batch_docs]
-                total += self._step(tree, work, sum_sq, z, offsets, weights, doc_start, docs, pair_label)
+                total += self._step(tree, work, sum_sq, z, words, doc_start, docs, pair_label)
                 self.steps_ += 1
             self.losses_.append(total / max(1, len(pair_doc)))
             log.info("tree node lexical: epoch %d, loss %.4f a pair, %.1fs", epoch + 1, self.losses_[-1],
@@ -88,8 +113,8 @@ class NodeLexicalFit:
             raise ValueError("node lexical: the fitted table does not fit float16 (lower lr or raise l2)")
         return self
 
-    def _step(self, tree: LabelTree, work: NodeLexical, sum_sq: np.ndarray, z: np.ndarray, offsets: np.ndarray,
-              weights: np.ndarray, doc_start: np.ndarray, docs: np.ndarray, pair_label: np.ndarray) -> float:
+    def _step(self, tree: LabelTree, work: NodeLexical, sum_sq: np.ndarray, z: np.ndarray, words: _DocWords,
+              doc_start: np.ndarray, docs: np.ndarray, pair_label: np.ndarray) -> float:
         """One Adagrad step on the documents `docs`; returns their summed loss."""
         lengths = doc_start[docs + 1] - doc_start[docs]
         pairs = np.repeat(doc_start[docs] - np.cumsum(lengths) + lengths, lengths) + np.arange(lengths.sum())
@@ -106,9 +131,9 @@ class NodeLexicalFit:
         learned = np.isfinite(bias)  # a forced split (one side padding) has nothing to learn
         row_doc, row_node, left, right, bias = (a[learned] for a in (row_doc, row_node, left, right, bias))
         dense = np.einsum("rk,rk->r", tree.node_weights_[row_node].astype(np.float64), z[row_doc]) + bias
-        r, c = np.nonzero(weights[row_doc])
-        x = weights[row_doc[r], c].astype(np.float64)
-        slot = work.slots(row_node[r], offsets[row_doc[r], c])
+        r, at = words.of_rows(row_doc)
+        x = words.weights[at]
+        slot = work.slots(row_node[r], words.offsets[at])
         value = work.table[slot].astype(np.float64)
         s = dense + np.bincount(r, weights=value * x, minlength=len(row_doc))
         count = (left + right)[r]
