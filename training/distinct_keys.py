@@ -3,10 +3,10 @@
 Training's lexical fits (token_shortlist, tree_node_lexical) key each step's pairs as
 row * width + column and need the distinct keys, where each pair went and which keys are in
 another set. np.unique and np.isin sort; a batch may hold ~10^6 pairs over a range not much
-larger, where a flag per possible key gives the same arrays in O(range + pairs): 5 ms against
-150-180 ms for 10^6 keys in a range of 2 * 10^5, while for 10^4 keys in a range of 4 * 10^6 the
-sort is 5x faster (bench/RESULTS.md, "Training time on small data"). The sorts were half of a
-small dataset's training.
+larger, where a flag per possible key gives the same arrays in O(range + pairs): 6.5 ms against
+116 ms for 10^6 keys in a range of 2 * 10^5, while for 10^4 keys in a range of 4 * 10^6 the sort
+is ~5x faster (bench/RESULTS.md, "Training time on small data"). The sorts were half of a small
+dataset's training.
 """
 
 from __future__ import annotations
