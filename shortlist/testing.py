@@ -65,6 +65,16 @@ def _status(url: str) -> int | None:
         return None
 
 
+# What uvicorn logs when its port was taken between free_port() and its bind.
+_PORT_TAKEN = "address already in use"
+# Tries of fresh ports when a port free_port() gave is taken before the server binds it.
+PORT_TRIES = 3
+
+
+class PortTaken(RuntimeError):
+    """The server could not bind its port (taken since free_port() found it free)."""
+
+
 @contextmanager
 def serve(
     bundle_root: Path,
@@ -80,41 +90,65 @@ def serve(
 ) -> Iterator[Server]:
     """Start `shortlist serve` and wait for /healthz (and /readyz unless ready=False). `wrap`: a
     command that execs the server's command given after it (e.g. `unshare -m` with a mount
-    first), so the server's pid is the process started. `port`: a free one unless given."""
-    port = port or free_port()
+    first), so the server's pid is the process started. `port`: a free one unless given; a free
+    one another process takes before the server binds it is replaced (PORT_TRIES in all)."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("SHORTLIST_")}
     full_env.update(env or {})
+    log_dir = log_dir or bundle_root.parent
+    deadline = time.monotonic() + timeout
+    for attempt in range(1 if port else PORT_TRIES):
+        try:
+            server = _start(bundle_root, version, full_env, log_dir, admin_port, wrap, port or free_port(), timeout)
+            break
+        except PortTaken:
+            if port or attempt == PORT_TRIES - 1:
+                raise
+    try:
+        if ready:
+            server.wait_ready(max(1.0, deadline - time.monotonic()))
+        yield server
+    finally:
+        _stop(server.proc)
+
+
+def _start(bundle_root: Path, version: str | None, env: dict[str, str], log_dir: Path, admin_port: bool,
+           wrap: Sequence[str], port: int, timeout: float) -> Server:
+    """A started server answering /healthz on `port` (PortTaken when it could not bind it)."""
+    env = dict(env)
     admin_url = None
     if admin_port:
         aport = free_port()
-        full_env["SHORTLIST_ADMIN_PORT"] = str(aport)
+        env["SHORTLIST_ADMIN_PORT"] = str(aport)
         admin_url = f"http://127.0.0.1:{aport}"
     cmd = [*wrap, sys.executable, "-m", "shortlist.cli", "serve", "--bundle-root", str(bundle_root),
            "--host", "127.0.0.1", "--port", str(port)]
     if version is not None:
         cmd += ["--version", version]
-    log_dir = log_dir or bundle_root.parent
     log_path = log_dir / f"server-{port}.log"
     with log_path.open("wb") as log_file:
-        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=full_env)
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)
     server = Server(f"http://127.0.0.1:{port}", proc, log_path, admin_url)
+    deadline = time.monotonic() + timeout
     try:
-        deadline = time.monotonic() + timeout
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}; log:\n{server.log()[-4000:]}")
+                failure = PortTaken if _PORT_TAKEN in server.log() else RuntimeError
+                raise failure(f"server exited with {proc.returncode}; log:\n{server.log()[-4000:]}")
             if _status(f"{server.url}/healthz") == 200:
                 break
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no /healthz after {timeout}s; log:\n{server.log()[-4000:]}")
             time.sleep(0.05)
-        if ready:
-            server.wait_ready(max(1.0, deadline - time.monotonic()))
-        yield server
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    except BaseException:
+        _stop(proc)
+        raise
+    return server
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
