@@ -24,8 +24,8 @@ def test_a_free_port_taken_before_the_server_binds_it_is_replaced(bundle_root_co
 
     monkeypatch.setattr(testing, "free_port", free_port_taken_first)
     with taker, testing.serve(bundle_root_copy, log_dir=tmp_path) as server:
-        assert given[0] == taken and len(given) == 2
-        assert server.url.endswith(f":{given[1]}")
+        assert given[0] == taken and len(given) >= 2
+        assert server.url.endswith(f":{given[-1]}")
         with urllib.request.urlopen(f"{server.url}/readyz", timeout=10) as r:
             assert r.status == 200
         assert "address already in use" in (tmp_path / f"server-{taken}.log").read_text()
