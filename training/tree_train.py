@@ -279,7 +279,8 @@ class _Run:
         q = self.x[torch.from_numpy(doc)]
         label_np = np.concatenate([pos[:, None], neg], axis=1)
         labels = torch.from_numpy(label_np)
-        xi = (self.weight(labels) * q[:, None, :]).sum(-1) + self.bias(labels)[..., 0]  # [B, 1 + S]
+        rows = self.weight(labels)  # [B, 1 + S, D]
+        xi = (rows * q[:, None, :]).sum(-1) + self.bias(labels)[..., 0]  # [B, 1 + S]
         start = None
         if self.start is not None:
             start = (self.start[0][labels] * q[:, None, :]).sum(-1) + self.start[1][labels][..., 0]
@@ -295,8 +296,10 @@ class _Run:
         target = xi + logp if clf.regularise == "corrected" else xi
         if start is not None:  # the change from the starting classifier is what is regularised
             target = target - start
-        decay = clf.weight_decay * (self.weight(labels) ** 2).sum(-1).mean(1)
-        loss = (nll + (clf.lam * ((target**2) * mask).sum(1) + decay)).mean()
+        penalty = clf.lam * ((target**2) * mask).sum(1)
+        if clf.weight_decay:  # an L2 on the rows read (without it, no second pass over them)
+            penalty = penalty + clf.weight_decay * (rows**2).sum(-1).mean(1)
+        loss = (nll + penalty).mean()
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         # Adagrad's sparse update warns unless invariant checks are explicitly chosen.
