@@ -249,6 +249,15 @@ def test_the_level_fit_in_blocks_of_nodes_and_rows_fits_the_same_tree(monkeypatc
     np.testing.assert_allclose(whole.node_bias_, blocks.node_bias_, rtol=1e-6, atol=1e-7)
 
 
+def test_weight_decay_shrinks_the_rows_xi_reads_and_zero_leaves_them_as_trained():
+    x, targets, _ = clustered_data(8, 300, 8, 0.3, seed=4)
+    tree = LabelTree(pca_dim=4).fit(x, targets, 8)
+    norms = {decay: np.linalg.norm(TreeClassifier(epochs=2, negatives=4, weight_decay=decay, seed=0)
+                                   .fit(x, targets, 8, tree).weights_, axis=1).mean()
+             for decay in (0.0, 1.0)}
+    assert norms[1.0] < 0.8 * norms[0.0]
+
+
 def test_negatives_that_are_positives_are_masked():
     # Two labels always together: the tree proposes the sibling positive often; it is masked.
     x, targets, _ = clustered_data(8, 300, 8, 0.3, seed=4)
