@@ -15,6 +15,10 @@ chosen on held-out groups), then optionally ':T=<iterations>' (default 10), ':la
   keep ratio of the relative assignment;
 - the imputed labels' precision and recall against the true per-document labels (a diagnostic
   that needs the truth: the groups are made from an ordinary dataset), and the seconds taken.
+With --token-lookup-baseline each variant is also imputed with every (pair, member) score looked up
+token by token (training.eagle_space.BLOCK_FILL past any run's fill: no sparse product of a
+group's members with its labels), in the same run: the seconds both ways, their ratio, and
+whether the two imputations are identical.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from training import data as xc_data
+from training import eagle_space
 from training.aggregate_data import clustered_groups, random_groups
 from training.aggregated import tfidf_spaces
 from training.config import TrainConfig
@@ -74,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--grouping", default="random", choices=["random", "clustered"])
     ap.add_argument("--variants", nargs="+",
                     default=["paper", "center+text+expected+auto", "center+text+relative+auto"])
+    ap.add_argument("--token-lookup-baseline", action="store_true",
+                    help="also impute with every score looked up token by token, and compare")
     args = ap.parse_args(argv)
     variants = [Variant.parse(v) for v in args.variants]
     labels = xc_data.load_labels(args.data)
@@ -95,15 +102,31 @@ def main(argv: list[str] | None = None) -> int:
     for v in variants:
         curve = EagleImputer(v.iterations, v.step, 0, "closest", v.center, HELD_OUT).fit(
             x, members, group_labels, z if v.text else None).validation_scores_
-        started = time.monotonic()
-        imputer = v.imputer(HELD_OUT if v.auto else 0.0).fit(x, members, group_labels, z if v.text else None)
-        imputed = target_matrix(imputer.impute(), len(labels))
-        seconds = time.monotonic() - started
+        imputer, labels_imputed, seconds = _impute(v, x, members, group_labels, z)
+        imputed = target_matrix(labels_imputed, len(labels))
         hits = imputed.multiply(truth).sum()
         ratio = imputer.keep_ratio_ if v.assignment == "relative" else ""
         print(f"| {v.name} | {' '.join(f'{100 * p:.1f}' for p in curve)} | {imputer.iterations_} | {ratio} | "
               f"{hits / imputed.sum():.3f} | {hits / truth.sum():.3f} | {seconds:.1f} |", flush=True)
+        if args.token_lookup_baseline:
+            product_way = eagle_space.BLOCK_FILL
+            eagle_space.BLOCK_FILL = float("inf")
+            try:
+                _, baseline_labels, baseline_s = _impute(v, x, members, group_labels, z)
+            finally:
+                eagle_space.BLOCK_FILL = product_way
+            same = baseline_labels == labels_imputed
+            print(f"  {v.name}: token by token {baseline_s:.1f} s, by products {seconds:.1f} s "
+                  f"({baseline_s / seconds:.2f}x); identical imputations: {same}", flush=True)
     return 0
+
+
+def _impute(v: Variant, x: sp.csr_matrix, members: sp.csr_matrix, group_labels: sp.csr_matrix,
+            z: sp.csr_matrix) -> tuple[EagleImputer, list[list[int]], float]:
+    started = time.monotonic()
+    imputer = v.imputer(HELD_OUT if v.auto else 0.0).fit(x, members, group_labels, z if v.text else None)
+    imputed = imputer.impute()
+    return imputer, imputed, time.monotonic() - started
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import pytest
 import scipy.sparse as sp
 
 from training import data as xc_data
+from training import eagle_space
 from training.aggregate_data import aggregate
 from training.aggregated import tfidf_spaces
 from training.config import TrainConfig
@@ -68,21 +69,25 @@ def test_scoring_in_small_chunks_imputes_exactly_what_one_chunk_does(grouped_dat
     assert _same(whole, chunked)
 
 
-def test_memory_is_bounded_by_the_chunk_not_by_group_size_times_labels(grouped_data) -> None:
+def test_memory_is_bounded_by_the_chunk_not_by_group_size_times_labels(grouped_data, monkeypatch) -> None:
     # 4 groups of 200 members, each carrying most of the 100 labels: ~64,000 (pair, member)
-    # entries of ~7 tokens each.
+    # entries of ~7 tokens each, scored token by token (BLOCK_FILL past any run's fill) or, by
+    # default, as one product of the run's members and labels (a few bytes an entry).
     x, z, members, group_labels = grouped_data["random200"]
-    peaks, results = {}, {}
-    for chunk in (SCORE_CHUNK, 4096):
-        imputer = EagleImputer(iterations=2, center=True, validation=0.5, assignment="closest", chunk=chunk)
-        tracemalloc.start()
-        try:
-            results[chunk] = imputer.fit(x, members, group_labels, z).impute()
-            peaks[chunk] = tracemalloc.get_traced_memory()[1]
-        finally:
-            tracemalloc.stop()
-    assert results[4096] == results[SCORE_CHUNK]
-    assert peaks[4096] * 4 < peaks[SCORE_CHUNK], peaks
+    peaks, results, product = {}, {}, eagle_space.BLOCK_FILL
+    for fill in (product, 1e9):
+        monkeypatch.setattr(eagle_space, "BLOCK_FILL", fill)
+        for chunk in (SCORE_CHUNK, 4096):
+            imputer = EagleImputer(iterations=2, center=True, validation=0.5, assignment="closest", chunk=chunk)
+            tracemalloc.start()
+            try:
+                results[fill, chunk] = imputer.fit(x, members, group_labels, z).impute()
+                peaks[fill, chunk] = tracemalloc.get_traced_memory()[1]
+            finally:
+                tracemalloc.stop()
+    assert all(r == results[1e9, 4096] for r in results.values())
+    assert peaks[1e9, 4096] * 4 < peaks[1e9, SCORE_CHUNK], peaks
+    assert peaks[product, 4096] * 2 < peaks[product, SCORE_CHUNK] < peaks[1e9, SCORE_CHUNK] / 2, peaks
 
 
 def test_a_chunk_below_one_is_refused() -> None:
@@ -91,3 +96,41 @@ def test_a_chunk_below_one_is_refused() -> None:
     imputer = EagleImputer(iterations=0, assignment="closest", chunk=1).fit(
         np.eye(2, dtype=np.float32), sp.csr_matrix(np.ones((1, 2))), sp.csr_matrix(np.ones((1, 1))))
     assert imputer.impute() == [[0], []]
+
+
+def _unsorted(m: sp.csr_matrix, rng: np.random.Generator) -> sp.csr_matrix:
+    """m with each row's entries in a shuffled order, as sums of sparse rows can leave them."""
+    m = sp.csr_matrix(m, copy=True)
+    for i in range(m.shape[0]):
+        row = slice(m.indptr[i], m.indptr[i + 1])
+        order = rng.permutation(row.stop - row.start)
+        m.indices[row], m.data[row] = m.indices[row][order], m.data[row][order]
+    m.has_sorted_indices = False
+    return m
+
+
+def test_a_run_scored_by_one_product_or_token_by_token_gives_the_same_exact_dots(monkeypatch) -> None:
+    """sparse_row_dots scores a run of (document, label) entries by one sparse product of its
+    documents and labels when they fill it (a large group with its labels), else token by token:
+    the same float64 bits either way and for any chunk, and neither input is changed (v's rows
+    out of order are sorted in a copy)."""
+    rng = np.random.default_rng(3)
+    x = sp.random(60, 40, density=0.2, random_state=1, format="csr", dtype=np.float32)
+    v = _unsorted(sp.random(15, 40, density=0.5, random_state=2, format="csr", dtype=np.float32), rng)
+    docs, labels = rng.integers(0, 60, 500), rng.integers(0, 15, 500)
+    given = [a.copy() for a in (x.indices, x.data, v.indices, v.data)]
+    exact = np.einsum("ij,ij->i", x.toarray().astype(np.float64)[docs], v.toarray().astype(np.float64)[labels])
+    results = []
+    for fill in (1e-9, 1e9):  # every run one product where the chunk allows it / none
+        monkeypatch.setattr(eagle_space, "BLOCK_FILL", fill)
+        results += [eagle_space.sparse_row_dots(x, docs, v, labels, chunk) for chunk in (1, 40, 10**6)]
+    assert all(np.array_equal(r, results[0]) for r in results)
+    np.testing.assert_allclose(results[0], exact, rtol=1e-12)
+    assert all(np.array_equal(a, b) for a, b in zip(given, (x.indices, x.data, v.indices, v.data), strict=True))
+
+
+def test_a_group_label_goes_to_the_first_of_its_closest_members_when_they_tie() -> None:
+    x = sp.csr_matrix(np.array([[1, 0], [0, 1], [0, 1]], np.float32))  # members 1 and 2 alike
+    members, group_labels = sp.csr_matrix(np.ones((1, 3))), sp.csr_matrix(np.ones((1, 1)))
+    imputer = EagleImputer(iterations=2, assignment="closest").fit(x, members, group_labels)
+    assert imputer.impute() == [[], [0], []]

@@ -4,11 +4,14 @@ product a sparse one plus rank-one corrections for centred sparse rows, computed
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import scipy.sparse as sp
+
+from training.distinct_keys import distinct
 
 Features = sp.csr_matrix | np.ndarray
 DENSE_CHUNK = 1 << 16
@@ -16,6 +19,10 @@ DENSE_CHUNK = 1 << 16
 # once: memory is bounded by this chunk (plus one pair or one document beyond it), not by groups x
 # their labels x their members (audit 5 B11: groups of 500 took 6-7 GB).
 SCORE_CHUNK = 1 << 22
+# A run of (doc, label) entries is scored by one product of its distinct documents and labels when
+# the entries fill at least this share of it and it has at most `chunk` cells (sparse_row_dots): a
+# group's members with each of its labels fill all of it, runs of small groups ~1 / (their number).
+BLOCK_FILL = 0.25
 
 
 @dataclass
@@ -25,6 +32,15 @@ class CenteredVectors:
     sparse: sp.csr_matrix
     coef: np.ndarray
     mean: np.ndarray
+
+    def __post_init__(self) -> None:
+        # sorted once here (pool and mix make a new matrix), not by each of sparse_row_dots' calls
+        self.sparse.sort_indices()
+
+    @functools.cached_property
+    def sparse_dot_mean(self) -> np.ndarray:
+        """[L]: S_l . m, read by every score of a label (once a vector, not once a chunk of scores)."""
+        return np.asarray(self.sparse @ self.mean).ravel()
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -118,13 +134,17 @@ class SparseSpace(Space):
 
     def mix(self, a: float | np.ndarray, v: CenteredVectors, b: float, u: CenteredVectors) -> CenteredVectors:
         a_rows = np.broadcast_to(np.asarray(a, np.float64), v.coef.shape)
-        s = sp.diags(a_rows) @ v.sparse
+        # each row scaled in place of a product with a diagonal matrix (the same values, without
+        # the product's passes over the label vectors' nonzeros)
+        m = v.sparse
+        s = sp.csr_matrix((m.data * np.repeat(a_rows, np.diff(m.indptr)), m.indices.copy(), m.indptr.copy()),
+                          shape=m.shape)
         if b != 0.0:
             s = s + b * u.sparse
         return CenteredVectors(sp.csr_matrix(s, dtype=np.float32), a_rows * v.coef + b * u.coef, self.mean)
 
     def norms(self, v: CenteredVectors) -> np.ndarray:
-        s_mean = np.asarray(v.sparse @ self.mean).ravel()
+        s_mean = v.sparse_dot_mean
         sq = row_norms(v.sparse) ** 2 - 2 * v.coef * s_mean + v.coef**2 * self.mean_sq
         return np.sqrt(np.maximum(sq, 0.0))
 
@@ -133,13 +153,13 @@ class SparseSpace(Space):
         raw = sparse_row_dots(self.x, docs, v.sparse, labels, self.chunk)
         if not self.mean_sq:
             return (self.scale[docs] * raw).astype(np.float32)
-        s_mean = np.asarray(v.sparse @ self.mean).ravel()[labels]
+        s_mean = v.sparse_dot_mean[labels]
         c = v.coef[labels]
         return (self.scale[docs] * (raw - c * self.x_mean[docs] - s_mean + c * self.mean_sq)).astype(np.float32)
 
     def all_dots(self, docs: np.ndarray, v: CenteredVectors) -> np.ndarray:
         raw = np.asarray((self.x[docs] @ v.sparse.T).todense(), dtype=np.float64)
-        s_mean = np.asarray(v.sparse @ self.mean).ravel()
+        s_mean = v.sparse_dot_mean
         raw -= np.outer(self.x_mean[docs], v.coef) + s_mean[None, :] - v.coef[None, :] * self.mean_sq
         return (self.scale[docs, None] * raw).astype(np.float32)
 
@@ -152,25 +172,42 @@ class SparseSpace(Space):
 
 def sparse_row_dots(x: sp.csr_matrix, docs: np.ndarray, v: sp.csr_matrix, labels: np.ndarray,
                      chunk: int = SCORE_CHUNK) -> np.ndarray:
-    """<x[docs[i]], v[labels[i]]> for every i: each of x's nonzeros looked up in v by the key
-    row * F + column (v's keys are sorted), for runs of docs with at most `chunk` nonzeros (a
+    """<x[docs[i]], v[labels[i]]> for every i, for runs of docs with at most `chunk` nonzeros (a
     longer row alone): one key per (doc, token) for all docs at once was the data times the
-    group size times its labels. A row's products are summed in the same order whatever the runs."""
-    width = x.shape[1]
+    group size times its labels. A run is scored by one sparse product of its distinct labels and
+    documents when its entries fill enough of it, as a large group's members with its labels do,
+    else token by token (_looked_up_dots). Both give the same bits: products are exact in float64
+    and a row's are summed in token order (x's and v's rows sorted), so the result depends
+    neither on the runs nor on the way."""
     v = sp.csr_matrix(v)
-    v.sort_indices()
-    v_keys = np.repeat(np.arange(v.shape[0], dtype=np.int64), np.diff(v.indptr)) * width + v.indices
+    if not v.has_sorted_indices:
+        v = v.sorted_indices()  # a copy: the caller's matrix stays as it was
     out = np.zeros(len(docs), np.float64)
-    if not len(v_keys):
-        return out
+    v_keys = None
     for lo, hi in runs(np.diff(x.indptr)[docs], chunk):
-        rows = x[docs[lo:hi]]
-        keys = np.repeat(labels[lo:hi], np.diff(rows.indptr)) * width + rows.indices
-        at = np.minimum(np.searchsorted(v_keys, keys), len(v_keys) - 1)
-        products = np.where(v_keys[at] == keys, v.data[at], 0.0) * rows.data
-        entry_row = np.repeat(np.arange(hi - lo), np.diff(rows.indptr))
-        out[lo:hi] = np.bincount(entry_row, weights=products, minlength=hi - lo)
+        doc_set, doc_at = distinct(docs[lo:hi], x.shape[0])
+        label_set, label_at = distinct(labels[lo:hi], v.shape[0])
+        if len(doc_set) * len(label_set) <= min((hi - lo) / BLOCK_FILL, chunk):
+            # [labels, docs]: v's long rows (sums of their groups' members) are read, not transposed
+            block = sp.csr_matrix(v[label_set], dtype=np.float64) @ sp.csr_matrix(x[doc_set], dtype=np.float64).T
+            out[lo:hi] = block.toarray()[label_at, doc_at]
+            continue
+        if v_keys is None:
+            v_keys = np.repeat(np.arange(v.shape[0], dtype=np.int64), np.diff(v.indptr)) * x.shape[1] + v.indices
+        out[lo:hi] = _looked_up_dots(x[docs[lo:hi]], labels[lo:hi], v, v_keys)
     return out
+
+
+def _looked_up_dots(rows: sp.csr_matrix, labels: np.ndarray, v: sp.csr_matrix, v_keys: np.ndarray) -> np.ndarray:
+    """<rows[i], v[labels[i]]>: each of the rows' nonzeros looked up in v by the key row * F +
+    column (v_keys, sorted)."""
+    if not len(v_keys):
+        return np.zeros(rows.shape[0], np.float64)
+    keys = np.repeat(labels, np.diff(rows.indptr)) * rows.shape[1] + rows.indices
+    at = np.minimum(np.searchsorted(v_keys, keys), len(v_keys) - 1)
+    products = np.where(v_keys[at] == keys, v.data[at].astype(np.float64), 0.0) * rows.data
+    entry_row = np.repeat(np.arange(rows.shape[0]), np.diff(rows.indptr))
+    return np.bincount(entry_row, weights=products, minlength=rows.shape[0])
 
 
 def runs(sizes: np.ndarray, chunk: int) -> Iterator[tuple[int, int]]:
