@@ -209,33 +209,31 @@ class EagleImputer:
         scores: list[float] = []
 
         def score(v: Vectors) -> bool:
-            hits = 0
-            for run, best in self._best_member_scores(space, held_members, v):
-                best[:, unknown] = -np.inf
-                top = np.argmax(best, axis=1)
-                hits += int(np.asarray(truth[run][np.arange(len(top)), top]).sum())
-            scores.append(hits / len(held))
+            top = self._top_labels(space, held_members, v, unknown)
+            scores.append(int(np.asarray(truth[np.arange(len(held)), top]).sum()) / len(held))
             return len(scores) - 1 - int(np.argmax(scores)) >= _PATIENCE
 
         self._group_robust(space, members, visible, self.iterations, score)
         return scores
 
-    def _best_member_scores(self, space: Space, groups: sp.csr_matrix, v: Vectors
-                            ) -> Iterator[tuple[slice, np.ndarray]]:
-        """Runs of groups (rows of a members matrix), each with its members' best score per label
-        [run, L] (-inf for a group without members), scoring at most `chunk` (member, label) at
-        once: a group of many members is scored in runs of its members."""
-        per_run = max(1, self.chunk // max(v.shape[0], 1))
-        for lo, hi in runs(np.diff(groups.indptr), per_run):
-            first = groups.indptr[lo]
-            docs = groups.indices[first : groups.indptr[hi]].astype(np.int64)
-            group_of = np.repeat(np.arange(hi - lo), np.diff(groups.indptr[lo : hi + 1]))
-            best = np.full((hi - lo, v.shape[0]), -np.inf, np.float32)
-            for a, b in runs(np.ones(len(docs), np.int64), per_run):
-                cuts = a + np.flatnonzero(np.r_[True, group_of[a + 1 : b] != group_of[a : b - 1]])
-                partial = np.maximum.reduceat(space.all_dots(docs[a:b], v), cuts - a, axis=0)
-                best[group_of[cuts]] = np.maximum(best[group_of[cuts]], partial)
-            yield slice(lo, hi), best
+    def _top_labels(self, space: Space, groups: sp.csr_matrix, v: Vectors, unknown: np.ndarray) -> np.ndarray:
+        """Each group's (a row of a members matrix) top label: of the labels not `unknown`, the one
+        a member scores highest (the lowest such label on ties; 0 for a group without members),
+        scoring at most `chunk` (member, label) at once. Each member's best label is kept, not
+        each group's best score per label (a [groups, labels] array a run, and most of the time)."""
+        docs = groups.indices.astype(np.int64)
+        score, label = np.full(len(docs), -np.inf, np.float32), np.zeros(len(docs), np.int64)
+        for a, b in runs(np.ones(len(docs), np.int64), max(1, self.chunk // max(v.shape[0], 1))):
+            scores = space.all_dots(docs[a:b], v)
+            scores[:, unknown] = -np.inf
+            label[a:b] = np.argmax(scores, axis=1)
+            score[a:b] = scores[np.arange(b - a), label[a:b]]
+        group_of = np.repeat(np.arange(groups.shape[0]), np.diff(groups.indptr))
+        order = np.lexsort((label, -score, group_of))  # per group: the highest score, then the lowest label
+        first = order[np.r_[True, group_of[order][1:] != group_of[order][:-1]]] if len(order) else order
+        top = np.zeros(groups.shape[0], np.int64)
+        top[group_of[first]] = label[first]
+        return top
 
     def _choose_keep_ratio(self, space: Space, members: sp.csr_matrix, group_labels: sp.csr_matrix,
                            held: np.ndarray, num_groups: int) -> list[float]:
