@@ -247,25 +247,40 @@ class EagleImputer:
         it; too many and they push other groups' labels up."""
         visible = _without(group_labels, held)
         v = self._group_robust(space, members, visible, self.iterations_)
-        starts, docs = self.pair_members_
-        pair_of = np.repeat(np.arange(len(self.pair_label_)), np.diff(starts))
-        scores = space.dots(docs, v, self.pair_label_[pair_of])
-        best = np.maximum.reduceat(scores, starts[:-1])[pair_of]
-        real = self.pair_group_[pair_of] < num_groups  # documents get labels, label texts do not
         held_members = members[held]
         others = np.setdiff1d(members[:num_groups].indices, held_members.indices)
         weights = _neighbour_weights(space, held_members.indices.astype(np.int64), others)
         member_group = np.repeat(np.arange(len(held)), np.diff(held_members.indptr))
+        docs, labels, scores, best = self._neighbours_pairs(space, v, weights.indices, num_groups)
         scores_by_ratio = []
         for ratio in KEEP_RATIOS:
-            keep = real & (scores >= _keep_threshold(best, ratio))
-            imputed = sp.csr_matrix((np.ones(int(keep.sum()), np.float32),
-                                     (docs[keep], self.pair_label_[pair_of[keep]])),
+            keep = scores >= _keep_threshold(best, ratio)
+            imputed = sp.csr_matrix((np.ones(int(keep.sum()), np.float32), (docs[keep], labels[keep])),
                                     shape=(space.num_rows, group_labels.shape[1]))
             imputed.sum_duplicates()
             imputed.data[:] = 1.0  # a document and label once, however many pairs gave it
             scores_by_ratio.append(_r_precision(sp.csr_matrix(weights @ imputed), member_group, group_labels[held]))
         return scores_by_ratio
+
+    def _neighbours_pairs(self, space: Space, v: Vectors, neighbours: np.ndarray, num_groups: int
+                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(document, label, its score, its pair's best member's score) of every (pair, member) of
+        a document group (not a label's text) whose member is in `neighbours`: only their imputed
+        labels are read. Scored chunk by chunk and kept as 16 bytes each (the neighbours of
+        held-out members are most documents when groups are large: all (pair, member) entries at
+        once, with their pairs, labels and masks, took ~60 bytes each)."""
+        wanted = np.zeros(space.num_rows, bool)
+        wanted[neighbours] = True
+        kept: list[tuple[np.ndarray, ...]] = []
+        for run, starts, docs, scores in self._scored_pairs(space, v):
+            pair_of = np.repeat(np.arange(len(starts) - 1), np.diff(starts))
+            if not len(docs):
+                continue
+            best = _best_per_pair(scores, starts)[pair_of]
+            use = (self.pair_group_[run][pair_of] < num_groups) & wanted[docs]
+            kept.append((docs[use].astype(np.int32), self.pair_label_[run][pair_of[use]].astype(np.int32),
+                         scores[use], best[use]))
+        return _concatenated(kept, 4)
 
     def impute(self) -> list[list[int]]:
         """Each document's labels: every (group, label) pair given to the group's closest member
@@ -310,12 +325,6 @@ class EagleImputer:
         validation ranks a held-out group's labels by its members' best score)."""
         return self._space.all_dots(np.asarray(docs, dtype=np.int64), self.label_vectors_)
 
-    @property
-    def pair_members_(self) -> tuple[np.ndarray, np.ndarray]:
-        """CSR-like (starts [P + 1], docs) of every pair's group members, all at once (groups x
-        their labels x their members entries: _scored_pairs goes chunk by chunk instead)."""
-        return _pair_members(self._pair_source, self.pair_group_)
-
     def _scored_pairs(self, space: Space, v: Vectors) -> Iterator[tuple[slice, np.ndarray, np.ndarray, np.ndarray]]:
         """Consecutive runs of pairs with at most `chunk` (pair, member) entries (a larger pair
         alone): (the run, starts [len + 1] into docs, docs, each member's score with its pair's label)."""
@@ -349,8 +358,7 @@ class EagleImputer:
             pair_of = np.repeat(np.arange(len(starts) - 1), np.diff(starts))
             if not len(docs):
                 continue
-            # a pair without members (none in a valid grouping) would index past the end: clipped, unused
-            best = np.maximum.reduceat(scores, np.minimum(starts[:-1], len(docs) - 1))[pair_of]
+            best = _best_per_pair(scores, starts)[pair_of]
             keep = scores >= _keep_threshold(best, ratio)
             relative = np.where(best > 0, np.clip(scores / np.where(best > 0, best, 1.0), 0.0, 1.0), 1.0)
             kept.append((docs[keep], self.pair_label_[run][pair_of[keep]], relative[keep]))
@@ -434,14 +442,18 @@ def _without(group_labels: sp.csr_matrix, held: np.ndarray) -> sp.csr_matrix:
     return visible
 
 
+def _best_per_pair(scores: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Per pair, the highest of its members' scores (scores[starts[p]:starts[p + 1]], not empty)."""
+    # a pair without members (none in a valid grouping) would index past the end: clipped, unused
+    return np.maximum.reduceat(scores, np.minimum(starts[:-1], len(scores) - 1))
+
+
 def _first_best(scores: np.ndarray, starts: np.ndarray, pair_of: np.ndarray) -> np.ndarray:
     """Per pair with members (scores[starts[p]:starts[p + 1]], pair_of each entry's pair), the
     index of its highest score, the first of those tied with it."""
     if not len(scores):
         return np.zeros(0, np.int64)
-    # a pair without members (none in a valid grouping) would index past the end: clipped, unused
-    best = np.maximum.reduceat(scores, np.minimum(starts[:-1], len(scores) - 1))
-    at = np.flatnonzero(scores == best[pair_of])
+    at = np.flatnonzero(scores == _best_per_pair(scores, starts)[pair_of])
     return at[np.r_[True, pair_of[at][1:] != pair_of[at][:-1]]]
 
 
