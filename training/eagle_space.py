@@ -23,6 +23,9 @@ SCORE_CHUNK = 1 << 22
 # the entries fill at least this share of it and it has at most `chunk` cells (sparse_row_dots): a
 # group's members with each of its labels fill all of it, runs of small groups ~1 / (their number).
 BLOCK_FILL = 0.25
+# A run filling at least BLOCK_FILL / SPLIT_SPAN of its product (a few large groups, each filling
+# its own) is halved until its parts fill theirs; runs of small groups fill far less: looked up.
+SPLIT_SPAN = 64
 
 
 @dataclass
@@ -158,7 +161,9 @@ class SparseSpace(Space):
         return (self.scale[docs] * (raw - c * self.x_mean[docs] - s_mean + c * self.mean_sq)).astype(np.float32)
 
     def all_dots(self, docs: np.ndarray, v: CenteredVectors) -> np.ndarray:
-        raw = np.asarray((self.x[docs] @ v.sparse.T).todense(), dtype=np.float64)
+        # v's rows times the documents' transposed (few), not the documents times v transposed:
+        # the same sums in the same order, without transposing every label vector each call
+        raw = np.ascontiguousarray((v.sparse @ self.x[docs].T).toarray().T, dtype=np.float64)
         s_mean = v.sparse_dot_mean
         raw -= np.outer(self.x_mean[docs], v.coef) + s_mean[None, :] - v.coef[None, :] * self.mean_sq
         return (self.scale[docs, None] * raw).astype(np.float32)
@@ -174,27 +179,33 @@ def sparse_row_dots(x: sp.csr_matrix, docs: np.ndarray, v: sp.csr_matrix, labels
                      chunk: int = SCORE_CHUNK) -> np.ndarray:
     """<x[docs[i]], v[labels[i]]> for every i, for runs of docs with at most `chunk` nonzeros (a
     longer row alone): one key per (doc, token) for all docs at once was the data times the
-    group size times its labels. A run is scored by one sparse product of its distinct labels and
-    documents when its entries fill enough of it, as a large group's members with its labels do,
-    else token by token (_looked_up_dots). Both give the same bits: products are exact in float64
-    and a row's are summed in token order (x's and v's rows sorted), so the result depends
-    neither on the runs nor on the way."""
+    group size times its labels. A run's entries are scored by one sparse product of their
+    distinct labels and documents where they fill enough of it, as a large group's members with
+    its labels do (a run spanning a few such groups is halved until its parts do), else token by
+    token (_looked_up_dots). Both give the same bits: products are exact in float64 and a row's
+    are summed in token order (x's and v's rows sorted), so the result depends neither on the
+    runs nor on the way."""
     v = sp.csr_matrix(v)
     if not v.has_sorted_indices:
         v = v.sorted_indices()  # a copy: the caller's matrix stays as it was
     out = np.zeros(len(docs), np.float64)
     v_keys = None
-    for lo, hi in runs(np.diff(x.indptr)[docs], chunk):
+    parts = list(runs(np.diff(x.indptr)[docs], chunk))
+    while parts:
+        lo, hi = parts.pop()
         doc_set, doc_at = distinct(docs[lo:hi], x.shape[0])
         label_set, label_at = distinct(labels[lo:hi], v.shape[0])
-        if len(doc_set) * len(label_set) <= min((hi - lo) / BLOCK_FILL, chunk):
+        cells = len(doc_set) * len(label_set)
+        if cells <= min((hi - lo) / BLOCK_FILL, chunk):
             # [labels, docs]: v's long rows (sums of their groups' members) are read, not transposed
             block = sp.csr_matrix(v[label_set], dtype=np.float64) @ sp.csr_matrix(x[doc_set], dtype=np.float64).T
             out[lo:hi] = block.toarray()[label_at, doc_at]
-            continue
-        if v_keys is None:
-            v_keys = np.repeat(np.arange(v.shape[0], dtype=np.int64), np.diff(v.indptr)) * x.shape[1] + v.indices
-        out[lo:hi] = _looked_up_dots(x[docs[lo:hi]], labels[lo:hi], v, v_keys)
+        elif hi - lo > 1 and cells <= (hi - lo) / BLOCK_FILL * SPLIT_SPAN:
+            parts += [(lo, (lo + hi) // 2), ((lo + hi) // 2, hi)]
+        else:
+            if v_keys is None:
+                v_keys = np.repeat(np.arange(v.shape[0], dtype=np.int64), np.diff(v.indptr)) * x.shape[1] + v.indices
+            out[lo:hi] = _looked_up_dots(x[docs[lo:hi]], labels[lo:hi], v, v_keys)
     return out
 
 
