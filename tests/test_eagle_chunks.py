@@ -121,7 +121,10 @@ def test_a_run_scored_by_one_product_or_token_by_token_gives_the_same_exact_dots
     given = [a.copy() for a in (x.indices, x.data, v.indices, v.data)]
     exact = np.einsum("ij,ij->i", x.toarray().astype(np.float64)[docs], v.toarray().astype(np.float64)[labels])
     results = []
-    for fill in (1e-9, 1e9):  # every run one product where the chunk allows it / none
+    monkeypatch.setattr(eagle_space, "SPLIT_MIN", 1)  # runs may be halved down to single entries
+    # every run one product where the chunk allows it / runs halved until their parts are 90% full /
+    # no product
+    for fill in (1e-9, 0.9, 1e9):
         monkeypatch.setattr(eagle_space, "BLOCK_FILL", fill)
         results += [eagle_space.sparse_row_dots(x, docs, v, labels, chunk) for chunk in (1, 40, 10**6)]
     assert all(np.array_equal(r, results[0]) for r in results)

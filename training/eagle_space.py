@@ -26,6 +26,9 @@ BLOCK_FILL = 0.25
 # A run filling at least BLOCK_FILL / SPLIT_SPAN of its product (a few large groups, each filling
 # its own) is halved until its parts fill theirs; runs of small groups fill far less: looked up.
 SPLIT_SPAN = 64
+# ...down to parts of this many entries: a product of a few small groups costs more than their lookups
+# (few labels, as in small data, made parts of one group of 4 pass the test above).
+SPLIT_MIN = 1 << 14
 
 
 @dataclass
@@ -200,7 +203,7 @@ def sparse_row_dots(x: sp.csr_matrix, docs: np.ndarray, v: sp.csr_matrix, labels
             # [labels, docs]: v's long rows (sums of their groups' members) are read, not transposed
             block = sp.csr_matrix(v[label_set], dtype=np.float64) @ sp.csr_matrix(x[doc_set], dtype=np.float64).T
             out[lo:hi] = block.toarray()[label_at, doc_at]
-        elif hi - lo > 1 and cells <= (hi - lo) / BLOCK_FILL * SPLIT_SPAN:
+        elif hi - lo >= 2 * SPLIT_MIN and cells <= (hi - lo) / BLOCK_FILL * SPLIT_SPAN:
             parts += [(lo, (lo + hi) // 2), ((lo + hi) // 2, hi)]
         else:
             if v_keys is None:
