@@ -14,6 +14,18 @@ log = logging.getLogger("shortlist.training")
 LOG_EVERY_S = 10.0
 
 
+class _LineClock:
+    """When a progress line was last written and a loop last advanced, shared by every Progress:
+    loops that follow each other closely (an epoch's batches, 100 epochs of 8 s each) get a line
+    every few seconds between them, where a clock of each loop's own wrote none (the token
+    table's 100 short epochs ran 10 minutes without a line)."""
+
+    last = active = float("-inf")
+
+
+_lines = _LineClock()
+
+
 class Progress:
     """Iterate `items` showing progress under `desc`; `postfix(**values)` adds figures (a loss)."""
 
@@ -36,14 +48,16 @@ class Progress:
             self._bar = tqdm(self.items, desc=self.desc, total=self.total, leave=False, mininterval=1.0)
             yield from self._bar
             return
-        start = last = time.monotonic()
+        start = time.monotonic()
+        if start - _lines.active > self.every_s:  # not a loop right after another: a fresh clock
+            _lines.last = start
         done = 0
         for item in self.items:
             yield item
             done += 1
-            now = time.monotonic()
-            if now - last >= self.every_s:
-                last = now
+            now = _lines.active = time.monotonic()
+            if now - _lines.last >= self.every_s:
+                _lines.last = now
                 log.info("%s: %s (%.0fs)%s", self.desc, self._count(done), now - start, self._figures())
 
     def postfix(self, **values: Any) -> None:
