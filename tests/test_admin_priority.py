@@ -8,6 +8,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import threading
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -255,3 +256,45 @@ def test_with_two_processes_an_activation_and_a_rollback_go_before_a_feed(bundle
         _wait_for(s.url, {recorded})  # every process serves what is recorded
         assert _consistent(s.url, state) == recorded
     _ids_given_once(state)
+
+
+def test_an_operator_turn_taken_between_a_changes_look_and_its_lock_still_goes_first(tmp_path):
+    """The window the turn left open: a label change looked (no operator waiting), then another
+    process's activation took its turn before the change took the activation lock. The change lets
+    the lock go again and waits for the turn to end, instead of going first."""
+    from service.api.activation import ActivationGate
+    from service.api.active_state import ActiveVersionFile
+
+    state = ActiveVersionFile(tmp_path / "state")
+    state.prepare()
+    turn_taken, turn_over = threading.Event(), threading.Event()
+
+    class TurnTakenAfterTheLook(ActivationGate):
+        def operator_waiting(self) -> bool:
+            waiting = super().operator_waiting()
+            if not turn_taken.is_set():  # the other process's activation arrives right after this look
+                threading.Thread(target=_hold_turn, args=(tmp_path / "state" / OPERATOR_LOCK_FILE,),
+                                 daemon=True).start()
+                turn_taken.wait(10)
+            return waiting
+
+    def _hold_turn(path: Path) -> None:
+        with _held(path):
+            turn_taken.set()
+            turn_over.wait(30)
+
+    applied: list[float] = []
+
+    def change() -> None:
+        with TurnTakenAfterTheLook(state).exclusive("a label change", wait_s=30, change=True):
+            applied.append(time.monotonic())
+
+    worker = threading.Thread(target=change)
+    worker.start()
+    assert turn_taken.wait(10)
+    time.sleep(1.0)
+    assert not applied, "the change went before the operator's turn"
+    released = time.monotonic()
+    turn_over.set()
+    worker.join(30)
+    assert applied and applied[0] >= released

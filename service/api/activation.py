@@ -132,18 +132,24 @@ class ActivationGate:
         rather than blocks, so this process keeps following the activation it waits for (process
         sync takes the lock between polls) and that activation's wait for every process ends. A
         label change (`change`) does not try the lock while an activation or rollback holds its
-        turn: the operator's command is not starved by a feed of changes."""
+        turn, and lets it go again if one took its turn while it tried (between the look and the
+        lock): the operator's command is not starved by a feed of changes, nor passed by one."""
         deadline = None if wait_s is None else time.monotonic() + wait_s
         with ExitStack() as held:
             while True:
                 if not (change and self.operator_waiting()):
+                    attempt = ExitStack()
                     try:
-                        history = held.enter_context(exclusive_activation(
+                        history = attempt.enter_context(exclusive_activation(
                             self._lock, self.remembered if shared_state else None, what))
-                        break
                     except ActivationInProgress:
                         if deadline is None:
                             raise
+                    else:
+                        if not (change and self.operator_waiting()):
+                            held.enter_context(attempt)
+                            break
+                        attempt.close()
                 if deadline is None or time.monotonic() > deadline:
                     raise ActivationLockBusy(
                         f"the activation lock is still held after {wait_s or 0:g} s ({bound}), by "
