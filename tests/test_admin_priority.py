@@ -298,3 +298,19 @@ def test_an_operator_turn_taken_between_a_changes_look_and_its_lock_still_goes_f
     turn_over.set()
     worker.join(30)
     assert applied and applied[0] >= released
+
+
+def test_a_holder_killed_with_the_lock_leaves_no_note_to_the_next(tmp_path):
+    """A process killed while it held the activation lock leaves its note in the lock file (the
+    kernel frees the lock, nothing clears the note). Whoever holds the lock next names itself,
+    with or without saying what for: those that find it busy are not told of the dead process."""
+    from service.api.active_state import ActiveVersionFile
+
+    state = ActiveVersionFile(tmp_path / "state")
+    state.prepare()
+    (tmp_path / "state" / LOCK_FILE).write_text("process 999999: a label change, since 2026-01-01T00:00:00Z")
+    for what in ("", "a label change"):
+        with state.exclusive(what):
+            note = state.holder()
+            assert note is not None and note.startswith(f"process {os.getpid()}: ") and "999999" not in note, note
+        assert state.holder() is None

@@ -138,12 +138,11 @@ class ActiveVersionFile:
     def exclusive(self, holder: str = "") -> Iterator[None]:
         """Hold the activation lock of the directory; StateBusy at once if another process does.
         (flock: released by the kernel when its holder dies, so a crash leaves no stale lock.)
-        `holder` says what holds it, for holder(). StateUnavailable when the lock file cannot be opened."""
+        `holder` says what holds it, for holder(); every holder writes its note (a process killed
+        holding the lock leaves its own, which the next holder must not show as its own).
+        StateUnavailable when the lock file cannot be opened."""
         with self._flock(LOCK_FILE, "activating a bundle or changing labels") as fd:
-            if not holder:
-                yield
-                return
-            _note_holder(fd, f"process {os.getpid()}: {holder}, since {utc_now()}")
+            _note_holder(fd, f"process {os.getpid()}: {holder or 'activating a bundle'}, since {utc_now()}")
             try:
                 yield
             finally:

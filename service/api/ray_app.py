@@ -309,7 +309,7 @@ class ShardedRegistry:
 
     @contextmanager
     def _exclusive(self) -> Iterator[None]:
-        with exclusive_activation(self._activation_lock, self.remembered) as history:
+        with exclusive_activation(self._activation_lock, self.remembered, "serve-ray: activating a bundle") as history:
             if history is not None:
                 self._history = history
             yield
