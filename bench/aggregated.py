@@ -213,7 +213,8 @@ def _imputation_quality(data: Path, grouped_dir: Path, cfg: TrainConfig, eagle_c
     if cfg.aggregated_soft_labels:
         weights["eagle"] = eagle.impute_weights()
     if has_eagle and cfg.aggregated_reimpute == "model":
-        imputed["eagle-2"], weights["eagle-2"] = model_posteriors(Checkpoint.load(eagle_ckpt), grouped, len(labels))
+        imputed["eagle-2"], weights["eagle-2"] = model_posteriors(Checkpoint.load(eagle_ckpt), grouped, len(labels),
+                                                                    cfg.aggregated_min_posterior)
     elif has_eagle:
         ckpt = Checkpoint.load(eagle_ckpt)
         with torch.no_grad():

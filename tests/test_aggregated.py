@@ -336,6 +336,26 @@ def test_carrier_posteriors_share_a_group_label_by_the_models_probabilities() ->
     np.testing.assert_allclose(posteriors, [[0.6 / either, 0], [0.2 / either, 0], [1, 1]], rtol=1e-5)
 
 
+def test_posteriors_under_the_floor_are_left_out_but_each_pair_keeps_a_member() -> None:
+    """aggregated_min_posterior: group 0 (documents 0-2) carries labels 0 and 1. Label 0: the model
+    finds document 0 likely, 1 and 2 not (posteriors 0.9/0.9 and 0.005/0.9, 0.001/0.9 by the
+    formula): only document 0 keeps it. Label 1: every member at 1e-4, so every posterior ~1/3
+    (kept at floor 0.3, none at 0.34 but the first of the tied best)."""
+    from training.eagle import carrier_posteriors
+
+    members = sp.csr_matrix(np.array([[1, 1, 1]], np.float32))
+    group_labels = sp.csr_matrix(np.array([[1, 1]], np.float32))
+    q = np.array([[0.9, 1e-4], [0.005, 1e-4], [0.001, 1e-4]])
+    full = carrier_posteriors(members, group_labels, lambda docs, labels: q[docs, labels]).toarray()
+    floored = carrier_posteriors(members, group_labels, lambda docs, labels: q[docs, labels], floor=0.01).toarray()
+    assert (full > 0).all() and floored[1:, 0].tolist() == [0, 0] and floored[0, 0] == full[0, 0]
+    np.testing.assert_array_equal(floored[:, 1], full[:, 1])  # ~1/3 each: above the floor
+    alone = carrier_posteriors(members, group_labels, lambda docs, labels: q[docs, labels], floor=0.34).toarray()
+    assert alone[:, 1].tolist() == [full[0, 1], 0, 0]  # tied: the first member keeps the label
+    with pytest.raises(ValueError, match="aggregated_min_posterior"):
+        replace(TrainConfig(), aggregated_min_posterior=1.0).validate()
+
+
 def test_a_round_from_the_models_posteriors_beats_the_first_on_clustered_groups(planted: dict[str, Path]) -> None:
     """Clustered groups' members are alike: the first model, trained on many groups, tells them
     apart better than the TF-IDF imputation did, and a round trained on its posteriors predicts the

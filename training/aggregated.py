@@ -108,7 +108,7 @@ def next_round(data_dir: str | Path, ckpt: Checkpoint, config: TrainConfig, text
     started = time.monotonic()
     imputer = None
     if config.aggregated_reimpute == "model":
-        targets, weights = model_posteriors(ckpt, grouped, len(labels))
+        targets, weights = model_posteriors(ckpt, grouped, len(labels), config.aggregated_min_posterior)
     else:
         with torch.no_grad():
             emb, label_emb = (embed(ckpt.encoder, EncodedTexts.of(ckpt.tokenizer, t), torch.device("cpu"))
@@ -117,21 +117,22 @@ def next_round(data_dir: str | Path, ckpt: Checkpoint, config: TrainConfig, text
         targets, weights = imputer.impute(), _weights(imputer, config)
     seconds = time.monotonic() - started
     rounds = ckpt.metrics.get("aggregated", {})
-    log.info("aggregated round %d: labels imputed in %.1f s (%s)", rounds.get("rounds", 1) + 1, seconds,
-             "the model's posteriors" if imputer is None else "encoder embeddings")
+    log.info("aggregated round %d: %d labels imputed in %.1f s (%s)", rounds.get("rounds", 1) + 1,
+             sum(map(len, targets)), seconds, "the model's posteriors" if imputer is None else "encoder embeddings")
     new = train(data_dir, config, text_field, trn=xc_data.Split(grouped.uids, grouped.texts, targets, weights))
     _record_round(new, grouped, seconds, imputer, rounds)
     return new
 
 
-def model_posteriors(ckpt: Checkpoint, grouped: GroupedSplit,
-                     num_labels: int) -> tuple[list[list[int]], list[list[float]]]:
+def model_posteriors(ckpt: Checkpoint, grouped: GroupedSplit, num_labels: int,
+                     min_posterior: float) -> tuple[list[list[int]], list[list[float]]]:
     """Per document, its group's labels and its posterior of carrying each (carrier_posteriors)
-    under ckpt's Module III probabilities."""
+    under ckpt's Module III probabilities, those under min_posterior left out (but each pair's likeliest)."""
     with torch.no_grad():
         emb = embed(ckpt.encoder, EncodedTexts.of(ckpt.tokenizer, grouped.texts), torch.device("cpu"))
     post = carrier_posteriors(grouped.members(), grouped.group_labels(num_labels),
-                              member_probability(emb, ckpt.classifiers.weights_, ckpt.classifiers.bias_))
+                              member_probability(emb, ckpt.classifiers.weights_, ckpt.classifiers.bias_),
+                              min_posterior)
     rows = range(len(grouped))
     return ([post.indices[post.indptr[i] : post.indptr[i + 1]].tolist() for i in rows],
             [post.data[post.indptr[i] : post.indptr[i + 1]].tolist() for i in rows])

@@ -239,6 +239,11 @@ class TrainConfig:
     # tells a group's alike members apart better than the TF-IDF label vectors do); "encoder":
     # EAGLE's imputation again in the trained encoder's embedding space.
     aggregated_reimpute: str = "model"
+    # The "model" round's smallest posterior kept as a soft label (each pair's likeliest member
+    # keeps its label whatever its posterior): a large group gives every member each of its labels,
+    # 30 million soft labels for 20,000 documents in groups of 500, nearly all weighing ~1/500,
+    # which train as targets near 0, as the negatives they would be without them (bench/RESULTS.md).
+    aggregated_min_posterior: float = 0.01
     tree: dict[str, Any] = field(default_factory=dict)
 
     def shortlist_choices(self, has_table: bool) -> list[tuple[int, int, int]]:
@@ -349,6 +354,7 @@ _BOUNDS: dict[str, Bounds] = {
     "aggregated_iterations": AT_LEAST_0, "aggregated_validation": _FRACTION,
     "aggregated_min_val_groups": AT_LEAST_1,
     "aggregated_step": Bounds(0, 1, open_low=True), "aggregated_rounds": AT_LEAST_1, "aggregated_keep_ratio": _UNIT,
+    "aggregated_min_posterior": _FRACTION,
 }
 
 

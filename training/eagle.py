@@ -397,16 +397,18 @@ class EagleImputer:
 
 def carrier_posteriors(members: sp.csr_matrix, group_labels: sp.csr_matrix,
                        probability: Callable[[np.ndarray, np.ndarray], np.ndarray],
-                       chunk: int = SCORE_CHUNK) -> sp.csr_matrix:
+                       floor: float = 0.0, chunk: int = SCORE_CHUNK) -> sp.csr_matrix:
     """[documents, labels]: for every (group, label) pair and member i of the group, the posterior
     that i carries the label given that at least one member does, q_i / (1 - prod_j (1 - q_j)),
     with q = probability(documents, labels) a model's per-document probability (members carrying
     a label independently, the E-step of EM for "a group carries a label iff a member does").
     A member the model finds likelier than its group-mates weighs more; a label the model finds
     unlikely on every member is scaled up, since the group says one of them carries it.
-    Computed for at most `chunk` (pair, member) entries at once (whole pairs; the result does not
-    depend on it): large groups have a member for each of their labels, tens of millions of
-    entries, and all at once took ~70 bytes each beside the result's 8."""
+    Posteriors below `floor` are left out, except each pair's likeliest member's (the first of
+    those tied): the group label stays on one member at least. Computed for at most `chunk`
+    (pair, member) entries at once (whole pairs; the result does not depend on it): large groups
+    have a member for each of their labels, tens of millions of entries, and all at once took
+    ~70 bytes each beside the result's 8."""
     members, group_labels = sp.csr_matrix(members), sp.csr_matrix(group_labels)
     pair_group, pair_label = _pairs(group_labels)
     sizes = np.diff(members.indptr)[pair_group]
@@ -419,8 +421,10 @@ def carrier_posteriors(members: sp.csr_matrix, group_labels: sp.csr_matrix,
         if not len(q):
             continue
         none = np.exp(np.add.reduceat(np.log1p(-q), starts[:-1]))[pair_of]  # every group has a member
-        parts.append((docs.astype(np.int32), labels.astype(np.int32),
-                      np.minimum(q / (1.0 - none), 1.0).astype(np.float32)))
+        posterior = np.minimum(q / (1.0 - none), 1.0)
+        keep = posterior >= floor
+        keep[_first_best(posterior, starts, pair_of)] = True
+        parts.append((docs[keep].astype(np.int32), labels[keep].astype(np.int32), posterior[keep].astype(np.float32)))
     docs, labels, posterior = _concatenated(parts, 3)
     out = sp.csr_matrix((posterior.astype(np.float32), (docs, labels)),
                         shape=(members.shape[1], group_labels.shape[1]))
