@@ -18,7 +18,7 @@ class _LineClock:
     """When a progress line was last written and a loop last advanced, shared by every Progress:
     loops that follow each other closely (an epoch's batches, 100 epochs of 8 s each) get a line
     every few seconds between them, where a clock of each loop's own wrote none (the token
-    table's 100 short epochs ran 10 minutes without a line)."""
+    table's 100 short epochs ran 5 minutes without a line)."""
 
     last = active = float("-inf")
 
@@ -49,7 +49,7 @@ class Progress:
             yield from self._bar
             return
         start = time.monotonic()
-        if start - _lines.active > self.every_s:  # not a loop right after another: a fresh clock
+        if not 0 <= start - _lines.active <= self.every_s:  # not right after another loop: a fresh clock
             _lines.last = start
         done = 0
         for item in self.items:
