@@ -79,10 +79,15 @@ def test_a_process_that_dies_comes_back_serving_the_recorded_version(bundle_root
         _wait_for(s.url, {"v2"})
         r = httpx.post(f"{s.url}/admin/bundles/activate", json={"version": "v1"}, headers=AUTH, timeout=120)
         assert r.status_code == 200, r.text
-        victim = int(next(iter(r.json()["processes"])))
-        os.kill(victim, signal.SIGKILL)
+        first, second = (int(pid) for pid in r.json()["processes"])
+        os.kill(first, signal.SIGKILL)
         # The supervisor starts another process; it serves v1, and the dead one leaves /metrics.
-        _wait_for(s.url, {"v1"}, gone=str(victim))
+        _wait_for(s.url, {"v1"}, gone=str(first))
+        assert _versions_answering(s.url, 20) == {"v1"}
+        # A process killed by a fault writes its threads' stacks to the log before it dies.
+        os.kill(second, signal.SIGSEGV)
+        _wait_for(s.url, {"v1"}, gone=str(second))
+        assert "Fatal Python error: Segmentation fault" in s.log() and "Current thread" in s.log()
         assert _versions_answering(s.url, 20) == {"v1"}
     # A clean stop leaves no process record behind.
     assert not list((state / "processes").glob("*.json"))

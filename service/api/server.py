@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import fcntl
 import os
 import shutil
@@ -132,6 +133,11 @@ def sweep_metrics_directories() -> None:
 
 
 def run(settings: Settings) -> None:
+    # A serving process killed by a fault (SIGSEGV, SIGBUS from a bundle file truncated under its
+    # mapping, SIGFPE, SIGABRT) writes every thread's Python stack to stderr before it dies, so
+    # its log says which request path and which engine call it was in; processes forked by
+    # gunicorn's arbiter inherit the handler.
+    faulthandler.enable(all_threads=True)
     if settings.processes > 1:
         _run_processes(settings)
         return
