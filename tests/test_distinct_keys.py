@@ -1,12 +1,13 @@
 """Training's distinct-key helper gives np.unique's and np.isin's arrays on either side of the
-range where it flags keys instead of sorting them (the lexical fits' models depend on it)."""
+range where it flags keys instead of sorting them (the lexical fits' models depend on it), and
+the soft targets' values where a key has one."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from training.distinct_keys import DENSE_KEYS, DENSE_SPREAD, contained, distinct
+from training.distinct_keys import DENSE_KEYS, DENSE_SPREAD, contained, distinct, looked_up
 
 # (range, keys drawn): flagged up to DENSE_KEYS and DENSE_SPREAD times the keys, sorted past either
 CASES = [(1, 10), (1000, 5000), (DENSE_SPREAD * 5000, 5000), (DENSE_SPREAD * 5000 + 1, 5000),
@@ -25,6 +26,15 @@ def test_distinct_and_contained_match_numpy_at_and_past_the_flagged_range(bound:
     np.testing.assert_array_equal(uniq[inverse], keys)
     among = np.concatenate([keys[::7], rng.integers(0, bound, 300)])
     np.testing.assert_array_equal(contained(uniq, among, bound), np.isin(uniq, among))
+    # looked_up: the value of each key's match in a set of distinct keys, 0 where none
+    targets = np.unique(among)
+    values = rng.random(len(targets)).astype(np.float32) + 0.5
+    shuffled = rng.permutation(len(targets))
+    want = np.zeros(len(uniq), np.float32)
+    at = np.searchsorted(targets, uniq)
+    hit = (at < len(targets)) & (targets[np.minimum(at, len(targets) - 1)] == uniq)
+    want[hit] = values[at[hit]]
+    np.testing.assert_array_equal(looked_up(uniq, targets[shuffled], values[shuffled], bound), want)
 
 
 def test_no_keys_give_empty_arrays() -> None:
@@ -33,3 +43,5 @@ def test_no_keys_give_empty_arrays() -> None:
         uniq, inverse = distinct(empty, bound)
         assert uniq.size == 0 and inverse.size == 0
         assert contained(empty, np.array([3]), bound).size == 0
+        assert looked_up(empty, np.array([3]), np.array([0.5]), bound).size == 0
+        np.testing.assert_array_equal(looked_up(np.array([3, 4]), empty, np.zeros(0), bound), [0, 0])

@@ -258,6 +258,27 @@ def test_fit_token_logistic_learns_which_token_points_at_which_label():
         fit_token_logistic(docs[:-1], x[:-1], y, table, 2, **kwargs)
 
 
+def test_soft_targets_weigh_the_token_rows_and_are_what_the_logistic_form_fits():
+    # Aggregated data's imputed labels carry a weight in (0, 1]: "a" is seen with label 0 in
+    # three documents at 0.2 each and with label 1 in two at 1: label 1 shares more of it.
+    docs = np.array([[1], [1], [1], [1], [1]])
+    y = sp.csr_matrix((np.array([0.2, 0.2, 0.2, 1, 1], np.float32), np.array([0, 0, 0, 1, 1]), np.arange(6)),
+                      shape=(5, 2))
+    table, shares = fit_token_shortlist(docs, y, np.zeros((2, 1), np.int64), 2, 2)
+    assert table[1].tolist() == [1, 0]
+    np.testing.assert_allclose(shares[1], [2 / 5, 0.6 / 5], rtol=1e-6)
+    # The logistic form fits P(label | "a") to the weights: every document holds label 0 at 0.3.
+    docs = np.ones((64, 1), np.int64)
+    x = np.ones((64, 1), np.float32)
+    soft = sp.csr_matrix((np.full(64, 0.3, np.float32), np.zeros(64, np.int64), np.arange(65)), shape=(64, 1))
+    kwargs = dict(epochs=1000, lr=0.01, l2=0.0, batch_size=64, seed=0, device=torch.device("cpu"))
+    table = np.array([[-1], [0]], np.int32)
+    weights, bias, _ = fit_token_logistic(docs, x, soft, table, 1, **kwargs)
+    assert abs(1 / (1 + np.exp(-(weights[1, 0] + bias[0]))) - 0.3) < 0.01
+    hard, hard_bias, _ = fit_token_logistic(docs, x, (soft > 0).astype(np.float32), table, 1, **kwargs)
+    assert 1 / (1 + np.exp(-(hard[1, 0] + hard_bias[0]))) > 0.95
+
+
 def test_merged_shortlist_sums_each_labels_terms_and_is_the_same_alone_and_in_a_batch():
     # two sources per row: label ids with repeats and empty (-1) slots, and their terms
     ids = np.array([[3, -1, 1, 3, 7], [-1, -1, -1, -1, -1], [0, 0, 2, -1, 5]], dtype=np.int64)

@@ -9,7 +9,7 @@ from service.engine import vectors
 from service.engine.metrics import ranking_metrics
 from service.engine.tree import TreeScorer
 from training.config import TrainConfig
-from training.tree import LabelTree
+from training.tree import LabelTree, pair_weights, sample_targets
 from training.tree_config import DEFAULT_CONFIG
 from training.tree_lexical import TokenRows
 from training.tree_train import AdversarialTree, TreeClassifier
@@ -194,6 +194,37 @@ def test_fit_is_deterministic_given_seed():
     b = AdversarialTree({"pca_dim": 4, "epochs": 2, **DENSE}, seed=5).fit(x, targets, 20).arrays_
     for name in a:
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+def test_soft_labels_train_each_pair_with_its_weights_probability():
+    x, targets, _ = clustered_data(20, 300, 8, 0.8, seed=3)
+    cfg = {"pca_dim": 4, "epochs": 2, **DENSE}
+    hard = AdversarialTree(cfg, seed=5).fit(x, targets, 20).arrays_
+    ones = AdversarialTree(cfg, seed=5).fit(x, targets, 20, target_weights=[[1.0] * len(t) for t in targets]).arrays_
+    for name in hard:
+        np.testing.assert_array_equal(ones[name], hard[name], err_msg=name)
+    # A pair's weight is its target's (a repeated target's largest); p_n fits one draw of them.
+    np.testing.assert_array_equal(pair_weights([[2, 0, 2], [1]], [[0.3, 1.0, 0.6], [0.5]], 3), [1.0, 0.6, 0.5])
+    with pytest.raises(ValueError, match="one weight per target"):
+        pair_weights([[2, 0]], [[0.3]], 3)
+    drawn = sample_targets([[0, 1]] * 1000, [[1.0, 0.5]] * 1000, seed=0)
+    assert all(t[0] == 0 for t in drawn) and 400 < sum(len(t) - 1 for t in drawn) < 600
+    assert drawn == sample_targets([[0, 1]] * 1000, [[1.0, 0.5]] * 1000, seed=0)
+    tree = LabelTree(pca_dim=4).fit(x, targets, 20)
+    pairs = sum(map(len, targets))
+    quarter = TreeClassifier(epochs=1, batch_size=1, negatives=2, seed=0).fit(
+        x, targets, 20, tree, target_weights=[[0.25] * len(t) for t in targets])
+    assert abs(quarter.fit_stats_["steps"] - pairs / 4) < 4 * np.sqrt(pairs * 0.25 * 0.75)
+    # A label imputed at a weight near 0 is (nearly) never trained as its documents' positive.
+    label = int(np.bincount([t for ts in targets for t in ts]).argmax())
+    weights = [[1e-9 if t == label else 1.0 for t in ts] for ts in targets]
+    holders = [i for i, ts in enumerate(targets) if label in ts]
+    xi = {}
+    for name, w in (("hard", None), ("near 0", weights)):
+        clf = TreeClassifier(epochs=2, negatives=4, sampler="uniform", seed=0).fit(x, targets, 20, None,
+                                                                                   target_weights=w)
+        xi[name] = float((x[holders] @ clf.weights_[label] + clf.bias_[label]).mean())
+    assert xi["near 0"] < 0 < xi["hard"]  # uniform negatives: xi is log p(y|x) + log L + const
 
 
 def one_vs_all_inputs(num_labels: int = 20, dim: int = 8, seed: int = 4):

@@ -5,6 +5,7 @@ sparse matrix and the propensities of the training labels."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -131,8 +132,8 @@ def _has_tokens(texts: EncodedTexts) -> np.ndarray:
     return (texts.ids != 0).any(dim=1).numpy()
 
 
-def target_matrix(targets: list[list[int]], num_labels: int,
-                  weights: list[list[float]] | None = None) -> sp.csr_matrix:
+def target_matrix(targets: Sequence[Sequence[int]], num_labels: int,
+                  weights: Sequence[Sequence[float]] | None = None) -> sp.csr_matrix:
     """[documents, labels]: 1 (or the target's weight) at each document's targets."""
     indptr = np.zeros(len(targets) + 1, dtype=np.int64)
     indptr[1:] = np.cumsum([len(t) for t in targets])

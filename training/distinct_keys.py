@@ -42,3 +42,18 @@ def contained(keys: np.ndarray, among: np.ndarray, bound: int) -> np.ndarray:
     flags = np.zeros(bound, dtype=bool)
     flags[among] = True
     return flags[keys]
+
+
+def looked_up(keys: np.ndarray, among: np.ndarray, values: np.ndarray, bound: int) -> np.ndarray:
+    """float32 per key: the value of the same key in `among` (distinct keys in [0, bound)), 0
+    where it has none: contained()'s flags, weighted."""
+    values = np.asarray(values, dtype=np.float32)
+    if _flagged(bound, len(keys) + len(among)):
+        table = np.zeros(bound, dtype=np.float32)
+        table[among] = values
+        return table[keys]
+    if not len(among):
+        return np.zeros(len(keys), dtype=np.float32)
+    order = np.argsort(among, kind="stable")
+    at = order[np.minimum(np.searchsorted(among, keys, sorter=order), len(among) - 1)]
+    return np.where(among[at] == keys, values[at], np.float32(0))

@@ -212,7 +212,7 @@ def fit_tree(cfg: TrainConfig, data: TrainingSet, doc_emb: np.ndarray, clf: OneV
                        data.tokenizer.vocab_size)
     model = AdversarialTree(cfg.tree, cfg.seed, cfg.progress)
     model.fit(doc_emb, data.trn.targets, data.num_labels, tokens=tokens, module3=(clf.weights_, clf.bias_),
-              centroids=centroids.vectors_)
+              centroids=centroids.vectors_, target_weights=data.trn.weights)
     model.arrays_["classifier_weights"] = as_served(model.arrays_["classifier_weights"], cfg.vector_dtype)
     return model
 

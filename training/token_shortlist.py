@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from service.engine.lexical import TokenShortlist
 from service.engine.schema import LEXICAL_FILES, TOKEN_SHORTLIST
 from training.config import TrainConfig
-from training.distinct_keys import contained, distinct
+from training.distinct_keys import contained, distinct, looked_up
 from training.encoder import EncodedTexts
 from training.progress import Progress
 
@@ -41,8 +41,9 @@ def fit_token_shortlist(
     texts (documents and label texts) holding the token.
 
     doc_tokens: padded token ids [N, T] of the training documents (0 = padding); y: their
-    targets [N, L]; label_tokens: padded token ids [L, T'] of the label texts. A label counts
-    one co-occurrence per document that has both, plus one if its own text has the token:
+    targets [N, L] (1, or an imputed label's weight); label_tokens: padded token ids [L, T'] of
+    the label texts. A label counts its target's value per document that has both (one
+    co-occurrence, or that fraction of one), plus one if its own text has the token:
     without the label texts a label seen with few documents reaches no token's list.
     Ties go to the smaller label id, so the table is deterministic. Row 0 stays -1.
     """
@@ -53,7 +54,7 @@ def fit_token_shortlist(
     if len(label_tokens) != y.shape[1]:
         raise ValueError(f"{len(label_tokens)} label texts but {y.shape[1]} labels")
     docs, label_texts = _incidence(doc_tokens, vocab_size), _incidence(label_tokens, vocab_size)
-    counts = (docs.T @ (y > 0).astype(np.float32) + label_texts.T).tocsr()  # [V, L]
+    counts = (docs.T @ y.astype(np.float32) + label_texts.T).tocsr()  # [V, L]
     texts_with = np.asarray(docs.sum(axis=0)).ravel() + np.asarray(label_texts.sum(axis=0)).ravel()
     table = np.full((vocab_size, width), -1, dtype=np.int32)
     shares = np.zeros((vocab_size, width), dtype=np.float32)
@@ -162,7 +163,8 @@ def _candidate_batch(
     """Each document's distinct token candidates (flat label ids, document-major); the batch's
     token ids [B, T] and weights [B, T, 1] cut to its longest document; for every slot of
     slots[tokens] [B, T, k] the candidate it sums into (len(candidates) where it holds no
-    label); and the candidates' 0/1 targets."""
+    label); and the candidates' targets (y's values there: 1, or an imputed label's weight; 0
+    where y has none)."""
     num_labels = y.shape[1]
     used = np.flatnonzero((tokens > 0).any(axis=0))  # 0 pads
     width = int(used[-1]) + 1 if len(used) else 1
@@ -174,7 +176,10 @@ def _candidate_batch(
     bound = len(tokens) * num_labels
     uniq, inverse = distinct(keys, bound)
     target_keys = np.repeat(np.arange(y.shape[0], dtype=np.int64), np.diff(y.indptr)) * num_labels + y.indices
-    target = contained(uniq, target_keys, bound).astype(np.float32)
+    if (y.data != 1).any():  # soft targets (imputed labels' weights); 0/1 by flags, the cheaper way
+        target = looked_up(uniq, target_keys, y.data, bound)
+    else:
+        target = contained(uniq, target_keys, bound).astype(np.float32)
     slot_candidate = np.full(labels.shape, len(uniq), dtype=np.int64)
     slot_candidate[valid] = inverse
     x = np.ascontiguousarray(token_weights[:, :, None], dtype=np.float32)

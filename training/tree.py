@@ -57,6 +57,35 @@ def flatten_pairs(targets: Sequence[Sequence[int]], num_labels: int) -> tuple[np
     return keys // num_labels, keys % num_labels
 
 
+def pair_weights(targets: Sequence[Sequence[int]], weights: Sequence[Sequence[float]], num_labels: int
+                 ) -> np.ndarray:
+    """float64 per flatten_pairs pair: its target's weight (a duplicate's largest)."""
+    pair_doc, pair_label = flatten_pairs(targets, num_labels)
+    lengths = np.fromiter((len(t) for t in targets), dtype=np.int64, count=len(targets))
+    if any(len(w) != n for w, n in zip(weights, lengths, strict=True)):
+        raise ValueError("target weights must have one weight per target")
+    keys = (np.repeat(np.arange(len(targets), dtype=np.int64), lengths) * num_labels
+            + np.fromiter(itertools.chain.from_iterable(targets), dtype=np.int64, count=int(lengths.sum())))
+    out = np.zeros(len(pair_doc))
+    np.maximum.at(out, np.searchsorted(pair_doc * num_labels + pair_label, keys),
+                  np.fromiter(itertools.chain.from_iterable(weights), dtype=np.float64, count=len(keys)))
+    return out
+
+
+def sample_targets(targets: Sequence[Sequence[int]], weights: Sequence[Sequence[float]] | None,
+                   seed: int) -> Sequence[Sequence[int]]:
+    """Each target kept with probability its weight (one seeded draw; weight 1: always): hard
+    labels drawn from soft ones, for the fits that take whole positives."""
+    if weights is None:
+        return targets
+    rng = np.random.default_rng(seed)
+    out = []
+    for ts, ws in zip(targets, weights, strict=True):
+        draws = rng.random(len(ts))
+        out.append([t for t, w, draw in zip(ts, ws, draws, strict=True) if draw < w])
+    return out
+
+
 def fit_pca(x: np.ndarray, dim: int) -> tuple[np.ndarray, np.ndarray]:
     """Mean and whitened projection [dim, D] (z = P (x - m) has unit variance per component)."""
     x = np.asarray(x, dtype=np.float32)

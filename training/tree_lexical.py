@@ -20,9 +20,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import scipy.sparse as sp
 import torch
 
+from training.dataset import target_matrix
 from training.token_shortlist import fit_token_logistic, fit_token_shortlist
 
 # A lookup of (token, label) pairs: support slots, token weights, hits, labels (LexicalPart.lookup).
@@ -53,10 +53,11 @@ class LexicalStart:
 
 def lexical_start(tokens: TokenRows, targets: Sequence[Sequence[int]], num_labels: int, width: int,
                   fitted: bool, epochs: int = 100, lr: float = 0.05, l2: float = 1e-5, seed: int = 0,
-                  max_steps: int | None = None, tol: float = 0.0) -> LexicalStart:
+                  max_steps: int | None = None, tol: float = 0.0,
+                  target_weights: Sequence[Sequence[float]] | None = None) -> LexicalStart:
     """Each token's row of labels, and U, h at zero or (fitted) at the one-vs-all logistic model
     of the tokens restricted to the rows (training.token_shortlist.fit_token_logistic)."""
-    y = _target_matrix(targets, num_labels)
+    y = target_matrix(targets, num_labels, target_weights)
     label_ids = tokens.label_ids if tokens.label_ids is not None else np.zeros((num_labels, 1), np.int64)
     table, _ = fit_token_shortlist(tokens.doc_ids, y, label_ids, tokens.vocab_size, width)
     weights = np.zeros(table.shape, np.float32)
@@ -70,13 +71,6 @@ def lexical_start(tokens: TokenRows, targets: Sequence[Sequence[int]], num_label
     keys = (np.arange(len(table), dtype=np.int64)[:, None] * num_labels + table)[valid]
     order = np.argsort(keys, kind="stable")
     return LexicalStart(keys[order], weights[valid][order].astype(np.float32), hit_bias)
-
-
-def _target_matrix(targets: Sequence[Sequence[int]], num_labels: int) -> sp.csr_matrix:
-    lengths = [len(t) for t in targets]
-    indptr = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    indices = np.fromiter((y for t in targets for y in t), dtype=np.int64, count=int(indptr[-1]))
-    return sp.csr_matrix((np.ones(len(indices), np.float32), indices, indptr), shape=(len(targets), num_labels))
 
 
 class LexicalPart:

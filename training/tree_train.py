@@ -26,6 +26,11 @@ true label negative would teach the opposite of the data, and the tree, which mi
 data, proposes x's other labels often. The masked draw is not replaced (replacing it would
 need rejection sampling with unbounded cost); the mask rate is reported in fit_stats_.
 
+Soft labels (aggregated data's imputed labels, training/aggregated.py, a weight in (0, 1] each):
+each epoch trains on a pair with its weight's probability, so a pair imputed at 0.2 is a fifth
+of a sample, as Module III and the centroids weigh it; p_n is fitted on one such draw; a soft
+pair is still never anyone's negative.
+
 The same trainer with sampler="uniform" (negatives uniform over labels, log p_n = -log L) is
 the baseline of bench/tree.py.
 """
@@ -43,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from training.progress import Progress
-from training.tree import LabelTree, flatten_pairs
+from training.tree import LabelTree, flatten_pairs, pair_weights, sample_targets
 from training.tree_config import resolve_config
 from training.tree_lexical import LexicalPart, LexicalStart, TokenRows, lexical_start
 from training.tree_node_lexical import NodeLexicalFit
@@ -121,9 +126,15 @@ class TreeClassifier:
         tokens: TokenRows | None = None,
         lexical: LexicalStart | None = None,
         start: tuple[np.ndarray, np.ndarray] | None = None,
+        target_weights: Sequence[Sequence[float]] | None = None,
     ) -> TreeClassifier:
+        """target_weights: per target a weight in (0, 1] (imputed labels'; None: all 1): each
+        epoch trains on each pair with that probability."""
         self._check(tree, tokens, lexical)
         run = _Run(self, embeddings, targets, num_labels, tree, start, tokens)
+        weights = None if target_weights is None else pair_weights(targets, target_weights, num_labels)
+        if weights is not None and weights.min() >= 1:
+            weights = None  # hard labels: no draws, the same run as without weights
         if lexical is not None:
             assert tokens is not None
             run.add_lexical(LexicalPart(tokens, lexical, num_labels), fitted=bool(lexical.weights.any()))
@@ -131,6 +142,8 @@ class TreeClassifier:
         stop = False
         for epoch in range(self.epochs):
             order = run.rng.permutation(len(run.pair_doc))
+            if weights is not None:
+                order = order[run.rng.random(len(order)) < weights[order]]
             total, batches = 0.0, 0
             bar = Progress(range(0, len(order), self.batch_size), f"tree classifier epoch {epoch + 1}/{self.epochs}",
                            enabled=self.progress)
@@ -351,12 +364,13 @@ LEXICAL_START_KEYS = ("start", "lexical_width", "lexical_epochs", "lexical_lr", 
 
 
 def lexical_start_from_config(cfg: dict[str, Any], seed: int, tokens: TokenRows, targets: Sequence[Sequence[int]],
-                              num_labels: int) -> LexicalStart:
+                              num_labels: int, target_weights: Sequence[Sequence[float]] | None = None
+                              ) -> LexicalStart:
     """xi's lexical term's start as configured (LEXICAL_START_KEYS): its rows, and with start
-    "one_vs_all" the one-vs-all logistic model of the tokens on them."""
+    "one_vs_all" the one-vs-all logistic model of the tokens on them (soft targets: the weights)."""
     return lexical_start(tokens, targets, num_labels, int(cfg["lexical_width"]), cfg["start"] == "one_vs_all",
                          int(cfg["lexical_epochs"]), float(cfg["lexical_lr"]), float(cfg["lexical_l2"]), seed,
-                         int(cfg["lexical_max_steps"]), float(cfg["lexical_tol"]))
+                         int(cfg["lexical_max_steps"]), float(cfg["lexical_tol"]), target_weights)
 
 
 def one_vs_all_start(cfg: dict[str, Any], module3: tuple[np.ndarray, np.ndarray], centroids: np.ndarray | None
@@ -405,11 +419,13 @@ class AdversarialTree:
 
     def fit(self, doc_embeddings: np.ndarray, targets: list[list[int]], num_labels: int,
             tokens: TokenRows | None = None, module3: tuple[np.ndarray, np.ndarray] | None = None,
-            lexical: LexicalStart | None = None, centroids: np.ndarray | None = None) -> AdversarialTree:
+            lexical: LexicalStart | None = None, centroids: np.ndarray | None = None,
+            target_weights: list[list[float]] | None = None) -> AdversarialTree:
         """tokens: the documents' tokens (config lexical); module3: Module III's (w_l, b_l)
         (config start "one_vs_all"); centroids: the label centroids mu_l [L, D] (config
         start_centroids > 0); lexical: the lexical term's start when already fitted
-        (lexical_start_from_config with this config), else it is fitted here."""
+        (lexical_start_from_config with this config), else it is fitted here; target_weights:
+        per target a weight in (0, 1] (imputed labels'; None: every target 1)."""
         cfg = self.config
         start = None
         if cfg["start"] == "one_vs_all":
@@ -425,26 +441,28 @@ class AdversarialTree:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            return self._fit(doc_embeddings, targets, num_labels, tokens, start, lexical)
+            return self._fit(doc_embeddings, targets, num_labels, tokens, start, lexical, target_weights)
         finally:
             torch.set_num_threads(threads)
 
     def _fit(self, doc_embeddings: np.ndarray, targets: list[list[int]], num_labels: int, tokens: TokenRows | None,
-             start: tuple[np.ndarray, np.ndarray] | None, lexical: LexicalStart | None) -> AdversarialTree:
+             start: tuple[np.ndarray, np.ndarray] | None, lexical: LexicalStart | None,
+             target_weights: list[list[float]] | None) -> AdversarialTree:
         cfg = self.config
         one_vs_all = cfg["start"] == "one_vs_all"
-        tree = fit_p_n(cfg, self.seed, doc_embeddings, targets, num_labels, tokens, self.progress)
+        tree = fit_p_n(cfg, self.seed, doc_embeddings, sample_targets(targets, target_weights, self.seed), num_labels,
+                       tokens, self.progress)
         if not cfg["lexical"]:
             lexical = None
         elif lexical is None:
             assert tokens is not None
             t0 = time.perf_counter()
-            lexical = lexical_start_from_config(cfg, self.seed, tokens, targets, num_labels)
+            lexical = lexical_start_from_config(cfg, self.seed, tokens, targets, num_labels, target_weights)
             log.info("tree classifier: lexical rows (%d pairs)%s in %.1fs", len(lexical.keys),
                      " and their one-vs-all start" if one_vs_all else "", time.perf_counter() - t0)
         clf = classifier_from_config(cfg, self.seed, progress=self.progress).fit(
             doc_embeddings, targets, num_labels, tree, tokens=tokens, lexical=lexical,
-            start=start)
+            start=start, target_weights=target_weights)
         self.arrays_ = {**tree.arrays(), **clf.arrays_, "default_beam": np.asarray(int(cfg["beam"]), dtype=np.int64)}
         return self
 
