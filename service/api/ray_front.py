@@ -10,7 +10,8 @@ this file, which rewrites the configuration Ray just wrote (under Ray's own lock
 execs the real HAProxy with Ray's arguments, so Ray supervises, reloads and stops it as before.
 The rewrite drops those two sections (Ray reads HAProxy's state through its admin socket, not
 through them), puts serve-ray's directives in the `defaults` section (a request head's deadline,
-which Ray leaves unset; a connection closed silently if it never sent a byte), and refuses to start
+which Ray leaves unset; a connection closed silently if it never sent a byte) and first in the
+service's front (the connection limit's 503, before Ray's rules answer anything), and refuses to start
 HAProxy (exit 1, the reason on stderr, in Ray's HAProxy logs) if any `bind` line left listens
 elsewhere than the service's own front: a template that changed is a refusal,
 not a listener nobody asked for.
@@ -62,9 +63,10 @@ def _bind_addresses(group: list[str]) -> list[str]:
     return out
 
 
-def amend(text: str, directives: list[str]) -> str:
+def amend(text: str, directives: list[str], front_directives: tuple[str, ...] = ()) -> str:
     """Ray's haproxy.cfg without its stats page and exporter, with `directives` in its defaults
-    (each in place of Ray's with the same first two words, e.g. `timeout http-request`);
+    (each in place of Ray's with the same first two words, e.g. `timeout http-request`) and
+    `front_directives` first in the service's front (before Ray's rules, once);
     FrontConfigError if a listener would be left on another address than the service's front."""
     groups = [g for g in _sections(text) if _header(g) not in UNWANTED_SECTIONS]
     fronts = [g for g in groups if _header(g) == FRONT_SECTION]
@@ -83,15 +85,18 @@ def amend(text: str, directives: list[str]) -> str:
     replaced = {tuple(d.split()[:2]) for d in directives}
     section[1:] = [f"    {d}" for d in directives] + [
         line for line in section[1:] if tuple(line.split()[:2]) not in replaced]
+    front = fronts[0]
+    front[1:] = [f"    {d}" for d in front_directives] + [
+        line for line in front[1:] if line.strip() not in front_directives]
     return "\n".join(line for group in groups for line in group) + "\n"
 
 
-def rewrite(config_path: str, directives: list[str]) -> None:
+def rewrite(config_path: str, directives: list[str], front_directives: tuple[str, ...] = ()) -> None:
     """Amend the file in place, under the lock Ray holds while it writes it."""
     with open(config_path + ".lock", "w") as lock:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
         with open(config_path) as f:
-            text = amend(f.read(), directives)
+            text = amend(f.read(), directives, front_directives)
         tmp = f"{config_path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
             f.write(text)
@@ -102,12 +107,13 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--haproxy", required=True, help="the real HAProxy binary")
     parser.add_argument("--directive", action="append", default=[], help="one for the defaults section")
+    parser.add_argument("--front-directive", action="append", default=[], help="one for the service's front")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="-- then HAProxy's arguments, as Ray gives them")
     ns = parser.parse_args(argv)
     args = ns.args[1:] if ns.args[:1] == ["--"] else ns.args
     if "-f" in args[:-1]:
         try:
-            rewrite(args[args.index("-f") + 1], ns.directive)
+            rewrite(args[args.index("-f") + 1], ns.directive, tuple(ns.front_directive))
         except (OSError, FrontConfigError) as exc:
             print(f"shortlist serve-ray: HAProxy not started: {exc}", file=sys.stderr)
             return 1

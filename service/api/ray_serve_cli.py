@@ -46,6 +46,12 @@ FRONT_ERRORS = {
 }
 
 
+# HAProxy's own connection limit (global maxconn, past which new connections wait in the kernel's
+# queue) is this many times MAX_CONNECTIONS: the connections between the two get the 503 (and
+# are closed), as `serve` answers every connection past MAX_CONNECTIONS.
+HAPROXY_MAXCONN_FACTOR = 2
+
+
 def haproxy_front(settings: Settings, runtime_dir: Path) -> dict[str, str]:
     """The environment of Ray Serve's HAProxy for a local instance (service/api/ray_front.py):
     its files (configuration, admin socket, server state, logs) in `runtime_dir`, private to this
@@ -67,7 +73,8 @@ def haproxy_front(settings: Settings, runtime_dir: Path) -> dict[str, str]:
     script = runtime_dir / "haproxy"
     command = [sys.executable, "-I", "-S", str(Path(__file__).with_name("ray_front.py")),
                "--haproxy", get_haproxy_binary(),  # an operator's RAY_SERVE_HAPROXY_BINARY_PATH first
-               *(f"--directive={d}" for d in directives), "--"]
+               *(f"--directive={d}" for d in directives),
+               *(f"--front-directive={d}" for d in connection_limit(settings.max_connections, runtime_dir)), "--"]
     script.write_text(f"#!/bin/sh\nexec {shlex.join(command)} \"$@\"\n")
     script.chmod(0o700)
     return {"RAY_SERVE_HAPROXY_BINARY_PATH": str(script),
@@ -76,7 +83,7 @@ def haproxy_front(settings: Settings, runtime_dir: Path) -> dict[str, str]:
             "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": str(runtime_dir),
             "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": str(runtime_dir / "server-state"),
             "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": str(runtime_dir / "metrics.sock"),
-            "RAY_SERVE_HAPROXY_MAXCONN": str(settings.max_connections),
+            "RAY_SERVE_HAPROXY_MAXCONN": str(HAPROXY_MAXCONN_FACTOR * settings.max_connections),
             # HAProxy's client-side inactivity limit: a body (or an unread answer) stalled this long
             "RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S": str(math.ceil(settings.body_timeout_s))}
 
@@ -86,14 +93,30 @@ def front_error_files(runtime_dir: Path) -> list[str]:
     `errorfile` directives (each in place of Ray's for the same status)."""
     directives = []
     for status, (reason, code, message) in FRONT_ERRORS.items():
-        body = error_json(code, message, [], None)
-        retry = "retry-after: 1\r\n" if status == 503 else ""
-        head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
-                f"cache-control: no-cache\r\n{retry}connection: close\r\n\r\n")
         path = runtime_dir / f"{status}.http"
-        path.write_bytes(head.encode() + body)
+        _write_error_file(path, status, reason, code, message, retry_after=status == 503)
         directives.append(f"errorfile {status} {path}")
     return directives
+
+
+def connection_limit(max_connections: int, runtime_dir: Path) -> list[str]:
+    """The front's directives for MAX_CONNECTIONS, as `serve` has it: a connection accepted while
+    more than max_connections are open (itself included) gets 503 `too_many_connections` at its
+    first request and is closed; the connections already open are served on."""
+    path = runtime_dir / "too_many_connections.http"
+    _write_error_file(path, 503, "Service Unavailable", "too_many_connections",
+                      f"the server holds {max_connections} connections")
+    return [f"tcp-request session set-var(sess.past_max_connections) bool(true) if {{ fe_conn gt {max_connections} }}",
+            f"http-request return status 503 errorfile {path} if {{ var(sess.past_max_connections) -m bool }}"]
+
+
+def _write_error_file(path: Path, status: int, reason: str, code: str, message: str, retry_after: bool = False) -> None:
+    """A whole HTTP answer in the service's error body, as HAProxy's error files hold them."""
+    body = error_json(code, message, [], None)
+    retry = "retry-after: 1\r\n" if retry_after else ""
+    head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            f"cache-control: no-cache\r\n{retry}connection: close\r\n\r\n")
+    path.write_bytes(head.encode() + body)
 
 
 def _serve_until_stopped(layout: RayServing, settings: Settings) -> None:
