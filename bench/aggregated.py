@@ -2,7 +2,7 @@
 
     python bench/aggregated.py --data ../shared/data/debian-tags [--group-sizes 2 4 8]
         [--groupings random clustered] [--protocol plain|own] [--systems naive eagle-paper eagle eagle-hard eagle-2]
-        [--config FILE] [--publish]
+        [--config FILE] [--route alpha|tree] [--publish]
 
 For each group size and grouping, grouped data is made from the dataset (`shortlist data
 aggregate`) and models are trained and exported, then scored on the test split through the
@@ -15,6 +15,8 @@ labels (once). Prints P@1 / P@5 / PSP@5, the share of the naive-to-true P@1 gap 
 recovers with a 95% paired bootstrap interval, imputation time against training time, and the
 imputed labels' precision and recall against the true ones (a diagnostic: no choice of the
 method looks at them). Every trained bundle is kept under --out, so an interrupted run resumes.
+--route tree scores the tree route (POST /v1/predict/tree) of the same bundles instead of the
+alpha route (POST /v1/predict): a config with the tree off trains bundles without one.
 """
 
 from __future__ import annotations
@@ -76,15 +78,18 @@ def _naive_data(grouped: Path, dest: Path) -> Path:
     return dest
 
 
-def _terms(bundle: Path, data: Path, protocol: str) -> dict[str, np.ndarray]:
-    """Each test document's share of the metrics, through the served engine."""
+def _terms(bundle: Path, data: Path, protocol: str, route: str) -> dict[str, np.ndarray]:
+    """Each test document's share of the metrics, through the served engine's route."""
     predictor = Predictor.load(bundle)
+    if route == "tree" and predictor.bundle.tree is None:
+        raise SystemExit(f"{bundle}: no tree route to score (trained with tree_enabled false)")
+    predict = predictor.predict_ids if route == "alpha" else predictor.predict_tree_ids
     labels = xc_data.load_labels(data)
     docs = xc_data.load_split(data, "tst", "title", len(labels))
     trn = xc_data.load_split(data, "trn", "title", len(labels))
     drop = filtered_pairs(protocol, docs, labels, predictor.num_labels)
     truths = [[t for t in truth if t not in d] for truth, d in zip(docs.targets, drop, strict=True)]
-    ids = np.concatenate([predictor.predict_ids(docs.texts[s : s + 512], k=5, exclude=drop[s : s + 512])[0]
+    ids = np.concatenate([predict(docs.texts[s : s + 512], k=5, exclude=drop[s : s + 512])[0]
                           for s in range(0, len(docs), 512)])
     inv = 1.0 / propensities(label_frequencies(trn.targets, len(labels)), len(trn))
     predictor.bundle.close()
@@ -112,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--protocol", default="plain", choices=["plain", "own"])
     ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     ap.add_argument("--config", type=Path, default=None, help="training config JSON (default: the defaults)")
+    ap.add_argument("--route", default="alpha", choices=["alpha", "tree"], help="the served route scored")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--publish", action="store_true", help="write the table into bench/RESULTS.md and the plot")
     ap.add_argument("--no-train", action="store_true",
@@ -127,15 +133,16 @@ def main(argv: list[str] | None = None) -> int:
     if found is None:
         ap.error(f"{out}/true: the true labels' model is not trained yet (run without --no-train)")
     true_bundle, true_info = found
-    table["true"] = _terms(true_bundle, args.data, args.protocol)
+    table["true"] = _terms(true_bundle, args.data, args.protocol, args.route)
     for size in args.group_sizes:
         for grouping in args.groupings:
             rows.append(_setting(args, cfg, out, size, grouping, table, true_info))
     body = _report(args, rows, table, cfg)
     print(body)
     if args.publish:
-        _plot(args, rows, table, _common.BENCH_DIR / f"aggregated-{args.data.name}.png")
-        _common.replace_section(_common.BENCH_DIR / "RESULTS.md", f"aggregated:{args.data.name}", body)
+        suffix = "" if args.route == "alpha" else "-tree"  # each route its own section and plot
+        _plot(args, rows, table, _common.BENCH_DIR / f"aggregated-{args.data.name}{suffix}.png")
+        _common.replace_section(_common.BENCH_DIR / "RESULTS.md", f"aggregated:{args.data.name}{suffix}", body)
     return 0
 
 
@@ -172,7 +179,7 @@ def _setting(args, cfg: TrainConfig, out: Path, size: int, grouping: str, table:
             continue
         bundle, info = found
         row["systems"].append(name)
-        table[(name, tag)] = _terms(bundle, args.data, args.protocol)
+        table[(name, tag)] = _terms(bundle, args.data, args.protocol, args.route)
         if "aggregated" in info:
             row[f"{name}_imputation_s"] = sum(info["aggregated"]["imputation_s"])
             row[f"{name}_iterations"] = info["aggregated"].get("iterations")
@@ -239,7 +246,8 @@ def _uids_targets(data: Path, num_labels: int) -> tuple[list[str], list[list[int
 
 def _report(args, rows: list[dict], table: dict, cfg: TrainConfig) -> str:
     true = aggregate(table["true"], names=NAMES)
-    lines = [f"## Aggregated labels (EAGLE) on {args.data.name}, protocol {args.protocol}",
+    route = "" if args.route == "alpha" else ", the tree route"
+    lines = [f"## Aggregated labels (EAGLE) on {args.data.name}, protocol {args.protocol}{route}",
              "", f"Command: `{_common.command_line()}` (commit {_common.git_revision()}); "
              f"eagle: T in 0..{cfg.aggregated_iterations} and the keep ratio r in 1.0..0.0 chosen on "
              f"{100 * cfg.aggregated_validation:.0f}% of the groups held out (column T / r), lambda = "
