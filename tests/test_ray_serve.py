@@ -422,29 +422,44 @@ def test_past_max_connections_the_front_refuses_new_connections_and_serves_the_o
     (tmp_path / "front.cfg").write_text(amended)
     proxy = subprocess.Popen([_real_haproxy(monkeypatch), "-db", "-f", str(tmp_path / "front.cfg")],
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    request = b"GET /-/routes HTTP/1.1\r\nhost: x\r\n\r\n"
     try:
         _wait(lambda: _accepts(port), "HAProxy listening")
-        time.sleep(0.5)  # the probes' connections closed
-        held = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(2)]
-        time.sleep(0.3)  # accepted (HAProxy's threads may take connections made together in any order)
+        # Each held connection answered once: accepted and counted (a probe above that HAProxy
+        # has not seen closed yet may still count, and then a connection is refused: retried).
+        held = [_served_connection(port), _served_connection(port)]
         with socket.create_connection(("127.0.0.1", port), timeout=30) as third:
-            time.sleep(0.2)
-            third.sendall(request)
+            third.sendall(_ROUTES)
             error = _error_of(_read_all(third), 503)
         assert error["error"] == "too_many_connections" and "2 connections" in error["message"]
-        for conn in held:
-            conn.sendall(request)
+        for conn in held:  # the connections it holds are served on
+            conn.sendall(_ROUTES)
             assert b"too_many_connections" not in conn.recv(65536)
         held.pop().close()
-        time.sleep(0.2)
-        with socket.create_connection(("127.0.0.1", port), timeout=30) as later:
-            later.sendall(request)
-            assert b"too_many_connections" not in later.recv(65536)
-        held[0].close()
+        held.append(_served_connection(port))  # once one closed, a new one is served
+        for conn in held:
+            conn.close()
     finally:
         proxy.terminate()
         proxy.wait(timeout=30)
+
+
+_ROUTES = b"GET /-/routes HTTP/1.1\r\nhost: x\r\n\r\n"
+
+
+def _served_connection(port: int, timeout: float = 30.0) -> socket.socket:
+    """A connection to the front whose first request was answered by the front's rules, not
+    refused as past its connection limit (retried until one is, within `timeout`)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        conn = socket.create_connection(("127.0.0.1", port), timeout=30)
+        conn.sendall(_ROUTES)
+        answer = conn.recv(65536)
+        if answer.startswith(b"HTTP/1.1 ") and b"too_many_connections" not in answer:
+            return conn
+        conn.close()
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no connection served: {answer[:200]!r}")
+        time.sleep(0.1)
 
 
 def _accepts(port: int) -> bool:
