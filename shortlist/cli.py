@@ -219,6 +219,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         for line in message.splitlines() or [type(exc).__name__]:
             print(f"shortlist {args.command}: error: {line}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # Ctrl-C is the user's own stop, not a failure to debug: one line, the shell's code for
+        # SIGINT. What a command writes is staged and renamed at its end: nothing half-made has a final name.
+        print(f"shortlist {args.command}: interrupted", file=sys.stderr)
+        return 130
     except MemoryError:
         # A resource, not an input problem: said plainly, with the limit a user can move.
         print(f"shortlist {args.command}: error: out of memory: this machine's memory (or this process's "

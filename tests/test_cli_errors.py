@@ -8,8 +8,10 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -159,6 +161,23 @@ def test_the_installed_command_exits_2_without_a_traceback(a_file):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip() == f"shortlist generate-data: error: --out {a_file}: exists and is not a directory"
+
+
+def test_ctrl_c_is_one_line_and_the_shells_code_for_sigint_not_a_traceback(tmp_path):
+    # A million labels take ~30 s to generate: the command is at work when the signal comes.
+    out = tmp_path / "d"
+    proc = subprocess.Popen([sys.executable, "-m", "shortlist.cli", "generate-data", "--out", str(out), "--profile",
+                             "scale", "--labels", "1000000"], stderr=subprocess.PIPE, text=True,
+                            # A shell's background job starts with SIGINT ignored, which Python keeps.
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.monotonic() + 60
+    while not out.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)  # the folder is made once the command runs (its imports done)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in stderr, stderr[-2000:]
+    assert stderr.strip() == "shortlist generate-data: interrupted"
+    assert not [p for p in out.rglob("*") if p.is_file()]
 
 
 def test_running_out_of_memory_is_said_plainly_not_a_traceback(tmp_path):

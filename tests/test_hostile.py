@@ -154,10 +154,13 @@ def test_an_admin_route_checks_the_token_before_reading_the_body(client, route):
 
 
 LOOKALIKE_UIDS = [(" L1", "whitespace"), ("L1\u200b", "invisible"), ("a\u0007b", "control"),
-                  (unicodedata.normalize("NFD", "caf\u00e9"), "normal form C")]
+                  (unicodedata.normalize("NFD", "caf\u00e9"), "normal form KC: it reads as 'caf\u00e9'"),
+                  ("\uff2c1", "normal form KC: it reads as 'L1'"), ("L\u00b9", "reads as 'L1'"),
+                  ("\u2112\u2460", "reads as 'L1'")]
 
 
-@pytest.mark.parametrize(("uid", "reason"), LOOKALIKE_UIDS, ids=["padded", "zero-width", "control", "decomposed"])
+@pytest.mark.parametrize(("uid", "reason"), LOOKALIKE_UIDS, ids=["padded", "zero-width", "control", "decomposed",
+                                                                  "fullwidth", "superscript", "letterlike"])
 def test_a_new_label_uid_that_would_look_like_another_is_refused(client, uid, reason):
     # Uids are compared code point by code point: each of these was a new label beside one that
     # looks the same, which a client excluding "the same" uid got back.
@@ -165,6 +168,24 @@ def test_a_new_label_uid_that_would_look_like_another_is_refused(client, uid, re
     r = client.post("/admin/labels", json={"labels": [{"uid": uid, "title": "kama zani"}]}, headers=AUTH)
     assert r.status_code == 422, r.text
     assert r.json()["details"][0]["field"] == "body.labels[0].uid" and reason in r.json()["message"], r.json()
+    assert client.get("/readyz").json()["version"] == before
+
+
+UNSHOWABLE_TEXTS = [({"title": "kama \x1b[2Jzani"}, "title", "a control character (U+001B) at 5"),
+                    ({"title": "kama\nzani"}, "title", "a control character (U+000A)"),
+                    ({"title": "kama \u202einaz"}, "title", "a bidi override (U+202E)"),
+                    ({"title": "kama zani", "content": "pobura\x07"}, "content", "a control character (U+0007)")]
+
+
+@pytest.mark.parametrize(("fields", "part", "reason"), UNSHOWABLE_TEXTS, ids=["ansi", "newline", "rlo", "bell"])
+def test_a_new_label_text_that_answers_would_hand_out_as_something_else_is_refused(client, fields, part, reason):
+    # Every answer returns a label's title verbatim: an ANSI escape drove the terminal of whoever
+    # printed it, a right-to-left override showed "zani" for "inaz".
+    before = client.get("/readyz").json()["version"]
+    r = client.post("/admin/labels", json={"labels": [{"uid": "unshown-1", **fields}]}, headers=AUTH)
+    assert r.status_code == 422, r.text
+    detail = r.json()["details"][0]
+    assert detail["field"] == f"body.labels[0].{part}" and reason in detail["message"], r.json()
     assert client.get("/readyz").json()["version"] == before
 
 
@@ -319,3 +340,17 @@ def test_many_unknown_excluded_uids_are_named_up_to_the_usual_ten(client):
     assert "and 990 more problems" in r.json()["message"]
     r = client.post("/v1/predict", json={"text": "x", "exclude": ["L0", "nope", "L1"]})
     assert r.status_code == 422 and [d["field"] for d in r.json()["details"]] == ["body.exclude[1]"], r.text
+
+
+def test_a_stray_body_on_a_route_that_reads_none_is_dropped_not_judged(client):
+    # GET /healthz or DELETE /admin/labels/{uid} with a text/plain body answered 415, the DELETE
+    # before its token was checked; a body there has no meaning (RFC 9110): only its size counts.
+    plain = {"content-type": "text/plain"}
+    assert client.request("GET", "/healthz", content=b"hello", headers=plain).status_code == 200
+    assert client.request("GET", "/admin/bundles", content=b"hello", headers={**plain, **AUTH}).status_code == 200
+    r = client.request("DELETE", "/admin/labels/L1", content=b"hello", headers=plain)
+    assert r.status_code == 401 and r.json()["error"] == "unauthorized", r.text
+    status, body = _exchange(client, b"GET /healthz HTTP/1.1\r\nhost: x\r\ncontent-length: 99999999\r\n"
+                                     b"connection: close\r\n\r\n")
+    assert status == 413 and body["error"] == "body_too_large", body
+    _still_serving(client)

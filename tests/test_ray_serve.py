@@ -651,3 +651,18 @@ def test_serve_config_deploys_the_application():
     app = config.applications[0]
     assert app.import_path == "service.api.ray_app:build_app"
     build_app(app.args)  # the arguments are the builder's
+
+
+@pytest.mark.parametrize(("flags", "said"), [
+    (["--shards", "0"], "--shards 0: input should be greater than or equal to 1"),
+    (["--shards", "2", "--replicas", "0", "--shard-num-cpus", "-1"],
+     "--replicas 0: input should be greater than or equal to 1\n"
+     "shortlist serve-ray: error: --shard-num-cpus -1.0: input should be greater than 0"),
+])
+def test_serve_ray_names_each_flag_out_of_range_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                            flags: list[str], said: str):
+    # pydantic's own report named no flag and linked its documentation, on three lines a problem.
+    from shortlist.cli import main
+
+    assert main(["serve-ray", "--bundle-root", str(tmp_path), *flags]) == 2
+    assert capsys.readouterr().err.strip() == f"shortlist serve-ray: error: {said}"

@@ -16,6 +16,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
 from ray import serve
 
 from service.api.errors import error_json
@@ -140,6 +141,20 @@ def _serve_until_stopped(layout: RayServing, settings: Settings) -> None:
         ray.shutdown()
 
 
+def _layout(flags: dict[str, Any]) -> RayServing:
+    """The flags as RayServing; a ValueError of one line a flag ("--shards 0: must be >= 1")
+    instead of pydantic's report (its type codes and documentation links)."""
+    try:
+        return RayServing.model_validate(flags)
+    except ValidationError as exc:
+        lines = []
+        for error in exc.errors(include_input=False, include_url=False):
+            field = str(error["loc"][0]) if error["loc"] else ""
+            message = error["msg"].removeprefix("Value error, ")
+            lines.append(f"--{field.replace('_', '-')} {flags.get(field)}: {message[:1].lower()}{message[1:]}")
+        raise ValueError("\n".join(lines)) from None
+
+
 def run_cli(args: Any) -> int:
     """`shortlist serve-ray`: the application on a local Ray instance (or the cluster at --address),
     HTTP on --host:--port, until interrupted; then Serve and the local instance are shut down."""
@@ -148,7 +163,7 @@ def run_cli(args: Any) -> int:
     fields = {"bundle_root": args.bundle_root, "shards": args.shards, "replicas": args.replicas,
               "version": args.version, "state_dir": args.state_dir, "shard_num_cpus": args.shard_num_cpus,
               "ingress_num_cpus": args.ingress_num_cpus}
-    layout = RayServing.model_validate({k: v for k, v in fields.items() if v is not None})
+    layout = _layout({k: v for k, v in fields.items() if v is not None})
     if not Path(layout.bundle_root).is_dir():
         raise FileNotFoundError(f"bundle root {layout.bundle_root} is not a directory")
     # The ingress builds the same Settings inside Ray: a problem is reported here, as one line,

@@ -23,6 +23,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from service.api.errors import ApiError, BodyRefused, error_json, shown
 
 _NOT_JSON_NUMBERS = (b"NaN", b"Infinity", b"-Infinity")
+# The methods of the service's routes that take no body.
+_BODYLESS_METHODS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
 
 
 class RequestBodyMiddleware:
@@ -44,7 +46,11 @@ class RequestBodyMiddleware:
             return
         declared = _content_length(headers)
         has_body = (declared or 0) > 0 or b"transfer-encoding" in headers
-        refusal = _body_refusal(headers) if has_body else None
+        # A stray body on a route that reads none (GET /healthz, DELETE /admin/labels/{uid}) is
+        # dropped unread, as RFC 9110 gives it no meaning: what it is labelled is not refused (a
+        # 415 there came before the admin token's check); its size is still bounded.
+        reads = scope["method"] not in _BODYLESS_METHODS
+        refusal = _body_refusal(headers) if has_body and reads else None
         if refusal is None and declared is not None and declared > self.max_bytes:
             refusal = (413, "body_too_large", f"body is {declared} bytes, the limit is {self.max_bytes}")
         if refusal is not None:

@@ -431,16 +431,35 @@ def _rows_of(token: np.ndarray, label: np.ndarray, weight: np.ndarray, vocab: in
 
 def _lookalike_uid(uid: str) -> str | None:
     """Why a new uid would look like another one it is not (uids are compared code point by code
-    point: "caf\u00e9" and "cafe\u0301", "R1" and " R1 " or "R1\u200b" would be distinct labels
-    that a person, or a client excluding one, cannot tell apart), or None."""
+    point: "caf\u00e9" and "cafe\u0301", "R1" and " R1 ", "R1\u200b", "\uff321" (fullwidth) or
+    "R\u00b9" would be distinct labels that a person, or a client excluding one, cannot tell
+    apart), or None. NFKC rather than NFC: compatibility characters (fullwidth and circled
+    forms, super- and subscripts, ligatures, letterlike symbols) are the look-alikes NFC keeps."""
     if uid != uid.strip():
         return f"{uid[:64]!r} has leading or trailing whitespace"
-    if unicodedata.normalize("NFC", uid) != uid:
-        return f"{uid[:64]!r} is not in Unicode normal form C (the same text composed would be another uid)"
+    if (folded := unicodedata.normalize("NFKC", uid)) != uid:
+        return (f"{uid[:64]!r} is not in Unicode normal form KC: it reads as {folded[:64]!r} (composed or "
+                "compatibility forms of the same text would be other uids)")
     hidden = next((ch for ch in uid if unicodedata.category(ch) in ("Cc", "Cf", "Co", "Cn")), None)
     if hidden is not None:
         return f"{uid[:64]!r} holds a control, invisible or unassigned character (U+{ord(hidden):04X})"
     return None
+
+
+# Bidi overrides show the characters after them in reverse order ("\u202eRTL" reads as "LTR"):
+# a title a person reads as another's. Embeddings, isolates and marks keep each character's order.
+_BIDI_OVERRIDES = "\u202d\u202e"
+
+
+def _unshowable(text: str, allowed: str) -> str | None:
+    """What in a label's text an answer would hand every client verbatim that shows as something
+    else or drives a terminal (a control character but `allowed`, a bidi override), or None."""
+    found = next((ch for ch in text if ch not in allowed and (unicodedata.category(ch) == "Cc" or
+                                                              ch in _BIDI_OVERRIDES)), None)
+    if found is None:
+        return None
+    kind = "a bidi override" if found in _BIDI_OVERRIDES else "a control character"
+    return f"{kind} (U+{ord(found):04X}) at {text.index(found)}: answers would return it verbatim"
 
 
 def _check_change(parent: Bundle, change: LabelChange, given_out: Sequence[str] = ()) -> np.ndarray:
@@ -467,6 +486,9 @@ def _check_change(parent: Bundle, change: LabelChange, given_out: Sequence[str] 
             problems.append((f"add[{i}].uid", lookalike))
         if is_blank(label.title):
             problems.append((f"add[{i}].title", "empty or blank characters only (tokenizer.is_blank_char)"))
+        for part, text, allowed in (("title", label.title, "\t"), ("content", label.content or "", "\t\n\r")):
+            if (hidden := _unshowable(text, allowed)) is not None:
+                problems.append((f"add[{i}].{part}", f"holds {hidden}"))
         if label.prior is not None and not 0.0 <= label.prior <= 1.0:
             problems.append((f"add[{i}].prior", f"must be a quantile in [0, 1], got {label.prior}"))
     ids: list[int] = []
