@@ -10,9 +10,12 @@ import argparse
 import errno
 import importlib
 import os
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
@@ -208,9 +211,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     passive_openmp_waits(os.environ)
-    module_name, func_name = args.handler.split(":")
-    handler = getattr(importlib.import_module(module_name), func_name)
     try:
+        handler = _import_handler(args.handler)
         return int(handler(args) or 0)
     except (ValueError, OSError) as exc:
         # Input problems (bad data, paths that cannot be read or written) are reported plainly,
@@ -229,6 +231,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"shortlist {args.command}: error: out of memory: this machine's memory (or this process's "
               "limit, `ulimit -v`, a container's memory limit) is not enough for this run", file=sys.stderr)
         return 1
+
+
+def _import_handler(path: str) -> Any:
+    """The command's function ("module:name"), its imports (torch, onnxruntime: seconds) shielded
+    from Ctrl-C: a KeyboardInterrupt inside an extension's initialisation surfaced as that
+    library's ImportError ("initialization failed"), a traceback; it is raised after them instead."""
+    module_name, func_name = path.split(":")
+    interrupted = []
+    # Python runs signal handlers on the main thread only; a SIGINT ignored (a shell's background
+    # job) stays ignored.
+    shield = threading.current_thread() is threading.main_thread() and \
+        signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
+    previous = signal.signal(signal.SIGINT, lambda *_: interrupted.append(True)) if shield else None
+    try:
+        module = importlib.import_module(module_name)
+    finally:
+        if shield:
+            signal.signal(signal.SIGINT, previous)
+    if interrupted:
+        raise KeyboardInterrupt
+    return getattr(module, func_name)
 
 
 # Errors only a write gets, and the options naming where a command writes.
