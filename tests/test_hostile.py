@@ -76,6 +76,71 @@ def test_a_request_the_http_parser_refuses_gets_a_json_400_naming_why(client, wh
     _still_serving(client)
 
 
+def _pipelined(client: httpx.Client, raw: bytes) -> list[tuple[int, dict]]:
+    """Send raw bytes in one write, read until the server closes (a reset fails), and parse every
+    answer in order (each has a Content-Length, as all of this server's JSON answers do)."""
+    url = client.base_url
+    with socket.create_connection((url.host, url.port), timeout=10) as sock:
+        sock.sendall(raw)
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+    answers = []
+    while received:
+        head, _, rest = received.partition(b"\r\n\r\n")
+        lines = head.split(b"\r\n")
+        length = next(int(line.split(b":", 1)[1]) for line in lines[1:] if line.lower().startswith(b"content-length:"))
+        answers.append((int(lines[0].split(b" ", 2)[1]), json.loads(rest[:length])))
+        received = rest[length:]
+    return answers
+
+
+AFTER_A_VALID_REQUEST = [
+    # (what, the malformed request, a word of what its 400 must name)
+    ("a malformed request line", b"GARBAGE\r\n\r\n", "method"),
+    ("a malformed header line", b"GET /healthz HTTP/1.1\r\nhost: x\r\nBad Header\r\n\r\n", "header"),
+    # its head is parsed (uvicorn lines it up behind the first): it must not start
+    ("a malformed chunk size", POST + b"transfer-encoding: chunked\r\n\r\nzz\r\n" + BODY + b"\r\n0\r\n\r\n",
+     "chunk size"),
+]
+
+
+@pytest.mark.parametrize(("what", "malformed", "named"), AFTER_A_VALID_REQUEST,
+                         ids=[a[0] for a in AFTER_A_VALID_REQUEST])
+def test_a_request_pipelined_before_a_malformed_one_is_answered_before_its_400(client, what, malformed, named):
+    # Audit 6 finding 3: the 400 closed the connection while the valid request ran; its answer was lost.
+    valid = POST + b"content-length: %d\r\n\r\n" % len(BODY) + BODY
+    answers = _pipelined(client, valid + malformed)
+    assert [status for status, _ in answers] == [200, 400], (what, answers)
+    assert len(answers[0][1]["results"]) == 1, answers[0]
+    assert answers[1][1]["error"] == "malformed_http" and named in answers[1][1]["message"].lower(), answers[1]
+    _still_serving(client)
+
+
+def test_requests_lined_up_before_a_malformed_one_are_each_answered_in_order_before_its_400(client):
+    # The second waits in uvicorn's line behind the first when the malformed one is read.
+    first, second = (json.dumps({"texts": [text] * 8}).encode() for text in ("network", "traffic"))
+    valid = [POST + b"content-length: %d\r\n\r\n" % len(body) + body for body in (first, second)]
+    answers = _pipelined(client, b"".join(valid) + b"GARBAGE\r\n\r\n")
+    assert [status for status, _ in answers] == [200, 200, 400], answers
+    assert [len(answer["results"]) for _, answer in answers[:2]] == [8, 8]
+
+
+def test_a_label_added_before_a_malformed_request_is_answered_and_the_answer_is_what_was_done(client):
+    # The add takes a while (a new bundle version is written): the 400 waits for its answer.
+    body = json.dumps({"labels": [{"uid": "pipelined-add", "title": "kama kelu"}]}).encode()
+    add = (b"POST /admin/labels HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+           b"authorization: Bearer " + TOKEN.encode() + b"\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+    before = client.get("/readyz").json()["version"]
+    answers = _pipelined(client, add + b"GARBAGE\r\n\r\n")
+    assert [status for status, _ in answers] == [200, 400], answers
+    added = answers[0][1]
+    assert added["previous"] == before and added["added"] == 1, added
+    assert client.get("/readyz").json()["version"] == added["active"]
+    assert client.post("/v1/predict", json={"text": "kama kelu", "exclude": ["pipelined-add"]}).status_code == 200
+    assert answers[1][1]["error"] == "malformed_http"
+
+
 NOT_RFC_8259 = [
     # (what, body, error code, a word of the message)
     ("NaN", b'{"text": "x", "alpha": NaN}', "malformed_json", "NaN and Infinity"),

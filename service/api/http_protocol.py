@@ -10,13 +10,21 @@ long, was read to its end. Here, with the byte counting done before the parser s
 - a request head (request line and headers) must be complete within `max_header_bytes` (431,
   closed, the rest never read) and within `header_timeout_s` of its first byte, or of the
   connection for its first request (408 if some of it came, else closed silently);
-- a body must be complete within `body_timeout_s` of its head (408, closed);
+- a body must be complete within `body_timeout_s` of its head (408, closed), or of its request's
+  start for one pipelined behind another (uvicorn reads none of it while it waits);
 - a response the client does not read (the transport's buffer past its high-water mark, uvicorn
   waiting in FlowControl.drain) for `send_timeout_s` closes the connection: its request in
   progress is counted 499 and the requests pipelined behind it are dropped unanswered;
 - a request the HTTP parser refuses (a malformed request line or header, a Content-Length that is
   not a number or sits beside Transfer-Encoding, a bad chunk size) gets 400 with the one error
   body naming what the parser found, not uvicorn's plain-text "Invalid HTTP request received.";
+- a refusal comes after the answers to the requests received whole before the refused one: HTTP/1.1
+  answers in request order, and those requests are carried out (a label added), so their answers
+  must not be lost to the close (they were: audit 6). Until then nothing more is parsed (what
+  comes is read and dropped); the wait is the earlier requests' own (as long as a client sending
+  only those would hold the connection, and `send_timeout_s` for one that reads none of their
+  answers). A request refused mid-body while pipelined behind another is never started. After
+  answers, a refusal closes the lingering way (below), not to reset them away;
 - a connection closed after an answer given before its request's body was read (a 413, or any
   answer to a client that sent `Connection: close`) closes its sending side only and reads and
   drops the rest of the body for at most `body_timeout_s` (a lingering close, as nginx and Apache
@@ -85,7 +93,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._timer: asyncio.TimerHandle | None = None
         self._send_timer: asyncio.TimerHandle | None = None
         self._running: RequestResponseCycle | None = None  # the request whose app runs now
-        self._lingering = False
+        self._dropping = False  # what comes is read and dropped, unparsed: answered already, or refused
+        self._refusal: bytes | None = None  # written once the requests received before it are answered
         connection_metrics().open.inc()
         if len(self.connections) > self.max_connections:
             self._refuse(503, "too_many_connections", f"the server holds {self.max_connections} connections",
@@ -135,8 +144,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self.transport.abort()
 
     def data_received(self, data: bytes) -> None:
-        if self._lingering:
-            return  # the rest of a body answered already: dropped unparsed
+        if self._dropping:
+            return
         if self._reading_head and not self.transport.is_closing():
             tail = self._tail
             end = (tail + data).find(_HEAD_END) if tail else data.find(_HEAD_END)
@@ -152,10 +161,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().data_received(data)
         # Timers only for what is still incomplete once this data is parsed: a request that
         # arrives whole (the usual case) costs none.
-        if self._timer is None and not self.transport.is_closing():
+        if self._timer is None and not self._dropping and not self.transport.is_closing():
             if self._reading_head and self._head_bytes:
                 self._timer = self.loop.call_later(self.header_timeout_s, self._head_timed_out)
-            elif not self._reading_head:
+            elif not self._reading_head and self.cycle is self._running:
+                # (a pipelined request's body is not read until it starts: its timer starts then)
                 self._timer = self.loop.call_later(self.body_timeout_s, self._body_timed_out)
 
     def on_headers_complete(self) -> None:
@@ -177,15 +187,40 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self._reading_head or self.transport.is_closing() or not self.transport.can_write_eof():
             self.transport.close()  # the body was read whole: nothing unread to reset the connection
             return
-        self._lingering = True
+        self._close_lingering()
+
+    def _close_lingering(self) -> None:
+        """Close the sending side, then read and drop what comes for at most body_timeout_s:
+        unread data at the close would make the kernel reset the connection, and the client lose
+        the answers sent before it had read them."""
+        self._dropping = True
         self._disarm()
-        self.transport.write_eof()  # after the answer is sent: the client reads it, then closes
+        self.transport.write_eof()  # after the answers are sent: the client reads them, then closes
         self._timer = self.loop.call_later(self.body_timeout_s, self.transport.close)
 
     def on_response_complete(self) -> None:
+        started = None
         if self.pipeline and not self.transport.is_closing():
-            self._running = self.pipeline[-1][0]  # the pipelined request uvicorn starts now
+            started = self._running = self.pipeline[-1][0]  # the pipelined request uvicorn starts now
+        elif self._refusal is not None:
+            self._send_refusal(linger=True)  # the last request received before the refused one is answered
         super().on_response_complete()
+        if started is self.cycle and not self._reading_head and not self._dropping:
+            # Its body, still to come, was not read while it waited (uvicorn paused reading): its
+            # time starts now.
+            self._timer = self.loop.call_later(self.body_timeout_s, self._body_timed_out)
+
+    def shutdown(self) -> None:
+        """uvicorn's closes after the newest request's answer, which a refused one never gets:
+        here after the last answer before it (the refusal then goes unwritten)."""
+        if self._refusal is None:
+            super().shutdown()
+            return
+        last = self.pipeline[0][0] if self.pipeline else self._running
+        if last is None or last.response_complete:
+            self.transport.close()
+        else:
+            last.keep_alive = False
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
@@ -232,8 +267,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def _refuse(self, status: int, code: str, message: str, request_id: str | None = None, *,
                 reason: str) -> None:
-        """Answer with the one error body and close, whatever the parser was in the middle of;
-        counted by `reason`, and logged unless the app logs it (a body timeout's request is the app's)."""
+        """Answer with the one error body and close, whatever the parser was in the middle of, once
+        the requests received before this one are answered (the module's docstring); counted by
+        `reason`, and logged unless the app logs it (a body timeout's request is the app's)."""
         self._disarm()
         connection_metrics().refused.labels(reason).inc()
         if self.log_refusals and reason != "body_timeout":
@@ -242,8 +278,38 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         head = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS[status]),
                 *(name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers),
                 b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(body)]
-        self.transport.write(b"".join(head) + body)
-        self.transport.close()
+        self._refusal = b"".join(head) + body
+        self._dropping = True  # the parser is past what it can read, or at a head not to be read
+        # The refused request: the one whose body was being read, if any (its head parsed, it has
+        # a cycle); else one whose head was.
+        refused = None if self._reading_head else self.cycle
+        if not self._answers_before(refused):
+            # Lingering if answers went out before (the client may not have read them yet); else
+            # the refusal is its only answer, and the rest of what it sends is not read.
+            self._send_refusal(linger=self._running is not None and self._running is not refused)
+
+    def _answers_before(self, refused: RequestResponseCycle | None) -> bool:
+        """Whether requests received before the refused one still wait for their answers (the
+        refused one, pipelined, is taken out of uvicorn's line, never to start)."""
+        for entry in self.pipeline:
+            if entry[0] is refused:
+                self.pipeline.remove(entry)
+                break
+        running = self._running
+        return bool(self.pipeline) or (running is not None and running is not refused
+                                       and not running.response_complete)
+
+    def _send_refusal(self, *, linger: bool) -> None:
+        """Write the refusal and close; `linger` when earlier answers went out on the connection,
+        which what the client still sends must not reset away (_close_lingering)."""
+        refusal, self._refusal = self._refusal, None
+        if refusal is None or self.transport.is_closing():
+            return
+        self.transport.write(refusal)
+        if linger and self.transport.can_write_eof():
+            self._close_lingering()
+        else:
+            self.transport.close()
 
     def _log_refusal(self, status: int, code: str, reason: str) -> None:
         cls, second = type(self), int(time.monotonic())
