@@ -8,6 +8,8 @@ Protocols (`--filter`):
   FILE    a filter file of that repository: one "test_row label_row" pair a line (0-based),
           each pair left out of that document's predictions and truth.
 Left-out labels are never predicted (the engine's `exclude`), so the next best move up.
+A bundle's retired labels are never predicted either; as truths they are counted (`retired_truths`)
+and scored as missed, or with `--leave-out-retired` left out as the activation's quality gate does.
 """
 
 from __future__ import annotations
@@ -23,7 +25,13 @@ from typing import Any
 import numpy as np
 
 from service.engine.jsonlines import iter_text_lines
-from service.engine.metrics import label_frequencies, propensities, ranking_metrics, shortlist_recall
+from service.engine.metrics import (
+    answerable_truths,
+    label_frequencies,
+    propensities,
+    ranking_metrics,
+    shortlist_recall,
+)
 from service.engine.predictor import Predictor
 from training.data import LabelSet, Split, find_split_file, load_labels, load_split, own_label_ids
 from training.progress import Progress
@@ -75,8 +83,11 @@ def evaluate_bundle(
     limit: int | None = None,
     protocol: str = "plain",
     predictor: Predictor | None = None,
+    leave_out_retired: bool = False,
 ) -> dict[str, Any]:
-    """P@1/3/5, nDCG@1/3/5, PSP@1/3/5 (propensities from trn), shortlist recall and queries/s."""
+    """P@1/3/5, nDCG@1/3/5, PSP@1/3/5 (propensities from trn), shortlist recall and queries/s. Truths
+    that are retired labels are counted (`retired_truths`) and scored as missed (the data's truth,
+    never answered); `leave_out_retired` scores the truths the bundle can answer (answerable_truths)."""
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1 (documents evaluated), got {limit}")
     max_chars = serving_text_limit()  # before any work: a bad value is refused at once
@@ -99,6 +110,10 @@ def evaluate_bundle(
     if unlabelled == len(truths):
         raise ValueError(f"{find_split_file(data_dir, split)}: no document has a label"
                          f"{'' if protocol == 'plain' else ' the filter leaves'}: every metric would be 0")
+    answerable = answerable_truths(truths, predictor.bundle.retired)
+    if leave_out_retired and not answerable.scored.any():
+        raise ValueError(f"every labelled document's truths are retired labels of {predictor.version}: "
+                         "leaving them out leaves nothing to score")
     ids, shortlists, elapsed = _predict_all(predictor, docs.texts, left_out, scorer, alpha)
     out: dict[str, Any] = {"bundle": predictor.version, "split": split, "scorer": scorer, "protocol": protocol,
                            "filtered_pairs": sum(len(d) for d in left_out), "documents": len(docs),
@@ -106,13 +121,27 @@ def evaluate_bundle(
     # What is measured is what is served: a text past the API's limit is scored here, refused there.
     out["documents_past_max_text_chars"] = sum(1 for text in docs.texts if len(text) > max_chars)
     out["max_text_chars"] = max_chars
+    out.update(retired_truths=answerable.truths_left_out, leave_out_retired=leave_out_retired,
+               documents_only_retired_truths=int((~answerable.scored).sum()))
     if inv_prop is None:
         out["psp_not_measured"] = f"no trn file in {data_dir}: PSP@k's propensities come from its label frequencies"
-    out.update(ranking_metrics(ids, truths, ks=(1, 3, 5), inv_propensity=inv_prop))
-    if scorer == "alpha":
+    if leave_out_retired:
+        keep = np.flatnonzero(answerable.scored)
+        ids, truths = ids[keep], [answerable.truths[i] for i in keep]
+        shortlists = [shortlists[i] for i in keep] if shortlists else shortlists
+    out.update(_scores(ids, truths, shortlists if scorer == "alpha" else None, inv_prop))
+    out["queries_per_s"] = len(docs) / elapsed if elapsed > 0 else 0.0
+    return out
+
+
+def _scores(ids: np.ndarray, truths: list[list[int]], shortlists: list | None,
+            inv_prop: np.ndarray | None) -> dict[str, float]:
+    """The ranking metrics, and with the alpha route's shortlists their recall: they hold only
+    labels that can be answered (Predictor.shortlist), so a retired truth is not recalled."""
+    out = ranking_metrics(ids, truths, ks=(1, 3, 5), inv_propensity=inv_prop)
+    if shortlists is not None:
         out["recall@shortlist"] = shortlist_recall(shortlists, truths)
         out["shortlist_size_mean"] = float(np.mean([len(s) for s in shortlists])) if shortlists else 0.0
-    out["queries_per_s"] = len(docs) / elapsed if elapsed > 0 else 0.0
     return out
 
 
@@ -177,7 +206,7 @@ def _inverse_propensities(data_dir: str | Path, split: str, docs: Split, field: 
 def run_cli(args: argparse.Namespace) -> int:
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(message)s")
     result = evaluate_bundle(args.bundle, args.data, args.split, args.text_field, args.scorer, args.alpha,
-                             args.limit, args.filter)
+                             args.limit, args.filter, leave_out_retired=args.leave_out_retired)
     if args.json:
         print(json.dumps(result))
         return 0
@@ -190,6 +219,17 @@ def run_cli(args: argparse.Namespace) -> int:
     if result["documents_past_max_text_chars"]:
         print(f"  {result['documents_past_max_text_chars']} documents are longer than MAX_TEXT_CHARS "
               f"({result['max_text_chars']}): scored here, refused by the API (422)")
+    if result["retired_truths"]:
+        print(f"  {_retired_note(result)}")
     if "psp_not_measured" in result:
         print(f"  PSP@k not measured: {result['psp_not_measured']}")
     return 0
+
+
+def _retired_note(result: dict[str, Any]) -> str:
+    """What the scores made of the truths that are retired labels of the bundle."""
+    counted = (f"left out (--leave-out-retired): {result['documents_only_retired_truths']} documents with no other "
+               "truth not scored" if result["leave_out_retired"] else
+               "scored as missed (never answered; --leave-out-retired scores without them)")
+    return (f"{result['retired_truths']} truths are labels retired in {result['bundle']} "
+            f"({result['documents_only_retired_truths']} documents have only retired truths): {counted}")

@@ -133,6 +133,10 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--filter", default="plain", metavar="plain|own|FILE",
                    help="own: leave each document's own label (same uid) out of its predictions and truth (the XC "
                         "repository's filtered protocol); FILE: an XC filter file of 'test_row label_row' pairs")
+    p.add_argument("--leave-out-retired", action="store_true",
+                   help="score only the truths the bundle can answer: its retired labels left out of each "
+                        "document's truth, a document with only retired truths not scored (as the quality gate "
+                        "scores). Default: retired truths count as missed, and their number is printed")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler="model_export.evaluate:run_cli")
 

@@ -204,6 +204,41 @@ def test_retired_labels_are_never_returned_by_any_scorer(bundle_root, synthetic_
         assert (ids[:, :5] >= 0).all()  # the next best took their places
 
 
+def test_eval_counts_retired_truths_and_recalls_only_labels_that_can_be_served(bundle_root, synthetic_data,
+                                                                              tmp_path, capsys):
+    from model_export.evaluate import evaluate_bundle
+    from service.engine.metrics import ranking_metrics
+    from training.data import load_split
+
+    docs = load_split(synthetic_data, "tst")
+    counts = np.bincount([t for truth in docs.targets for t in truth], minlength=300)
+    retired = {int(i) for i in np.argsort(-counts, kind="stable")[:30]}  # the test split's commonest truths
+    parent = Bundle.open(bundle_root / "v1")
+    path = _derive(bundle_root / "v1", tmp_path, LabelChange(retire=[parent.labels.uids[i] for i in sorted(retired)]))
+    parent.close()
+    predictor = Predictor.load(path)
+    plain = evaluate_bundle(path, synthetic_data, predictor=predictor)
+    live = [[t for t in truth if t not in retired] for truth in docs.targets]
+    assert plain["retired_truths"] == sum(map(len, docs.targets)) - sum(map(len, live)) > 0
+    assert plain["documents_only_retired_truths"] == sum(1 for t in live if not t) > 0
+    # P@k as served against the data's truth, retired truths missed: what a before/after compares.
+    ids = predictor.predict_ids(docs.texts, k=5)[0]
+    assert plain["P@1"] == pytest.approx(ranking_metrics(ids, docs.targets, (1,))["P@1"])
+    # A retired label is no candidate that can be answered: recall cannot pass the live truths' share.
+    assert not any(retired & set(s.tolist()) for s in predictor.shortlist(docs.texts))
+    assert plain["recall@shortlist"] <= 100 * np.mean([len(t) / len(a) for t, a in zip(live, docs.targets,
+                                                                                       strict=True)]) + 1e-9
+    left = evaluate_bundle(path, synthetic_data, predictor=predictor, leave_out_retired=True)
+    scored = [i for i, t in enumerate(live) if t]
+    assert left["P@1"] == pytest.approx(ranking_metrics(ids[scored], [live[i] for i in scored], (1,))["P@1"])
+    assert left["P@1"] > plain["P@1"] and left["retired_truths"] == plain["retired_truths"]
+    assert cli(["eval", str(path), "--data", str(synthetic_data)]) == 0
+    assert f"{plain['retired_truths']} truths are labels retired in d1" in capsys.readouterr().out
+    assert cli(["eval", str(bundle_root / "v1"), "--data", str(synthetic_data)]) == 0
+    assert "retired" not in capsys.readouterr().out
+    predictor.bundle.close()
+
+
 def test_the_tree_serves_the_trained_labels_and_says_so(bundle_root, synthetic_data, tmp_path):
     added = _new_labels(synthetic_data, 10)
     derived = Predictor.load(_derive(bundle_root / "v1", tmp_path, LabelChange(add=added)))

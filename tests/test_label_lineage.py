@@ -203,6 +203,72 @@ def test_a_change_whose_activation_is_refused_is_set_aside_and_its_ids_taken_bac
         registry.close()
 
 
+def _gutting_retirement(bundle_dir: Path) -> tuple[list[str], list[int], float]:
+    """Labels to retire that gut the validation rows the bundle answers right but leave every other
+    row's truths alone: (their uids; the rows whose truths they all are; the bundle's P@1 on the
+    rows left, which a retirement cannot lower: their top-1 either stays or was a retired label,
+    a miss)."""
+    from service.engine.metrics import ranking_metrics
+    from service.engine.predictor import Predictor
+
+    predictor = Predictor.load(bundle_dir)
+    rows = predictor.bundle.validation_rows()
+    truths = [set(r["target_ind"]) for r in rows]
+    top = predictor.predict_ids([r["text"] for r in rows], k=5)[0]
+    shared = [set().union(*(t for j, t in enumerate(truths) if j != i)) for i in range(len(rows))]
+    gutted = [i for i, t in enumerate(truths) if int(top[i, 0]) in t and not t & shared[i]]
+    left = [i for i in range(len(rows)) if i not in gutted]
+    floor = ranking_metrics(top[left], [truths[i] for i in left], ks=(1,))["P@1"]
+    retire = sorted({label for i in gutted for label in truths[i]})
+    uids = [predictor.bundle.labels.uids[label] for label in retire]
+    predictor.bundle.close()
+    return uids, gutted, floor
+
+
+def test_the_quality_gate_scores_a_retirement_on_the_truths_left_and_still_refuses_a_worse_bundle(
+        bundle_root, tmp_path):
+    from service.engine.metrics import ranking_metrics
+    from service.engine.predictor import Predictor
+
+    uids, gutted, floor = _gutting_retirement(bundle_root / "v2")
+    assert len(gutted) >= 5
+    registry = _registry(bundle_root, tmp_path / "state")
+    try:
+        registry.activate("v2")
+        registry.quality_gate_min_p1 = floor
+        quality = registry.change_labels(LabelChange(retire=uids))["quality"]
+        assert registry.active_version == "v2.labels-1"
+        derived = Predictor.load(tmp_path / "state" / "bundles" / "v2.labels-1")
+        rows = derived.bundle.validation_rows()
+        assert quality["P@1"] >= floor
+        assert quality["validation_rows_left_out"] == len(gutted)
+        assert quality["validation_rows"] == len(rows) - len(gutted)
+        assert quality["retired_truths_left_out"] == sum(len(rows[i]["target_ind"]) for i in gutted)
+        # Scored with the retired labels as truths, the same version fails the same floor: what the
+        # gate refused before, although the rows left are answered as well as ever.
+        ids = derived.predict_ids([r["text"] for r in rows], k=5)[0]
+        assert ranking_metrics(ids, [r["target_ind"] for r in rows], ks=(1,))["P@1"] < floor
+        every_truth = sorted({derived.bundle.labels.uids[label] for r in rows for label in r["target_ind"]})
+        derived.bundle.close()
+        # The gate still measures the version: a floor above what it answers refuses it.
+        registry.activate("v2")
+        registry.quality_gate_min_p1 = quality["P@1"] + 0.01
+        refusal = (rf"quality gate failed: P@1 {quality['P@1']:.2f} on {len(rows) - len(gutted)} validation rows "
+                   rf"\(\d+ retired truths left out, {len(gutted)} rows with only retired truths not scored\)")
+        with pytest.raises(ActivationFailed, match=refusal):
+            registry.activate("v2.labels-1")
+        assert registry.active_version == "v2"
+        # A version that can answer no validation truth cannot be measured: refused, at any floor.
+        registry.quality_gate_min_p1 = 0.0
+        truths = sum(len(r["target_ind"]) for r in rows)
+        with pytest.raises(ActivationFailed, match="quality gate failed: no validation row has a truth the bundle "
+                           rf"can answer \({truths} retired truths left out, {len(rows)} rows"):
+            registry.change_labels(LabelChange(retire=every_truth))
+        assert registry.active_version == "v2"
+    finally:
+        registry.close()
+
+
 def test_versions_set_aside_are_kept_to_the_derived_versions_limit(bundle_root, synthetic_data, tmp_path):
     # Each refused change sets a whole bundle aside: repeated refusals must not fill the disk.
     state = tmp_path / "state"

@@ -9,6 +9,7 @@ truths are lists of label-id collections.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -192,3 +193,29 @@ def shortlist_recall(shortlists: Sequence[Iterable[int]], truths: Sequence[Itera
         total += len(tset & set(int(x) for x in short)) / len(tset)
         n += 1
     return 100.0 * total / n if n else 0.0
+
+
+class AnswerableTruths(NamedTuple):
+    """Truths a bundle can still answer (answerable_truths)."""
+
+    truths: list[list[int]]  # each document's truths, its retired labels left out
+    scored: np.ndarray  # bool [N]: False for a document whose every truth is retired
+    truths_left_out: int  # retired labels among all the documents' truths
+
+
+def answerable_truths(truths: Sequence[Iterable[int]], retired: np.ndarray | None) -> AnswerableTruths:
+    """Each document's truths without the labels a bundle retired (`retired`: Bundle.retired, True
+    per retired label row, None when none is). A retired label is never answered, so as a truth it
+    measures the operator's retirement, not the bundle: the quality gate scores only what is left,
+    and `shortlist eval` counts them. A document whose every truth is retired is not `scored`; one
+    with no truth to begin with is (as it would be without retirements)."""
+    kept: list[list[int]] = []
+    scored = np.ones(len(truths), dtype=bool)
+    left_out = 0
+    for i, truth in enumerate(truths):
+        labels = [int(t) for t in truth]
+        live = labels if retired is None else [t for t in labels if not retired[t]]
+        kept.append(live)
+        left_out += len(labels) - len(live)
+        scored[i] = bool(live) or not labels
+    return AnswerableTruths(kept, scored, left_out)

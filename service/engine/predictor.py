@@ -227,9 +227,14 @@ class Predictor(TreeRoute):
         return self.scoring.alpha
 
     def shortlist(self, texts: Sequence[str]) -> list[np.ndarray]:
-        """The candidate labels S of each text (sorted label ids)."""
+        """The candidate labels S of each text (sorted label ids) that can be answered: a retired
+        label the indices still find is scored out of every answer, so it is left out here too
+        (shortlist recall counted it as found)."""
         tokens, weights, q = self._encode(texts)
-        return [row[row >= 0] for row in self.sources(tokens, weights, q)[0]]
+        rows = self.sources(tokens, weights, q)[0]
+        if self.retired is None:
+            return [row[row >= 0] for row in rows]
+        return [row[(row >= 0) & ~self.retired[np.maximum(row, 0)]] for row in rows]
 
     def _check_alpha(self, alpha: float | None) -> float:
         a = self.alpha if alpha is None else float(alpha)
