@@ -121,6 +121,28 @@ def test_labels_added_and_retired_live_serve_at_once_survive_restarts_and_fail_n
         assert added[1].uid not in _uids(c, [added[1].title])[0]
 
 
+def test_retiring_all_but_one_trained_label_at_once_is_accepted_and_a_tree_with_none_left_is_a_409(
+        bundle_root, synthetic_data, tmp_path):
+    rows = _label_rows(synthetic_data)
+    texts = [r["title"] for r in rows[:20]]
+    added = _new_labels(synthetic_data, 1)
+    with serve(bundle_root, env=_env(tmp_path / "state"), log_dir=tmp_path) as s, \
+            httpx.Client(base_url=s.url, headers=AUTH, timeout=120) as c:
+        r = c.post("/admin/labels/retire", json={"uids": [row["uid"] for row in rows[1:]]})
+        assert r.status_code == 200, r.text
+        assert _uids(c, texts, "/v1/predict/tree") == [[rows[0]["uid"]]] * len(texts)
+        assert {uid for top in _uids(c, texts) for uid in top} <= {rows[0]["uid"]}
+        r = c.post("/admin/labels", json=_body(added))
+        assert r.status_code == 200, r.text
+        # The tree's last label retired: the tree has no label to answer any text with.
+        r = c.delete(f"/admin/labels/{rows[0]['uid']}")
+        assert r.status_code == 200, r.text
+        r = c.post("/v1/predict/tree", json={"texts": texts})
+        assert r.status_code == 409 and r.json()["error"] == "no_tree_scorer", r.text
+        assert "retired" in r.json()["message"]
+        assert _uids(c, [added[0].title]) == [[added[0].uid]]
+
+
 def test_changes_arriving_together_are_applied_in_order_and_none_is_lost(bundle_root, synthetic_data, tmp_path):
     batches = [_new_labels(synthetic_data, 3, f"b{i}") for i in range(5)]
     env = _env(tmp_path / "state", SHORTLIST_LOAD_CHECK_IN_CHILD="false")

@@ -12,9 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from service.engine import Predictor, PredictorOptions
+from service.engine import Predictor, PredictorOptions, canary
 from service.engine.bundle import Bundle
 from service.engine.label_changes import LabelChange, LabelChangeRejected, LabelEditor, NewLabel, derived_version
+from service.engine.predictor import TreeRoute
 from service.engine.schema import CENTROIDS, CLASSIFIERS, BundleError, sha256_file
 from service.engine.store import BundleStore
 from shortlist.bundle_fuzz import catalogue, make_variant, outcome
@@ -246,6 +247,61 @@ def test_the_tree_serves_the_trained_labels_and_says_so(bundle_root, synthetic_d
     assert trained == derived.num_labels - 10
     ids, _ = derived.predict_tree_ids([lab.title for lab in added], k=10)
     assert ids.max() < trained
+
+
+def test_retiring_all_but_one_label_in_one_change_is_accepted_and_both_routes_answer_only_it(
+        bundle_root, synthetic_data, tmp_path):
+    rows = _label_rows(synthetic_data)
+    texts = [r["title"] for r in rows[:40]] + ["", "kama kelu zani savi"]
+    # One change: the tree's beam for every canary text holds retired leaves only (the audit's refusal).
+    one = Predictor.load(_derive(bundle_root / "v1", tmp_path, LabelChange(retire=[r["uid"] for r in rows[1:]])))
+    for ids in (one.predict_ids(texts, k=5)[0], one.predict_exact_ids(texts, k=5)[0]):
+        assert set(ids.ravel().tolist()) <= {0, -1}
+    ids, _ = one.predict_tree_ids(texts, k=5)
+    assert (ids[:, 0] == 0).all() and (ids[:, 1:] == -1).all()  # the one live label, for every text
+    # Labels can still be added; and the tree's last label retired, the tree has none to answer.
+    added = _new_labels(synthetic_data, 2)
+    two = Predictor.load(_derive(one.bundle.path, tmp_path, LabelChange(add=added), "d2"))
+    assert one.tree_serves and two.tree_serves
+    three = Predictor.load(_derive(two.bundle.path, tmp_path, LabelChange(retire=[rows[0]["uid"]]), "d3"))
+    assert not three.tree_serves
+    assert (three.predict_tree_ids(texts, k=5)[0] == -1).all()
+    assert set(_top(three, [lab.title for lab in added])[0]) <= {lab.uid for lab in added}
+
+
+def test_the_tree_route_answers_k_live_labels_where_k_are_live_however_many_are_retired(
+        bundle_root, synthetic_data, tmp_path):
+    rows = _label_rows(synthetic_data)
+    rng = np.random.default_rng(0)
+    alive = np.sort(rng.choice(len(rows), 12, replace=False))
+    gone = [r["uid"] for i, r in enumerate(rows) if i not in set(alive.tolist())]
+    derived = Predictor.load(_derive(bundle_root / "v1", tmp_path, LabelChange(retire=gone)))
+    texts = [r["title"] for r in rows[:60]]
+    for beam in (None, 1, 8):
+        ids, _ = derived.predict_tree_ids(texts, k=10, beam=beam)
+        assert (ids >= 0).all() and np.isin(ids, alive).all(), beam
+    ids, _ = derived.predict_tree_ids(texts, k=20, exclude=[[int(alive[0])]] * len(texts))
+    assert ((ids >= 0).sum(1) == 11).all() and np.isin(ids[ids >= 0], alive[1:]).all()
+
+
+def test_the_tree_canary_still_refuses_a_tree_that_answers_nothing_or_a_retired_label(bundle_root, synthetic_data,
+                                                                                      tmp_path):
+    rows = _label_rows(synthetic_data)
+    path = _derive(bundle_root / "v1", tmp_path, LabelChange(retire=[r["uid"] for r in rows[:250]]))
+    bundle = Bundle.open(path)
+    try:
+        canary.check_tree(TreeRoute(bundle))  # as loaded: accepted
+        blind = TreeRoute(bundle)  # the tree's live labels out of reach of its beam
+        blind.tree_live = blind.tree_live & (np.arange(len(blind.tree_live)) < len(blind.tree_live) // 2)
+        assert blind.tree_serves
+        with pytest.raises(BundleError, match="canary queries at tree: a canary text found no label"):
+            canary.check_tree(blind)
+        stale = TreeRoute(bundle)  # a search that does not know which labels are retired
+        stale.tree_live = None
+        with pytest.raises(BundleError, match="canary queries at tree answered a retired label"):
+            canary.check_tree(stale)
+    finally:
+        bundle.close()
 
 
 def test_changes_that_do_not_fit_are_refused_naming_each_problem_and_write_nothing(bundle_root, synthetic_data,

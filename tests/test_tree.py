@@ -7,7 +7,7 @@ import pytest
 
 from service.engine import vectors
 from service.engine.metrics import ranking_metrics
-from service.engine.tree import TreeScorer
+from service.engine.tree import TreeScorer, _subtree_has_label
 from training.config import TrainConfig
 from training.tree import LabelTree, pair_weights, sample_targets
 from training.tree_config import DEFAULT_CONFIG
@@ -543,3 +543,67 @@ def test_default_beam_is_bounded_at_and_past_the_edge(scorer_and_data):
     TreeScorer.from_arrays(dict(arrays, default_beam=np.asarray(MAX_BEAM))).validate(60, 16)
     with pytest.raises(ValueError, match=rf"default_beam: must be in \[1, {MAX_BEAM}\], got {MAX_BEAM + 1}"):
         TreeScorer.from_arrays(dict(arrays, default_beam=np.asarray(MAX_BEAM + 1))).validate(60, 16)
+
+
+def _live_node_by_node(leaf_labels: np.ndarray, retired: np.ndarray) -> np.ndarray:
+    """The reference: does each heap node's subtree hold a label not retired, one node at a time."""
+    n = len(leaf_labels)
+    has = np.zeros(2 * n - 1, dtype=bool)
+    has[n - 1 :] = (leaf_labels >= 0) & ~retired[np.maximum(leaf_labels, 0)]
+    for i in range(n - 2, -1, -1):
+        has[i] = has[2 * i + 1] | has[2 * i + 2]
+    return has
+
+
+def test_live_nodes_made_a_level_at_a_time_match_the_tree_node_by_node():
+    rng = np.random.default_rng(0)
+    for num_labels, num_leaves in ((1, 2), (2, 2), (11, 16), (60, 64), (300, 512)):
+        leaf_labels = np.full(num_leaves, -1, dtype=np.int64)
+        leaf_labels[rng.choice(num_leaves, num_labels, replace=False)] = rng.permutation(num_labels)
+        for share in (0.0, 0.5, 0.97, 1.0):
+            retired = rng.random(num_labels + 3) < share  # labels added since training: past the tree's
+            np.testing.assert_array_equal(_subtree_has_label(leaf_labels, retired),
+                                          _live_node_by_node(leaf_labels, retired))
+        np.testing.assert_array_equal(_subtree_has_label(leaf_labels),
+                                      _live_node_by_node(leaf_labels, np.zeros(num_labels, bool)))
+
+
+def test_a_tree_with_no_retired_label_searches_exactly_as_before(scorer_and_data):
+    scorer, _, xte, _ = scorer_and_data
+    assert scorer.live_nodes(None) is None
+    # Only labels added since training (past the tree's 60) retired: nothing in the tree to skip.
+    assert scorer.live_nodes(np.r_[np.zeros(60, bool), np.ones(5, bool)]) is None
+    # The mask's code path with every node live gives the same answers, bit for bit.
+    every = _subtree_has_label(scorer.leaf_labels)
+    for beam in (1, 4, 16, 60):
+        want = scorer.search(xte, k=5, beam=beam)
+        got = scorer.search(xte, k=5, beam=beam, live=every)
+        for a, b in zip(want, got, strict=True):
+            assert a.dtype == b.dtype and np.array_equal(a, b)
+
+
+def test_the_beam_holds_live_labels_wherever_the_tree_has_them(scorer_and_data):
+    scorer, _, xte, _ = scorer_and_data
+    rng = np.random.default_rng(3)
+    retired = np.ones(60, dtype=bool)
+    alive = rng.choice(60, 7, replace=False)
+    retired[alive] = False
+    live = scorer.live_nodes(retired)
+    for beam in (1, 4, 16):
+        ids, scores = scorer.search(xte, k=5, beam=beam, live=live)
+        # 53 of 60 retired: a beam of 4 still holds only live leaves, so every row has 5 live labels.
+        assert (ids >= 0).all() and np.isin(ids, alive).all(), beam
+        assert np.isfinite(scores).all()
+    ids, _ = scorer.search(xte, k=10, beam=1, live=live)
+    assert ((ids >= 0).sum(1) == 7).all() and np.isin(ids[ids >= 0], alive).all()
+    # A live label keeps its own score (p_n is not renormalised over the live labels): at a beam
+    # of every label, the search is the exact top k of the live labels' xi + log p_n.
+    exact = np.where(retired, -np.inf, scorer.exact_scores(xte))
+    ids, scores = scorer.search(xte, k=5, beam=60, live=live)
+    np.testing.assert_allclose(scores, -np.sort(-exact, axis=1)[:, :5], rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(np.take_along_axis(exact, ids, 1), scores, rtol=1e-5, atol=1e-4)
+    # Every label of the tree retired: nothing to answer.
+    none = scorer.live_nodes(np.ones(60, dtype=bool))
+    assert not none.any()
+    ids, _ = scorer.search(xte, k=5, live=none)
+    assert (ids == -1).all()

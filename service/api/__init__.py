@@ -5,7 +5,7 @@ Routes (schemas in service/api/schemas.py; OpenAPI at /openapi.json, docs at /do
                           "alpha" (0..1, default: the bundle's) -> {"version", "results": [[{"id",
                           "uid", "title", "score"}, ...] per text]}
   POST /v1/predict/tree   same body with optional "beam" instead of "alpha"; 409 if the active
-                          bundle has no tree scorer
+                          bundle has no tree scorer, or every label its tree holds is retired
   GET  /healthz, /readyz  liveness; readiness (503 until a validated bundle serves)
   GET  /metrics           Prometheus text format
   GET  /admin/bundles, POST /admin/bundles/activate {"version"}, POST /admin/bundles/rollback

@@ -134,6 +134,11 @@ async def answer_here(request: Request, scorer: str, req: Any, params: dict[str,
         if scorer == "tree" and not engine.bundle.has_tree:
             raise ApiError(409, "no_tree_scorer", f"the active bundle {engine.version} has no tree scorer; "
                            "use /v1/predict")
+        if scorer == "tree" and not engine.predictor.tree_serves:
+            # Rows that can never hold a label, whatever the text, would look like answers.
+            raise ApiError(409, "no_tree_scorer", f"every label the tree of the active bundle {engine.version} "
+                           "holds is retired (labels added since training join it at the next training); "
+                           "use /v1/predict")
         try:
             return await _answer(request, engine, scorer, req, **params)
         except BundleChanged as exc:
@@ -153,9 +158,11 @@ def predict_router(models: RequestModels, settings: Settings, answer: Answer = a
         return await answer(request, "alpha", req, {"alpha": req.alpha})
 
     @router.post("/v1/predict/tree", response_model=PredictResponse, responses={**PREDICT_ERRORS, **documented(409)},
-                 summary="top-k labels per text from the bias-corrected tree scorer (409: the bundle has no tree)",
+                 summary="top-k labels per text from the bias-corrected tree scorer (409: the bundle has no tree, "
+                 "or every label it holds is retired)",
                  description="Serves the labels the tree was trained on: labels added since (POST /admin/labels) "
-                 "join it at the next training (GET /admin/bundles: lineage.tree_labels); retired labels never.")
+                 "join it at the next training (GET /admin/bundles: lineage.tree_labels); retired labels never, "
+                 "and they take no place in the beam.")
     async def predict_tree(req: TreePredictRequest, request: Request) -> Response:
         return await answer(request, "tree", req, {"beam": req.beam})
 

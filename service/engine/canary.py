@@ -24,6 +24,9 @@ class TreeTarget(Protocol):
     @property
     def num_labels(self) -> int: ...
 
+    @property
+    def tree_serves(self) -> bool: ...
+
     def predict_tree_ids(self, texts: list[str], k: int) -> tuple[np.ndarray, np.ndarray]: ...
 
 
@@ -48,18 +51,24 @@ def record(predictor: CanaryTarget, texts: Sequence[str]) -> list[CanaryQuery]:
 
 def check_tree(route: TreeTarget) -> None:
     """Raise BundleError unless the tree route answers every check text with finite scores and
-    label ids, and each canary text with some label (check's test of the tree path, on a route
-    that needs neither the shortlist sources nor the label vectors: Predictor.checked)."""
+    label ids, and each canary text with some label while it has one to answer (check's test of
+    the tree path, on a route that needs neither the shortlist sources nor the label vectors:
+    Predictor.checked)."""
     texts = check_texts(route.bundle)
-    _answered(route.bundle, route.num_labels, lambda: {"tree": route.predict_tree_ids(texts, k=CANARY_K)})
+    _answered(route.bundle, route.num_labels, lambda: {TREE: route.predict_tree_ids(texts, k=CANARY_K)},
+              route.tree_serves)
 
 
 Answers = dict[str, tuple[np.ndarray, np.ndarray]]  # path -> (ids, scores) of the check texts
+TREE = "tree"  # the tree route's path in Answers
 
 
-def _answered(bundle: Bundle, num_labels: int, answers: Callable[[], Answers]) -> Answers:
-    """answers(), each path checked: finite scores, label ids in range, a label for every canary
-    text that had one at export."""
+def _answered(bundle: Bundle, num_labels: int, answers: Callable[[], Answers], tree_serves: bool = True) -> Answers:
+    """answers(), each path checked: finite scores, label ids in range (the tree's: the labels it
+    holds), no retired label, and a label for every canary text that had one at export. The tree
+    path is held to that last one only while it has a live label (tree_serves): its beam then
+    reaches one from any text; with every label it holds retired it has none to answer, while
+    the alpha route still answers labels added since training."""
     try:
         paths = answers()
     except BundleError:
@@ -69,8 +78,13 @@ def _answered(bundle: Bundle, num_labels: int, answers: Callable[[], Answers]) -
     canaries = bundle.manifest.canary
     for name, (path_ids, path_scores) in paths.items():
         found = path_ids >= 0
-        if not np.all(np.isfinite(path_scores[found])) or np.any(path_ids >= num_labels):
+        limit = bundle.manifest.tree_labels if name == TREE else num_labels
+        if not np.all(np.isfinite(path_scores[found])) or np.any(path_ids >= limit):
             raise BundleError(f"{bundle.path}: canary queries at {name} produced non-finite scores or bad label ids")
+        if bundle.retired is not None and bundle.retired[path_ids[found]].any():
+            raise BundleError(f"{bundle.path}: canary queries at {name} answered a retired label")
+        if name == TREE and not tree_serves:
+            continue
         answered = [c.top_ids != [] for c in canaries]
         if not found[: len(canaries)].any(axis=1)[answered].all():
             raise BundleError(f"{bundle.path}: canary queries at {name}: a canary text found no label")
@@ -97,10 +111,10 @@ def check(predictor: CanaryTarget, tree: bool = True) -> None:
         for alpha in (0.0, 0.5, 1.0):
             paths[f"alpha {alpha}"] = predictor.predict_ids(texts, k=CANARY_K, alpha=alpha)
         if tree and bundle.tree is not None:
-            paths["tree"] = predictor.predict_tree_ids(texts, k=CANARY_K)
+            paths[TREE] = predictor.predict_tree_ids(texts, k=CANARY_K)
         return paths
 
-    paths = _answered(bundle, predictor.num_labels, answers)
+    paths = _answered(bundle, predictor.num_labels, answers, tree and bundle.tree is not None and predictor.tree_serves)
     ids, scores = paths["bundle's alpha"]
     for c, row_ids, row_scores in zip(canaries, ids[: len(canaries)], scores[: len(canaries)], strict=True):
         if not c.top_ids:

@@ -83,6 +83,9 @@ class TreeRoute:
         self.queries = QueryEncoder(bundle.tokenizer, self.encoder) if self.encoder is not None else None
         # Retired labels (service.engine.label_changes) are never returned, by any scorer.
         self.retired = bundle.retired
+        # The tree nodes above a live label, once per bundle (a label change is a new bundle):
+        # the tree's beam never spends a place on a retired label (TreeScorer.live_nodes).
+        self.tree_live = None if bundle.tree is None else bundle.tree.live_nodes(self.retired)
 
     @property
     def version(self) -> str:
@@ -91,6 +94,13 @@ class TreeRoute:
     @property
     def num_labels(self) -> int:
         return self.bundle.manifest.num_labels
+
+    @property
+    def tree_serves(self) -> bool:
+        """Does the tree route have a label to answer: a tree holding a label not retired? (Labels
+        added since training are not in the tree: with every trained label retired, it answers
+        nothing, to any text.)"""
+        return self.bundle.tree is not None and (self.tree_live is None or bool(self.tree_live[0]))
 
     def encode(self, texts: Sequence[str]) -> np.ndarray:
         return self._encode(texts)[2]
@@ -113,10 +123,10 @@ class TreeRoute:
         excluded = self._check_exclude(exclude, len(texts))
         tokens, weights, q = self._encode(texts)
         if excluded is None:
-            ids, scores = tree.search(q, k, beam, (tokens, weights), self.retired)
+            ids, scores = tree.search(q, k, beam, (tokens, weights), self.tree_live)
             return _pad(ids, scores, k)
         # The best k + |exclusions| leaves hold the best k that are not excluded.
-        ids, scores = tree.search(q, k + max(len(x) for x in excluded), beam, (tokens, weights), self.retired)
+        ids, scores = tree.search(q, k + max(len(x) for x in excluded), beam, (tokens, weights), self.tree_live)
         scores[_excluded_mask(ids, excluded)] = -np.inf
         idx, best = top_k(scores, k)
         return _pad(ids[np.arange(len(ids))[:, None], idx], best, k)

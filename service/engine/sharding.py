@@ -183,6 +183,10 @@ class _EncodedTexts:
     def num_labels(self) -> int:
         return self.predictor.num_labels
 
+    @property
+    def tree_serves(self) -> bool:
+        return False  # a shard has no tree
+
     def predict_ids(self, texts: list[str], k: int, alpha: float | None = None) -> tuple[np.ndarray, np.ndarray]:
         rows = [self.rows[t] for t in texts]
         return self.predictor.predict_encoded_ids(EncodedQueries(*(a[rows] for a in self.queries)), k, alpha)

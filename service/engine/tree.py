@@ -63,13 +63,19 @@ def log_sigmoid(x: np.ndarray) -> np.ndarray:
     return -np.logaddexp(0.0, -x)
 
 
-def _subtree_has_label(leaf_labels: np.ndarray) -> np.ndarray:
-    """Bool per heap node (internal and leaf): does its subtree hold a real label?"""
+def _subtree_has_label(leaf_labels: np.ndarray, retired: np.ndarray | None = None) -> np.ndarray:
+    """Bool per heap node (internal and leaf): does its subtree hold a real label (one not
+    `retired`, bool per label id, where given)?"""
     num_leaves = len(leaf_labels)
     has = np.zeros(2 * num_leaves - 1, dtype=bool)
     has[num_leaves - 1 :] = leaf_labels >= 0
-    for i in range(num_leaves - 2, -1, -1):
-        has[i] = has[2 * i + 1] | has[2 * i + 2]
+    if retired is not None:
+        has[num_leaves - 1 :] &= ~retired[np.maximum(leaf_labels, 0)]
+    # A level at a time, deepest first: the children of level d's nodes are level d + 1 in order.
+    for level in range(num_leaves.bit_length() - 2, -1, -1):
+        first = (1 << level) - 1
+        children = has[2 * first + 1 : 2 * first + 1 + (2 << level)]
+        has[first : first + (1 << level)] = children[0::2] | children[1::2]
     return has
 
 
@@ -138,6 +144,15 @@ class TreeScorer:
         self._pca_offset = self.pca_components @ self.pca_mean
         self._paths: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._heads: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    def live_nodes(self, retired: np.ndarray | None) -> np.ndarray | None:
+        """What search(live=...) takes for a bundle's retired labels (bool per label id, of at
+        least this tree's labels; labels added since training are not in the tree): bool per
+        heap node, does its subtree hold a label not retired; None when none of the tree's labels
+        is retired (nothing to skip). Made once per label state, not per query."""
+        if retired is None or not retired[: self.num_labels].any():
+            return None
+        return _subtree_has_label(self.leaf_labels, np.asarray(retired[: self.num_labels], dtype=bool))
 
     # --- construction and validation -------------------------------------------------
     @classmethod
@@ -338,8 +353,13 @@ class TreeScorer:
                                            self._node_bias_eff[:first], path + first * (signs < 0))
         return cached
 
-    def beam_leaves(self, q: np.ndarray, beam: int, tokens: Tokens | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Beam search on path log-probs: (label ids [B, <=beam] (-1 = none), log p_n [B, <=beam])."""
+    def beam_leaves(self, q: np.ndarray, beam: int, tokens: Tokens | None = None,
+                    live: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Beam search on path log-probs: (label ids [B, <=beam] (-1 = none), log p_n [B, <=beam]).
+        live: live_nodes' mask; a node outside it is never entered (its path log-prob -inf, as
+        padding's), so the beam holds live labels wherever the tree has them. Live labels keep
+        their own log p_n: retiring a label does not rescale its siblings' (xi was trained against
+        this p_n)."""
         z = self._project(q).astype(np.float64)
         batch = len(z)
         rows = np.arange(batch)[:, None]
@@ -362,6 +382,8 @@ class TreeScorer:
         else:
             logp = np.zeros((batch, 1))
         nodes = np.broadcast_to(first + np.arange(1 << full), (batch, 1 << full))
+        if live is not None:
+            logp = np.where(live[first : first + (1 << full)], logp, -np.inf)
         z32 = z.astype(np.float32)
         for _ in range(full, self.depth):
             s = (self.node_weights[nodes] @ z32[:, :, None])[:, :, 0] + self._node_bias_eff[nodes]
@@ -371,6 +393,8 @@ class TreeScorer:
             shared = np.log1p(np.exp(-np.abs(s)))
             nodes = np.concatenate([2 * nodes + 1, 2 * nodes + 2], axis=1)
             logp = np.concatenate([logp + (np.minimum(s, 0.0) - shared), logp + (np.minimum(-s, 0.0) - shared)], axis=1)
+            if live is not None:
+                logp = np.where(live[nodes], logp, -np.inf)
             if nodes.shape[1] > beam:
                 keep = np.argpartition(-logp, beam - 1, axis=1)[:, :beam]
                 nodes, logp = nodes[rows, keep], logp[rows, keep]
@@ -380,24 +404,20 @@ class TreeScorer:
         return labels, logp
 
     def search(self, q: np.ndarray, k: int, beam: int | None = None, tokens: Tokens | None = None,
-               retired: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+               live: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Top k of xi_y(x) + log p_n(y|x) among the beam's leaves: (ids int64 [B, k] (-1 pad),
         scores float32 [B, k]), best first. tokens: the queries' token ids and weights, needed
-        when xi or p_n has a lexical term; `retired` (bool per label id) marks labels never
-        returned."""
+        when xi or p_n has a lexical term; `live`: live_nodes(retired), whose retired labels are
+        never returned nor take a place in the beam (beam_leaves)."""
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         beam = self.default_beam if beam is None else int(beam)
         if beam < 1:
             raise ValueError(f"beam must be >= 1, got {beam}")
         q = np.asarray(q, dtype=np.float32)
-        labels, logp = self.beam_leaves(q, max(beam, k), tokens)
-        safe = np.maximum(labels, 0)
-        xi = self.candidate_scores(q, safe, tokens)
-        live = labels >= 0
-        if retired is not None:
-            live &= ~retired[safe]
-        scores = np.where(live, xi + logp, -np.inf)
+        labels, logp = self.beam_leaves(q, max(beam, k), tokens, live)
+        xi = self.candidate_scores(q, np.maximum(labels, 0), tokens)
+        scores = np.where(labels >= 0, xi + logp, -np.inf)
         kk = min(k, scores.shape[1])
         order = np.argsort(-scores, axis=1, kind="stable")[:, :kk]
         rows = np.arange(len(q))[:, None]
