@@ -79,6 +79,10 @@ def evaluate_bundle(
     """P@1/3/5, nDCG@1/3/5, PSP@1/3/5 (propensities from trn), shortlist recall and queries/s."""
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1 (documents evaluated), got {limit}")
+    if scorer == "tree" and alpha is not None:
+        # The tree route has no alpha mix: scored without it, the run would report numbers the
+        # flag never changed.
+        raise ValueError("--alpha mixes the alpha route's scores; the tree route (--scorer tree) has no alpha")
     max_chars = serving_text_limit()  # before any work: a bad value is refused at once
     predictor = predictor or Predictor.load(bundle_dir)
     manifest = predictor.bundle.manifest
