@@ -90,6 +90,10 @@ def evaluate_bundle(
     never answered); `leave_out_retired` scores the truths the bundle can answer (answerable_truths)."""
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1 (documents evaluated), got {limit}")
+    if scorer == "tree" and alpha is not None:
+        # The tree route has no alpha mix: scored without it, the run would report numbers the
+        # flag never changed.
+        raise ValueError("--alpha mixes the alpha route's scores; the tree route (--scorer tree) has no alpha")
     max_chars = serving_text_limit()  # before any work: a bad value is refused at once
     predictor = predictor or Predictor.load(bundle_dir)
     manifest = predictor.bundle.manifest

@@ -14,11 +14,12 @@ from typing import Any
 import numpy as np
 
 from model_export.onnx_export import DEFAULT_TABLE_DTYPE, as_served, check_parity, export_encoder, parity_texts
+from service.api.settings import offline_store
 from service.engine import canary, schema, store, vectors
 from service.engine.bundle import Bundle
 from service.engine.index import build_label_indices
 from service.engine.metrics import ranking_metrics, shortlist_recall
-from service.engine.predictor import Predictor
+from service.engine.predictor import Predictor, check_staged
 from training.checkpoint import Checkpoint
 from training.files import naming
 from training.token_shortlist import lexical_files
@@ -39,8 +40,10 @@ def export_checkpoint(ckpt_dir: str | Path, root: str | Path, version: str | Non
     `vector_dtype`: how the label vectors are (service.engine.vectors; default: the training
     config's, which the scoring was tuned on)."""
     t0 = time.perf_counter()
+    check_options(ef_search, n_parity)
+    # None, not any false value: an empty name is refused, not silently a timestamp.
+    version = schema.validate_version_name(default_version() if version is None else version)
     ckpt = Checkpoint.load(ckpt_dir)  # its files checked against its checkpoint.json
-    version = schema.validate_version_name(version or default_version())
     staging = store.staging_dir(Path(root), version)
     try:
         with naming(Path(root) / version):  # an error naming no file (a full disk) names the bundle
@@ -55,13 +58,25 @@ def export_checkpoint(ckpt_dir: str | Path, root: str | Path, version: str | Non
                 fields["metrics"]["validation"] = validation_metrics(predictor, staged.validation_rows())
             staged.close()
             store.write_manifest(staging, fields)
+            check_staged(staging, Path(root) / version)
             final = store.finalize_bundle(staging, Path(root), version)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    Predictor.load(final).bundle.close()  # what was written must pass the checks the service runs
     log.info("bundle %s written and checked in %.1fs", final, time.perf_counter() - t0)
     return final
+
+
+def check_options(ef_search: int | None, n_parity: int) -> None:
+    """The numeric options, checked before any work (ValueError naming the flag): a bad one used
+    to surface after the whole export, as pydantic's report on the manifest, or not at all (0
+    parity texts turned the ONNX parity check off)."""
+    if n_parity < 1:
+        raise ValueError(f"--parity-texts must be >= 1 (texts the ONNX encoder is checked on against torch), "
+                         f"got {n_parity}")
+    if ef_search is not None and not 1 <= ef_search <= schema.MAX_EF_SEARCH:
+        raise ValueError(f"--ef-search must be in [1, {schema.MAX_EF_SEARCH}] (candidates an HNSW search keeps), "
+                         f"got {ef_search}")
 
 
 def _write_files(ckpt: Checkpoint, staging: Path, version: str, ef_search: int | None,
@@ -117,7 +132,18 @@ def validation_metrics(predictor: Predictor, rows: list[dict]) -> dict[str, floa
 
 
 def run_cli(args: argparse.Namespace) -> int:
+    """`shortlist export`: every option checked before any work, the version too. A name the
+    server's state directory holds (SHORTLIST_STATE_DIR: its label changes' versions) is refused
+    like one the bundle root holds: the server would see one name in two places."""
+    check_options(args.ef_search, args.parity_texts)
+    if args.version == "":
+        raise ValueError("--version: empty; give a name, or leave --version out for a UTC timestamp")
+    version = default_version() if args.version is None else args.version
+    try:
+        offline_store(args.out).check_free(version)
+    except schema.BundleError as exc:
+        raise ValueError(f"--version {version}: {exc}") from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    export_checkpoint(args.checkpoint, args.out, args.version, ef_search=args.ef_search, n_parity=args.parity_texts,
+    export_checkpoint(args.checkpoint, args.out, version, ef_search=args.ef_search, n_parity=args.parity_texts,
                       encoder_dtype=args.encoder_dtype or DEFAULT_TABLE_DTYPE, vector_dtype=args.vector_dtype)
     return 0

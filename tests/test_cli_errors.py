@@ -232,3 +232,28 @@ def test_a_filter_file_that_is_a_fifo_or_a_device_is_refused_without_reading_it(
     os.mkfifo(data / "tst.json.gz")  # found by name, refused before it is opened
     err = _refused(capsys, ["eval", str(bundle_root / "v1"), "--data", str(data)], "eval")
     assert err.endswith(f"{data / 'tst.json.gz'}: cannot read file: not a regular file")
+
+
+@pytest.mark.parametrize(("flags", "named"), [
+    (["--parity-texts", "0"], "--parity-texts must be >= 1"),
+    (["--parity-texts", "-1"], "--parity-texts must be >= 1"),
+    (["--ef-search", "0"], "--ef-search must be in [1, 10000]"),
+    (["--ef-search", "10001"], "--ef-search must be in [1, 10000]"),
+    (["--version", ""], "--version: empty"),
+])
+def test_export_refuses_a_bad_option_before_any_work_naming_the_flag(capsys, checkpoints, tmp_path, flags, named):
+    """Audit 6 F10: --parity-texts 0 turned the ONNX parity check off (exit 0), -1 checked 5 texts,
+    --version "" became a timestamp, and --ef-search 0 was refused after the whole export in
+    pydantic's words. Each is refused at once (nothing written), naming the flag."""
+    out = tmp_path / "root"
+    err = _refused(capsys, ["export", str(checkpoints["v1"]), "--out", str(out), *flags], "export")
+    assert named in err and "pydantic" not in err, err
+    assert "onnx parity" not in err  # refused before the export began
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_eval_refuses_alpha_with_the_tree_scorer(capsys, bundle_root, synthetic_data):
+    """Audit 6 F10: `eval --scorer tree --alpha 0.5` ignored --alpha and reported the tree route's numbers."""
+    err = _refused(capsys, ["eval", str(bundle_root / "v1"), "--data", str(synthetic_data), "--scorer", "tree",
+                            "--alpha", "0.5"], "eval")
+    assert "--alpha" in err and "--scorer tree" in err, err

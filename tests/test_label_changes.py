@@ -424,7 +424,8 @@ def test_faults_in_a_derived_bundles_own_files_are_refused_naming_the_file(bundl
                 assert result == "refused" and name in message, (name, kind, message)
 
 
-def test_the_store_reads_both_places_and_refuses_a_version_found_in_both(bundle_root, synthetic_data, tmp_path):
+def test_the_store_reads_both_places_and_a_version_found_in_both_is_the_state_directorys(bundle_root, synthetic_data,
+                                                                                        tmp_path):
     state = tmp_path / "state"
     derived = _derive(bundle_root / "v1", state / "bundles", LabelChange(add=_new_labels(synthetic_data, 2)))
     store = BundleStore(bundle_root, state)
@@ -432,8 +433,10 @@ def test_the_store_reads_both_places_and_refuses_a_version_found_in_both(bundle_
     assert store.newest_version() == "d1" and store.resolve("d1") == derived.resolve()
     assert store.resolve("v2") == (bundle_root / "v2").resolve()
     shutil.copytree(bundle_root / "v2", state / "bundles" / "v2")
-    with pytest.raises(BundleError, match="exists twice"):
-        store.resolve("v2")
+    assert store.resolve("v2") == (state / "bundles" / "v2").resolve()  # the root's is shadowed (store doc)
+    assert [(b.place, b.shadowed) for b in store.list() if b.version == "v2"] == [("root", True), ("state", False)]
+    with pytest.raises(BundleError, match="already exists, in the state directory"):
+        store.check_free("d1")
     with pytest.raises(BundleError, match="no bundle 'v9'"):
         store.resolve("v9")
     assert BundleStore(bundle_root).derived_root is None
@@ -482,3 +485,20 @@ def test_a_parent_file_gone_since_opening_is_named_and_nothing_is_left_written(b
     finally:
         parent.close()
     assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_cli_change_the_service_would_refuse_leaves_nothing_under_a_final_name(bundle_root_copy, capsys, monkeypatch):
+    """Audit 6 F2: the derived bundle was checked only after its rename into --out (by default the
+    parent's own root, the one `serve` reads): refused (exit 2), it stayed there as the newest
+    bundle, and `serve` started on a fallback. It is checked staged now, and nothing is left."""
+    monkeypatch.delenv("SHORTLIST_STATE_DIR", raising=False)
+    parent = bundle_root_copy / "v1"
+    uids = Bundle.open(parent).labels.uids
+    # Every label but one retired: the tree route's canaries then find no label (audit 6 F1).
+    retire = ["labels", "remove", str(parent), *uids[1:]]
+    for _ in range(2):  # a retry too: it used to leave v1.labels-2 beside v1.labels-1
+        assert cli(retire) == 2
+        assert sorted(p.name for p in bundle_root_copy.iterdir()) == ["v1", "v2"]  # no staging directory either
+        err = capsys.readouterr().err
+        assert f"{bundle_root_copy / 'v1.labels-1'}: canary" in err and "nothing was written" in err, err
+    assert BundleStore(bundle_root_copy).newest_version() == "v2"

@@ -21,6 +21,7 @@ import httpx
 import numpy as np
 import orjson
 import pytest
+from _api_helpers import renamed_copy
 from test_admin import AUTH, TOKEN
 from test_label_changes import _new_labels
 from test_processes import _wait_for
@@ -31,6 +32,7 @@ from service.engine.bundle import Bundle
 from service.engine.label_changes import LabelChange, NewLabel
 from service.engine.label_ledger import LEDGER_DIR, MAX_ID_RECORD_BYTES, MAX_UID_CHARS, QUARANTINE_DIR, UNCONFIRMED_FILE
 from service.engine.store import BundleStore
+from shortlist.cli import main as cli
 from shortlist.testing import serve
 
 
@@ -557,3 +559,64 @@ def test_offline_labels_add_gives_ids_past_the_servers_and_records_its_own(bundl
         assert _ids(state, "v2.labels-3", [c.uid])[0] == [302]  # past the offline change's 301
     finally:
         registry.close()
+
+
+def test_export_and_labels_add_refuse_a_version_name_the_state_directory_holds(bundle_root_copy, synthetic_data,
+                                                                                 checkpoints, tmp_path, capsys,
+                                                                                 monkeypatch):
+    """Audit 6 F6: `export --version v2.labels-1` into the bundle root beside a server's state
+    directory holding that (derived) version exited 0, and the server then saw one name in two
+    places. Export refuses it before any work, naming where it is taken; so does `labels add
+    --version` (its own default names already skipped the state directory's)."""
+    state = tmp_path / "state"
+    a, b = _new_labels(synthetic_data, 2, "f6")
+    with _serving_one_added(bundle_root_copy, state, a):
+        pass
+    monkeypatch.setenv("SHORTLIST_STATE_DIR", str(state))
+    taken = state / "bundles" / "v2.labels-1"
+    assert cli(["export", str(checkpoints["v1"]), "--out", str(bundle_root_copy), "--version", "v2.labels-1"]) == 2
+    err = capsys.readouterr().err
+    assert f"{taken} already exists, in the state directory (SHORTLIST_STATE_DIR)" in err and "onnx" not in err, err
+    labels = tmp_path / "labels.jsonl"
+    labels.write_text(orjson.dumps({"uid": b.uid, "title": b.title}).decode() + "\n")
+    assert cli(["labels", "add", str(bundle_root_copy / "v2"), "--labels", str(labels),
+                "--version", "v2.labels-1"]) == 2
+    assert f"{taken} already exists, in the state directory" in capsys.readouterr().err
+    assert sorted(p.name for p in bundle_root_copy.iterdir()) == ["v1", "v2"]
+
+
+def test_a_version_both_places_hold_is_the_state_directorys_listed_logged_and_served_after_a_restart(
+        bundle_root_copy, tmp_path):
+    """Audit 6 F6, the service's side: a bundle root's bundle named as a label change's version (an
+    export before it refused that, a copy) made the name ambiguous: listed twice unflagged, a
+    rollback to it 404 with its history entry dropped, and a restart fell back to the base,
+    answering the retired label again. The state directory's is the version (a change is named
+    only when no place holds the name, so it came first and the record names it); the root's is
+    listed as shadowed and said in the log."""
+    state = tmp_path / "state"
+    text = "kama kelu zani savi"
+
+    def top(c: httpx.Client) -> tuple[str, list[str]]:
+        js = c.post("/v1/predict", json={"text": text, "k": 5}).json()
+        return js["version"], [r["uid"] for r in js["results"][0]]
+
+    with serve(bundle_root_copy, version="v2", env=_env(state), log_dir=tmp_path) as s, \
+            httpx.Client(base_url=s.url, headers=AUTH, timeout=120) as c:
+        gone = top(c)[1][0]
+        r = c.post("/admin/labels/retire", json={"uids": [gone]})
+        assert r.status_code == 200 and r.json()["active"] == "v2.labels-1", r.text
+        renamed_copy(bundle_root_copy, "v1", "v2.labels-1")
+        listed = sorted((b["place"], b["shadowed"]) for b in c.get("/admin/bundles").json()["bundles"]
+                        if b["version"] == "v2.labels-1")
+        assert listed == [("root", True), ("state", False)]
+        assert c.post("/admin/bundles/activate", json={"version": "v2"}).status_code == 200
+        r = c.post("/admin/bundles/rollback")
+        assert r.status_code == 200 and r.json()["active"] == "v2.labels-1", r.text
+        served = top(c)
+        assert served[0] == "v2.labels-1" and gone not in served[1]
+    with serve(bundle_root_copy, env=_env(state), log_dir=tmp_path) as s, \
+            httpx.Client(base_url=s.url, headers=AUTH, timeout=120) as c:
+        served = top(c)
+        assert served[0] == "v2.labels-1" and gone not in served[1], served
+        assert "startup_fallback" not in s.log()
+        assert f"{bundle_root_copy.resolve() / 'v2.labels-1'} (bundle root) is shadowed, never served" in s.log()

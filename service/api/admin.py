@@ -171,7 +171,7 @@ def admin_router(models: RequestModels) -> APIRouter:
         return BundleList(active=state.registry.active_version, bundles=[
             BundleInfo(version=b.version, created_at=b.manifest.created_at, active=active,
                        has_tree=b.manifest.has_tree, place=b.place, num_labels=b.manifest.num_labels,
-                       unconfirmed=b.unconfirmed,
+                       unconfirmed=b.unconfirmed, shadowed=b.shadowed,
                        lineage=BundleLineage(**b.manifest.lineage.model_dump()) if b.manifest.lineage else None,
                        metrics=b.manifest.metrics)
             for b, active in rows

@@ -16,14 +16,13 @@ from pydantic import ValidationError
 from service.api.active_state import ActiveVersionFile, StateBusy
 from service.api.errors import error_message, field_name
 from service.api.schemas import RequestModels
-from service.api.settings import load_settings
-from service.engine import schema
+from service.api.settings import load_settings, offline_store
 from service.engine.bundle import Bundle
 from service.engine.jsonlines import iter_rows, iter_text_lines, row_uid
 from service.engine.label_changes import ChangeReport, LabelChange, LabelEditor, NewLabel, derived_version
 from service.engine.label_ledger import IdRecord, LabelLedger
 from service.engine.predictor import Predictor
-from service.engine.store import DERIVED_DIR, BundleStore
+from service.engine.store import BundleStore
 
 
 def read_label_file(path: Path, models: RequestModels | None = None) -> list[NewLabel]:
@@ -58,7 +57,9 @@ def read_uids_file(path: Path) -> list[str]:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    """The derived bundle, written and checked offline."""
+    """The derived bundle, written and checked offline: checked in its staging directory, so a
+    version the service would refuse is never left under its final name (the default --out is the
+    parent's own root, the one `serve` reads)."""
     parent_dir = Path(args.bundle)
     out_root = Path(args.out) if args.out else parent_dir.resolve().parent
     if args.labels_command == "add":
@@ -67,21 +68,19 @@ def run_cli(args: argparse.Namespace) -> int:
         change = LabelChange(retire=list(args.uids) + (read_uids_file(Path(args.uids_file)) if args.uids_file else []))
     # A server's state directory (SHORTLIST_STATE_DIR) lists its versions beside the bundle root's:
     # a name it holds (or a removed version of it kept taken) is not given to another bundle here.
-    state_dir = load_settings().state_dir
-    roots = [out_root, *([state_dir / DERIVED_DIR] if state_dir is not None else [])]
+    places = offline_store(out_root)
+    state_dir = places.derived_root.parent if places.derived_root is not None else None
     parent = Predictor.load(parent_dir).bundle
     try:
         lineage = parent.manifest.lineage
-        version = args.version or derived_version(lineage.base if lineage else parent.version,
-                                                  lambda v: any((root / v).exists() for root in roots))
-        schema.validate_version_name(version)
+        version = places.check_free(args.version) if args.version is not None else \
+            derived_version(lineage.base if lineage else parent.version, places.exists)
         if state_dir is None:
-            report = LabelEditor().derive(parent, change, out_root, version)
+            report = LabelEditor().derive(parent, change, out_root, version, check=True)
         else:
             report = _derive_recorded(parent, change, out_root, version, state_dir)
     finally:
         parent.close()
-    Predictor.load(out_root / version).bundle.close()  # what was written passes the checks the service runs
     print(json.dumps({**asdict(report), "path": str(out_root / version)}))
     return 0
 
@@ -103,7 +102,7 @@ def _derive_recorded(parent: Bundle, change: LabelChange, out_root: Path, versio
                 ledger.write(IdRecord(base, record.first_id, record.uids + tuple(lab.uid for lab in change.add)))
 
             return LabelEditor().derive(parent, change, out_root, version, record.given_out_past(len(parent.labels)),
-                                        before_commit=reserve)
+                                        before_commit=reserve, check=True)
     except StateBusy:
         raise ValueError(f"the activation lock of {state_dir} (SHORTLIST_STATE_DIR) is held: a server is activating "
                          "a version or changing labels; try again") from None

@@ -485,6 +485,9 @@ class BundleRegistry:
             # Settles a change's mark; a change in progress in another process holds it.
             with self._exclusive("start-up"):
                 pass
+        for stored in self.store.list():
+            if stored.shadowed:  # said once here; every activation of the version says it again
+                log.warning("%s", self.store.shadow_message(stored.version))
         wanted = (self.remembered.read() if self.remembered else None) or configured
         try:
             return self.activate(wanted)
@@ -496,7 +499,7 @@ class BundleRegistry:
                   wanted or "(newest)", first_error)
         tried = wanted or _newest_or_none(self.store)
         for stored in reversed(self.store.list()):
-            if stored.version == tried or stored.unconfirmed:
+            if stored.version == tried or stored.unconfirmed or stored.shadowed:
                 continue
             try:
                 result = self._serve_fallback(stored.version)

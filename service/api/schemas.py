@@ -198,6 +198,9 @@ class BundleInfo(BaseModel):
     unconfirmed: bool = Field(False, description="a label change's version that a crash left before its "
                               "activation: never served unless activated by name; set aside at the next "
                               "change or start-up")
+    shadowed: bool = Field(False, description="a bundle root's bundle whose version the state directory also "
+                           "holds: never served; the version is the state directory's (a label change's, the one "
+                           "the active record and rollback history name). Rename or remove this one")
     lineage: BundleLineage | None = Field(None, description="for a bundle derived by label changes")
     metrics: dict[str, Any] = Field(default_factory=dict)
 

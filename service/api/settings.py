@@ -14,6 +14,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from service.engine.label_ledger import MAX_UID_CHARS
 from service.engine.schema import MAX_MANIFEST_BYTES, BundleError, validate_version_name
 from service.engine.small_files import RefusedFile, read_small_file
+from service.engine.store import BundleStore
 from service.engine.tree import MAX_BEAM
 
 ENV_PREFIX = "SHORTLIST_"
@@ -465,6 +466,15 @@ def environment_setting(field: str) -> Any:
     except ValidationError as exc:
         errors = exc.errors(include_input=False, include_url=False)
         raise SettingsError("\n".join(_problem({**error, "loc": (field,)}, {}) for error in errors)) from None
+
+
+def offline_store(root: str | Path) -> BundleStore:
+    """The places a server of this environment would read beside the bundle root `root`: `root`
+    and the state directory (SHORTLIST_STATE_DIR; none when unset). An offline command writing
+    a bundle into `root` gives it no version name either holds (BundleStore.check_free): the
+    state directory's versions are the server's label changes, which its record and rollback
+    history name."""
+    return BundleStore(root, environment_setting("state_dir"))
 
 
 def _problem(error: Any, flags: dict[str, tuple[str, Any]]) -> str:

@@ -46,7 +46,7 @@ import numpy as np
 
 from service.engine import canary, schema, store, vectors
 from service.engine.bundle import Bundle
-from service.engine.predictor import Predictor
+from service.engine.predictor import Predictor, check_staged
 from service.engine.small_files import save_array
 from service.engine.tokenizer import is_blank
 
@@ -155,12 +155,16 @@ class LabelEditor:
         self.lexical_per_token = lexical_per_token
 
     def derive(self, parent: Bundle, change: LabelChange, out_root: str | Path, version: str,
-               given_out: Sequence[str] = (), before_commit: Callable[[], None] | None = None) -> ChangeReport:
+               given_out: Sequence[str] = (), before_commit: Callable[[], None] | None = None,
+               check: bool = False) -> ChangeReport:
         """Write OUT_ROOT/VERSION: `parent` with `change` applied. Raises LabelChangeRejected
         (nothing written) when the change does not fit the parent. `given_out`: the uids of the
         ids past the parent's rows given out on other versions of its base (with labels to add:
-        retired rows first, so the added labels get the next ids); `before_commit`: called once
-        the bundle is staged, before it is renamed into place."""
+        retired rows first, so the added labels get the next ids); `check`: the staged bundle
+        passes the checks a load runs (Predictor.load), else BundleError with nothing written
+        (the service checks at activation instead, in a child process, and sets a refused
+        version aside); `before_commit`: called once the bundle is staged (and checked), before
+        it is renamed into place."""
         t0 = time.perf_counter()
         given_out = list(given_out) if change.add else []
         retired = _check_change(parent, change, given_out)
@@ -191,6 +195,8 @@ class LabelEditor:
             written = store.write_manifest(staging, fields, known=linked)
             fields["canary"] = _canaries(staging, [c.text for c in parent.manifest.canary])
             store.write_manifest(staging, fields, known=written.files)
+            if check:
+                check_staged(staging, out_root / version)
             if before_commit is not None:
                 before_commit()
             store.finalize_bundle(staging, out_root, version)

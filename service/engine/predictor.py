@@ -191,12 +191,13 @@ class Predictor(TreeRoute):
 
     @classmethod
     def load(cls, path: str | Path, options: PredictorOptions | None = None, *,
-             max_manifest_bytes: int = MAX_MANIFEST_BYTES) -> Predictor:
+             max_manifest_bytes: int = MAX_MANIFEST_BYTES, staged: bool = False) -> Predictor:
         """Open the bundle at `path`, check it (files, shapes, sources, canaries) and predict
         with `options`; raises BundleError naming what is wrong, releasing what was opened.
-        `max_manifest_bytes`: the most of manifest.json read (Bundle.open)."""
+        `max_manifest_bytes`: the most of manifest.json read (Bundle.open). `staged`: a bundle
+        still in its staging directory, its canaries recorded (check_staged)."""
         try:
-            bundle = Bundle.open(path, max_manifest_bytes=max_manifest_bytes)
+            bundle = Bundle.open(path, max_manifest_bytes=max_manifest_bytes, staged=staged)
         except BundleError:
             raise
         except Exception as exc:  # a reader's own error type on a damaged file: still a refusal
@@ -363,3 +364,15 @@ def _pad(ids: np.ndarray, scores: np.ndarray, k: int) -> tuple[np.ndarray, np.nd
         padded_ids[:, :width], padded_scores[:, :width] = ids, scores
         return padded_ids, padded_scores
     return ids, scores
+
+
+def check_staged(staging: Path, final: Path) -> None:
+    """The bundle written in `staging` passes the checks a load runs (Predictor.load), before its
+    writer renames it to `final`: one the service would refuse is never left under its final name
+    (`serve` would then start on a fallback). The BundleError names it by `final`, since its writer
+    removes the staging directory."""
+    try:
+        Predictor.load(staging, staged=True).bundle.close()
+    except BundleError as exc:
+        raise BundleError(f"{str(exc).replace(str(staging), str(final))} (refused before the rename: nothing was "
+                          "written)") from exc

@@ -5,7 +5,11 @@ its final name).
 Bundles live in two places (`BundleStore`): the bundle root (trained and exported; it may be
 read-only, as a container mounts it) and, with a state directory, STATE_DIR/bundles (bundles
 derived from another by label changes, service.engine.label_changes). A version names one
-bundle in one place: a name found in both is refused, never guessed.
+bundle: writers give no name either place holds (BundleStore.check_free). A name found in both
+anyway (an export or a copy given a taken name) is the state directory's: a label change is
+given only a name no place holds, so the state's came first and is the one the active record,
+its rollback history and its retired labels refer to. The bundle root's is listed as shadowed,
+never served, and said in the log.
 """
 
 from __future__ import annotations
@@ -278,6 +282,8 @@ class StoredBundle:
     # A label change's version renamed into place but not yet activated (label_ledger): never
     # "the newest bundle"; set aside at the next change or start-up unless it was activated.
     unconfirmed: bool = False
+    # A bundle root's bundle whose version the state directory also holds: never served (module doc).
+    shadowed: bool = False
 
     @property
     def version(self) -> str:
@@ -304,13 +310,24 @@ class BundleStore:
         """Every activatable bundle of every place, oldest first."""
         pending = LabelLedger(self.derived_root.parent).unconfirmed() if self.derived_root is not None else None
         found = [StoredBundle(m, path / m.version, place,
-                              unconfirmed=place == "state" and pending is not None and pending.version == m.version)
+                              unconfirmed=place == "state" and pending is not None and pending.version == m.version,
+                              shadowed=place == "root" and self._in_state(m.version))
                  for place, path in self.places() for m in list_bundles(path, self.max_manifest_bytes)]
         return sorted(found, key=lambda b: (b.manifest.created, b.version))
 
+    def _in_state(self, version: str) -> bool:
+        return self.derived_root is not None and (self.derived_root / version).is_dir()
+
+    def shadow_message(self, version: str) -> str:
+        """What is said of a version both places hold (module doc)."""
+        assert self.derived_root is not None
+        return (f"bundle {version!r} exists in both places: {self.derived_root.resolve() / version} (state directory, "
+                f"a label change's version, the one its record and history name) is the one served; "
+                f"{self.root.resolve() / version} (bundle root) is shadowed, never served: rename or remove it")
+
     def newest_version(self) -> str:
-        """The newest bundle of any place, never an unconfirmed one."""
-        bundles = [b for b in self.list() if not b.unconfirmed]
+        """The newest bundle of any place, never an unconfirmed or a shadowed one."""
+        bundles = [b for b in self.list() if not b.unconfirmed and not b.shadowed]
         if not bundles:
             where = " or ".join(str(path.resolve()) for _, path in self.places())
             raise BundleError(f"no bundle under {where}")
@@ -375,17 +392,31 @@ class BundleStore:
 
     def exists(self, version: str) -> bool:
         """Whether the name is taken in any place (by a bundle, or by a removed derived version)."""
-        return any((path / version).exists() for _, path in self.places())
+        return self._taken_in(version) is not None
+
+    def _taken_in(self, version: str) -> tuple[Place, Path] | None:
+        return next(((place, path) for place, path in self.places() if (path / version).exists()), None)
+
+    def check_free(self, version: str) -> str:
+        """`version`, valid and taken in no place (`exists`); BundleError naming where it is taken.
+        A writer giving a bundle a name another place holds would make one name two bundles."""
+        validate_version_name(version)
+        taken = self._taken_in(version)
+        if taken is not None:
+            what = "the bundle root" if taken[0] == "root" else "the state directory (SHORTLIST_STATE_DIR)"
+            raise BundleError(f"bundle {taken[1] / version} already exists, in {what}; bundles are immutable "
+                              "and a version names one bundle: pick another version")
+        return version
 
     def resolve(self, version: str) -> Path:
-        """The directory of `version`, from whichever place holds it; BundleError when none
-        does ("no bundle ...") or both do."""
+        """The directory of `version`, from whichever place holds it (both: the state
+        directory's, the root's shadowed, logged); BundleError when none does ("no bundle ...")."""
         validate_version_name(version)
         # Directories only: a file of the version's name is a removed version's (prune_derived).
         held = [(place, path) for place, path in self.places() if (path / version).is_dir()]
         if len(held) > 1:
-            where = " and ".join(f"{path.resolve() / version} ({place})" for place, path in held)
-            raise BundleError(f"bundle {version!r} exists twice: {where}; remove or rename one")
+            log.warning("%s", self.shadow_message(version))
+            held = [(place, path) for place, path in held if place == "state"]
         if not held:
             where = " or ".join(str(path.resolve()) for _, path in self.places())
             raise BundleError(f"no bundle {version!r} under {where}")
