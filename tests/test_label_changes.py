@@ -494,7 +494,16 @@ def test_cli_change_the_service_would_refuse_leaves_nothing_under_a_final_name(b
     monkeypatch.delenv("SHORTLIST_STATE_DIR", raising=False)
     parent = bundle_root_copy / "v1"
     uids = Bundle.open(parent).labels.uids
-    # Every label but one retired: the tree route's canaries then find no label (audit 6 F1).
+    # The audit's refused change (every label but one retired) is valid since the tree's beam
+    # skips retired labels (audit 6 F1): the fault is injected, a derived tree failing its check.
+    real_check = canary.check_tree
+
+    def derived_tree_fails(route: TreeRoute) -> None:
+        if route.bundle.path.resolve() != parent.resolve():
+            raise BundleError(f"{route.bundle.path}: canary queries at tree: a canary text found no label")
+        real_check(route)
+
+    monkeypatch.setattr(canary, "check_tree", derived_tree_fails)
     retire = ["labels", "remove", str(parent), *uids[1:]]
     for _ in range(2):  # a retry too: it used to leave v1.labels-2 beside v1.labels-1
         assert cli(retire) == 2
