@@ -123,7 +123,7 @@ def _write_files(ckpt: Checkpoint, staging: Path, version: str, ef_search: int |
 
 def validation_metrics(predictor: Predictor, rows: list[dict]) -> dict[str, float]:
     """P@k / nDCG@k and shortlist recall of the engine on held-out rows, recorded at export (the
-    activation's quality gate scores a served bundle itself: service.api.registry.gate_scores)."""
+    activation's quality gate scores a served bundle itself: service.api.quality_gate)."""
     texts = [r["text"] for r in rows]
     truths = [r["target_ind"] for r in rows]
     ids, _ = predictor.predict_ids(texts, k=5)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import shutil
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -92,3 +93,19 @@ def wait_until(condition: Callable[[], T], what: str, timeout: float = 60.0, int
             raise AssertionError(f"still waiting after {timeout:g} s for {what}")
         time.sleep(interval)
     return value
+
+
+def read_answers(sock: socket.socket) -> list[tuple[int, dict]]:
+    """Every answer the server sends until it closes the connection (a reset fails), in order,
+    as (status, JSON body); each has a Content-Length, as all of this server's JSON answers do."""
+    received = b""
+    while chunk := sock.recv(65536):
+        received += chunk
+    answers = []
+    while received:
+        head, _, rest = received.partition(b"\r\n\r\n")
+        lines = head.split(b"\r\n")
+        length = next(int(line.split(b":", 1)[1]) for line in lines[1:] if line.lower().startswith(b"content-length:"))
+        answers.append((int(lines[0].split(b" ", 2)[1]), json.loads(rest[:length])))
+        received = rest[length:]
+    return answers

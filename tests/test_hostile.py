@@ -13,6 +13,7 @@ import unicodedata
 
 import httpx
 import pytest
+from _api_helpers import read_answers
 
 from shortlist.testing import serve
 
@@ -77,22 +78,11 @@ def test_a_request_the_http_parser_refuses_gets_a_json_400_naming_why(client, wh
 
 
 def _pipelined(client: httpx.Client, raw: bytes) -> list[tuple[int, dict]]:
-    """Send raw bytes in one write, read until the server closes (a reset fails), and parse every
-    answer in order (each has a Content-Length, as all of this server's JSON answers do)."""
+    """Send raw bytes in one write and every answer in order, until the server closes (read_answers)."""
     url = client.base_url
     with socket.create_connection((url.host, url.port), timeout=10) as sock:
         sock.sendall(raw)
-        received = b""
-        while chunk := sock.recv(65536):
-            received += chunk
-    answers = []
-    while received:
-        head, _, rest = received.partition(b"\r\n\r\n")
-        lines = head.split(b"\r\n")
-        length = next(int(line.split(b":", 1)[1]) for line in lines[1:] if line.lower().startswith(b"content-length:"))
-        answers.append((int(lines[0].split(b" ", 2)[1]), json.loads(rest[:length])))
-        received = rest[length:]
-    return answers
+        return read_answers(sock)
 
 
 AFTER_A_VALID_REQUEST = [

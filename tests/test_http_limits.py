@@ -12,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from _api_helpers import wait_until
+from _api_helpers import read_answers, wait_until
 
 from shortlist.testing import serve
 
@@ -212,21 +212,6 @@ def test_a_head_past_max_header_bytes_gets_431_without_being_read(limited, extra
     assert httpx.get(f"{limited.url}/healthz").status_code == 200
 
 
-def _answers(sock: socket.socket) -> list[tuple[int, dict]]:
-    """Every answer the server sends until it closes the connection (a reset fails), in order."""
-    received = b""
-    while chunk := sock.recv(65536):
-        received += chunk
-    answers = []
-    while received:
-        head, _, rest = received.partition(b"\r\n\r\n")
-        lines = head.split(b"\r\n")
-        length = next(int(line.split(b":", 1)[1]) for line in lines[1:] if line.lower().startswith(b"content-length:"))
-        answers.append((int(lines[0].split(b" ", 2)[1]), json.loads(rest[:length])))
-        received = rest[length:]
-    return answers
-
-
 def test_a_head_too_large_after_a_valid_request_gets_its_431_after_that_requests_answer(limited):
     # Audit 6 finding 3: the refusal closed the connection while the valid request ran. The pad
     # is larger than what the server reads at once, and several texts are computed off the event
@@ -237,7 +222,7 @@ def test_a_head_too_large_after_a_valid_request_gets_its_431_after_that_requests
     too_large = b"GET /healthz HTTP/1.1\r\nhost: x\r\nx-pad: " + b"a" * (1 << 20) + b"\r\n\r\n"
     with _connect(limited) as sock:
         sock.sendall(valid + too_large)
-        answers = _answers(sock)
+        answers = read_answers(sock)
     assert [status for status, _ in answers] == [200, 431], answers
     assert len(answers[0][1]["results"]) == 32 and answers[1][1]["error"] == "headers_too_large", answers
 

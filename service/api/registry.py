@@ -21,8 +21,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
-import numpy as np
-
 from service.api.activation import (
     ActivationFailed,
     ActivationGate,
@@ -34,13 +32,13 @@ from service.api.activation import (
 )
 from service.api.active_state import ACTIVE_FILE, ActiveVersionFile, StateUnavailable
 from service.api.leases import Engine, Lease, NoBundle
+from service.api.quality_gate import check_quality
 from service.engine import heap
 from service.engine.bundle import Bundle, drop_cached_pages
 from service.engine.file_guard import check_files
 from service.engine.isolated import check_in_child
 from service.engine.label_changes import ChangeReport, LabelChange, LabelEditor, derived_version
 from service.engine.label_ledger import IdRecord, LabelLedger, Unconfirmed
-from service.engine.metrics import answerable_truths, ranking_metrics
 from service.engine.predictor import Predictor, PredictorOptions
 from service.engine.schema import BundleError, validate_version_name
 from service.engine.store import DERIVED_DIR, BundleStore, StoredBundle
@@ -98,34 +96,6 @@ def _parent_fault(exc: OSError, parent: Bundle) -> BundleError | None:
         return None
     return BundleError(f"{path}: cannot be read from the served version {parent.version} ({exc.strerror}); "
                        "activate a version whose files are all there")
-
-
-def gate_scores(predictor: Predictor, rows: list[dict]) -> dict[str, float]:
-    """The quality gate's P@1/P@5 (nDCG@1/5) of the bundle on its validation rows, scored on the
-    truths it can answer: a retired label is never answered, and counting it as a missed truth
-    refused retirements as quality failures (P@1 72 -> 58 on 120 of 300 labels retired). A row
-    whose every truth is retired is not scored; the counts of what was left out are in the result."""
-    retired = predictor.bundle.retired
-    answerable = answerable_truths([r["target_ind"] for r in rows], retired)
-    keep = np.flatnonzero(answerable.scored)
-    scores: dict[str, float] = {"validation_rows": float(len(keep)),
-                                "validation_rows_left_out": float(len(rows) - len(keep)),
-                                "retired_truths_left_out": float(answerable.truths_left_out)}
-    if len(keep):
-        ids, _ = predictor.predict_ids([str(rows[i]["text"]) for i in keep], k=5)
-        truths = [np.asarray(answerable.truths[i], dtype=np.int64) for i in keep]
-        scores.update((k, float(v)) for k, v in ranking_metrics(ids, truths, ks=(1, 5)).items())
-    else:
-        scores["P@1"] = 0.0
-    return scores
-
-
-def _left_out(scores: dict[str, float]) -> str:
-    """What the gate left out, for its refusal ("" when nothing was)."""
-    rows, truths = int(scores["validation_rows_left_out"]), int(scores["retired_truths_left_out"])
-    if not truths:
-        return ""
-    return f" ({truths} retired truths left out, {rows} rows with only retired truths not scored)"
 
 
 class BundleRegistry:
@@ -575,27 +545,7 @@ class BundleRegistry:
             raise ActivationFailed(str(exc)) from exc
 
     def _quality_gate(self, predictor: Predictor) -> dict[str, float]:
-        if self.quality_gate_min_p1 is None:
-            return {}
-        bundle = predictor.bundle
-        rows = bundle.validation_rows()
-        if not rows:
-            bundle.close()
-            raise ActivationFailed(
-                f"{bundle.path}: quality gate is on (min P@1 {self.quality_gate_min_p1}) "
-                "but the bundle stores no validation rows"
-            )
-        scores = gate_scores(predictor, rows)
-        p1, scored = float(scores["P@1"]), int(scores["validation_rows"])
-        if scored == 0 or p1 < self.quality_gate_min_p1:
-            bundle.close()
-            measured = (f"P@1 {p1:.2f} on {scored} validation rows" if scored else
-                        "no validation row has a truth the bundle can answer")
-            raise ActivationFailed(
-                f"{bundle.path}: quality gate failed: {measured}{_left_out(scores)}, "
-                f"the floor is {self.quality_gate_min_p1:.2f}"
-            )
-        return scores
+        return {} if self.quality_gate_min_p1 is None else check_quality(predictor, self.quality_gate_min_p1)
 
     def _drain_and_close(self, engine: Engine) -> None:
         if not engine._drained.wait(self.drain_timeout_s):
