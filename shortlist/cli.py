@@ -169,8 +169,9 @@ def _add_serve_ray(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--version", default=None,
                    help="default: the version last activated (with a state dir), else the newest")
     p.add_argument("--state-dir", default=None, help="writable directory that remembers the active version")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    # Defaults None: SHORTLIST_HOST / SHORTLIST_PORT (else 127.0.0.1:8000) when not given, as for `serve`.
+    p.add_argument("--host", default=None, help="default: SHORTLIST_HOST, else 127.0.0.1")
+    p.add_argument("--port", type=int, default=None, help="default: SHORTLIST_PORT, else 8000")
     p.add_argument("--address", default=None,
                    help="a running Ray cluster (ray.init's address, e.g. auto); default: start a local one")
     p.add_argument("--num-cpus", type=float, default=None,

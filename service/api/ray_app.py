@@ -67,6 +67,7 @@ from service.api.errors import ApiError
 from service.api.leases import Leased, lease
 from service.api.observability import ServiceMetrics, error_log
 from service.api.predict import json_response, label_rows, unknown_excluded_uids
+from service.api.ray_settings import refuse_unapplied
 from service.api.registry import LabelChangesUnavailable
 from service.api.schemas import RequestModels
 from service.api.settings import Settings, load_settings
@@ -266,7 +267,8 @@ class ShardedRegistry:
         self.settings = settings
         self.app_prefix = app_prefix
         self.on_swap = on_swap
-        self.remembered = ActiveVersionFile(layout.state_dir) if layout.state_dir else None
+        # The settings', not the layout's: SHORTLIST_STATE_DIR sets it when --state-dir does not.
+        self.remembered = ActiveVersionFile(settings.state_dir) if settings.state_dir else None
         if self.remembered is not None:
             self.remembered.prepare()
         self._active: ShardedEngine | None = None
@@ -511,6 +513,7 @@ class ShardedIngress:
     async def __init__(self, layout: dict[str, Any]) -> None:
         self.layout = RayServing.model_validate(layout)
         self.settings = load_settings(settings_flags(self.layout))
+        refuse_unapplied(self.settings, on_cluster=False)  # `serve deploy` too; the front's limits are its own
         metrics = ServiceMetrics()
 
         def on_swap(_old: str | None, new: str) -> None:

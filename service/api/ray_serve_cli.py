@@ -21,6 +21,7 @@ from ray import serve
 
 from service.api.errors import error_json
 from service.api.ray_app import RayServing, build_app, settings_flags
+from service.api.ray_settings import refuse_unapplied
 from service.api.settings import Settings, load_settings
 
 log = logging.getLogger("shortlist.ray")
@@ -169,8 +170,10 @@ def run_cli(args: Any) -> int:
     # The ingress builds the same Settings inside Ray: a problem is reported here, as one line,
     # not as a replica's traceback in Ray's logs. --host and --port are Ray's HTTP options, checked
     # as the service's own are.
-    settings = load_settings({**settings_flags(layout), "host": ("--host", args.host),
-                              "port": ("--port", args.port)})
+    given = {"host": ("--host", args.host), "port": ("--port", args.port)}
+    settings = load_settings({**settings_flags(layout), **{k: v for k, v in given.items() if v[1] is not None}})
+    # Before Ray starts: a setting the sharded service would read and then ignore stops it here.
+    refuse_unapplied(settings, on_cluster=bool(args.address))
     # Ray reports usage to its makers unless told not to: a serving process talks to the hosts its
     # operator names only (RAY_USAGE_STATS_ENABLED=1 allows it).
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
