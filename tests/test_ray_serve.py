@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -19,7 +20,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from model_export.shard import shard_bundle  # noqa: E402
 from service.api.ray_app import build_app  # noqa: E402
 from service.api.ray_front import FrontConfigError, amend  # noqa: E402
 from service.api.ray_serve_cli import (  # noqa: E402
+    CLIENT_ADDRESS,
     FRONT_ERRORS,
     LOW_LATENCY_ENV,
     connection_limit,
@@ -446,6 +448,57 @@ def test_past_max_connections_the_front_refuses_new_connections_and_serves_the_o
 _ROUTES = b"GET /-/routes HTTP/1.1\r\nhost: x\r\n\r\n"
 
 
+def _forwarded_for(request: bytes) -> bytes:
+    """An answer whose body is the X-Forwarded-For headers of `request`, one a line."""
+    lines = [line for line in request.split(b"\r\n") if line.lower().startswith(b"x-forwarded-for:")]
+    body = b"\n".join(line.split(b":", 1)[1].strip() for line in lines)
+    return b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body)
+
+
+def test_the_front_hands_the_ingress_the_clients_address_not_the_header_it_sent(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The ingress believes X-Forwarded-For from loopback, where HAProxy connects from: a client
+    sending its own header, another each time, got a fresh admin-failure budget each time. The
+    front sets the header to the address it saw (a real HAProxy with the directive serve-ray's
+    wrapper puts in the service's front)."""
+    short = Path(tempfile.mkdtemp(prefix="sl-", dir="/tmp"))  # HAProxy's socket paths are short
+    try:
+        script = Path(haproxy_front(load_settings(), short)["RAY_SERVE_HAPROXY_BINARY_PATH"]).read_text()
+    finally:
+        shutil.rmtree(short)
+    assert f"--front-directive={CLIENT_ADDRESS}" in shlex.split(script.splitlines()[1])
+    amended = amend(_ray_haproxy_config(tmp_path, "127.0.0.1", free_port()), [], (CLIENT_ADDRESS,))
+    front_section = amended.split("frontend http_frontend", 1)[1].split("\nfrontend ", 1)[0]
+    assert CLIENT_ADDRESS in front_section
+    with _backend_server(_forwarded_for) as backend:
+        front = free_port()
+        (tmp_path / "probe.cfg").write_text(f"""defaults
+    mode http
+    timeout connect 5s
+    timeout client 30s
+    timeout server 30s
+frontend probe
+    bind 127.0.0.1:{front}
+    {CLIENT_ADDRESS}
+    default_backend echo
+backend echo
+    server s 127.0.0.1:{backend}
+""")
+        proxy = subprocess.Popen([_real_haproxy(monkeypatch), "-db", "-f", str(tmp_path / "probe.cfg")],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            _wait(lambda: _accepts(front), "HAProxy listening")
+            for sent in (b"", b"x-forwarded-for: 203.0.113.7\r\n",
+                         b"x-forwarded-for: 198.51.100.1, 10.0.0.1\r\nX-Forwarded-For: 192.0.2.9\r\n"):
+                with socket.create_connection(("127.0.0.1", front), timeout=30) as conn:
+                    conn.sendall(b"GET /admin/bundles HTTP/1.1\r\nhost: x\r\nconnection: close\r\n" + sent + b"\r\n")
+                    answer = _read_all(conn)
+                assert answer.split(b"\r\n\r\n", 1)[1] == b"127.0.0.1", (sent, answer)
+        finally:
+            proxy.terminate()
+            proxy.wait(timeout=30)
+
+
 def _served_connection(port: int, timeout: float = 30.0) -> socket.socket:
     """A connection to the front whose first request was answered by the front's rules, not
     refused as past its connection limit (retried until one is, within `timeout`)."""
@@ -471,9 +524,9 @@ def _accepts(port: int) -> bool:
 
 
 @contextlib.contextmanager
-def _backend_server(answer: bytes | None) -> Iterator[int]:
-    """A loopback server for HAProxy to forward to: it sends `answer` to every connection and
-    closes it, or (None) holds every connection unanswered; its port."""
+def _backend_server(answer: bytes | Callable[[bytes], bytes] | None) -> Iterator[int]:
+    """A loopback server for HAProxy to forward to: it sends `answer` (or answer(the request's
+    bytes)) to every connection and closes it, or (None) holds every connection unanswered; its port."""
     listener = socket.create_server(("127.0.0.1", 0))
     held: list[socket.socket] = []
 
@@ -486,8 +539,8 @@ def _backend_server(answer: bytes | None) -> Iterator[int]:
             if answer is None:
                 held.append(conn)
             else:
-                conn.recv(65536)
-                conn.sendall(answer)
+                request = conn.recv(65536)
+                conn.sendall(answer(request) if callable(answer) else answer)
                 conn.close()
 
     threading.Thread(target=serve, daemon=True).start()
