@@ -304,6 +304,25 @@ def test_the_tree_canary_still_refuses_a_tree_that_answers_nothing_or_a_retired_
         bundle.close()
 
 
+def test_a_label_text_may_hold_tabs_and_line_breaks_where_allowed_and_no_other_control(bundle_root, synthetic_data,
+                                                                                       tmp_path):
+    # The edge of what a title and content may hold (answers return them verbatim): a tab in a
+    # title, line breaks in content, a bidi embedding and its pop; past it DEL (a control) in a
+    # title, a line break in a title, an override in content. A uid in NFKC beyond ASCII is fine.
+    word = _new_labels(synthetic_data, 1)[0].title
+    fine = NewLabel("caf\u00e9-\u0661", word.replace(" ", "\t", 1), content="first line\r\nsecond\u202bline\u202c")
+    _derive(bundle_root / "v1", tmp_path, LabelChange(add=[fine]), "ok")
+    assert (tmp_path / "ok").is_dir()
+    bad = [NewLabel("del", word + "\x7f"), NewLabel("broken", word.replace(" ", "\n", 1)),
+           NewLabel("override", word, content="a \u202dreversed")]
+    with pytest.raises(LabelChangeRejected) as info:
+        _derive(bundle_root / "v1", tmp_path, LabelChange(add=bad), "bad")
+    assert [(f, m.split(" at ")[0]) for f, m in info.value.problems] == [
+        ("add[0].title", "holds a control character (U+007F)"), ("add[1].title", "holds a control character (U+000A)"),
+        ("add[2].content", "holds a bidi override (U+202D)")]
+    assert not (tmp_path / "bad").exists()
+
+
 def test_changes_that_do_not_fit_are_refused_naming_each_problem_and_write_nothing(bundle_root, synthetic_data,
                                                                                    tmp_path):
     rows = _label_rows(synthetic_data)
