@@ -227,6 +227,37 @@ def test_a_head_too_large_after_a_valid_request_gets_its_431_after_that_requests
     assert len(answers[0][1]["results"]) == 32 and answers[1][1]["error"] == "headers_too_large", answers
 
 
+@pytest.mark.parametrize("extra", [0, 1, 2000])
+def test_a_pipelined_head_in_the_same_read_as_the_request_before_it_is_held_to_the_limit(limited, extra):
+    # The bytes of a head that arrive in the same read as the end of the request before it were
+    # not counted (the count restarted at that request's end, after the read): a second head of
+    # up to one read's size (256 KiB) passed a 4 KiB limit. Both heads are sent in one write.
+    first = b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n"
+    head_start, head_end = b"GET /healthz HTTP/1.1\r\nhost: x\r\nx-pad: ", b"\r\n\r\n"
+    second = head_start + b"a" * (4096 + extra - len(head_start) - len(head_end)) + head_end
+    with _connect(limited) as sock:
+        sock.sendall(first + second + b"GET /healthz HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        answers = read_answers(sock)
+    if extra == 0:
+        assert [status for status, _ in answers] == [200, 200, 200], answers
+    else:
+        assert [status for status, _ in answers] == [200, 431], answers
+        assert answers[1][1]["error"] == "headers_too_large", answers
+
+
+def test_a_pipelined_head_left_incomplete_in_the_same_read_gets_408_at_the_header_timeout(limited):
+    # The head timer starts with a head's first byte, also when that byte came in the read that
+    # ended the request before it (it did not: only the keep-alive timeout closed the connection,
+    # silently).
+    with _connect(limited) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\nGET /healthz HTTP/1.1\r\nhost: x\r\n")
+        started = time.monotonic()
+        answers = read_answers(sock)
+        waited = time.monotonic() - started
+    assert [status for status, _ in answers] == [200, 408], answers
+    assert answers[1][1]["error"] == "request_timeout" and waited < 4, (answers, waited)
+
+
 def test_a_body_too_large_sent_whole_before_reading_gets_its_413_not_a_reset(limited):
     """urllib sends `Connection: close` and the whole body before it reads: closed at once after
     the 413, the unread body made the kernel reset the connection and the client lost the answer

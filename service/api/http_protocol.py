@@ -9,7 +9,10 @@ long, was read to its end. Here, with the byte counting done before the parser s
 - more than `max_connections` open connections: the new one gets a 503 and is closed;
 - a request head (request line and headers) must be complete within `max_header_bytes` (431,
   closed, the rest never read) and within `header_timeout_s` of its first byte, or of the
-  connection for its first request (408 if some of it came, else closed silently);
+  connection for its first request (408 if some of it came, else closed silently). A head that
+  starts in the read that ends the request before it is measured as the parser hands it over, as
+  written canonically ("name: value" lines): no byte count sees where that request ended (httptools
+  does not say), and such a head went uncounted (up to a read, 256 KiB);
 - a body must be complete within `body_timeout_s` of its head (408, closed), or of its request's
   start for one pipelined behind another (uvicorn reads none of it while it waits);
 - a response the client does not read (the transport's buffer past its high-water mark, uvicorn
@@ -74,6 +77,11 @@ REFUSAL_LINES_PER_S = 10
 _access_log = logging.getLogger("shortlist.access")
 
 
+class _HeadTooLarge(Exception):
+    """Raised from a parser callback to stop parsing a head past the limit (httptools hands it on
+    as the context of its HttpParserCallbackError, which uvicorn gives to send_400_response)."""
+
+
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with the limits above (a subclass per server sets them)."""
 
@@ -90,6 +98,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._head_bytes = 0
         self._reading_head = True
         self._tail = b""
+        self._head_begun = False  # the parser has seen the current head's first byte
+        self._ended_in_read = False  # a request ended in the read being parsed
+        self._head_after_end = False  # the current head began in the read that ended the one before
         self._timer: asyncio.TimerHandle | None = None
         self._send_timer: asyncio.TimerHandle | None = None
         self._running: RequestResponseCycle | None = None  # the request whose app runs now
@@ -151,24 +162,43 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             end = (tail + data).find(_HEAD_END) if tail else data.find(_HEAD_END)
             self._head_bytes += len(data) if end < 0 else end + len(_HEAD_END) - len(tail)
             if self._head_bytes > self.max_header_bytes:
-                self._refuse(431, "headers_too_large",
-                             f"the request line and headers exceed {self.max_header_bytes} bytes",
-                             reason="header_too_large")
+                self._refuse_head_too_large()
                 return
             self._tail = (tail + data)[-(len(_HEAD_END) - 1):] if end < 0 else b""
         if self.transport.is_closing():
             return
+        self._ended_in_read = False
         super().data_received(data)
+        if self._head_after_end and self._reading_head and not self._dropping:
+            # A lower bound (the header the parser holds unfinished is not handed over yet); the
+            # reads to come are counted on top of it.
+            self._head_bytes = self._parsed_head_bytes(with_method=False)
+            if self._head_bytes > self.max_header_bytes:
+                self._refuse_head_too_large()
+                return
         # Timers only for what is still incomplete once this data is parsed: a request that
         # arrives whole (the usual case) costs none.
         if self._timer is None and not self._dropping and not self.transport.is_closing():
-            if self._reading_head and self._head_bytes:
+            if self._reading_head and (self._head_bytes or self._head_begun):
                 self._timer = self.loop.call_later(self.header_timeout_s, self._head_timed_out)
             elif not self._reading_head and self.cycle is self._running:
                 # (a pipelined request's body is not read until it starts: its timer starts then)
                 self._timer = self.loop.call_later(self.body_timeout_s, self._body_timed_out)
 
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._head_begun = True
+        self._head_after_end = self._ended_in_read
+
+    def _parsed_head_bytes(self, *, with_method: bool = True) -> int:
+        """The size of the head parsed so far as written canonically: request line, "name: value"
+        lines, the blank line."""
+        line = len(self.url) + len(b"  HTTP/1.1\r\n") + (len(self.parser.get_method()) if with_method else 0)
+        return line + sum(len(name) + len(value) + 4 for name, value in self.headers) + 2
+
     def on_headers_complete(self) -> None:
+        if self._head_after_end and self._parsed_head_bytes() > self.max_header_bytes:
+            raise _HeadTooLarge
         self._reading_head = False
         self._disarm()
         # The connection, for the app: its `tasks` are the server's requests in progress (uvicorn's
@@ -226,6 +256,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().on_message_complete()
         self._disarm()
         self._reading_head, self._head_bytes, self._tail = True, 0, b""
+        self._head_begun, self._head_after_end, self._ended_in_read = False, False, True
 
     def _disarm(self) -> None:
         if self._timer is not None:
@@ -257,11 +288,18 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._refuse(408, "request_timeout", f"the body did not arrive within {self.body_timeout_s:g} s",
                      state.get("request_id"), reason="body_timeout")
 
+    def _refuse_head_too_large(self) -> None:
+        self._refuse(431, "headers_too_large", f"the request line and headers exceed {self.max_header_bytes} bytes",
+                     reason="header_too_large")
+
     def send_400_response(self, msg: str) -> None:
         """uvicorn calls this from the `except httptools.HttpParserError` of data_received: the
         exception in hand says what was wrong (e.g. "Transfer-Encoding can't be present with
         Content-Length", "Invalid character in chunk size")."""
         exc = sys.exc_info()[1]
+        if exc is not None and isinstance(exc.__context__, _HeadTooLarge):
+            self._refuse_head_too_large()
+            return
         reason = str(exc) if exc is not None and str(exc) else msg
         self._refuse(400, "malformed_http", f"the request is not valid HTTP/1.1: {reason}", reason="malformed")
 
