@@ -184,6 +184,25 @@ def test_refusal_log_lines_stop_at_their_rate_and_count_what_they_left_out(bundl
     for r in lines:
         per_second[int(r["ts"])] = per_second.get(int(r["ts"]), 0) + 1
     assert max(per_second.values()) <= 2 * REFUSAL_LINES_PER_S  # wall-clock seconds straddle the buckets
+    # Nor does a line of uvicorn's own per refusal (audit 7: "Invalid HTTP request received." for
+    # every one, 1,000 lines for 1,000 requests beside the capped JSON lines).
+    assert "Invalid HTTP request" not in s.log()
+
+
+def test_requests_asking_for_an_upgrade_are_answered_as_http_without_a_log_line_each(bundle_root, tmp_path):
+    # uvicorn wrote two warnings for every request with an Upgrade header (a WebSocket library
+    # missing): a client could write the log at will.
+    upgrade = b"GET /healthz HTTP/1.1\r\nhost: x\r\nconnection: upgrade\r\nupgrade: websocket\r\n\r\n"
+    with serve(bundle_root, env=LIMITS, log_dir=tmp_path) as s:
+        before = len(s.log().splitlines())
+        for _ in range(20):
+            with _connect(s) as sock:
+                sock.sendall(upgrade)
+                head = sock.recv(65536)
+            assert head.startswith(b"HTTP/1.1 200"), head
+        assert httpx.get(f"{s.url}/healthz").status_code == 200
+        new_lines = s.log().splitlines()[before:]
+    assert not [line for line in new_lines if "upgrade" in line.lower() or "WebSocket" in line], new_lines
 
 
 @pytest.mark.parametrize("extra", [-1, 0, 1, 100, 10**8])

@@ -77,6 +77,20 @@ REFUSAL_LINES_PER_S = 10
 _access_log = logging.getLogger("shortlist.access")
 
 
+class _ClientCausedWarnings(logging.Filter):
+    """Drops uvicorn's warnings that any client causes at will, one per request: a request the
+    parser refuses is logged here as a rate-limited `connection_refused` line; one asking for an
+    upgrade (WebSocket) is answered as plain HTTP, nothing an operator acts on."""
+
+    DROPPED = ("Invalid HTTP request received.", "Unsupported upgrade request.", "No supported WebSocket library")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno == logging.WARNING and str(record.msg).startswith(self.DROPPED))
+
+
+_CLIENT_CAUSED_WARNINGS = _ClientCausedWarnings()
+
+
 class _HeadTooLarge(Exception):
     """Raised from a parser callback to stop parsing a head past the limit (httptools hands it on
     as the context of its HttpParserCallbackError, which uvicorn gives to send_400_response)."""
@@ -408,7 +422,9 @@ def connection_metrics() -> ConnectionMetrics:
 
 def guarded_protocol(max_connections: int, header_timeout_s: float, max_header_bytes: int,
                      body_timeout_s: float, send_timeout_s: float, access_log: bool = True) -> type[HttpToolsProtocol]:
-    """The protocol class with these limits (pass it as uvicorn.Config(http=...))."""
+    """The protocol class with these limits (pass it as uvicorn.Config(http=...)); also keeps the
+    warnings a client causes at will out of uvicorn's log (a filter survives its logging set-up)."""
+    logging.getLogger("uvicorn.error").addFilter(_CLIENT_CAUSED_WARNINGS)
     limits = {"max_connections": max_connections, "header_timeout_s": header_timeout_s,
               "max_header_bytes": max_header_bytes, "body_timeout_s": body_timeout_s,
               "send_timeout_s": send_timeout_s, "log_refusals": access_log}
