@@ -15,7 +15,6 @@ and scored as missed, or with `--leave-out-retired` left out as the activation's
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import time
@@ -24,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from service.engine.jsonlines import iter_text_lines
+from service.engine.jsonlines import iter_text_lines, strict_dumps
 from service.engine.metrics import (
     answerable_truths,
     label_frequencies,
@@ -212,7 +211,7 @@ def run_cli(args: argparse.Namespace) -> int:
     result = evaluate_bundle(args.bundle, args.data, args.split, args.text_field, args.scorer, args.alpha,
                              args.limit, args.filter, leave_out_retired=args.leave_out_retired)
     if args.json:
-        print(json.dumps(result))
+        print(strict_dumps(result, "the evaluation's record"))
         return 0
     print(f"bundle {result['bundle']}  split {result['split']}  scorer {result['scorer']}  "
           f"protocol {result['protocol']} ({result['filtered_pairs']} pairs left out)  documents {result['documents']}"

@@ -38,7 +38,7 @@ import torch
 from pydantic import ValidationError
 
 from service.engine.index import VectorIndex
-from service.engine.jsonlines import iter_rows, json_kind, os_reason
+from service.engine.jsonlines import iter_rows, json_kind, os_reason, strict_dumps
 from service.engine.labels import LabelTable
 from service.engine.lexical import TokenShortlist
 from service.engine.schema import HNSW_MU, HNSW_W, HnswParams, Scoring, sha256_file
@@ -144,7 +144,7 @@ class Checkpoint:
                 "hnsw": self.hnsw.model_dump(), "text_field": self.text_field, "config": self.config,
                 "fingerprint": self.fingerprint, "metrics": self.metrics,
                 "files": {p.name: sha256_file(p) for p in sorted(out.iterdir())}}
-        (out / META).write_text(json.dumps(meta, indent=2), encoding="utf-8")
+        (out / META).write_text(strict_dumps(meta, META, indent=2), encoding="utf-8")
 
     @classmethod
     def load(cls, ckpt_dir: str | Path, max_meta_bytes: int = MAX_META_BYTES) -> Checkpoint:

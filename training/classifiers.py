@@ -19,6 +19,7 @@ elsewhere, meet the most negatives: the negatives of in-batch training (Module I
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -163,6 +164,8 @@ class OneVsAll:
             self.losses_.append(run_epoch(
                 order, self.batch_size, lambda batch: self._loss(encoder, clf, rows, docs, y, batch, shortlist, device),
                 opts, f"Module III epoch {epoch + 1}/{epochs}", self.progress))
+            if not math.isfinite(self.losses_[-1]):
+                break  # diverged: the pipeline's stage check names the setting
             # Only an epoch before the last can stop, and only once one before it was scored: none
             # is scored in a training of 2 epochs (10^6 labels: an exact pass over all labels saved).
             if validation is not None and epoch + 1 < epochs and epochs > 2 and self._plateaued(validation, clf):

@@ -327,6 +327,10 @@ class TrainConfig:
                              "aggregated_validation > 0 to choose it on")
 
 
+# The centroid's label text weight: the centroid is unit(documents' unit mean + w x unit label
+# embedding), so past 1 / float32's epsilon (8.4e6) the documents' part is lost to rounding and a
+# larger w changes nothing; far larger (1e30) its square overflowed and every centroid was 0.
+_LABEL_WEIGHT = Bounds(0, 1e7)
 _UNIT, _FRACTION, _LIKELIHOOD_C = Bounds(0, 1), Bounds(0, 1, open_high=True), Bounds(0, 1, open_low=True)
 # The range of every numeric setting (m3_min_gain and aggregated_keep_ratio may also be null).
 # Settings that count epochs or candidates may be 0 where 0 is documented to turn that part off.
@@ -341,7 +345,7 @@ _BOUNDS: dict[str, Bounds] = {
     "m1_ann_negatives": AT_LEAST_0,
     # hnswlib divides by log(M): M = 1 is no graph
     "hnsw_m": Bounds(2), "hnsw_ef_construction": AT_LEAST_1, "hnsw_ef": AT_LEAST_1,
-    "m2_k_w": AT_LEAST_1, "m2_k_mu": AT_LEAST_1, "centroid_label_weight": AT_LEAST_0,
+    "m2_k_w": AT_LEAST_1, "m2_k_mu": AT_LEAST_1, "centroid_label_weight": _LABEL_WEIGHT,
     "m3_epochs": AT_LEAST_1, "m3_max_steps": AT_LEAST_1, "m3_min_gain": Bounds(-math.inf, open_low=True),
     "m3_batch_size": AT_LEAST_1, "m3_lr": POSITIVE, "m3_c": _LIKELIHOOD_C, "m3_d": POSITIVE,
     "m3_encoder_lr": POSITIVE, "m3_weight_decay": AT_LEAST_0, "m3_softmax_weight": AT_LEAST_0,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -22,12 +23,16 @@ class Stepper(Protocol):
 def run_epoch(order: np.ndarray, batch_size: int, loss_of: Callable[[np.ndarray], torch.Tensor],
               opts: Sequence[Stepper], desc: str, progress: bool = True) -> float:
     """A step of every optimizer in `opts` on `loss_of(batch)` for each run of `batch_size` rows
-    of `order`; the epoch's mean loss per row (weighted by batch size)."""
+    of `order`; the epoch's mean loss per row (weighted by batch size). A batch whose loss is not
+    finite ends the epoch at once, its loss returned: the fit diverged, and steps on NaN
+    gradients only spend time (the caller stops, training.divergence names the setting)."""
     total, count = 0.0, 0
     bar = Progress(range(0, len(order), batch_size), desc, enabled=progress)
     for start in bar:
         batch = order[start : start + batch_size]
         loss = loss_of(batch)
+        if not math.isfinite(float(loss.detach())):
+            return float(loss.detach())
         for opt in opts:
             opt.zero_grad(set_to_none=True)
         loss.backward()

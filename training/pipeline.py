@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import scipy.sparse as sp
 import torch
 
 from service.engine.candidates import CandidateSources
@@ -28,6 +29,7 @@ from training.classifiers import OneVsAll, Validation
 from training.config import TrainConfig
 from training.data import Split, find_split_file, same_data
 from training.dataset import TrainingSet
+from training.divergence import check_fitted
 from training.encoder import SiameseEncoder, embed
 from training.progress import Progress
 from training.report import Report
@@ -65,7 +67,10 @@ def _train(data_dir: Path, cfg: TrainConfig, text_field: str, trn: Split | None 
     with report.stage("module1"):
         m1 = SiameseTrainer.of(cfg, ann).fit(encoder, data.docs, data.label_texts, data.y, device, rng)
         label_emb, doc_emb = embed(encoder, data.label_texts, device), embed(encoder, data.docs, device)
-        mu = Centroids(cfg.centroid_label_weight).fit(doc_emb, data.y, label_emb).vectors_
+        check_fitted("Module I", "lower m1_lr or m1_d", {**_encoder_arrays(encoder), "its loss": m1.losses_,
+                                                           "the label embeddings": label_emb,
+                                                           "the documents' embeddings": doc_emb})
+        mu = _centroids(cfg, doc_emb, data.y, label_emb).vectors_
     report.test_module1(data, encoder, label_emb, mu, device)
     with report.stage("module3"):
         m3 = OneVsAll.of(cfg, data.num_labels)
@@ -75,17 +80,19 @@ def _train(data_dir: Path, cfg: TrainConfig, text_field: str, trn: Split | None 
         del mu  # each [L, D] array is 1 GB at 10^6 labels: dropped as soon as it is no longer needed
         clf = m3.fit(encoder, label_emb, data.docs, data.y, negatives, device, rng,
                      _module3_validation(cfg, data, encoder, device))
+        _check_module3(cfg, clf, encoder)
         del negatives
         if cfg.m3_train_encoder:  # the encoder moved: the centroids live in the served encoder's space
             del label_emb, doc_emb
             label_emb, doc_emb = embed(encoder, data.label_texts, device), embed(encoder, data.docs, device)
-        centroids = Centroids(cfg.centroid_label_weight).fit(doc_emb, data.y, label_emb)
+        centroids = _centroids(cfg, doc_emb, data.y, label_emb)
         del label_emb
         clf.weights_, centroids.vectors_ = _as_stored(clf.weights_, cfg), _as_stored(centroids.vectors_, cfg)
     with report.stage("token_shortlist"):
         lexical = (TokenTable.of(cfg).fit(data.docs, data.y, data.label_texts, data.tokenizer.vocab_size, device)
                    if cfg.token_shortlist_width else None)
         tables = lexical.tables_ if lexical is not None else [None]
+        _check_lexical(lexical)
     tree = None
     if cfg.tree_enabled:  # before the indices: the tree's peak memory does not add to theirs
         with report.stage("tree"):
@@ -213,8 +220,45 @@ def fit_tree(cfg: TrainConfig, data: TrainingSet, doc_emb: np.ndarray, clf: OneV
     model = AdversarialTree(cfg.tree, cfg.seed, cfg.progress)
     model.fit(doc_emb, data.trn.targets, data.num_labels, tokens=tokens, module3=(clf.weights_, clf.bias_),
               centroids=centroids.vectors_, target_weights=data.trn.weights)
+    check_fitted("tree classifier", f"lower tree.lr, or train with vector_dtype float32 (not {cfg.vector_dtype})",
+                 {"classifier_weights": model.arrays_["classifier_weights"]}, cfg.vector_dtype)
     model.arrays_["classifier_weights"] = as_served(model.arrays_["classifier_weights"], cfg.vector_dtype)
     return model
+
+
+def _encoder_arrays(encoder: SiameseEncoder) -> dict[str, torch.Tensor]:
+    """The encoder's learned tensors, named for a divergence message."""
+    return {f"the encoder's {name}": tensor for name, tensor in encoder.state_dict().items()}
+
+
+def _centroids(cfg: TrainConfig, doc_emb: np.ndarray, y: sp.csr_matrix, label_emb: np.ndarray) -> Centroids:
+    """The label centroids, checked (a centroid not finite met the centroid index later, and
+    export named hnsw_mu.bin, not the setting)."""
+    centroids = Centroids(cfg.centroid_label_weight).fit(doc_emb, y, label_emb)
+    check_fitted("centroids", "lower centroid_label_weight", {"the centroids": centroids.vectors_})
+    return centroids
+
+
+def _check_module3(cfg: TrainConfig, clf: OneVsAll, encoder: SiameseEncoder) -> None:
+    """Module III's classifiers, loss and (fine-tuned with them) encoder finite and, the weights,
+    within the vector_dtype the bundle stores them in; the advice names the settings in effect."""
+    settings = ["m3_lr", *(["m3_encoder_lr"] if cfg.m3_train_encoder else []),
+                *(["m3_softmax_weight"] if cfg.m3_softmax_weight > 0 else []),
+                *(["m3_d"] if cfg.classifier_form == "paper" else [])]
+    advice = f"lower {' or '.join(settings)}"
+    check_fitted("Module III", advice, {"the classifiers' weights": clf.weights_, "the classifiers' bias": clf.bias_,
+                                        **(_encoder_arrays(encoder) if cfg.m3_train_encoder else {}),
+                                        "its loss": clf.losses_})
+    check_fitted("Module III", f"{advice}, or train with vector_dtype float32 (not {cfg.vector_dtype})",
+                 {"the classifiers' weights": clf.weights_}, cfg.vector_dtype)
+
+
+def _check_lexical(lexical: TokenTable | None) -> None:
+    """The token table's logistic form finite (the shares are ratios of counts: always finite)."""
+    for table in lexical.tables_ if lexical is not None else []:
+        if table.form == "logistic":
+            check_fitted("lexical table", "lower lexical_lr or raise lexical_l2",
+                         {"its weights": table.weights, "its bias": table.bias, "its loss": lexical.losses_})
 
 
 def _module3_validation(cfg: TrainConfig, data: TrainingSet, encoder: SiameseEncoder,

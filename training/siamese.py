@@ -7,6 +7,8 @@ documents) and, every `refresh_every` epochs, from an HNSW index over the label 
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import scipy.sparse as sp
 import torch
@@ -48,6 +50,8 @@ class SiameseTrainer:
                 order, self.batch_size,
                 lambda batch, negatives=ann_neg: self._loss(encoder, docs, labels, y, batch, negatives, device, rng),
                 opts, f"Module I epoch {epoch + 1}/{self.epochs}", self.progress))
+            if not math.isfinite(self.losses_[-1]):
+                break  # diverged: the pipeline's stage check names the setting
         encoder.sparse_grad = False
         encoder.eval()
         return self

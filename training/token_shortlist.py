@@ -16,6 +16,7 @@ table's slots, so it costs what the shares cost to serve and scales with V x k, 
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -107,7 +108,8 @@ def fit_token_logistic(
     each training document's token candidates (the labels of its tokens' first k slots), with
     binary cross-entropy summed over them, averaged over documents, plus l2 * ||W||^2. A
     document's targets outside its candidates cannot be scored by it and are left out. Stops
-    after the first epoch whose loss is less than `tol` (relative) below the one before.
+    after the first epoch whose loss is less than `tol` (relative) below the one before, or is
+    not finite (a diverged fit: its last loss says so).
     doc_tokens / doc_weights: padded token ids and their tf-idf weights [N, T], as served.
     """
     if not 1 <= k <= table.shape[1]:
@@ -144,12 +146,15 @@ def fit_token_logistic(
             z = z + bias[torch.from_numpy(cand).to(device)]
             fit = F.binary_cross_entropy_with_logits(z, torch.from_numpy(target).to(device), reduction="sum")
             loss = fit / len(batch) + l2 * theta.pow(2).sum()
+            if not math.isfinite(float(loss.detach())):  # diverged: no more steps on NaN (the caller names why)
+                total = float(loss.detach())
+                break
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
             total += float(fit.detach())
         losses.append(total / max(len(order), 1))
-        if len(losses) > 1 and losses[-2] - losses[-1] < tol * losses[-2]:
+        if not math.isfinite(losses[-1]) or (len(losses) > 1 and losses[-2] - losses[-1] < tol * losses[-2]):
             break
     mask = torch.from_numpy(slots >= 0).to(device)
     weights = np.zeros(table.shape, dtype=np.float32)

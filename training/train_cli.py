@@ -4,10 +4,10 @@ training.aggregated.train_aggregated."""
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 
+from service.engine.jsonlines import strict_dumps
 from training.aggregated import train_aggregated
 from training.checkpoint import Checkpoint
 from training.config import TrainConfig, read_config_file
@@ -59,6 +59,6 @@ def _retune(args: argparse.Namespace) -> int:
 
 def _save(ckpt: Checkpoint, out_dir: str) -> int:
     out = ckpt.save(out_dir)
-    print(json.dumps({"checkpoint": str(out), "metrics": ckpt.metrics, "scoring": ckpt.scoring.model_dump()},
-                     indent=2))
+    print(strict_dumps({"checkpoint": str(out), "metrics": ckpt.metrics, "scoring": ckpt.scoring.model_dump()},
+                       "the training's record", indent=2))
     return 0

@@ -13,6 +13,7 @@ weighted count per slot, which np.bincount takes in one pass.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ import numpy as np
 
 from service.engine.tree_lexical import MAX_NODE_LEXICAL_BITS, NodeLexical, Tokens
 from training.distinct_keys import distinct
+from training.divergence import check_fitted
 from training.progress import Progress
 from training.tree import LabelTree
 
@@ -103,14 +105,16 @@ class NodeLexicalFit:
                 docs = order[begin : begin + self.batch_docs]
                 total += self._step(tree, work, sum_sq, z, words, doc_start, docs, pair_label)
                 self.steps_ += 1
+                if not math.isfinite(total):
+                    break  # diverged: the check below names the setting
             self.losses_.append(total / max(1, len(pair_doc)))
             log.info("tree node lexical: epoch %d, loss %.4f a pair, %.1fs", epoch + 1, self.losses_[-1],
                      time.perf_counter() - t0)
-            if self.steps_ >= self.max_steps:
+            if self.steps_ >= self.max_steps or not math.isfinite(total):
                 break
+        check_fitted("tree node lexical", "lower tree.node_lexical_lr or raise tree.node_lexical_l2",
+                     {"its table": work.table, "its loss": self.losses_}, "float16")
         self.table_ = work.table.astype(np.float16)
-        if not np.isfinite(self.table_).all():
-            raise ValueError("node lexical: the fitted table does not fit float16 (lower lr or raise l2)")
         return self
 
     def _step(self, tree: LabelTree, work: NodeLexical, sum_sq: np.ndarray, z: np.ndarray, words: _DocWords,

@@ -38,6 +38,7 @@ the baseline of bench/tree.py.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -47,6 +48,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from training.divergence import check_fitted
 from training.progress import Progress
 from training.tree import LabelTree, flatten_pairs, pair_weights, sample_targets
 from training.tree_config import resolve_config
@@ -155,7 +157,8 @@ class TreeClassifier:
                 run.elapsed += time.perf_counter() - t0
                 if callback is not None and callback_every and run.steps % callback_every == 0:
                     callback(run.elapsed, run.steps, run.export())
-                if time_budget is not None and run.elapsed >= time_budget:
+                # a loss that is not finite: diverged (AdversarialTree's check names the setting)
+                if not math.isfinite(total) or (time_budget is not None and run.elapsed >= time_budget):
                     stop = True
                     break
             losses.append(total / max(batches, 1))
@@ -384,7 +387,8 @@ def one_vs_all_start(cfg: dict[str, Any], module3: tuple[np.ndarray, np.ndarray]
         raise ValueError("tree config start_centroids > 0 needs the label centroids")
     if centroids.shape != w.shape:
         raise ValueError(f"label centroids {centroids.shape} do not match the classifiers {w.shape}")
-    return np.asarray(w, dtype=np.float32) + np.float32(gamma) * np.asarray(centroids, dtype=np.float32), b
+    with np.errstate(over="ignore", invalid="ignore"):  # a start past float32 is refused by the check after it
+        return np.asarray(w, dtype=np.float32) + np.float32(gamma) * np.asarray(centroids, dtype=np.float32), b
 
 
 def classifier_from_config(cfg: dict[str, Any], seed: int, sampler: str = "adversarial",
@@ -432,6 +436,9 @@ class AdversarialTree:
             if module3 is None:
                 raise ValueError("tree config start 'one_vs_all' needs Module III's classifiers")
             start = one_vs_all_start(cfg, module3, centroids)
+            # Module III's classifiers were checked: a start that is not finite is start_centroids'.
+            check_fitted("tree classifier", "lower tree.start_centroids",
+                         {"its start (Module III's classifiers + start_centroids x centroids)": start[0]})
         for key in ("lexical", "node_lexical"):
             if cfg[key] and tokens is None:
                 raise ValueError(f"tree config {key} needs the documents' tokens")
@@ -452,6 +459,7 @@ class AdversarialTree:
         one_vs_all = cfg["start"] == "one_vs_all"
         tree = fit_p_n(cfg, self.seed, doc_embeddings, sample_targets(targets, target_weights, self.seed), num_labels,
                        tokens, self.progress)
+        check_fitted("tree p_n", "raise tree.lambda_n", tree.arrays())
         if not cfg["lexical"]:
             lexical = None
         elif lexical is None:
@@ -460,9 +468,12 @@ class AdversarialTree:
             lexical = lexical_start_from_config(cfg, self.seed, tokens, targets, num_labels, target_weights)
             log.info("tree classifier: lexical rows (%d pairs)%s in %.1fs", len(lexical.keys),
                      " and their one-vs-all start" if one_vs_all else "", time.perf_counter() - t0)
+            check_fitted("tree lexical start", "lower tree.lexical_lr or raise tree.lexical_l2",
+                         {"its weights": lexical.weights, "its bias": lexical.hit_bias})
         clf = classifier_from_config(cfg, self.seed, progress=self.progress).fit(
             doc_embeddings, targets, num_labels, tree, tokens=tokens, lexical=lexical,
             start=start, target_weights=target_weights)
+        check_fitted("tree classifier", "lower tree.lr", {**clf.arrays_, "its loss": clf.fit_stats_["losses"]})
         self.arrays_ = {**tree.arrays(), **clf.arrays_, "default_beam": np.asarray(int(cfg["beam"]), dtype=np.int64)}
         return self
 

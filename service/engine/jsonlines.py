@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import os
 import re
 import stat
@@ -114,6 +115,31 @@ def iter_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
                 yield lineno, row
     except (OSError, EOFError) as exc:
         raise ValueError(f"{path}: cannot read file: {os_reason(exc)}") from None
+
+
+def non_finite_at(value: Any, path: str = "") -> str | None:
+    """Where a JSON-like value (dicts, lists, numbers) holds NaN or an infinity: its path
+    ("metrics.losses[2]"; "" for the value itself), None where it holds neither."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else path
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list | tuple) else ()
+    for key, item in items:
+        found = non_finite_at(item, f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
+
+
+def strict_dumps(value: Any, what: str, indent: int | None = None) -> str:
+    """`value` as JSON, refused (ValueError naming `what` and where) if it holds NaN or an
+    infinity: Python's json writes them as bare NaN / Infinity tokens, which RFC 8259 and every
+    reader here (orjson) refuse, so a file written that way was called corrupt by its own loader."""
+    try:
+        return json.dumps(value, indent=indent, allow_nan=False)
+    except ValueError:
+        where = non_finite_at(value)
+        raise ValueError(f"{what}: {where or 'the value'} is not a finite number (JSON holds no NaN or infinity): "
+                         "not written") from None
 
 
 def json_kind(value: Any) -> str:

@@ -94,6 +94,8 @@ from pydantic import (
     model_validator,
 )
 
+from service.engine.jsonlines import non_finite_at
+
 # Format 2 added, each optional (a format-1 bundle has none of them):
 # - the encoder's initializers in encoder.onnx.data (format 1: inside encoder.onnx);
 # - float16 [L, D] label vectors (`Manifest.vector_dtype`; format 1: float32);
@@ -396,6 +398,10 @@ class Manifest(_Strict):
             depth += bool(level)
             if depth > MAX_RECORD_DEPTH:
                 raise ValueError(f"nested deeper than {MAX_RECORD_DEPTH} levels")
+        # pydantic writes a NaN here as null, silently: a writer holding one is refused instead.
+        where = non_finite_at(value)
+        if where is not None:
+            raise ValueError(f"{where or 'a value'} is not a finite number (JSON holds no NaN or infinity)")
         return value
 
     @model_validator(mode="after")
