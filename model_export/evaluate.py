@@ -18,8 +18,9 @@ import argparse
 import logging
 import sys
 import time
+from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -34,6 +35,9 @@ from service.engine.metrics import (
 from service.engine.predictor import Predictor
 from training.data import LabelSet, Split, find_split_file, load_labels, load_split, own_label_ids
 from training.progress import Progress
+
+if TYPE_CHECKING:  # imported where used (serving_text_check), as before: not by every importer of this module
+    from service.api.schemas import TextCheck
 
 EVAL_BATCH = 256
 METRICS = ("P@1", "P@3", "P@5", "nDCG@1", "nDCG@3", "nDCG@5", "PSP@1", "PSP@3", "PSP@5")
@@ -93,8 +97,9 @@ def evaluate_bundle(
         # The tree route has no alpha mix: scored without it, the run would report numbers the
         # flag never changed.
         raise ValueError("--alpha mixes the alpha route's scores; the tree route (--scorer tree) has no alpha")
-    max_chars = serving_text_limit()  # before any work: a bad value is refused at once
+    text_check = serving_text_check()  # before any work: a bad value is refused at once
     predictor = predictor or Predictor.load(bundle_dir)
+    check_scorer(predictor, scorer)  # before the data is read
     manifest = predictor.bundle.manifest
     field, num_labels = text_field or manifest.text_field, manifest.num_labels
     docs = load_split(data_dir, split, field, num_labels=num_labels)
@@ -121,9 +126,7 @@ def evaluate_bundle(
     out: dict[str, Any] = {"bundle": predictor.version, "split": split, "scorer": scorer, "protocol": protocol,
                            "filtered_pairs": sum(len(d) for d in left_out), "documents": len(docs),
                            "documents_without_labels": unlabelled}
-    # What is measured is what is served: a text past the API's limit is scored here, refused there.
-    out["documents_past_max_text_chars"] = sum(1 for text in docs.texts if len(text) > max_chars)
-    out["max_text_chars"] = max_chars
+    out.update(refused_texts(docs.texts, text_check))
     out.update(retired_truths=answerable.truths_left_out, leave_out_retired=leave_out_retired,
                documents_only_retired_truths=int((~answerable.scored).sum()))
     if inv_prop is None:
@@ -168,12 +171,46 @@ def _predict_all(predictor: Predictor, texts: list[str], left_out: list[list[int
     return ids, shortlists, elapsed
 
 
-def serving_text_limit() -> int:
-    """The API's MAX_TEXT_CHARS as this environment sets it (SHORTLIST_MAX_TEXT_CHARS, checked as
-    `shortlist serve` checks it: a bad value is a ValueError naming it), else its default."""
-    from service.api.settings import environment_setting
+def check_scorer(predictor: Predictor, scorer: str) -> None:
+    """ValueError when the bundle cannot answer on `scorer`'s route, as POST /v1/predict/tree
+    answers 409 no_tree_scorer (the engine's LookupError, raised mid-run, was a traceback)."""
+    if scorer != "tree":
+        return
+    if predictor.bundle.tree is None:
+        why = "a shard carries none" if predictor.bundle.manifest.shard is not None else \
+            "trained with tree_enabled false"
+        raise ValueError(f"bundle {predictor.version} has no tree scorer ({why}): use --scorer alpha")
+    if not predictor.tree_serves:
+        raise ValueError(f"every label the tree of bundle {predictor.version} holds is retired (labels added "
+                         "since training join it at the next training): use --scorer alpha")
 
-    return int(environment_setting("max_text_chars"))
+
+def serving_text_check() -> TextCheck:
+    """The API's check of a text under this environment's SHORTLIST_MAX_TEXT_CHARS and
+    SHORTLIST_MAX_NORMALIZED_CHARS, checked as `shortlist serve` checks them (a bad value is a
+    ValueError naming it), else their defaults."""
+    from service.api.schemas import TextCheck
+    from service.api.settings import environment_text_limits
+
+    return TextCheck(environment_text_limits())
+
+
+# Per reason (TextCheck.refusal) the key counting the evaluated documents whose text it refuses.
+REFUSED_COUNTS = {"blank": "documents_blank_text", "past_max_text_chars": "documents_past_max_text_chars",
+                  "past_max_normalized_chars": "documents_past_max_normalized_chars"}
+
+
+def refused_texts(texts: list[str], check: TextCheck) -> dict[str, int]:
+    """What is measured is what is served: the texts scored here that POST /v1/predict refuses
+    (422), counted by the API's own validator, by reason, each under the first it fails (as a
+    request's error names one), and the limits in force. They are scored all the same, so a
+    figure stays comparable with one of the whole split."""
+    reasons = Counter(check.refusal(text) for text in texts)
+    out = {key: reasons[reason] for reason, key in REFUSED_COUNTS.items()}
+    out["documents_refused_by_api"] = sum(out.values())
+    out["max_text_chars"] = check.settings.max_text_chars
+    out["max_normalized_chars"] = check.settings.normalized_text_limit
+    return out
 
 
 def check_same_labels(labels: LabelSet, predictor: Predictor, data_dir: str | Path) -> None:
@@ -219,14 +256,27 @@ def run_cli(args: argparse.Namespace) -> int:
     for name in (*METRICS, "recall@shortlist", "queries_per_s"):
         if name in result:
             print(f"  {name:<18} {result[name]:10.2f}")
-    if result["documents_past_max_text_chars"]:
-        print(f"  {result['documents_past_max_text_chars']} documents are longer than MAX_TEXT_CHARS "
-              f"({result['max_text_chars']}): scored here, refused by the API (422)")
+    if result["protocol"] != "plain" and not result["filtered_pairs"]:
+        print(f"  protocol {result['protocol']} left nothing out"
+              f"{' (no document uid is a label uid)' if result['protocol'] == 'own' else ''}: scored as plain")
+    if result["documents_refused_by_api"]:
+        print(f"  {_refused_note(result)}")
     if result["retired_truths"]:
         print(f"  {_retired_note(result)}")
     if "psp_not_measured" in result:
         print(f"  PSP@k not measured: {result['psp_not_measured']}")
     return 0
+
+
+def _refused_note(result: dict[str, Any]) -> str:
+    """How many scored texts POST /v1/predict would refuse, and why."""
+    why = {"documents_blank_text": "empty or blank",
+           "documents_past_max_text_chars": f"longer than MAX_TEXT_CHARS ({result['max_text_chars']})",
+           "documents_past_max_normalized_chars": f"longer than MAX_NORMALIZED_CHARS "
+                                                  f"({result['max_normalized_chars']}) after NFKC"}
+    parts = ", ".join(f"{result[key]} {text}" for key, text in why.items() if result[key])
+    return (f"{result['documents_refused_by_api']} documents have a text the API refuses (422): {parts}; "
+            "scored here all the same")
 
 
 def _retired_note(result: dict[str, Any]) -> str:

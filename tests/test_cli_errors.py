@@ -257,3 +257,27 @@ def test_eval_refuses_alpha_with_the_tree_scorer(capsys, bundle_root, synthetic_
     err = _refused(capsys, ["eval", str(bundle_root / "v1"), "--data", str(synthetic_data), "--scorer", "tree",
                             "--alpha", "0.5"], "eval")
     assert "--alpha" in err and "--scorer tree" in err, err
+
+
+@pytest.fixture(scope="module")
+def bundle_without_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A bundle trained with tree_enabled false, on a small dataset of its own (~4 s)."""
+    from model_export.export import export_checkpoint
+    from training.config import TrainConfig
+    from training.pipeline import train
+    from training.synthetic import generate
+
+    work = tmp_path_factory.mktemp("no-tree")
+    generate(work / "data", num_labels=40, train_docs=300, test_docs=40, seed=0)
+    cfg = TrainConfig.from_dict({"tree_enabled": False, "m1_epochs": 1, "m3_epochs": 1}, TrainConfig.tiny())
+    train(work / "data", cfg, seed=1).save(work / "ckpt")
+    return export_checkpoint(work / "ckpt", work / "bundles", "v1")
+
+
+def test_eval_on_the_tree_route_of_a_bundle_without_a_tree_is_refused_before_the_data_is_read(
+        capsys, bundle_without_tree, tmp_path):
+    """Audit 7 F7: a traceback (the engine's LookupError, exit 1) after the data was read; the HTTP
+    route answers 409 no_tree_scorer. A folder with no data in it shows the data was not read."""
+    err = _refused(capsys, ["eval", str(bundle_without_tree), "--data", str(tmp_path), "--scorer", "tree"], "eval")
+    assert err == ("shortlist eval: error: bundle v1 has no tree scorer (trained with tree_enabled false): "
+                   "use --scorer alpha")

@@ -496,6 +496,71 @@ def test_eval_counts_the_documents_the_api_would_refuse_as_too_long(bundle_root,
     assert result["documents_past_max_text_chars"] == sum(len(t) > 40 for t in texts) > 0
 
 
+def _with_tst_texts(synthetic_data: Path, folder: Path, edit: dict[int, str]) -> Path:
+    """A copy of the data whose tst documents at the rows of `edit` have those titles."""
+    import gzip
+
+    shutil.copytree(synthetic_data, folder)
+    rows = [json.loads(line) for line in gzip.open(folder / "tst.json.gz", "rt")]
+    for row, title in edit.items():
+        rows[row]["title"] = title
+    with gzip.open(folder / "tst.json.gz", "wt") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    return folder
+
+
+def test_eval_counts_every_text_the_api_refuses_by_reason(bundle_root, synthetic_data, tmp_path, monkeypatch,
+                                                          capsys):
+    """Audit 7 F8: empty, blank and past-MAX_NORMALIZED_CHARS texts (422 over HTTP) were scored
+    without a word (170 of 300, `documents_past_max_text_chars: 0`). Each is counted by the API's
+    own validator, by reason, and still scored (the figure stays comparable)."""
+    from model_export.evaluate import evaluate_bundle
+    from service.api.schemas import RequestModels
+    from service.api.settings import load_settings
+
+    ligatures = "\ufdfa" * 300  # 300 characters, 5,400 after NFKC: past the default 4,000 only in that form
+    edit = {0: "", 1: "", 2: "   ", 3: "\u200b\u00a0", 4: "a" + ligatures, 5: "b" + ligatures, 6: "c" * 2001}
+    data = _with_tst_texts(synthetic_data, tmp_path / "data", edit)
+    result = evaluate_bundle(bundle_root / "v1", data)
+    assert {k: result[k] for k in ("documents_blank_text", "documents_past_max_text_chars",
+                                   "documents_past_max_normalized_chars", "documents_refused_by_api",
+                                   "max_normalized_chars", "documents")} == {
+        "documents_blank_text": 4, "documents_past_max_text_chars": 1, "documents_past_max_normalized_chars": 2,
+        "documents_refused_by_api": 7, "max_normalized_chars": 4000, "documents": 300}
+    # The same texts as POST /v1/predict's body: refused exactly these.
+    predict = RequestModels(load_settings()).predict
+    refused = [row for row, title in edit.items() if not _validates(predict, title)]
+    assert refused == list(edit)
+    monkeypatch.setenv("SHORTLIST_MAX_NORMALIZED_CHARS", "6000")  # honoured as SHORTLIST_MAX_TEXT_CHARS is
+    assert evaluate_bundle(bundle_root / "v1", data, limit=10)["documents_past_max_normalized_chars"] == 0
+    monkeypatch.setenv("SHORTLIST_MAX_NORMALIZED_CHARS", "1999")  # below MAX_TEXT_CHARS: serve refuses it
+    with pytest.raises(ValueError, match="SHORTLIST_MAX_NORMALIZED_CHARS=1999 is below SHORTLIST_MAX_TEXT_CHARS"):
+        evaluate_bundle(bundle_root / "v1", data, limit=10)
+    monkeypatch.delenv("SHORTLIST_MAX_NORMALIZED_CHARS")
+    assert cli_main(["eval", str(bundle_root / "v1"), "--data", str(data)]) == 0
+    assert ("7 documents have a text the API refuses (422): 4 empty or blank, 1 longer than MAX_TEXT_CHARS "
+            "(2000), 2 longer than MAX_NORMALIZED_CHARS (4000) after NFKC; scored here all the same"
+            ) in capsys.readouterr().out
+
+
+def _validates(model: type, text: str) -> bool:
+    from pydantic import ValidationError
+
+    try:
+        model.model_validate({"text": text})
+    except ValidationError:
+        return False
+    return True
+
+
+def test_eval_says_when_its_filter_left_nothing_out(bundle_root, synthetic_data, capsys):
+    """Audit 7 I6: `--filter own` on data where no document is a label scored as plain, said only
+    by `filtered_pairs: 0` in --json."""
+    assert cli_main(["eval", str(bundle_root / "v1"), "--data", str(synthetic_data), "--filter", "own",
+                     "--limit", "20"]) == 0
+    assert "protocol own left nothing out (no document uid is a label uid): scored as plain" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(("value", "why"), [
     ("2k", "valid integer"), ("0", "greater than or equal to 1"), ("16777217", "less than or equal to 16777216"),
 ])

@@ -24,12 +24,13 @@ from service.engine.candidates import CandidateSources
 from service.engine.metrics import Truths, label_frequencies, propensities, ranking_metrics
 from service.engine.schema import Shortlist
 from service.engine.scorers import Calibration, LabelScorer
+from service.engine.tokenizer import Tokenizer
 from shortlist.cli import main as cli_main
 from training.checkpoint import Checkpoint
 from training.classifiers import OneVsAll
 from training.config import DEFAULT_OBJECTIVE, M3_ALL_MAX_LABELS, TrainConfig
 from training.data import load_split
-from training.dataset import TrainingSet, target_matrix
+from training.dataset import TokenizerFit, TrainingSet, no_token_cause, target_matrix
 from training.encoder import EncodedTexts, embed
 from training.pipeline import train
 from training.progress import Progress
@@ -666,6 +667,33 @@ def test_data_that_cannot_teach_exits_2_naming_the_file_before_training(syntheti
             err = capsys.readouterr().err
             assert err == f"shortlist train: error: {data / 'trn.jsonl'}: {message}\n"
     assert "Module I" not in caplog.text and not (tmp_path / "ck").exists()  # refused before the long part
+
+
+def test_no_token_of_the_vocabulary_names_its_actual_cause(synthetic_data, tmp_path, capsys):
+    """Audit 7 F6: every title empty, and a min_df that empties the vocabulary, were both refused as
+    texts of "symbols, emoji or other characters the tokenizer drops": a user looked for an
+    encoding problem that was not there."""
+    rows = [json.loads(line) for line in gzip.open(synthetic_data / "trn.json.gz", "rt")][:200]
+    untitled = _dataset(tmp_path / "untitled", synthetic_data, [{**r, "title": ""} for r in rows])
+    tiny, min_df = tmp_path / "tiny.json", tmp_path / "min_df.json"
+    tiny.write_text('{"preset": "tiny"}')
+    min_df.write_text('{"preset": "tiny", "min_df": 1000000}')
+    cases = [(untitled, tiny, "(all 190 texts are empty or blank: the text field is title; --text-field "
+                              "title+content reads the content too)"),
+             (_dataset(tmp_path / "words", synthetic_data, rows), min_df,
+              "(min_df 1000000 left the vocabulary empty: the most frequent token, ")]
+    for data, cfg, message in cases:
+        assert cli_main(["train", "--data", str(data), "--out", str(tmp_path / "ck"), "--config", str(cfg)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "symbols, emoji" not in err, err
+    # Words in the texts, none kept by the vocabulary (its one token is only in the label texts).
+    fitted_on = ["gamma delta", "gamma", "alpha beta"]
+    fit = TokenizerFit(Tokenizer.fit(fitted_on, min_df=2), fitted_on, "title")
+    cause = no_token_cause(["alpha beta"], fit, dataclasses.replace(TrainConfig.tiny(), min_df=2))
+    assert cause == ("1 of the 1 texts have words, none among the vocabulary's 1 tokens (min_df 2, max_vocab "
+                     f"{TrainConfig.tiny().max_vocab}): the most frequent token, 'gamma', is in 2 of the 3 texts "
+                     "it was fitted on (training documents and labels)")
+    assert "symbols, emoji" in no_token_cause(["\u2603 \U0001F600", ""], fit, TrainConfig.tiny())
 
 
 def test_the_data_minimums_are_enforced_at_and_past_their_edges_and_small_data_is_recorded(synthetic_data, tmp_path):

@@ -96,7 +96,8 @@ def _require_split_file(data_dir: str | Path, split: str) -> Path:
 
 def row_targets(row: dict[str, Any], path: Path, lineno: int, num_labels: int | None) -> list[int]:
     """target_ind: label rows (integers in range; duplicates dropped, as a hit must count once in
-    P@k), and target_rel, when present, a non-negative number for each."""
+    P@k), and target_rel, when present, a non-negative number for each: checked, never used (every
+    listed label is a positive of weight 1 and a truth of eval, whatever its relevance: README)."""
     if "target_ind" not in row:
         raise ValueError(f"{path}:{lineno}: missing field 'target_ind'")
     target = row["target_ind"]

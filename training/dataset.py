@@ -5,16 +5,17 @@ sparse matrix and the propensities of the training labels."""
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import scipy.sparse as sp
 
 from service.engine.metrics import Truths, label_frequencies, propensities
-from service.engine.tokenizer import Tokenizer
+from service.engine.tokenizer import Tokenizer, is_blank
 from training import data as xc_data
 from training.config import TrainConfig
 from training.encoder import EncodedTexts
@@ -63,11 +64,13 @@ class TrainingSet:
         trn = full_trn.subset(sorted(perm[n_val:].tolist()))
         log.info("data: %d train, %d validation, %d test documents, %d labels (%s)",
                  len(trn), len(val), len(tst) if tst else 0, len(labels), text_field)
-        tokenizer = Tokenizer.fit([*trn.texts, *labels.texts], min_df=cfg.min_df, max_vocab=cfg.max_vocab,
+        fitted_on = [*trn.texts, *labels.texts]
+        tokenizer = Tokenizer.fit(fitted_on, min_df=cfg.min_df, max_vocab=cfg.max_vocab,
                                   max_tokens=cfg.max_tokens, scheme=cfg.token_scheme)
         log.info("tokenizer: %d tokens", tokenizer.vocab_size - 1)
         docs, val_texts = EncodedTexts.of(tokenizer, trn.texts), EncodedTexts.of(tokenizer, val.texts)
-        warnings = check_teachable(str(source), trn, docs, val, val_texts, cfg)
+        warnings = check_teachable(str(source), trn, docs, val, val_texts, cfg,
+                                   TokenizerFit(tokenizer, fitted_on, text_field))
         freq = label_frequencies(trn.targets, len(labels))
         return cls(
             labels, trn, val, tst, tokenizer, docs, EncodedTexts.of(tokenizer, labels.texts), val_texts,
@@ -90,8 +93,16 @@ class TrainingSet:
                 if val.targets[i]]
 
 
+class TokenizerFit(NamedTuple):
+    """The tokenizer and what it was fitted from: what tells why no training document has a token."""
+
+    tokenizer: Tokenizer
+    texts: list[str]  # the training documents' and the labels' texts
+    text_field: str  # "title" or "title+content"
+
+
 def check_teachable(source: str, trn: xc_data.Split, docs: EncodedTexts, val: xc_data.Split,
-                    val_texts: EncodedTexts, cfg: TrainConfig) -> list[str]:
+                    val_texts: EncodedTexts, cfg: TrainConfig, fit: TokenizerFit) -> list[str]:
     """ValueError naming `source` (the trn file) when the training documents cannot teach
     anything: none has a label, none has a token of the vocabulary, fewer than min_train_docs
     have both, or the validation split the tuning picks on has fewer than min_val_docs with both
@@ -103,8 +114,8 @@ def check_teachable(source: str, trn: xc_data.Split, docs: EncodedTexts, val: xc
     if not labelled.any():
         raise ValueError(f"{source}: no training document has a label (target_ind is empty in all {len(trn)})")
     if not tokens.any():
-        raise ValueError(f"{source}: no training document has a token of the vocabulary (all {len(trn)} texts are "
-                         "symbols, emoji or other characters the tokenizer drops)")
+        raise ValueError(f"{source}: no training document has a token of the vocabulary "
+                         f"({no_token_cause(trn.texts, fit, cfg)})")
     usable = int((labelled & tokens).sum())
     if usable < cfg.min_train_docs:
         raise ValueError(f"{source}: {usable} training documents have both a label and a token of the vocabulary, "
@@ -125,6 +136,32 @@ def check_teachable(source: str, trn: xc_data.Split, docs: EncodedTexts, val: xc
     for warning in warnings:
         log.warning("small data: %s", warning)
     return warnings
+
+
+def no_token_cause(texts: Sequence[str], fit: TokenizerFit, cfg: TrainConfig) -> str:
+    """Why none of `texts` has a token of the vocabulary, as the cause a user can act on: texts
+    that are empty (a text field that is empty everywhere), texts of no word the tokenizer reads,
+    or a vocabulary that min_df or max_vocab emptied or left without their words (one refusal
+    text for all three sent users looking for an encoding problem that was not there)."""
+    blank = sum(map(is_blank, texts))
+    if blank == len(texts):
+        hint = ": the text field is title; --text-field title+content reads the content too" \
+            if fit.text_field == "title" else ""
+        return f"all {len(texts)} texts are empty or blank{hint}"
+    tokenizer = fit.tokenizer
+    readable = sum(1 for text in texts if tokenizer.tokens(text))
+    if not readable:
+        empty = f"; {blank} of them are empty" if blank else ""
+        return f"all {len(texts)} texts are symbols, emoji or other characters the tokenizer drops{empty}"
+    # Document frequencies as Tokenizer.fit counts them, on its texts: the number min_df is compared to.
+    df = Counter(token for text in fit.texts for token in set(tokenizer.tokens(text)))
+    top, count = min(df.items(), key=lambda item: (-item[1], item[0]))
+    most = f"the most frequent token, {top!r}, is in {count} of the {len(fit.texts)} texts it was fitted on " \
+        "(training documents and labels)"
+    if tokenizer.vocab_size <= 1:
+        return f"min_df {cfg.min_df} left the vocabulary empty: {most}"
+    return (f"{readable} of the {len(texts)} texts have words, none among the vocabulary's {tokenizer.vocab_size - 1} "
+            f"tokens (min_df {cfg.min_df}, max_vocab {cfg.max_vocab}): {most}")
 
 
 def _has_tokens(texts: EncodedTexts) -> np.ndarray:

@@ -9,7 +9,17 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
 
 from service.api.settings import Settings
 from service.engine.schema import VERSION_RE
@@ -48,6 +58,41 @@ def _normalized_within(limit: int) -> AfterValidator:
     return AfterValidator(check)
 
 
+def text_type(settings: Settings) -> Any:
+    """A text to label (a request's `text`, an item of its `texts`, a new label's title) under
+    `settings`' limits: the one definition, for the request models and for TextCheck."""
+    return Annotated[str, StringConstraints(min_length=1, max_length=settings.max_text_chars, pattern=NON_BLANK),
+                     _normalized_within(settings.normalized_text_limit)]
+
+
+# Why the API refuses a text, by the error type its validator (text_type) reports first: the
+# constraints are checked in this order, and a request's text gets one error.
+TEXT_REFUSALS = {
+    "string_too_short": "blank",  # empty
+    "string_pattern_mismatch": "blank",  # whitespace, control or format characters only
+    "string_too_long": "past_max_text_chars",
+    "value_error": "past_max_normalized_chars",
+}
+
+
+class TextCheck:
+    """The API's own check of a text, offline (`shortlist eval` counts the texts it scores that a
+    client could not send): the request models' validator itself, so the two cannot drift."""
+
+    def __init__(self, settings: Settings) -> None:
+        load_unicode_tables()
+        self.settings = settings
+        self._adapter: TypeAdapter[str] = TypeAdapter(text_type(settings))
+
+    def refusal(self, text: str) -> str | None:
+        """Why POST /v1/predict refuses `text` with 422 (a TEXT_REFUSALS value), None when it takes it."""
+        try:
+            self._adapter.validate_python(text)
+        except ValidationError as exc:
+            return TEXT_REFUSALS[exc.errors(include_input=False)[0]["type"]]
+        return None
+
+
 class _Request(BaseModel):
     # Strict: "3" is not a k, 1.5 is not a k, true is not a number.
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -74,8 +119,7 @@ class RequestModels:
     def __init__(self, settings: Settings) -> None:
         load_unicode_tables()  # built here, not by the first request that needs them (~0.25 s)
         normalized = _normalized_within(settings.normalized_text_limit)
-        Text = Annotated[str, StringConstraints(min_length=1, max_length=settings.max_text_chars, pattern=NON_BLANK),  # noqa: N806
-                         normalized]
+        Text = text_type(settings)  # noqa: N806
         Texts = Annotated[list[Text], Field(min_length=1, max_length=settings.max_batch)]  # noqa: N806
 
         class _Predict(_OneOfText):

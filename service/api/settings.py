@@ -468,6 +468,20 @@ def environment_setting(field: str) -> Any:
         raise SettingsError("\n".join(_problem({**error, "loc": (field,)}, {}) for error in errors)) from None
 
 
+def environment_text_limits() -> Settings:
+    """Settings holding MAX_TEXT_CHARS and MAX_NORMALIZED_CHARS as this environment sets them
+    (the rest defaults), each checked as environment_setting checks it and the two checked
+    against each other as load_settings checks them: what `shortlist eval` needs to tell which
+    texts the API would refuse, refused where `serve` would refuse it."""
+    fields = ("max_text_chars", "max_normalized_chars")
+    settings = Settings.model_construct(**{field: environment_setting(field) for field in fields})
+    try:
+        settings._normalized_at_least_raw()
+    except CrossCheck as exc:
+        raise SettingsError(exc.reason.format(**{field: variable_name(field) for field in exc.fields})) from None
+    return settings
+
+
 def offline_store(root: str | Path) -> BundleStore:
     """The places a server of this environment would read beside the bundle root `root`: `root`
     and the state directory (SHORTLIST_STATE_DIR; none when unset). An offline command writing
