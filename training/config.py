@@ -6,17 +6,37 @@ setting does and why its default is what it is.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from service.engine.schema import LEXICAL_FORMS, VECTOR_DTYPES
+from service.engine.schema import LEXICAL_FORMS, MAX_EF_SEARCH, MAX_SOURCE_K, VECTOR_DTYPES
 from service.engine.token_schemes import DEFAULT_SCHEME, SCHEME_PATTERNS
-from training.config_values import AT_LEAST_0, AT_LEAST_1, POSITIVE, Bounds, json_value
+from training.config_values import (
+    BATCH,
+    COUNT_0,
+    COUNT_1,
+    LEARNING_RATE,
+    MAX_HNSW_M,
+    MAX_LEARNING_RATE,
+    MAX_POINTS,
+    MAX_THREADS,
+    PER_ROW_0,
+    PER_ROW_1,
+    POSITIVE_WEIGHT,
+    STEPS_0,
+    STEPS_1,
+    UNIT,
+    WEIGHT,
+    WIDTH_0,
+    WIDTH_1,
+    Bounds,
+    json_value,
+)
 from training.tree_config import resolve_config as resolve_tree_config
+from training.tree_config import setting_bounds as tree_setting_bounds
 
 CLASSIFIER_FORMS = ("paper", "scaled_bias")
 # Metrics the validation tuning can weigh: ranking_metrics at ks (1, 5) with propensities.
@@ -327,39 +347,45 @@ class TrainConfig:
                              "aggregated_validation > 0 to choose it on")
 
 
-# The centroid's label text weight: the centroid is unit(documents' unit mean + w x unit label
-# embedding), so past 1 / float32's epsilon (8.4e6) the documents' part is lost to rounding and a
-# larger w changes nothing; far larger (1e30) its square overflowed and every centroid was 0.
-_LABEL_WEIGHT = Bounds(0, 1e7)
-_UNIT, _FRACTION, _LIKELIHOOD_C = Bounds(0, 1), Bounds(0, 1, open_high=True), Bounds(0, 1, open_low=True)
-# The range of every numeric setting (m3_min_gain and aggregated_keep_ratio may also be null).
-# Settings that count epochs or candidates may be 0 where 0 is documented to turn that part off.
+_FRACTION, _LIKELIHOOD_C = Bounds(0, 1, open_high=True), Bounds(0, 1, open_low=True)
+# A source's k (a manifest's k_w, k_mu, k_head): the engine's limit, every label of the largest sets served.
+_SOURCE_K = Bounds(0, MAX_SOURCE_K)
+_EF = Bounds(1, MAX_EF_SEARCH)  # the manifest's ef_search limit; beyond any build's useful ef_construction too
+_HNSW_M = Bounds(2, MAX_HNSW_M)  # hnswlib divides by log(M): M = 1 is no graph
+_POINTS = Bounds(0, MAX_POINTS)
+_THREADS = Bounds(0, MAX_THREADS)  # 0: every core
+# The range of every numeric setting (m3_min_gain and aggregated_keep_ratio may also be null; the
+# maxima: training.config_values). Settings that count epochs or candidates may be 0 where 0 is
+# documented to turn that part off.
 _BOUNDS: dict[str, Bounds] = {
-    "seed": Bounds(0, 2**32 - 1), "dim": AT_LEAST_1, "threads": AT_LEAST_0, "index_threads": AT_LEAST_0,
-    "min_df": AT_LEAST_1, "max_vocab": AT_LEAST_1, "max_tokens": AT_LEAST_1,
-    "val_fraction": _FRACTION, "val_max_docs": AT_LEAST_1, "validation_rows": AT_LEAST_1,
-    "min_train_docs": AT_LEAST_1, "min_val_docs": AT_LEAST_1, "small_train_docs": AT_LEAST_0,
-    "small_val_docs": AT_LEAST_0,
-    "m1_epochs": AT_LEAST_0, "m1_batch_size": AT_LEAST_1, "m1_lr": POSITIVE, "m1_c": _LIKELIHOOD_C,
-    "m1_d": POSITIVE, "m1_inbatch_negatives": AT_LEAST_0, "m1_refresh_every": AT_LEAST_0,
-    "m1_ann_negatives": AT_LEAST_0,
-    # hnswlib divides by log(M): M = 1 is no graph
-    "hnsw_m": Bounds(2), "hnsw_ef_construction": AT_LEAST_1, "hnsw_ef": AT_LEAST_1,
-    "m2_k_w": AT_LEAST_1, "m2_k_mu": AT_LEAST_1, "centroid_label_weight": _LABEL_WEIGHT,
-    "m3_epochs": AT_LEAST_1, "m3_max_steps": AT_LEAST_1, "m3_min_gain": Bounds(-math.inf, open_low=True),
-    "m3_batch_size": AT_LEAST_1, "m3_lr": POSITIVE, "m3_c": _LIKELIHOOD_C, "m3_d": POSITIVE,
-    "m3_encoder_lr": POSITIVE, "m3_weight_decay": AT_LEAST_0, "m3_softmax_weight": AT_LEAST_0,
-    "index_m": Bounds(2), "index_ef_construction": AT_LEAST_1, "index_ef_search": AT_LEAST_1,
-    "index_projection_dim": AT_LEAST_0, "alpha": _UNIT,
-    "serve_k_w": AT_LEAST_0, "serve_k_mu": AT_LEAST_0, "token_shortlist_width": AT_LEAST_0, "serve_k_tok": AT_LEAST_0,
-    "serve_k_head": AT_LEAST_0, "tune_k_hnsw": AT_LEAST_0, "tune_source_margin": AT_LEAST_0,
-    "tune_source_level": _UNIT, "lexical_epochs": AT_LEAST_1, "lexical_max_steps": AT_LEAST_1,
-    "lexical_tol": AT_LEAST_0, "lexical_lr": AT_LEAST_0, "lexical_l2": AT_LEAST_0, "lexical_batch_size": AT_LEAST_1,
-    "aggregated_iterations": AT_LEAST_0, "aggregated_validation": _FRACTION,
-    "aggregated_min_val_groups": AT_LEAST_1,
-    "aggregated_step": Bounds(0, 1, open_low=True), "aggregated_rounds": AT_LEAST_1, "aggregated_keep_ratio": _UNIT,
+    "seed": Bounds(0, 2**32 - 1), "dim": WIDTH_1, "threads": _THREADS, "index_threads": _THREADS,
+    "min_df": COUNT_1, "max_vocab": COUNT_1, "max_tokens": WIDTH_1,
+    "val_fraction": _FRACTION, "val_max_docs": COUNT_1, "validation_rows": COUNT_1,
+    "min_train_docs": COUNT_1, "min_val_docs": COUNT_1, "small_train_docs": COUNT_0, "small_val_docs": COUNT_0,
+    "m1_epochs": STEPS_0, "m1_batch_size": BATCH, "m1_lr": LEARNING_RATE, "m1_c": _LIKELIHOOD_C,
+    "m1_d": POSITIVE_WEIGHT, "m1_inbatch_negatives": PER_ROW_0, "m1_refresh_every": STEPS_0,
+    "m1_ann_negatives": PER_ROW_0,
+    "hnsw_m": _HNSW_M, "hnsw_ef_construction": _EF, "hnsw_ef": _EF,
+    "m2_k_w": PER_ROW_1, "m2_k_mu": PER_ROW_1, "centroid_label_weight": WEIGHT,
+    "m3_epochs": STEPS_1, "m3_max_steps": STEPS_1, "m3_min_gain": Bounds(-MAX_POINTS, MAX_POINTS),
+    "m3_batch_size": BATCH, "m3_lr": LEARNING_RATE, "m3_c": _LIKELIHOOD_C, "m3_d": POSITIVE_WEIGHT,
+    "m3_encoder_lr": LEARNING_RATE, "m3_weight_decay": WEIGHT, "m3_softmax_weight": WEIGHT,
+    "index_m": _HNSW_M, "index_ef_construction": _EF, "index_ef_search": _EF,
+    "index_projection_dim": WIDTH_0, "alpha": UNIT,
+    "serve_k_w": _SOURCE_K, "serve_k_mu": _SOURCE_K, "token_shortlist_width": PER_ROW_0, "serve_k_tok": PER_ROW_0,
+    "serve_k_head": _SOURCE_K, "tune_k_hnsw": _SOURCE_K, "tune_source_margin": _POINTS,
+    "tune_source_level": UNIT, "lexical_epochs": STEPS_1, "lexical_max_steps": STEPS_1,
+    "lexical_tol": UNIT, "lexical_lr": Bounds(0, MAX_LEARNING_RATE), "lexical_l2": WEIGHT, "lexical_batch_size": BATCH,
+    "aggregated_iterations": STEPS_0, "aggregated_validation": _FRACTION,
+    "aggregated_min_val_groups": COUNT_1,
+    "aggregated_step": Bounds(0, 1, open_low=True), "aggregated_rounds": STEPS_1, "aggregated_keep_ratio": UNIT,
     "aggregated_min_posterior": _FRACTION,
 }
+
+
+def setting_bounds() -> dict[str, Bounds]:
+    """The range of every numeric setting, the tree's by their names in a config (tree.beam)."""
+    return {**_BOUNDS, **tree_setting_bounds()}
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -374,8 +400,7 @@ def check_objective(objective: dict[str, float]) -> None:
     if unknown:
         raise ValueError(f"tune_objective: unknown metrics {unknown}; known: {', '.join(TUNABLE_METRICS)}")
     for name, weight in objective.items():
-        if isinstance(weight, bool) or not isinstance(weight, int | float) or not math.isfinite(weight) or weight < 0:
-            raise ValueError(f"tune_objective[{name!r}] must be a finite number >= 0, got {weight!r}")
+        WEIGHT.check(f"tune_objective.{name}", weight, integer=False)
     if not any(objective.values()):
         raise ValueError("tune_objective: all weights are 0, nothing to maximise")
 

@@ -5,8 +5,21 @@ from __future__ import annotations
 
 from typing import Any
 
+from service.engine.tree import MAX_BEAM
 from service.engine.tree_lexical import MAX_NODE_LEXICAL_BITS
-from training.config_values import AT_LEAST_0, AT_LEAST_1, POSITIVE, Bounds, json_value
+from training.config_values import (
+    BATCH,
+    LEARNING_RATE,
+    PER_ROW_1,
+    POSITIVE_WEIGHT,
+    STEPS_0,
+    STEPS_1,
+    UNIT,
+    WEIGHT,
+    WIDTH_1,
+    Bounds,
+    json_value,
+)
 
 DEFAULT_CONFIG: dict[str, Any] = {
     # the tree p_n
@@ -71,19 +84,24 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "beam": 128,
 }
 
-# The range of every numeric setting. A setting that counts steps or epochs may be 0 (that part
-# is not trained).
+# The range of every numeric setting (the maxima: training.config_values). A setting that counts
+# steps or epochs may be 0 (that part is not trained).
 _BOUNDS: dict[str, Bounds] = {
-    "pca_dim": AT_LEAST_1, "newton_steps": AT_LEAST_1, "max_rounds": AT_LEAST_1,
-    "node_lexical_bits": Bounds(1, MAX_NODE_LEXICAL_BITS), "node_lexical_epochs": AT_LEAST_0,
-    "node_lexical_max_steps": AT_LEAST_0, "node_lexical_batch": AT_LEAST_1, "negatives": AT_LEAST_1,
-    "lexical_width": AT_LEAST_1, "lexical_epochs": AT_LEAST_0, "lexical_max_steps": AT_LEAST_1, "epochs": AT_LEAST_0,
-    "batch_size": AT_LEAST_1, "beam": AT_LEAST_1,
-    "lambda_n": POSITIVE, "node_lexical_lr": POSITIVE, "lexical_lr": POSITIVE, "lr": POSITIVE,
-    "node_lexical_l2": AT_LEAST_0, "lambda": AT_LEAST_0, "weight_decay": AT_LEAST_0, "start_centroids": AT_LEAST_0,
-    "lexical_tol": AT_LEAST_0, "lexical_l2": AT_LEAST_0,
+    "pca_dim": WIDTH_1, "newton_steps": STEPS_1, "max_rounds": STEPS_1,
+    "node_lexical_bits": Bounds(1, MAX_NODE_LEXICAL_BITS), "node_lexical_epochs": STEPS_0,
+    "node_lexical_max_steps": STEPS_0, "node_lexical_batch": BATCH, "negatives": PER_ROW_1,
+    "lexical_width": PER_ROW_1, "lexical_epochs": STEPS_0, "lexical_max_steps": STEPS_1, "epochs": STEPS_0,
+    "batch_size": BATCH, "beam": Bounds(1, MAX_BEAM),  # the engine's widest beam: a bundle's default_beam
+    "lambda_n": POSITIVE_WEIGHT, "node_lexical_lr": LEARNING_RATE, "lexical_lr": LEARNING_RATE, "lr": LEARNING_RATE,
+    "node_lexical_l2": WEIGHT, "lambda": WEIGHT, "weight_decay": WEIGHT, "start_centroids": WEIGHT,
+    "lexical_tol": UNIT, "lexical_l2": WEIGHT,  # tol: a share of the loss
 }
 _CHOICES: dict[str, tuple[str, ...]] = {"regularise": ("xi", "corrected"), "start": ("zero", "one_vs_all")}
+
+
+def setting_bounds() -> dict[str, Bounds]:
+    """The range of every numeric tree setting, by its name in a training config (tree.beam)."""
+    return {f"tree.{key}": bounds for key, bounds in _BOUNDS.items()}
 
 
 def resolve_config(config: dict[str, Any]) -> dict[str, Any]:
