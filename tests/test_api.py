@@ -244,7 +244,7 @@ def test_unknown_route_and_method_are_json_4xx(client):
     assert r.status_code == 405 and r.json()["error"] == "method_not_allowed"
 
 
-def test_access_log_is_json_lines_with_request_id_route_status_latency_version(client, server):
+def test_access_log_is_json_lines_with_request_id_pid_route_status_latency_version(client, server):
     r = client.post("/v1/predict", json={"text": "log me"}, headers={"x-request-id": "trace-42"})
     assert r.headers["x-request-id"] == "trace-42"
     # The record is written after the response is sent: give it a moment.
@@ -259,6 +259,7 @@ def test_access_log_is_json_lines_with_request_id_route_status_latency_version(c
     rec = mine[0]
     assert rec["route"] == "/v1/predict" and rec["status"] == 200 and rec["version"] == "v2"
     assert rec["latency_ms"] >= 0
+    assert rec["pid"] == server.proc.pid  # which process answered (several may share the port)
 
 
 def test_metrics_expose_requests_latency_in_flight_version_and_batch_sizes(client):

@@ -4,6 +4,7 @@ that dies comes back serving the recorded version."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -275,3 +276,76 @@ def test_publishing_from_two_threads_at_once_never_fails(bundle_root, tmp_path):
     registry.close()
     assert errors == []
     assert list(group.dir.iterdir()) == [group.dir / f"{os.getpid()}.json"]
+
+
+def _readyz_on_new_connections(url: str, n: int) -> list[tuple[int, dict]]:
+    """/readyz n times, each on a new connection (so both processes answer some)."""
+    out = []
+    for _ in range(n):
+        with httpx.Client(base_url=url) as c:
+            r = c.get("/readyz")
+            out.append((r.status_code, r.json()))
+    return out
+
+
+def test_readyz_answers_for_every_process_naming_one_that_serves_nothing(bundle_root_copy, tmp_path):
+    """Audit 7 F2: /readyz was the answering process's, so with one process serving nothing a probe
+    landing on the other said 200 (and flapped by connection). Every process now answers for all:
+    503 naming the pid that serves nothing and why, until every process serves. The access log
+    names the process that answered (I2)."""
+    state = tmp_path / "state"
+    env = {**_env(state), "SHORTLIST_ACCESS_LOG": "true"}
+    with serve(bundle_root_copy, env=env, log_dir=tmp_path, timeout=120) as s:
+        _wait_for(s.url, {"v2"})
+        r = httpx.post(f"{s.url}/admin/bundles/activate", json={"version": "v1"}, headers=AUTH, timeout=120)
+        assert r.status_code == 200, r.text
+        victim, survivor = r.json()["processes"]
+        time.sleep(2)  # the arbiter drops its preloaded v2 (no process serves it): a new process loads
+        (bundle_root_copy / "v1" / "labels.jsonl").unlink()  # served maps stay whole; a new load fails
+        os.kill(int(victim), signal.SIGKILL)
+        published = state / "processes"
+        deadline = time.monotonic() + 90
+        while not (failed := [r["pid"] for r in map(json.loads, (p.read_text() for p in published.glob("*.json")))
+                              if r["pid"] not in (int(victim), int(survivor)) and r.get("failed")]):
+            assert time.monotonic() < deadline, s.log()[-3000:]
+            time.sleep(0.2)
+        stuck = str(failed[0])
+        answers = _readyz_on_new_connections(s.url, 12)
+        assert {status for status, _ in answers} == {503}, answers
+        for _, body in answers:
+            assert set(body["processes"]) == {stuck}, body
+            assert "v1" in body["processes"][stuck] and "labels.jsonl" in body["processes"][stuck], body
+        # Another activation: the process that could not serve v1 follows v2, and every process is ready.
+        r = httpx.post(f"{s.url}/admin/bundles/activate", json={"version": "v2"}, headers=AUTH, timeout=120)
+        assert r.status_code == 200 and set(r.json()["processes"]) == {survivor, stuck}, r.text
+        answers = _readyz_on_new_connections(s.url, 12)
+        assert {status for status, _ in answers} == {200}, answers
+        assert "shortlist_state_writable 1.0" in httpx.get(f"{s.url}/metrics").text
+        lines = [json.loads(line) for line in s.log().splitlines() if line.startswith('{"ts"')]
+        assert {rec["pid"] for rec in lines if rec.get("route") == "/readyz"} >= {int(survivor), int(stuck)}
+
+
+def test_a_process_restarted_beside_a_serving_one_takes_no_connection_until_it_serves(bundle_root, tmp_path):
+    """Audit 7 F2: a restarted process accepted from the shared socket before it had a bundle, so
+    a share of the predictions got 503 not_ready while a process that serves was there. It now
+    holds its start-up until its first load ends: every prediction across the restart is 200, and
+    /readyz stays 200 (the process loading answers nobody)."""
+    state = tmp_path / "state"
+    with serve(bundle_root, env=_env(state), log_dir=tmp_path, timeout=120) as s:
+        _wait_for(s.url, {"v2"})
+        r = httpx.post(f"{s.url}/admin/bundles/activate", json={"version": "v1"}, headers=AUTH, timeout=120)
+        assert r.status_code == 200, r.text
+        victim = next(iter(r.json()["processes"]))
+        time.sleep(2)  # the arbiter drops its preloaded v2: the new process loads (and checks) v1 itself
+        os.kill(int(victim), signal.SIGKILL)
+        deadline, answers, serving = time.monotonic() + 60, [], {}
+        while time.monotonic() < deadline:
+            for _ in range(10):
+                with httpx.Client(base_url=s.url) as c:
+                    answers.append((c.post("/v1/predict", json={"text": "a", "k": 1}).status_code,
+                                    c.get("/readyz").status_code))
+            serving = _serving(s.url)
+            if len(serving) == 2 and victim not in serving:
+                break
+        assert len(serving) == 2 and set(serving.values()) == {"v1"} and victim not in serving, serving
+        assert set(answers) == {(200, 200)}, [a for a in answers if a != (200, 200)][:5]

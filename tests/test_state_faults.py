@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -186,9 +187,44 @@ def test_a_state_dir_turned_read_only_answers_503_for_every_admin_write_and_pred
                       lambda: c.post("/admin/labels/retire", json={"uids": ["sf-1"]})):
             _assert_state_unavailable(write(), 503, state, "read-only file system")
         assert c.post("/v1/predict", json={"text": "kama"}).json()["version"] == "v2"
+        _wait_for_state_problem(c, f"state directory {state} (SHORTLIST_STATE_DIR): not writable")
         _in_namespace(s.proc.pid, f"mount -o remount,rw,bind {state}")
+        _wait_for_state_problem(c, None)
         r = c.post("/admin/bundles/rollback")
         assert r.status_code == 200 and r.json()["active"] == "v1", r.text
+
+
+def _wait_for_state_problem(c: httpx.Client, problem: str | None) -> None:
+    """Until /healthz names `problem` in its reason (None: no reason) and the gauge agrees (the
+    directory is looked at once per state_check.CHECK_INTERVAL_S); /healthz and /readyz stay 200."""
+    deadline = time.monotonic() + 10
+    while True:
+        health = c.get("/healthz")
+        reason = health.json()["reason"]
+        if (reason is None) if problem is None else (reason is not None and problem in reason):
+            break
+        assert time.monotonic() < deadline, health.text
+        time.sleep(0.2)
+    assert health.status_code == 200 and c.get("/readyz").status_code == 200
+    assert f"shortlist_state_writable {0.0 if problem else 1.0}" in c.get("/metrics").text
+
+
+def test_a_state_dir_removed_while_serving_is_named_by_healthz_and_the_metrics_predictions_go_on(bundle_root,
+                                                                                                tmp_path):
+    """Audit 7 F4: with the state directory gone, /healthz and /readyz said 200 with no reason and
+    no metric said it; only the next admin write found out. Predictions serve on (not a readiness
+    failure), /healthz's reason names the directory and shortlist_state_writable is 0 until it is back."""
+    state = tmp_path / "state"
+    state.mkdir()
+    with serve(bundle_root, env=_env(state), log_dir=tmp_path) as s, \
+            httpx.Client(base_url=s.url, headers=AUTH, timeout=120) as c:
+        _wait_for_state_problem(c, None)
+        state.rename(tmp_path / "state.gone")
+        _wait_for_state_problem(c, f"state directory {state} (SHORTLIST_STATE_DIR): No such file or directory")
+        assert c.post("/v1/predict", json={"text": "kama"}).status_code == 200
+        assert c.post("/admin/bundles/activate", json={"version": "v1"}).status_code == 503
+        (tmp_path / "state.gone").rename(state)
+        _wait_for_state_problem(c, None)
 
 
 @needs_namespace

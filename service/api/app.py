@@ -30,6 +30,7 @@ from service.api.registry import ActivationFailed, ActivationInProgress, BundleN
 from service.api.request_body import RequestBodyMiddleware
 from service.api.schemas import Health, RequestModels
 from service.api.settings import Settings, load_settings
+from service.api.state_check import StateDirCheck
 from service.engine import heap
 from service.engine.bundle import Bundle
 from service.engine.store import BundleStore
@@ -69,10 +70,13 @@ def build_state(settings: Settings, preloaded: Bundle | None = None) -> ServiceS
         group = ProcessGroup(settings.state_dir, registry, settings.process_sync_interval_s,
                              converge_timeout_s=settings.process_converge_timeout_s)
         metrics.served_by = group.served_by
+    state_check = StateDirCheck(settings.state_dir) if settings.state_dir is not None else None
+    if state_check is not None:
+        metrics.watch_state_dir(state_check.problem)
     return ServiceState(settings, registry, runner, metrics, RequestModels(settings),
                         MinuteBudget(settings.admin_auth_failures_per_minute),
                         MinuteBudget(settings.label_changes_per_minute), group,
-                        BundleWatch(registry, metrics, settings.bundle_check_interval_s))
+                        BundleWatch(registry, metrics, settings.bundle_check_interval_s), state_check=state_check)
 
 
 def _remembered(settings: Settings) -> ActiveVersionFile | None:
@@ -94,23 +98,30 @@ def _probes(readiness: Readiness | None = None) -> APIRouter:
 
     # HEAD too: load balancers and orchestrators probe with it.
     @router.api_route("/healthz", methods=["GET", "HEAD"], response_model=Health,
-                      summary="liveness: 200 while the process serves")
+                      summary="liveness: 200 while the process serves; `reason`: a problem it serves despite")
     async def healthz(state: State) -> Health:
-        return Health(status="ok", version=state.registry.active_version)
+        return liveness(state)
 
     @router.api_route("/readyz", methods=["GET", "HEAD"], response_model=Health, responses={503: {"model": Health}},
                       summary="readiness: 200 once a validated bundle serves, 503 before")
     async def readyz(state: State) -> Response:
         engine = state.registry.active
         if engine is None:
-            return JSONResponse({"status": "not ready", "version": None,
-                                 "reason": state.startup_error or "no bundle loaded yet"}, status_code=503)
+            reason = state.startup_error or "no bundle loaded yet"
+            return _not_ready(state, None, reason, {state.group.pid: reason} if state.group is not None else {})
         if engine.changed is not None:
             return JSONResponse({"status": "bundle changed", "version": engine.version,
                                  "message": str(engine.changed)}, status_code=503)
         reason = await readiness(state) if readiness is not None else None
         if reason is not None:
             return JSONResponse({"status": "not ready", "version": engine.version, "reason": reason}, status_code=503)
+        if state.group is not None:
+            # Every process's readiness, not only this one's: a probe's connection lands on any of them.
+            others = await asyncio.to_thread(state.group.not_ready)
+            if others:
+                why = "; ".join(f"process {pid} {why}" for pid, why in sorted(others.items()))
+                return _not_ready(state, engine.version, f"{len(others)} of the serving processes not ready: {why}",
+                                  others)
         return JSONResponse({"status": "ready", "version": engine.version})
 
     @router.api_route("/metrics", methods=["GET", "HEAD"], response_class=Response, summary="Prometheus text format",
@@ -119,6 +130,20 @@ def _probes(readiness: Readiness | None = None) -> APIRouter:
         return Response(state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     return router
+
+
+def _not_ready(state: ServiceState, version: str | None, reason: str, processes: dict[int, str]) -> Response:
+    """/readyz's 503; with several processes, `processes` names each one not ready (pid -> why)."""
+    body: dict[str, object] = {"status": "not ready", "version": version, "reason": reason}
+    if state.group is not None:
+        body["processes"] = {str(pid): why for pid, why in processes.items()}
+    return JSONResponse(body, status_code=503)
+
+
+def liveness(state: ServiceState) -> Health:
+    """/healthz: alive, and the problem it serves despite (the state directory gone or read-only)."""
+    problem = state.state_check.problem() if state.state_check is not None else None
+    return Health(status="ok", version=state.registry.active_version, reason=problem)
 
 
 class HeadAsGetMiddleware:
@@ -191,7 +216,10 @@ def create_app(settings: Settings | None = None, *, state: ServiceState | None =
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         apply_runtime_tuning(settings)
-        task = asyncio.create_task(initial_load(state)) if owns_state else None
+        joining = _join(state) if owns_state else False
+        task = asyncio.create_task(initial_load(state, joining)) if owns_state else None
+        if task is not None and joining:
+            await _hold_until_loaded(state, task, getattr(_app.state, "heartbeat", None))
         try:
             yield
         finally:
@@ -216,7 +244,7 @@ def create_admin_app(state: ServiceState) -> FastAPI:
 
     @app.get("/healthz", response_model=Health)
     async def healthz() -> Health:
-        return Health(status="ok", version=state.registry.active_version)
+        return liveness(state)
 
     return app
 
@@ -233,11 +261,11 @@ def apply_runtime_tuning(settings: Settings) -> None:
     gc.freeze()
 
 
-async def initial_load(state: ServiceState) -> None:
+async def initial_load(state: ServiceState, joining: bool = False) -> None:
+    """The first load. `joining`: live processes serve already (see _join)."""
     try:
         # A process joining live ones (one the arbiter restarted) serves what they serve or nothing:
         # a fallback of its own would be recorded, and every process would follow it.
-        joining = state.group is not None and bool(state.group.members())
         result = await asyncio.wrap_future(state.registry.in_loader(
             functools.partial(state.registry.start, state.settings.version, fall_back=not joining)))
         if "fallback_from" in result:
@@ -263,10 +291,54 @@ async def initial_load(state: ServiceState) -> None:
                                     "bundle_root": str(state.settings.bundle_root),
                                     "traceback": traceback.format_exc()}))
     if state.group is not None:
+        state.group.not_serving = state.startup_error
+        state.group.accepting = True  # it takes connections from here on (see _hold_until_loaded)
         # Only now: following another process's activation before the first load would race it.
         state.group.start()
     if state.watch is not None:
         state.watch.start()
+
+
+def _join(state: ServiceState) -> bool:
+    """Whether this process joins live processes that serve (one the arbiter restarted), after
+    publishing itself as starting (taking no connections if it joins). A state directory that
+    refuses the record is logged, not fatal: the load goes on."""
+    if state.group is None:
+        return False
+    joining = state.group.others_serving()
+    state.group.accepting = not joining
+    _announce(state.group)
+    return joining
+
+
+async def _hold_until_loaded(state: ServiceState, load: asyncio.Task[None], heartbeat: Callable[[], None] | None,
+                             ) -> None:
+    """A process joining live ones takes no connection until its first load ends (serving, or
+    not and saying why), at most PROCESS_CONVERGE_TIMEOUT_S: its listening socket is the others'
+    too, so until it accepts the kernel hands every connection to a process that serves, and a
+    worker restart costs no client a 503 not_ready. The start-up of the first processes is not
+    held: /healthz answers while they load, and /readyz is 503 on each until all serve.
+    `heartbeat`: the arbiter's liveness report (service.api.supervisor), which uvicorn's loop
+    makes only once it serves: without it, a load longer than PROCESS_STALL_TIMEOUT_S is killed."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + state.settings.process_converge_timeout_s
+    while not load.done() and loop.time() < deadline:
+        await asyncio.wait({load}, timeout=min(1.0, max(0.01, deadline - loop.time())))
+        if heartbeat is not None:
+            heartbeat()
+    if not load.done() and state.group is not None:
+        error_log.error(json.dumps({"event": "startup_hold_timeout", "message": (
+            f"process {state.group.pid} still loads after {state.settings.process_converge_timeout_s:g} s "
+            "(SHORTLIST_PROCESS_CONVERGE_TIMEOUT_S): it takes connections, answering 503 not_ready until it serves")}))
+        state.group.accepting = True
+        _announce(state.group)
+
+
+def _announce(group: ProcessGroup) -> None:
+    try:
+        group.announce()
+    except StateUnavailable as exc:
+        error_log.error(json.dumps({"event": "state_unavailable", "message": str(exc)}))
 
 
 async def shutdown(state: ServiceState) -> None:

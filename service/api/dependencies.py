@@ -24,6 +24,7 @@ from service.api.registry import BundleRegistry
 from service.api.request_body import StrictJsonRoute
 from service.api.schemas import RequestModels
 from service.api.settings import Settings
+from service.api.state_check import StateDirCheck
 
 
 class MinuteBudget:
@@ -69,6 +70,7 @@ class ServiceState:
     group: ProcessGroup | None = None  # with several serving processes (service.api.processes)
     watch: BundleWatch | None = None  # the serving version's files (service.api.bundle_watch)
     startup_error: str | None = None  # why start-up serves nothing (/readyz says it until a bundle serves)
+    state_check: StateDirCheck | None = None  # whether the state directory takes writes (/healthz, /metrics)
 
 
 def service_state(request: Request) -> ServiceState:

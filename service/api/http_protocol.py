@@ -52,6 +52,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import sys
 import time
 from typing import Any
@@ -372,8 +373,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             return
         cls._log_lines += 1
         peer = self.client
-        record = {"ts": time.time(), "event": "connection_refused", "status": status, "error": code, "reason": reason,
-                  "client": peer[0] if peer else None, "left_out_before": cls._log_left_out}
+        record = {"ts": time.time(), "pid": os.getpid(), "event": "connection_refused", "status": status,
+                  "error": code, "reason": reason, "client": peer[0] if peer else None,
+                  "left_out_before": cls._log_left_out}
         cls._log_left_out = 0
         _access_log.info(orjson.dumps(record).decode())
 

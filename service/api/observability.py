@@ -65,6 +65,8 @@ class ServiceMetrics:
         self.active_bundle = Gauge(*ACTIVE_BUNDLE, ["version"], registry=r)
         # With several processes: {pid: version served} of the live ones (service.api.processes).
         self.served_by: Callable[[], dict[int, str]] | None = None
+        # The state directory's problem or None (service.api.state_check), read at each scrape.
+        self._state_writable: _StateWritable | None = None
         self.batch_size = Histogram("shortlist_engine_batch_size", "texts per engine call",
                                     ["scorer"], buckets=_BATCH_BUCKETS, registry=r)
         self.shed = Counter("shortlist_requests_shed_total", "predictions refused 503 overloaded: the engine's "
@@ -96,6 +98,13 @@ class ServiceMetrics:
             child = self._batch_sizes[scorer] = self.batch_size.labels(scorer)
         child.observe(texts)
 
+    def watch_state_dir(self, problem: Callable[[], str | None]) -> None:
+        """Export shortlist_state_writable from `problem` at each scrape: the directory is the
+        processes' shared one, so the answering process's look is the service's (no value file)."""
+        self._state_writable = _StateWritable(problem)
+        if not self.multiprocess:
+            self.registry.register(self._state_writable)
+
     def set_active(self, version: str) -> None:
         if self.multiprocess:  # exported from the processes' records (served_by)
             return
@@ -115,7 +124,21 @@ class ServiceMetrics:
         multiprocess.MultiProcessCollector(registry, path=str(directory))
         if self.served_by is not None:
             registry.register(_ServedVersions(self.served_by))
+        if self._state_writable is not None:
+            registry.register(self._state_writable)
         return generate_latest(registry)
+
+
+class _StateWritable:
+    """shortlist_state_writable: 1 while the state directory takes writes, 0 when it is gone or
+    read-only (admin writes then answer 503 state_unavailable; predictions serve on)."""
+
+    def __init__(self, problem: Callable[[], str | None]) -> None:
+        self.problem = problem
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily("shortlist_state_writable", "1 while the state directory (SHORTLIST_STATE_DIR) "
+                                "takes writes, 0 when it is gone or read-only", value=0.0 if self.problem() else 1.0)
 
 
 class _ServedVersions:
@@ -153,6 +176,8 @@ def _route_label(scope: Scope) -> str:
 class ObservabilityMiddleware:
     def __init__(self, app: ASGIApp, metrics: ServiceMetrics, access_log_enabled: bool = True) -> None:
         self.app = app
+        # Which serving process answered (several share a port); built after the fork, once per process.
+        self.pid = os.getpid()
         self.metrics = metrics
         self.access_log_enabled = access_log_enabled
 
@@ -213,7 +238,7 @@ class ObservabilityMiddleware:
             self.metrics.latency.labels(route, status_label).observe(elapsed)
             if self.access_log_enabled:
                 record: dict[str, Any] = {
-                    "ts": time.time(), "request_id": request_id, "method": scope.get("method"),
+                    "ts": time.time(), "pid": self.pid, "request_id": request_id, "method": scope.get("method"),
                     "route": route, "path": scope.get("path"), "status": status,
                     "latency_ms": round(elapsed * 1000.0, 3), "version": state.get("bundle_version"),
                 }

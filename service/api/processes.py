@@ -7,8 +7,10 @@ the state directory: `active.json` (service.api.active_state) is the version to 
 its lock makes activations exclusive among them. An activation lands on one process, which
 checks, records and swaps as a single process does; every other process sees the record
 within `process_sync_interval_s` and loads and swaps that version too (the bundle was checked
-already). Each process publishes what it serves in `processes/<pid>.json`; the activating
-process answers once every live process serves the new version (or said why it cannot).
+already). Each process publishes what it serves in `processes/<pid>.json`, from before its
+first load on (serving nothing yet, and why); the activating process answers once every live
+process serves the new version (or said why it cannot), and /readyz on any process reads the same
+records to answer for them all (`not_ready`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ PROCESSES_DIR = "processes"
 MAX_RECORD_BYTES = 1 << 20
 # prometheus-client's directory for the processes' metric files (service.api.observability)
 MULTIPROCESS_ENV = "PROMETHEUS_MULTIPROC_DIR"
+# What a process that has not finished its first load publishes as the reason it serves nothing.
+STARTING = "starting: its first bundle is loading"
 
 
 def every(interval_s: float, stop: threading.Event, fn: Callable[[], object], what: str) -> None:
@@ -73,6 +77,12 @@ class ProcessGroup:
         self.converge_timeout_s = converge_timeout_s
         self.pid = os.getpid()
         self._failed: tuple[str, str] | None = None  # (version, why): not retried until the record changes
+        # Why this process serves nothing (published while it does): start-up's error once it ends.
+        self.not_serving: str | None = STARTING
+        # False while this process holds its start-up (takes no connections: service.api.app): the
+        # others' /readyz leaves it out, since no request reaches it.
+        self.accepting = True
+        self._not_ready: tuple[float, dict[int, str]] | None = None  # (when read, not_ready's answer)
         self._published: dict[str, Any] | None = None
         self._changed_seen: tuple[object, tuple[int, int, int] | None] | None = None  # (engine, record stamp)
         self._stop = threading.Event()
@@ -84,6 +94,17 @@ class ProcessGroup:
         published as this process's failure and not retried until the record changes (a version
         refused by the checking child would be loaded here unchecked by `follow`)."""
         self._failed = (version, why)
+
+    def announce(self) -> None:
+        """Publish this process before its first load (serving nothing, STARTING, and whether it
+        takes connections meanwhile): a process that loads while it takes connections is one
+        /readyz on the others waits for, not one they cannot see."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._publish()
+
+    def others_serving(self) -> bool:
+        """Whether another live process serves a version (this one then joins them)."""
+        return any(m.get("version") for pid, m in self.members().items() if pid != self.pid)
 
     def start(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -140,8 +161,10 @@ class ProcessGroup:
         # One writer at a time: the sync thread and an admin request's wait_for both publish, and
         # through the one temporary file the second's rename found it gone (a 503 for a fine state dir).
         with self._publishing:
-            record = {"pid": self.pid, "version": self.registry.active_version,
-                      "failed": {"version": self._failed[0], "error": self._failed[1]} if self._failed else None}
+            version = self.registry.active_version
+            record = {"pid": self.pid, "version": version,
+                      "failed": {"version": self._failed[0], "error": self._failed[1]} if self._failed else None,
+                      "not_serving": None if version else self.not_serving, "accepting": self.accepting}
             if record == self._published:
                 return
             tmp = self.dir / f".{self.pid}.json.tmp"
@@ -179,6 +202,30 @@ class ProcessGroup:
     def served_versions(self) -> set[str]:
         """The versions the live processes sharing the directory serve (derived versions kept)."""
         return set(self.served_by().values())
+
+    def not_ready(self) -> dict[int, str]:
+        """pid -> why, for each other live process that serves nothing (starting, or start-up
+        failed) or could not serve the recorded version: what makes the service not ready on every
+        process, not only on the one a probe's connection lands on. One process loading a newer
+        version still serves the one before (as a single process does while it swaps), so it is
+        ready. Read from the records at most once per sync interval: /readyz is polled."""
+        now = time.monotonic()
+        cached = self._not_ready
+        if cached is not None and now - cached[0] < self.interval_s:
+            return cached[1]
+        recorded = self.registry.remembered.read()  # type: ignore[union-attr]
+        out: dict[int, str] = {}
+        for pid, m in self.members().items():
+            if pid == self.pid or m.get("accepting") is False:
+                continue  # this process's own state is read live; one taking no connections answers nobody
+            failed = m.get("failed") or {}
+            cannot = f"cannot serve {failed.get('version')}: {failed.get('error')}" if failed else None
+            if not m.get("version"):
+                out[pid] = f"serves no bundle: {cannot or m.get('not_serving') or 'no reason given'}"
+            elif recorded is not None and m["version"] != recorded and failed.get("version") == recorded:
+                out[pid] = f"serves {m['version']}, {cannot}"
+        self._not_ready = (now, out)
+        return out
 
     def wait_for(self, version: str) -> dict[str, object]:
         """Block until every live process serves `version`: {pid: version}. ProcessesDiverged

@@ -216,7 +216,8 @@ class EchoResponse(BaseModel):
 class Health(BaseModel):
     status: str
     version: str | None = None
-    reason: str | None = None  # /readyz's 503: why not ready
+    reason: str | None = None  # /readyz's 503: why not ready; /healthz: a problem it serves despite
+    processes: dict[str, str] | None = None  # /readyz's 503 with several processes: pid -> why not ready
 
 
 class ActivateRequest(_Request):

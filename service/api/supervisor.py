@@ -69,6 +69,13 @@ class ServingWorker(UvicornWorker):
         self.config.timeout_notify = 0.0
         self.leaving = False
 
+    def load_wsgi(self) -> None:
+        super().load_wsgi()
+        # A process joining live ones holds its start-up until it serves (service.api.app,
+        # _hold_until_loaded) and reports to the arbiter meanwhile: uvicorn's loop reports only
+        # once the start-up is over.
+        self.wsgi.state.heartbeat = self.notify
+
     async def callback_notify(self) -> None:
         self.notify()
         # gunicorn's own workers check this in their loops; uvicorn_worker's does not.
