@@ -14,8 +14,9 @@ import pytest
 
 from service.engine import Predictor, PredictorOptions, canary
 from service.engine.bundle import Bundle
-from service.engine.label_changes import LabelChange, LabelChangeRejected, LabelEditor, NewLabel, derived_version
+from service.engine.label_changes import LabelChange, LabelChangeRejected, LabelEditor, NewLabel
 from service.engine.predictor import TreeRoute
+from service.engine.removed_names import derived_version
 from service.engine.schema import CENTROIDS, CLASSIFIERS, BundleError, sha256_file
 from service.engine.store import BundleStore
 from shortlist.bundle_fuzz import catalogue, make_variant, outcome

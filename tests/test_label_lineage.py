@@ -443,7 +443,8 @@ def test_a_change_while_a_mark_cannot_be_settled_is_refused_and_keeps_the_mark(b
 @pytest.mark.parametrize("damage", ["missing", "fifo"])
 def test_a_lost_id_record_keeps_the_uids_of_versions_retention_removed(bundle_root, synthetic_data, tmp_path, damage):
     """Audit 3 M3: a version retention removed is not on disk to make the record again from; the
-    file left in its place holds its uids, so the next label gets the next id and its uid stays refused."""
+    record retention keeps of its base's removed versions holds its uids, so the next label gets the
+    next id and its uid stays refused."""
     state = tmp_path / "state"
     a, b, c = _new_labels(synthetic_data, 3, "m3")
     registry = _registry(bundle_root, state, keep_derived_versions=0)
@@ -453,7 +454,8 @@ def test_a_lost_id_record_keeps_the_uids_of_versions_retention_removed(bundle_ro
         registry.change_labels(LabelChange(add=[b]))
         registry.rollback()
         assert registry.rollback()["active"] == "v2"
-        assert (state / "bundles" / "v2.labels-2").is_file()  # removed, its name kept
+        assert not (state / "bundles" / "v2.labels-2").exists()  # removed, its uids kept in its base's record
+        assert orjson.loads((state / LEDGER_DIR / ".removed-v2.json").read_bytes())["uids"] == [a.uid, b.uid]
         record = state / LEDGER_DIR / "v2.json"
         record.unlink()
         if damage == "fifo":

@@ -115,3 +115,81 @@ def test_a_process_that_cannot_load_the_recorded_version_does_not_switch_the_oth
         assert serving_by_pid(s.url) == {survivor: "v1"}
         recorded = json.loads((state / "active.json").read_text())
         assert recorded["version"] == "v1" and "v2" in recorded["history"], recorded
+
+
+def _events(log: str) -> dict[str, dict]:
+    """The structured events of a server's log, by name."""
+    lines = (json.loads(line) for line in log.splitlines() if line.startswith("{"))
+    return {e["event"]: e for e in lines if "event" in e}
+
+
+def test_a_state_dir_that_is_not_there_is_never_taken_silently_for_an_empty_one(bundle_root, tmp_path):
+    """Audit 7 F3: a missing state directory (a volume not mounted, a wrong path) was made empty
+    without a word: the newest bundle served instead of the recorded one, the history lost."""
+    state = tmp_path / "state"
+    with serve(bundle_root, env=_env(state), log_dir=tmp_path) as s:
+        assert _serving(s) == "v2"
+        created = _events(s.log())["state_dir_created"]
+    assert created["state_dir"] == str(state) and "no version is recorded" in created["message"]
+    # Its parent missing too: refused, naming both, nothing made.
+    deeper = tmp_path / "volume" / "state"
+    env = {"PATH": "/usr/bin:/bin", "SHORTLIST_STATE_DIR": str(deeper)}
+    r = subprocess.run([sys.executable, "-m", "shortlist.cli", "serve", "--bundle-root", str(bundle_root)],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2, r.stderr
+    assert f"the state directory {deeper} (SHORTLIST_STATE_DIR) does not exist, nor does {deeper.parent}" in r.stderr
+    assert not deeper.parent.exists()
+
+
+def test_a_state_dir_whose_record_is_gone_but_not_the_rest_is_said_loudly(bundle_root, tmp_path):
+    """Audit 7 F3: label changes' records without active.json (a file lost, a partial restore)."""
+    state = tmp_path / "state"
+    with serve(bundle_root, env=_env(state), log_dir=tmp_path) as s:
+        r = httpx.post(f"{s.url}/admin/labels", json={"labels": [{"uid": "f3", "title": "kama zani"}]},
+                       headers=AUTH, timeout=120)
+        assert r.status_code == 200, r.text
+        assert "state_dir_empty" not in _events(s.log())  # made here: state_dir_created says it
+    (state / "active.json").unlink()
+    with serve(bundle_root, env=_env(state), log_dir=tmp_path) as s:
+        incomplete = _events(s.log())["state_incomplete"]
+    assert incomplete["found"] == ["bundles", "label_ledger"]
+    assert f"{state / 'active.json'} is missing" in incomplete["message"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with serve(bundle_root, env=_env(empty), log_dir=tmp_path) as s:
+        events = _events(s.log())
+    assert "state_dir_empty" in events and "state_incomplete" not in events and "state_dir_created" not in events
+
+
+def test_a_restart_leaves_the_record_of_the_operators_activation_alone(bundle_root, tmp_path):
+    """Audit 7 F5: every start-up rewrote active.json (a new activated_at) though nothing was activated."""
+    from service.api.active_state import ActiveVersionFile
+    from service.api.registry import BundleRegistry
+    from service.engine.store import BundleStore
+
+    state = tmp_path / "state"
+    state.mkdir()
+
+    def registry() -> BundleRegistry:
+        return BundleRegistry(BundleStore(bundle_root, state), check_timeout_s=None,
+                              remembered=ActiveVersionFile(state))
+
+    first = registry()
+    first.activate("v2")
+    first.activate("v1")
+    first.close()
+    activated = (state / "active.json").read_bytes()
+    for _ in range(2):
+        again = registry()
+        try:
+            assert again.start()["active"] == "v1"
+            assert (state / "active.json").read_bytes() == activated
+        finally:
+            again.close()
+    again = registry()
+    try:
+        again.start()
+        assert again.activate("v2")["active"] == "v2"  # an activation records, as ever
+        assert json.loads((state / "active.json").read_bytes())["history"] == ["v2", "v1"]
+    finally:
+        again.close()

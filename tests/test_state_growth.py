@@ -20,6 +20,7 @@ from service.api.processes import PROCESSES_DIR, ProcessesDiverged, ProcessGroup
 from service.api.registry import BundleRegistry
 from service.api.settings import SettingsError, load_settings
 from service.engine.label_changes import LabelChange, NewLabel
+from service.engine.removed_names import NAMES_FILE, RemovedNames
 from service.engine.store import BundleStore
 from shortlist.testing import serve
 
@@ -78,15 +79,15 @@ def _versions(c: httpx.Client) -> list[str]:
     return [b["version"] for b in c.get("/admin/bundles").json()["bundles"]]
 
 
-def _derived(state: Path) -> tuple[list[str], list[str]]:
-    """(the versions in STATE_DIR/bundles, the names removed ones keep taken: files holding the uids
-    each gave out past its base)."""
-    entries = sorted((state / "bundles").iterdir())
-    assert all(p.is_dir() or json.loads(p.read_bytes())["base"] == "v2" for p in entries)
-    return [p.name for p in entries if p.is_dir()], [p.name for p in entries if not p.is_dir()]
+def _derived(state: Path) -> tuple[list[str], dict[str, int]]:
+    """(the versions in STATE_DIR/bundles, the highest N of each stem's removed BASE.labels-N: the
+    names removed versions keep taken, in one record, not a file each: audit 7 F7)."""
+    entries = sorted(p for p in (state / "bundles").iterdir() if p.name != NAMES_FILE)
+    assert all(p.is_dir() for p in entries), entries
+    return [p.name for p in entries], RemovedNames(state / "bundles").highest()
 
 
-@pytest.mark.parametrize(("keep", "removed"), [(0, ["v2.labels-2"]), (1, ["v2.labels-2"]), (2, [])])
+@pytest.mark.parametrize(("keep", "removed"), [(0, {"v2": 2}), (1, {"v2": 2}), (2, {})])
 def test_derived_versions_past_the_setting_are_removed_but_never_one_in_use(bundle_root, tmp_path, keep, removed):
     state = tmp_path / "state"
     env = {"SHORTLIST_ADMIN_TOKEN": TOKEN, "SHORTLIST_STATE_DIR": str(state),
@@ -98,7 +99,7 @@ def test_derived_versions_past_the_setting_are_removed_but_never_one_in_use(bund
         # Rolled back from: labels-2 is neither served nor in the history any more.
         assert c.post("/admin/bundles/rollback").json()["active"] == "v2.labels-1"
         assert _add(c, "r-3") == "v2.labels-3"  # labels-1 in the history, labels-3 active
-        kept = [v for v in ("v2.labels-1", "v2.labels-2", "v2.labels-3") if v not in removed]
+        kept = [v for v in ("v2.labels-1", "v2.labels-2", "v2.labels-3") if not removed or v != "v2.labels-2"]
         assert _versions(c) == ["v1", "v2", *kept]
         assert _derived(state) == (kept, removed)  # nothing half removed
         r = c.post("/admin/bundles/rollback")  # what the history holds still loads
@@ -132,7 +133,7 @@ def test_a_derived_version_another_process_serves_is_kept_until_it_no_longer_doe
         other.kill()
         other.wait()
         registry.activate("v1")
-        assert _derived(state) == (["v2.labels-2"], ["v2.labels-1"])  # labels-2 is in the history
+        assert _derived(state) == (["v2.labels-2"], {"v2": 1})  # labels-2 is in the history
     finally:
         other.kill()
         other.wait()
@@ -150,3 +151,87 @@ def test_keep_derived_versions_is_bounded(value, refused, monkeypatch):
         expected = f"^SHORTLIST_KEEP_DERIVED_VERSIONS='{value}': input should be {refused}$"
         with pytest.raises(SettingsError, match=expected):
             load_settings()
+
+
+def _changes(registry: BundleRegistry, uids: range | list[str]) -> list[str]:
+    return [str(registry.change_labels(LabelChange(add=[NewLabel(f"g-{i}", "kama zani")]))["active"]) for i in uids]
+
+
+def test_removed_versions_keep_their_names_taken_in_bounded_space_across_restarts(bundle_root, tmp_path,
+                                                                                 monkeypatch):
+    """Audit 7 F7: each removed version left a file of its name for ever (~170 k a day at the
+    permitted change rate, in one directory listed at start-up and by GET /admin/bundles). The
+    rollback history is cut to 2 so that most changes remove a version."""
+    monkeypatch.setattr("service.api.activation.HISTORY_LENGTH", 2)
+    monkeypatch.setattr("service.api.active_state.HISTORY_LENGTH", 2)
+    state = tmp_path / "state"
+    state.mkdir()
+
+    def registry() -> BundleRegistry:
+        return BundleRegistry(BundleStore(bundle_root, state), check_timeout_s=None,
+                              remembered=ActiveVersionFile(state), keep_derived_versions=1)
+
+    made, first = [], registry()
+    try:
+        first.activate("v2")
+        for batch in (range(0, 5), range(5, 10)):
+            made += _changes(first, batch)
+            # The active version (the newest, kept) and 2 in the history, and the names' record, however many
+            # changes.
+            assert len(list((state / "bundles").iterdir())) == 4
+    finally:
+        first.close()
+    again = registry()
+    try:
+        again.start()
+        made += _changes(again, range(10, 12))
+        assert BundleStore(bundle_root, state).exists("v2.labels-1")
+    finally:
+        again.close()
+    assert made == [f"v2.labels-{n}" for n in range(1, 13)]  # each name given once, counting on past a restart
+    assert _derived(state) == ([f"v2.labels-{n}" for n in range(10, 13)], {"v2": 9})
+    # What the removed versions gave out is kept beside the id record, in one file.
+    removed = json.loads((state / "label_ledger" / ".removed-v2.json").read_bytes())
+    assert removed["uids"] == [f"g-{i}" for i in range(9)]
+
+
+def test_the_files_older_releases_left_for_removed_versions_are_honoured_then_folded(bundle_root, tmp_path):
+    """A state directory from before audit 7 F7: a file per removed name, holding the uids its
+    version gave out (or none: older still). Their names stay taken and their uids refused;
+    the next removal folds them into the records and removes them."""
+    state = tmp_path / "state"
+    (state / "bundles").mkdir(parents=True)
+    (state / "bundles" / "v2.labels-1").write_bytes(b"")
+    (state / "bundles" / "v2.labels-2").write_bytes(json.dumps({"base": "v2", "first_id": 300,
+                                                                "uids": ["old-1", "old-2"]}).encode())
+    registry = BundleRegistry(BundleStore(bundle_root, state), check_timeout_s=None,
+                              remembered=ActiveVersionFile(state), keep_derived_versions=0)
+    try:
+        registry.activate("v2")
+        with pytest.raises(ValueError, match="uids are never reused"):
+            registry.change_labels(LabelChange(add=[NewLabel("old-2", "kama zani")]))
+        assert _changes(registry, ["a"]) == ["v2.labels-3"]
+        assert _derived(state) == (["v2.labels-3"], {"v2": 2})  # folded at the activation's removal
+        registry.activate("v1")
+        assert _changes(registry, ["b"]) == ["v1.labels-1"]
+        assert _derived(state) == (["v1.labels-1", "v2.labels-3"], {"v2": 2})
+    finally:
+        registry.close()
+    removed = json.loads((state / "label_ledger" / ".removed-v2.json").read_bytes())
+    assert removed["uids"] == ["old-1", "old-2"]
+
+
+def test_a_record_of_removed_names_that_cannot_be_read_refuses_to_name_a_version(bundle_root, tmp_path):
+    """Which names were given out is then unknown: a name is never guessed (it could name two bundles)."""
+    state = tmp_path / "state"
+    (state / "bundles").mkdir(parents=True)
+    (state / "bundles" / NAMES_FILE).write_text("{not json")
+    registry = BundleRegistry(BundleStore(bundle_root, state), check_timeout_s=None,
+                              remembered=ActiveVersionFile(state), keep_derived_versions=0)
+    try:
+        registry.activate("v2")
+        with pytest.raises(OSError, match="removed version names cannot be read"):
+            registry.change_labels(LabelChange(add=[NewLabel("u-1", "kama zani")]))
+        assert sorted(p.name for p in (state / "bundles").iterdir()) == [NAMES_FILE]
+    finally:
+        registry.close()

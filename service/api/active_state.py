@@ -21,11 +21,16 @@ from pathlib import Path
 import orjson
 
 from service.engine.jsonlines import os_reason
+from service.engine.label_ledger import LEDGER_DIR, QUARANTINE_DIR
 from service.engine.schema import BundleError, validate_version_name
 from service.engine.small_files import read_small_file, write_atomically
-from service.engine.store import utc_now
+from service.engine.store import DERIVED_DIR, utc_now
 
 log = logging.getLogger("shortlist.state")
+# service.api.observability.error_log, where the service's structured events go; named, not
+# imported: observability imports prometheus-client, which `serve` must not import before it sets
+# up its multiprocess directory, and service.api.server imports this module before that.
+event_log = logging.getLogger("shortlist.error")
 
 ACTIVE_FILE = "active.json"
 LOCK_FILE = ".activation.lock"
@@ -36,6 +41,9 @@ OPERATOR_LOCK_FILE = ".activation.operator.lock"
 # The most bytes of LOCK_FILE's note on its holder read back.
 MAX_HOLDER_NOTE_BYTES = 1024
 HISTORY_LENGTH = 16
+# What label changes keep in the state directory beside ACTIVE_FILE: found without it, the state
+# is partly there.
+STATE_RECORDS = (DERIVED_DIR, LEDGER_DIR, QUARANTINE_DIR)
 # The most bytes of active.json read. `write` makes at most ~1.2 KB (17 names of <= 64 characters
 # and a timestamp); anything larger is not this service's record and is not read (service.engine.
 # small_files: nor is a FIFO, a device or a symlink there).
@@ -70,6 +78,18 @@ class StateUnavailable(OSError):
         return self.errno in NO_SPACE
 
 
+class StateDirMissing(OSError):
+    """SHORTLIST_STATE_DIR names a directory that does not exist, nor does its parent: most
+    likely a volume that is not mounted or a wrong path, where an empty state would serve another
+    version than the recorded one and lose the rollback history (exit 2, naming both)."""
+
+    def __init__(self, state_dir: Path) -> None:
+        super().__init__(errno.ENOENT, (
+            f"the state directory {state_dir} (SHORTLIST_STATE_DIR) does not exist, nor does {state_dir.parent}: "
+            "is a volume not mounted, or the path wrong? A state directory is created only where its parent "
+            "exists; create it to start with nothing recorded"))
+
+
 class ActiveVersionFile:
     def __init__(self, state_dir: str | Path, max_bytes: int = MAX_ACTIVE_FILE_BYTES) -> None:
         self.dir = Path(state_dir)
@@ -78,15 +98,60 @@ class ActiveVersionFile:
         self._last_problem: str | None = None  # logged once, not at every process-sync tick
 
     def prepare(self) -> None:
-        """Create the directory and prove it writable now, not at the first activation
-        (StateUnavailable naming it)."""
+        """Prove the directory writable now, not at the first activation (StateUnavailable naming
+        it), and say what start-up finds there (_say_what_is_recorded). A directory that does not
+        exist is created only where its parent does (StateDirMissing otherwise): a path under a
+        volume that is not mounted, or a wrong one, must not start an empty state unnoticed."""
+        created = self._create()
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
             probe = self.dir / f".write-test-{os.getpid()}"
             probe.write_bytes(b"")
             probe.unlink()
         except OSError as exc:
             raise StateUnavailable(self.dir, exc, "create a file there") from None
+        self._say_what_is_recorded(created)
+
+    def _create(self) -> bool:
+        """Whether the directory had to be made (StateDirMissing when its parent is missing too)."""
+        if self.dir.is_dir():
+            return False
+        if not os.path.lexists(self.dir.absolute().parent):
+            raise StateDirMissing(self.dir)
+        try:
+            self.dir.mkdir()
+        except FileExistsError as exc:
+            if self.dir.is_dir():  # made meanwhile by another process starting on it
+                return False
+            raise StateUnavailable(self.dir, exc, "create a file there") from None
+        except OSError as exc:
+            raise StateUnavailable(self.dir, exc, "create a file there") from None
+        return True
+
+    def _say_what_is_recorded(self, created: bool) -> None:
+        """One structured line when nothing is recorded: loud (`state_dir_created`, or
+        `state_incomplete` when what label changes keep is there but active.json is not: a file
+        lost, a partial restore) since the service then serves SHORTLIST_VERSION or the newest
+        bundle, not the operator's last choice, and its rollback history starts empty; a quiet
+        one (`state_dir_empty`) for an empty directory, a first start."""
+        if os.path.lexists(self.path):
+            return  # recorded (or unreadable: read() says why)
+        consequence = ("no version is recorded: SHORTLIST_VERSION, or else the newest bundle, is served and the "
+                       "rollback history starts empty")
+        found = [name for name in STATE_RECORDS if os.path.lexists(self.dir / name)]
+        if created:
+            event = {"event": "state_dir_created", "state_dir": str(self.dir), "message": (
+                f"the state directory {self.dir} (SHORTLIST_STATE_DIR) did not exist and was created empty; "
+                f"{consequence}. If the state is elsewhere (a volume not mounted, a wrong path), stop the service "
+                "and correct SHORTLIST_STATE_DIR")}
+        elif found:
+            event = {"event": "state_incomplete", "state_dir": str(self.dir), "found": found, "message": (
+                f"{self.path} is missing while {', '.join(found)} of label changes are there; {consequence}. "
+                "Restore it, or activate the version to serve")}
+        else:
+            event_log.info(json.dumps({"event": "state_dir_empty", "state_dir": str(self.dir),
+                                       "message": f"the state directory {self.dir} holds no record; {consequence}"}))
+            return
+        event_log.error(json.dumps(event))
 
     def read(self) -> str | None:
         """The remembered version; None when nothing was recorded or the record is unreadable."""
@@ -192,6 +257,10 @@ class ActiveVersionFile:
             yield fd
         finally:
             os.close(fd)
+
+    def records(self, version: str, history: list[str]) -> bool:
+        """Whether the record names `version` with `history` already (as write() would keep it)."""
+        return self._load() == (version, history[-HISTORY_LENGTH:])
 
     def write(self, version: str, history: list[str] | None = None) -> None:
         """Record `version` (and the history before it); StateUnavailable, the old record left as

@@ -19,7 +19,7 @@ from service.api.schemas import RequestModels
 from service.api.settings import load_settings, offline_store
 from service.engine.bundle import Bundle
 from service.engine.jsonlines import iter_rows, iter_text_lines, row_uid
-from service.engine.label_changes import ChangeReport, LabelChange, LabelEditor, NewLabel, derived_version
+from service.engine.label_changes import ChangeReport, LabelChange, LabelEditor, NewLabel
 from service.engine.label_ledger import IdRecord, LabelLedger
 from service.engine.predictor import Predictor
 from service.engine.store import BundleStore
@@ -74,7 +74,7 @@ def run_cli(args: argparse.Namespace) -> int:
     try:
         lineage = parent.manifest.lineage
         version = places.check_free(args.version) if args.version is not None else \
-            derived_version(lineage.base if lineage else parent.version, places.exists)
+            places.derived_version(lineage.base if lineage else parent.version)
         if state_dir is None:
             report = LabelEditor().derive(parent, change, out_root, version, check=True)
         else:

@@ -37,7 +37,7 @@ from service.engine import heap
 from service.engine.bundle import Bundle, drop_cached_pages
 from service.engine.file_guard import check_files
 from service.engine.isolated import check_in_child
-from service.engine.label_changes import ChangeReport, LabelChange, LabelEditor, derived_version
+from service.engine.label_changes import ChangeReport, LabelChange, LabelEditor
 from service.engine.label_ledger import IdRecord, LabelLedger, Unconfirmed
 from service.engine.predictor import Predictor, PredictorOptions
 from service.engine.schema import BundleError, validate_version_name
@@ -256,7 +256,7 @@ class BundleRegistry:
         of its base has given out, and marked unconfirmed before it is renamed into place."""
         lineage = parent.manifest.lineage
         base = lineage.base if lineage else parent.version
-        version = derived_version(base, self.store.exists)
+        version = self.store.derived_version(base)
         record = ledger.current(base, parent.manifest.tree_labels, parent.labels, lambda: self.store.lineage_of(base))
 
         def reserve() -> None:
@@ -350,10 +350,12 @@ class BundleRegistry:
         with self._gate.operator_turn(what), self._exclusive(what, wait_s=self.activation_lock_wait_s):
             yield
 
-    def activate(self, version: str | None = None) -> dict[str, object]:
+    def activate(self, version: str | None = None, *, starting: bool = False) -> dict[str, object]:
         """Load, validate and swap in `version` (default: the newest bundle of any place). The
         version this process serves and the state directory records is left as it is: nothing
-        loaded, nothing pushed onto the rollback history (the result's "unchanged").
+        loaded, nothing pushed onto the rollback history (the result's "unchanged"). `starting`:
+        the first activation of start-up, which leaves a record naming the version it serves as
+        it is (its activated_at is the operator's activation, not this restart's).
 
         Raises ActivationInProgress (another activation or rollback is in progress),
         ActivationLockBusy (_operator_turn), BundleNotFound, ActivationFailed or StateUnavailable;
@@ -367,7 +369,7 @@ class BundleRegistry:
                 return self._converged({"active": wanted, "previous": wanted, "seconds": 0.0, "quality": {},
                                         "unchanged": True})
             history = with_previous(self._history, current, wanted)
-            return self._converged(self._activate_locked(wanted, history=history))
+            return self._converged(self._activate_locked(wanted, history=history, starting=starting))
 
     def _current(self) -> str | None:
         """What an activation replaces: the recorded version (another process sharing the state
@@ -402,9 +404,9 @@ class BundleRegistry:
         return {**result, "processes": self.converge(str(result["active"]))}
 
     def _activate_locked(self, version: str | None, *, history: list[str], follow: bool = False,
-                         record: bool = True) -> dict[str, object]:
+                         record: bool = True, starting: bool = False) -> dict[str, object]:
         """Load, check (unless `follow`: another process did) and swap in `version`; record it
-        in the state directory unless `follow` or not `record`."""
+        in the state directory unless `follow` or not `record` (or `starting` and recorded already)."""
         record = record and not follow
         t0 = time.perf_counter()
         path = self._resolve(version)
@@ -415,7 +417,7 @@ class BundleRegistry:
             drop_cached_pages(path)  # nothing will serve what the checks read
             raise
         if record:
-            self._remember(predictor, history)
+            self._remember(predictor, history, starting)
             self._confirm_recorded(predictor.bundle.version)
         self._history = history
         new = Engine(predictor.bundle, predictor)
@@ -460,7 +462,7 @@ class BundleRegistry:
                 log.warning("%s", self.store.shadow_message(stored.version))
         wanted = (self.remembered.read() if self.remembered else None) or configured
         try:
-            return self.activate(wanted)
+            return self.activate(wanted, starting=True)
         except (ActivationFailed, BundleNotFound) as exc:
             if not fall_back:
                 raise
@@ -500,9 +502,12 @@ class BundleRegistry:
         except (OSError, BundleError) as exc:
             log.warning("could not remove old derived versions: %s", exc)
 
-    def _remember(self, predictor: Predictor, history: list[str]) -> None:
-        """Record the version about to serve before it does: served is always remembered."""
-        if self.remembered is None:
+    def _remember(self, predictor: Predictor, history: list[str], starting: bool = False) -> None:
+        """Record the version about to serve before it does: served is always remembered. At
+        start-up a record that already says so is not written again (audit 7 F5: every restart
+        rewrote activated_at). Any other activation writes, even an unchanged record: processes
+        sharing the directory take a new write as "activated again" (processes._activated_again)."""
+        if self.remembered is None or starting and self.remembered.records(predictor.bundle.version, history):
             return
         try:
             self.remembered.write(predictor.bundle.version, history)

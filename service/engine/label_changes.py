@@ -50,7 +50,6 @@ from service.engine.predictor import Predictor, check_staged
 from service.engine.small_files import save_array
 from service.engine.tokenizer import is_blank
 
-DERIVED_SUFFIX = ".labels-"
 GIVEN_OUT_TITLE = "(given out on another version derived from the same base)"
 OVERFLOW_FILES = (schema.TOKEN_OVERFLOW, schema.TOKEN_OVERFLOW_WEIGHTS)
 
@@ -94,17 +93,6 @@ class ChangeReport:
     tree_labels: int
     seconds: float
     shared: dict[str, str] = field(default_factory=dict)  # file -> "link" | "copy"
-
-
-def derived_version(base: str, taken: Callable[[str], bool]) -> str:
-    """BASE.labels-N, the first N >= 1 not taken (BASE shortened to keep 64 characters)."""
-    n = 1
-    while True:
-        suffix = f"{DERIVED_SUFFIX}{n}"
-        name = base[: 64 - len(suffix)] + suffix
-        if not taken(name):
-            return name
-        n += 1
 
 
 class LabelEditor:

@@ -10,8 +10,8 @@ numbers, and neither an id nor a uid ever names two labels. The record is caught
 parent's own rows at every change (`IdRecord.merged`), so a record behind never makes a change
 give out an id or uid its parent holds; a record lost (or unreadable) is made again from the
 base's versions on disk (`rebuilt`: their labels read once, not at every change), and from
-the files retention leaves in place of the versions it removed (`removed_version_record`: the
-uids each gave out past its base), since a removed version's labels are no longer on disk.
+the record retention keeps of the versions it removed (`keep_removed`, `.removed-BASE.json`: the
+uids they gave out past the base), since a removed version's labels are no longer on disk.
 
 Confirmation: a change marks its version unconfirmed (`.unconfirmed.json`, with how much of the
 id record it added) before the version is renamed into place, and removes the mark once it is
@@ -47,6 +47,9 @@ log = logging.getLogger("shortlist.ledger")
 
 LEDGER_DIR = "label_ledger"
 UNCONFIRMED_FILE = ".unconfirmed.json"
+# LEDGER_DIR/.removed-BASE.json: the uids the base's versions retention removed gave out
+# (LabelLedger.keep_removed). Dot-named: no version name, so no BASE.json, starts with a dot.
+REMOVED_PREFIX = ".removed-"
 QUARANTINE_DIR = "unconfirmed"
 # The mark holds three short fields.
 MAX_MARK_BYTES = 64 * 1024
@@ -109,11 +112,11 @@ def decoded_record(data: bytes) -> IdRecord:
     return IdRecord(base, first_id, tuple(uids))
 
 
-def removed_version_record(bundle_dir: Path, base: str, first_id: int) -> bytes:
-    """What retention leaves in place of a removed version (service.engine.store.prune_derived):
-    the uids it holds past its base's rows, so a record made again (`rebuilt`) still holds them."""
+def removed_version_record(bundle_dir: Path, base: str, first_id: int) -> IdRecord:
+    """What retention keeps of a version it removes (service.engine.store.prune_derived): the uids
+    it holds past its base's rows, so a record made again (`rebuilt`) still holds them."""
     table = LabelTable.load(bundle_dir / LABELS)
-    return IdRecord(base, first_id, tuple(table.row(i)[0] for i in range(first_id, len(table)))).encoded()
+    return IdRecord(base, first_id, tuple(table.row(i)[0] for i in range(first_id, len(table))))
 
 
 @dataclass(frozen=True)
@@ -147,9 +150,9 @@ class LabelLedger:
 
     def rebuilt(self, base: str, first_id: int, versions: list[Path]) -> IdRecord:
         """The record of `base` made again from the label tables of its versions (bundle directories)
-        and the records retention left of removed ones (files, removed_version_record; those of
-        another base are passed over): the rows of each past what the others hold. A version that
-        cannot be read is skipped (logged)."""
+        and the records retention kept of removed ones (files: keep_removed's, and the marker files
+        older releases left in their place; those of another base are passed over): the rows of
+        each past what the others hold. A version that cannot be read is skipped (logged)."""
         record = IdRecord(base, first_id)
         for path in versions:
             try:
@@ -168,6 +171,28 @@ class LabelLedger:
         the record (made again from `versions()`, the base's versions and removed versions' files,
         when lost) merged with the parent's rows."""
         return (self.record(base, first_id) or self.rebuilt(base, first_id, versions())).merged(parent)
+
+    def removed_path(self, base: str) -> Path:
+        """The record of the uids the base's removed versions gave out (keep_removed)."""
+        return self.dir / f"{REMOVED_PREFIX}{validate_version_name(base)}.json"
+
+    def keep_removed(self, removed: IdRecord) -> None:
+        """Add what a version retention removes gave out to its base's one record of them (a
+        copy beside BASE.json, so a lost record is made again with them: `rebuilt` reads it as it
+        reads a version): the versions of a base share their ids, so the longest holds them all.
+        One that cannot be read is replaced (logged): BASE.json still holds what it held.
+        OSError when it cannot be written."""
+        path = self.removed_path(removed.base)
+        try:
+            kept = decoded_record(read_small_file(path, MAX_ID_RECORD_BYTES))
+            if (kept.base, kept.first_id) == (removed.base, removed.first_id):
+                removed = kept.extended(removed)
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.error("replacing the record of removed versions' uids %s: %s", path, exc)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        write_atomically(path, removed.encoded())
 
     def write(self, record: IdRecord) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)

@@ -30,7 +30,14 @@ from typing import Any, Literal
 import orjson
 from pydantic import ValidationError
 
-from service.engine.label_ledger import LabelLedger, removed_version_record
+from service.engine.label_ledger import (
+    MAX_ID_RECORD_BYTES,
+    IdRecord,
+    LabelLedger,
+    decoded_record,
+    removed_version_record,
+)
+from service.engine.removed_names import RemovedNames, derived_version, numbered
 from service.engine.schema import (
     FORMAT_VERSION,
     MANIFEST,
@@ -337,38 +344,77 @@ class BundleStore:
         """sweep_staging of every place."""
         return [path for _, root in self.places() for path in sweep_staging(root)]
 
+    @property
+    def removed_names(self) -> RemovedNames | None:
+        """The record of the derived versions' names retention removed (None without a state directory)."""
+        return RemovedNames(self.derived_root) if self.derived_root is not None else None
+
+    def derived_version(self, base: str) -> str:
+        """The name of the next version derived from `base`: one no place holds nor was ever
+        given (removed_names.derived_version). OSError when the record of removed names cannot be read."""
+        names = self.removed_names
+        return derived_version(base, self.exists, names.highest() if names is not None else {})
+
     def prune_derived(self, keep: int, protected: Collection[str]) -> list[str]:
         """Remove the oldest derived versions (STATE_DIR/bundles) beyond the newest `keep`, never
-        one in `protected`. Each is renamed out of sight first (no listing sees half of one),
-        then deleted, and a file keeps its name taken (`exists`): a version name is never given to
-        other contents. The file holds the uids the version gave out past its base
-        (label_ledger.removed_version_record), so an id record lost later is made again with them.
-        One that cannot be removed is logged and left. Returns the versions removed."""
+        one in `protected`. What each gave out is recorded first, and the records stay bounded
+        (one per base, not one per version): its uids in its base's record of removed versions
+        (LabelLedger.keep_removed), so an id record lost later is made again with them, and its
+        name in RemovedNames, so a version name is never given to other contents (`exists`).
+        Then it is renamed out of sight (no listing sees half of one) and deleted: a crash
+        between leaves it whole and its name recorded (the next removal takes it), or a
+        `.removing-` directory the sweep removes. Versions whose names cannot be recorded are
+        not removed; one that cannot be removed is logged and left. Returns the versions removed."""
         if self.derived_root is None:
             return []
+        self._fold_markers()
         derived = list_bundles(self.derived_root, self.max_manifest_bytes)  # oldest first
         doomed = [m for m in derived[: max(len(derived) - keep, 0)] if m.version not in protected]
-        removed = []
-        for manifest in doomed:
-            version = manifest.version
-            hidden = self.derived_root / f"{REMOVING_PREFIX}{version}-{secrets.token_hex(4)}"
-            try:
-                os.rename(self.derived_root / version, hidden)
-                with open(self.derived_root / version, "xb") as placeholder:
-                    placeholder.write(self._removed_record(hidden, manifest))
-            except OSError as exc:
-                log.warning("cannot remove derived version %s: %s", version, exc)
-                continue
-            shutil.rmtree(hidden, ignore_errors=True)
-            removed.append(version)
+        if not doomed:
+            return []
+        try:
+            self._record_removed(doomed)
+        except OSError as exc:
+            log.warning("cannot remove derived versions %s: %s", ", ".join(m.version for m in doomed), exc)
+            return []
+        removed = [m.version for m in doomed if self._remove(m.version)]
         if removed:
             log.info("removed derived versions beyond the newest %d: %s", keep, ", ".join(removed))
         return removed
 
+    def _record_removed(self, doomed: list[Manifest]) -> None:
+        """Record the uids (per base, once) and the names of versions about to be removed."""
+        assert self.derived_root is not None and self.removed_names is not None
+        per_base: dict[str, IdRecord] = {}
+        for manifest in doomed:
+            record = self._removed_record(self.derived_root / manifest.version, manifest)
+            if record is not None:
+                kept = per_base.get(record.base)
+                per_base[record.base] = record if kept is None else kept.extended(record)
+        ledger = LabelLedger(self.derived_root.parent)
+        for record in per_base.values():
+            ledger.keep_removed(record)
+        self.removed_names.add(m.version for m in doomed)
+
+    def _remove(self, version: str) -> bool:
+        """Rename `version` out of sight, then delete it; a name RemovedNames cannot record (not
+        BASE.labels-N: a bundle written here under a chosen name) keeps an empty file of its name."""
+        assert self.derived_root is not None
+        hidden = self.derived_root / f"{REMOVING_PREFIX}{version}-{secrets.token_hex(4)}"
+        try:
+            os.rename(self.derived_root / version, hidden)
+            if numbered(version) is None:
+                open(self.derived_root / version, "xb").close()
+        except OSError as exc:
+            log.warning("cannot remove derived version %s: %s", version, exc)
+            return False
+        shutil.rmtree(hidden, ignore_errors=True)
+        return True
+
     @staticmethod
-    def _removed_record(bundle_dir: Path, manifest: Manifest) -> bytes:
-        """removed_version_record of a version about to be removed; empty (logged) when its labels
-        cannot be read: the name stays taken, and the record in label_ledger still holds its uids."""
+    def _removed_record(bundle_dir: Path, manifest: Manifest) -> IdRecord | None:
+        """removed_version_record of a version about to be removed; None (logged) when its labels
+        cannot be read: its name is still recorded, and the record in label_ledger still holds its uids."""
         lineage = manifest.lineage
         try:
             if lineage is None:
@@ -376,23 +422,52 @@ class BundleStore:
             return removed_version_record(bundle_dir, lineage.base, manifest.tree_labels)
         except (OSError, ValueError) as exc:
             log.warning("removing derived version %s: its uids are not kept beside its name: %s", manifest.version, exc)
-            return b""
+            return None
+
+    def _fold_markers(self) -> None:
+        """Fold the marker files older releases left in place of the versions they removed (one per
+        name, for ever) into the records prune_derived keeps, then remove them. Until then, and
+        should that fail (logged), they are honoured as they were (`exists`, `lineage_of`)."""
+        markers = [path for path in self.removed_derived() if numbered(path.name) is not None]
+        if not markers or self.derived_root is None or self.removed_names is None:
+            return
+        ledger = LabelLedger(self.derived_root.parent)
+        try:
+            for path in markers:
+                record = _marker_record(path)
+                if record is not None:
+                    ledger.keep_removed(record)
+            self.removed_names.add(path.name for path in markers)
+            for path in markers:
+                path.unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("cannot fold the files of removed versions in %s into its records: %s", self.derived_root, exc)
+            return
+        log.info("folded the files of %d removed versions in %s into %s", len(markers), self.derived_root,
+                 self.removed_names.path.name)
 
     def lineage_of(self, base: str) -> list[Path]:
-        """The versions derived from `base` in every place, and the files of removed derived
-        versions (label_ledger.LabelLedger.rebuilt reads what each gave out)."""
+        """The versions derived from `base` in every place, and the records of removed derived
+        versions' uids (label_ledger.LabelLedger.rebuilt reads what each gave out): its base's
+        (LabelLedger.keep_removed) and the marker files older releases left."""
         derived = [b.path for b in self.list() if b.manifest.lineage is not None and b.manifest.lineage.base == base]
-        return derived + self.removed_derived()
+        kept = [] if self.derived_root is None else [LabelLedger(self.derived_root.parent).removed_path(base)]
+        return derived + self.removed_derived() + [path for path in kept if path.exists()]
 
     def removed_derived(self) -> list[Path]:
-        """The files retention left in place of the derived versions it removed (prune_derived)."""
+        """The files left in place of removed derived versions: the marker of a name RemovedNames
+        cannot record, and those older releases left for every name (until _fold_markers)."""
         if self.derived_root is None or not self.derived_root.is_dir():
             return []
         return [path for path in self.derived_root.iterdir() if path.is_file() and not path.name.startswith(".")]
 
     def exists(self, version: str) -> bool:
-        """Whether the name is taken in any place (by a bundle, or by a removed derived version)."""
-        return self._taken_in(version) is not None
+        """Whether the name is taken in any place (by a bundle, or by a removed derived version: a
+        file of its name, or RemovedNames). OSError when the record of removed names cannot be read."""
+        return self._taken_in(version) is not None or self._removed(version)
+
+    def _removed(self, version: str) -> bool:
+        return self.removed_names is not None and self.removed_names.holds(version)
 
     def _taken_in(self, version: str) -> tuple[Place, Path] | None:
         return next(((place, path) for place, path in self.places() if (path / version).exists()), None)
@@ -401,6 +476,9 @@ class BundleStore:
         """`version`, valid and taken in no place (`exists`); BundleError naming where it is taken.
         A writer giving a bundle a name another place holds would make one name two bundles."""
         validate_version_name(version)
+        if self._removed(version):
+            raise BundleError(f"bundle version {version!r} was given to a version since removed from the state "
+                              "directory (SHORTLIST_STATE_DIR); a version names one bundle: pick another version")
         taken = self._taken_in(version)
         if taken is not None:
             what = "the bundle root" if taken[0] == "root" else "the state directory (SHORTLIST_STATE_DIR)"
@@ -433,3 +511,14 @@ def _fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _marker_record(path: Path) -> IdRecord | None:
+    """The uids a marker file of a removed version holds (older releases wrote them there); None
+    when it holds none (empty: older still) or cannot be read (logged)."""
+    try:
+        data = read_small_file(path, MAX_ID_RECORD_BYTES)
+        return decoded_record(data) if data else None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("the file of removed version %s holds no uid record: %s", path.name, exc)
+        return None
