@@ -160,6 +160,13 @@ def test_changes_arriving_together_are_applied_in_order_and_none_is_lost(bundle_
         ids = c.post("/v1/predict", json={"text": batches[0][0].title, "k": 1,
                                           "exclude": [lab.uid for b in batches for lab in b]})
         assert ids.status_code == 200, ids.text  # every added uid is known to the serving bundle
+        # Each change is one event naming what it wrote and one naming its activation, in order.
+        events = [json.loads(line) for line in s.log().splitlines() if line.startswith('{"event": ')]
+    written = [(e["parent"], e["version"], e["added"], e["retired"]) for e in events
+               if e["event"] == "label_change_written"]
+    assert written == [(f"v2.labels-{i}" if i else "v2", f"v2.labels-{i + 1}", 3, 0) for i in range(5)], written
+    assert [(e["version"], e["cause"]) for e in events if e["event"] == "bundle_activated"][-5:] == \
+        [(f"v2.labels-{i}", "label_change") for i in range(1, 6)]
 
 
 def test_label_requests_are_validated_naming_the_field(bundle_root, synthetic_data, tmp_path):

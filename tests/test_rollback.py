@@ -50,6 +50,12 @@ def test_rollback_skips_entries_that_no_longer_load_and_drops_them(bundle_root_c
         r = c.post("/admin/bundles/rollback")
         assert r.status_code == 404 and r.json()["message"] == "no previously active bundle to roll back to"
         assert c.get("/readyz").json()["version"] == "a"
+        # Each swap is one structured event saying what and why (audit 7 F8: plain text, no cause).
+        events = [json.loads(line) for line in s.log().splitlines() if line.startswith('{"event": "bundle_activated"')]
+    assert [(e["version"], e["previous"], e["cause"]) for e in events] == [
+        ("v2", None, "start"), ("a", "v2", "activate"), ("b", "a", "activate"), ("c", "b", "activate"),
+        ("d", "c", "activate"), ("a", "d", "rollback")], events
+    assert all(e["recorded"] and e["seconds"] >= 0 and isinstance(e["pid"], int) for e in events)
 
 
 def test_activating_the_served_version_changes_nothing_and_rollback_passes_over_it(bundle_root, tmp_path):

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import orjson
 
+from service.api.events import log_event
 from service.engine.jsonlines import os_reason
 from service.engine.label_ledger import LEDGER_DIR, QUARANTINE_DIR
 from service.engine.schema import BundleError, validate_version_name
@@ -27,10 +28,6 @@ from service.engine.small_files import read_small_file, write_atomically
 from service.engine.store import DERIVED_DIR, utc_now
 
 log = logging.getLogger("shortlist.state")
-# service.api.observability.error_log, where the service's structured events go; named, not
-# imported: observability imports prometheus-client, which `serve` must not import before it sets
-# up its multiprocess directory, and service.api.server imports this module before that.
-event_log = logging.getLogger("shortlist.error")
 
 ACTIVE_FILE = "active.json"
 LOCK_FILE = ".activation.lock"
@@ -139,19 +136,17 @@ class ActiveVersionFile:
                        "rollback history starts empty")
         found = [name for name in STATE_RECORDS if os.path.lexists(self.dir / name)]
         if created:
-            event = {"event": "state_dir_created", "state_dir": str(self.dir), "message": (
+            log_event("state_dir_created", logging.ERROR, state_dir=str(self.dir), message=(
                 f"the state directory {self.dir} (SHORTLIST_STATE_DIR) did not exist and was created empty; "
                 f"{consequence}. If the state is elsewhere (a volume not mounted, a wrong path), stop the service "
-                "and correct SHORTLIST_STATE_DIR")}
+                "and correct SHORTLIST_STATE_DIR"))
         elif found:
-            event = {"event": "state_incomplete", "state_dir": str(self.dir), "found": found, "message": (
+            log_event("state_incomplete", logging.ERROR, state_dir=str(self.dir), found=found, message=(
                 f"{self.path} is missing while {', '.join(found)} of label changes are there; {consequence}. "
-                "Restore it, or activate the version to serve")}
+                "Restore it, or activate the version to serve"))
         else:
-            event_log.info(json.dumps({"event": "state_dir_empty", "state_dir": str(self.dir),
-                                       "message": f"the state directory {self.dir} holds no record; {consequence}"}))
-            return
-        event_log.error(json.dumps(event))
+            log_event("state_dir_empty", state_dir=str(self.dir),
+                      message=f"the state directory {self.dir} holds no record; {consequence}")
 
     def read(self) -> str | None:
         """The remembered version; None when nothing was recorded or the record is unreadable."""

@@ -31,6 +31,7 @@ from service.api.activation import (
     with_previous,
 )
 from service.api.active_state import ACTIVE_FILE, ActiveVersionFile, StateUnavailable
+from service.api.events import log_event
 from service.api.leases import Engine, Lease, NoBundle
 from service.api.quality_gate import check_quality
 from service.engine import heap
@@ -240,10 +241,10 @@ class BundleRegistry:
                         if fault is None:
                             raise
                         raise fault from exc
-                log.info("label change: %s -> %s (+%d, -%d labels) written in %.3fs", report.parent, report.version,
-                         report.added, report.retired, report.seconds)
+                log_event("label_change_written", parent=report.parent, version=report.version, added=report.added,
+                          retired=report.retired, seconds=round(report.seconds, 3))
                 history = with_previous(self._history, self._current(), report.version)
-                result = self._converged(self._activate_locked(report.version, history=history))
+                result = self._converged(self._activate_locked(report.version, history=history, cause="label_change"))
             finally:
                 try:
                     self._settle_unconfirmed(ledger)  # confirmed if activated, else set aside
@@ -294,8 +295,10 @@ class BundleRegistry:
             if not activated:
                 where = ledger.state_dir / DERIVED_DIR / pending.version
                 if where.is_dir():
-                    log.warning("label change %s was never activated: moved to %s", pending.version,
-                                ledger.quarantine(where, self.keep_derived_versions))
+                    log_event("label_change_set_aside", logging.WARNING, version=pending.version,
+                              moved_to=str(ledger.quarantine(where, self.keep_derived_versions)),
+                              message=f"label change {pending.version} was never activated (the service stopped "
+                                      "before it was recorded)")
                 ledger.undo(pending)
             ledger.confirm()
         except OSError as exc:
@@ -325,7 +328,7 @@ class BundleRegistry:
         change derived from an older version would undo that one."""
         recorded = self.remembered.read() if self.remembered is not None else None
         if recorded is not None and recorded != self.active_version:
-            self._activate_locked(recorded, history=self._history, follow=True)
+            self._activate_locked(recorded, history=self._history, follow=True, cause="follow")
 
     @contextmanager
     def _exclusive(self, what: str, *, shared_state: bool = True, wait_s: float | None = None,
@@ -369,7 +372,8 @@ class BundleRegistry:
                 return self._converged({"active": wanted, "previous": wanted, "seconds": 0.0, "quality": {},
                                         "unchanged": True})
             history = with_previous(self._history, current, wanted)
-            return self._converged(self._activate_locked(wanted, history=history, starting=starting))
+            return self._converged(self._activate_locked(wanted, history=history, starting=starting,
+                                                         cause="start" if starting else "activate"))
 
     def _current(self) -> str | None:
         """What an activation replaces: the recorded version (another process sharing the state
@@ -384,7 +388,7 @@ class BundleRegistry:
         """Serve the most recent previously active version that still loads (roll_back)."""
         with self._operator_turn("rollback"):
             result, skipped = roll_back(self._history, lambda version, rest: self._activate_locked(
-                version, history=rest), self._forget_history, self._current())
+                version, history=rest, cause="rollback"), self._forget_history, self._current())
             return {**self._converged(result), "skipped": skipped}
 
     def _forget_history(self) -> None:
@@ -395,7 +399,7 @@ class BundleRegistry:
         """Serve `version`, which another process sharing the state directory activated (it has
         checked, gated and recorded it): load and swap only."""
         with self._exclusive(f"following {version}, activated by another process", shared_state=False):
-            return self._activate_locked(version, history=self._history, follow=True)
+            return self._activate_locked(version, history=self._history, follow=True, cause="follow")
 
     def _converged(self, result: dict[str, object]) -> dict[str, object]:
         """The activation's result, once every process sharing the state directory serves it."""
@@ -403,10 +407,11 @@ class BundleRegistry:
             return result
         return {**result, "processes": self.converge(str(result["active"]))}
 
-    def _activate_locked(self, version: str | None, *, history: list[str], follow: bool = False,
+    def _activate_locked(self, version: str | None, *, history: list[str], cause: str, follow: bool = False,
                          record: bool = True, starting: bool = False) -> dict[str, object]:
         """Load, check (unless `follow`: another process did) and swap in `version`; record it
-        in the state directory unless `follow` or not `record` (or `starting` and recorded already)."""
+        in the state directory unless `follow` or not `record` (or `starting` and recorded already).
+        `cause` (activate, rollback, label_change, start, fallback, follow) goes into its event line."""
         record = record and not follow
         t0 = time.perf_counter()
         path = self._resolve(version)
@@ -433,7 +438,8 @@ class BundleRegistry:
         seconds = time.perf_counter() - t0
         if self.on_swap is not None:
             self.on_swap(old.version if old else None, new.version)
-        log.info("activated bundle %s (previous %s) in %.3fs", new.version, old.version if old else None, seconds)
+        log_event("bundle_activated", version=new.version, previous=old.version if old else None, cause=cause,
+                  recorded=record, seconds=round(seconds, 3), pid=os.getpid())
         return {"active": new.version, "previous": old.version if old else None, "seconds": seconds,
                 "quality": quality}
 
@@ -487,7 +493,7 @@ class BundleRegistry:
         process sharing the state directory would follow it (one process's failed load switching
         the whole service), and restarts would keep serving it once the wanted version loads again."""
         with self._exclusive(f"start-up, falling back to {version}", shared_state=False):
-            return self._activate_locked(version, history=self._history, record=False)
+            return self._activate_locked(version, history=self._history, record=False, cause="fallback")
 
     def _prune_derived(self, in_use: set[str]) -> None:
         """Remove the derived versions past keep_derived_versions that nothing may serve: not
