@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -288,6 +289,25 @@ def _readyz_on_new_connections(url: str, n: int) -> list[tuple[int, dict]]:
     return out
 
 
+def replacement_that_cannot_load(s, bundle_root: Path, state: Path) -> tuple[str, str]:
+    """Two processes serving v1 (activated over v2), one killed once v1's labels.jsonl is gone: its
+    replacement joins the live one and cannot load v1 (the survivor's maps stay whole). Returns
+    (the survivor's pid, the replacement's), once the replacement has published its failure."""
+    _wait_for(s.url, {"v2"})
+    r = httpx.post(f"{s.url}/admin/bundles/activate", json={"version": "v1"}, headers=AUTH, timeout=120)
+    assert r.status_code == 200, r.text
+    victim, survivor = r.json()["processes"]
+    time.sleep(2)  # the arbiter drops its preloaded v2 (no process serves it): a new process loads
+    (bundle_root / "v1" / "labels.jsonl").unlink()
+    os.kill(int(victim), signal.SIGKILL)
+    published, deadline = state / "processes", time.monotonic() + 90
+    while not (failed := [r["pid"] for r in map(json.loads, (p.read_text() for p in published.glob("*.json")))
+                          if r["pid"] not in (int(victim), int(survivor)) and r.get("failed")]):
+        assert time.monotonic() < deadline, s.log()[-3000:]
+        time.sleep(0.2)
+    return survivor, str(failed[0])
+
+
 def test_readyz_answers_for_every_process_naming_one_that_serves_nothing(bundle_root_copy, tmp_path):
     """Audit 7 F2: /readyz was the answering process's, so with one process serving nothing a probe
     landing on the other said 200 (and flapped by connection). Every process now answers for all:
@@ -296,20 +316,7 @@ def test_readyz_answers_for_every_process_naming_one_that_serves_nothing(bundle_
     state = tmp_path / "state"
     env = {**_env(state), "SHORTLIST_ACCESS_LOG": "true"}
     with serve(bundle_root_copy, env=env, log_dir=tmp_path, timeout=120) as s:
-        _wait_for(s.url, {"v2"})
-        r = httpx.post(f"{s.url}/admin/bundles/activate", json={"version": "v1"}, headers=AUTH, timeout=120)
-        assert r.status_code == 200, r.text
-        victim, survivor = r.json()["processes"]
-        time.sleep(2)  # the arbiter drops its preloaded v2 (no process serves it): a new process loads
-        (bundle_root_copy / "v1" / "labels.jsonl").unlink()  # served maps stay whole; a new load fails
-        os.kill(int(victim), signal.SIGKILL)
-        published = state / "processes"
-        deadline = time.monotonic() + 90
-        while not (failed := [r["pid"] for r in map(json.loads, (p.read_text() for p in published.glob("*.json")))
-                              if r["pid"] not in (int(victim), int(survivor)) and r.get("failed")]):
-            assert time.monotonic() < deadline, s.log()[-3000:]
-            time.sleep(0.2)
-        stuck = str(failed[0])
+        survivor, stuck = replacement_that_cannot_load(s, bundle_root_copy, state)
         answers = _readyz_on_new_connections(s.url, 12)
         assert {status for status, _ in answers} == {503}, answers
         for _, body in answers:

@@ -4,9 +4,7 @@ bundle that cannot be served at start-up gives way to the newest one that can.""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -92,25 +90,13 @@ def test_a_process_that_cannot_load_the_recorded_version_does_not_switch_the_oth
     recorded its fallback, which every other process then followed, and the history was lost."""
     from test_processes import _env as processes_env
     from test_processes import _serving as serving_by_pid
-    from test_processes import _wait_for
+    from test_processes import replacement_that_cannot_load
 
     state = tmp_path / "state"
     with serve(bundle_root_copy, env=processes_env(state), log_dir=tmp_path, timeout=120) as s:
-        _wait_for(s.url, {"v2"})
-        r = httpx.post(f"{s.url}/admin/bundles/activate", json={"version": "v1"}, headers=AUTH, timeout=120)
-        assert r.status_code == 200, r.text
-        victim, survivor = r.json()["processes"]
-        time.sleep(2)  # the arbiter drops its preloaded v2 (no process serves it): a new process loads
-        (bundle_root_copy / "v1" / "labels.jsonl").unlink()  # served maps stay whole; a new load fails
-        os.kill(int(victim), signal.SIGKILL)
-        # Its replacement joins a live process: it serves what that one serves or nothing, never
-        # a version of its own choosing, and says why.
-        published = state / "processes"
-        deadline = time.monotonic() + 90
-        while not [r for r in map(json.loads, (p.read_text() for p in published.glob("*.json")))
-                   if r["pid"] not in (int(victim), int(survivor)) and r.get("failed")]:
-            assert time.monotonic() < deadline, s.log()[-3000:]
-            time.sleep(0.2)
+        # The replacement of a killed process joins a live one: it serves what that one serves or
+        # nothing, never a version of its own choosing, and says why.
+        survivor, _ = replacement_that_cannot_load(s, bundle_root_copy, state)
         time.sleep(2)  # several process-sync ticks: the survivor follows nobody
         assert serving_by_pid(s.url) == {survivor: "v1"}
         recorded = json.loads((state / "active.json").read_text())
