@@ -7,7 +7,7 @@ its settings, and FastAPI reads a route's body type from its evaluated annotatio
 """
 
 import asyncio
-import json
+import logging
 import re
 from collections.abc import Callable
 from typing import Annotated, Any
@@ -19,8 +19,8 @@ from service.api.active_state import StateUnavailable
 from service.api.bundle_watch import changed_error
 from service.api.dependencies import AdminRoute, State
 from service.api.errors import ApiError
+from service.api.events import log_event
 from service.api.leases import NoBundle
-from service.api.observability import error_log
 from service.api.predict import documented
 from service.api.processes import ProcessesDiverged
 from service.api.registry import LabelChangesUnavailable, TooManyPendingChanges
@@ -69,11 +69,11 @@ async def _activate(state: State, fn: Callable[..., dict[str, Any]], *args: Any)
         raise ApiError(404, "bundle_not_found", str(exc)) from None
     except ActivationFailed as exc:
         metrics.failed_activations.labels("invalid").inc()
-        error_log.error(json.dumps({"event": "activation_failed", "message": str(exc)}))
+        log_event("activation_failed", logging.ERROR, message=str(exc))
         raise ApiError(422, "bundle_rejected", str(exc)) from None
     except ProcessesDiverged as exc:
         metrics.failed_activations.labels("diverged").inc()
-        error_log.error(json.dumps({"event": "processes_diverged", "message": str(exc)}))
+        log_event("processes_diverged", logging.ERROR, message=str(exc))
         raise ApiError(503, "processes_diverged", str(exc)) from None
     except StateUnavailable as exc:
         raise _state_unavailable(state, exc) from None
@@ -85,7 +85,7 @@ def _state_unavailable(state: State, exc: StateUnavailable) -> ApiError:
     """The answer to a write the state directory refused: the server's storage, not the request,
     is at fault (507 Insufficient Storage when out of space); what serves keeps serving."""
     state.metrics.failed_activations.labels("state").inc()
-    error_log.error(json.dumps({"event": "state_unavailable", "message": str(exc)}))
+    log_event("state_unavailable", logging.ERROR, message=str(exc))
     return ApiError(507 if exc.no_space else 503, "state_unavailable", str(exc))
 
 
@@ -93,7 +93,7 @@ def _lock_busy(state: State, exc: ActivationLockBusy) -> ApiError:
     """The answer to an admin write that waited for the activation lock as long as it may: the
     section holding it is named, and a retry once it is done goes through."""
     state.metrics.failed_activations.labels("busy").inc()
-    error_log.error(json.dumps({"event": "activation_lock_busy", "message": str(exc)}))
+    log_event("activation_lock_busy", logging.ERROR, message=str(exc))
     return ApiError(503, "activation_lock_busy", str(exc), headers={"Retry-After": str(exc.retry_after_s)})
 
 
@@ -135,11 +135,11 @@ async def _change(state: State, change: LabelChange, single_uid: bool = False) -
         # BundleError: a file of the serving bundle that the change is the first to read (an
         # index its scoring never searches) is not what its manifest says; it keeps serving.
         state.metrics.failed_activations.labels("invalid").inc()
-        error_log.error(json.dumps({"event": "label_change_refused", "message": str(exc)}))
+        log_event("label_change_refused", logging.ERROR, message=str(exc))
         raise ApiError(422, "bundle_rejected", str(exc)) from None
     except ProcessesDiverged as exc:
         state.metrics.failed_activations.labels("diverged").inc()
-        error_log.error(json.dumps({"event": "processes_diverged", "message": str(exc)}))
+        log_event("processes_diverged", logging.ERROR, message=str(exc))
         raise ApiError(503, "processes_diverged", str(exc)) from None
     except NoBundle as exc:
         raise ApiError(503, "not_ready", str(exc)) from None

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import gc
-import json
 import logging
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -23,7 +22,8 @@ from service.api.batching import EngineRunner
 from service.api.bundle_watch import BundleWatch
 from service.api.dependencies import MinuteBudget, ServiceState, State
 from service.api.errors import install_error_handlers
-from service.api.observability import ObservabilityMiddleware, ServiceMetrics, error_log, setup_logging
+from service.api.events import log_event
+from service.api.observability import ObservabilityMiddleware, ServiceMetrics, setup_logging
 from service.api.predict import Answer, answer_here, predict_router
 from service.api.processes import ProcessGroup
 from service.api.registry import ActivationFailed, ActivationInProgress, BundleNotFound, BundleRegistry
@@ -270,15 +270,15 @@ async def initial_load(state: ServiceState, joining: bool = False) -> None:
             functools.partial(state.registry.start, state.settings.version, fall_back=not joining)))
         if "fallback_from" in result:
             state.metrics.startup_fallback.labels(wanted=result["fallback_from"]).set(1)
-            error_log.error(json.dumps({"event": "startup_fallback", "wanted": result["fallback_from"],
-                                        "serving": result["active"], "reason": result["reason"]}))
+            log_event("startup_fallback", logging.ERROR, wanted=result["fallback_from"],
+                      serving=result["active"], reason=result["reason"])
             if state.group is not None:
                 state.group.cannot_serve(str(result["fallback_from"]), str(result["reason"]))
     except (ActivationFailed, BundleNotFound, ActivationInProgress, StateUnavailable) as exc:
         state.startup_error = f"start-up could not serve a bundle: {exc}"
         state.metrics.failed_activations.labels("startup").inc()
-        error_log.error(json.dumps({"event": "startup_load_failed", "message": str(exc),
-                                    "bundle_root": str(state.settings.bundle_root)}))
+        log_event("startup_load_failed", logging.ERROR, message=str(exc),
+                  bundle_root=str(state.settings.bundle_root))
         recorded = state.registry.remembered.read() if state.registry.remembered is not None else None
         if state.group is not None and recorded is not None and isinstance(exc, ActivationFailed):
             # Not followed unchecked next: the checking child may be what refused it.
@@ -287,9 +287,9 @@ async def initial_load(state: ServiceState, joining: bool = False) -> None:
         # Anything else would end this task unseen, leaving /readyz at 503 with nothing in the log.
         state.startup_error = f"start-up failed: {type(exc).__name__}: {exc}"
         state.metrics.failed_activations.labels("startup").inc()
-        error_log.error(json.dumps({"event": "startup_load_failed", "message": f"{type(exc).__name__}: {exc}",
-                                    "bundle_root": str(state.settings.bundle_root),
-                                    "traceback": traceback.format_exc()}))
+        log_event("startup_load_failed", logging.ERROR, message=f"{type(exc).__name__}: {exc}",
+                  bundle_root=str(state.settings.bundle_root),
+                  traceback=traceback.format_exc())
     if state.group is not None:
         state.group.not_serving = state.startup_error
         state.group.accepting = True  # it takes connections from here on (see _hold_until_loaded)
@@ -327,9 +327,9 @@ async def _hold_until_loaded(state: ServiceState, load: asyncio.Task[None], hear
         if heartbeat is not None:
             heartbeat()
     if not load.done() and state.group is not None:
-        error_log.error(json.dumps({"event": "startup_hold_timeout", "message": (
+        log_event("startup_hold_timeout", logging.ERROR, message=(
             f"process {state.group.pid} still loads after {state.settings.process_converge_timeout_s:g} s "
-            "(SHORTLIST_PROCESS_CONVERGE_TIMEOUT_S): it takes connections, answering 503 not_ready until it serves")}))
+            "(SHORTLIST_PROCESS_CONVERGE_TIMEOUT_S): it takes connections, answering 503 not_ready until it serves"))
         state.group.accepting = True
         _announce(state.group)
 
@@ -338,7 +338,7 @@ def _announce(group: ProcessGroup) -> None:
     try:
         group.announce()
     except StateUnavailable as exc:
-        error_log.error(json.dumps({"event": "state_unavailable", "message": str(exc)}))
+        log_event("state_unavailable", logging.ERROR, message=str(exc))
 
 
 async def shutdown(state: ServiceState) -> None:

@@ -14,13 +14,13 @@ longer decodes (LabelTable, Bundle.check_maps).
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 
 from service.api.errors import ApiError
+from service.api.events import log_event
 from service.api.leases import Engine
-from service.api.observability import ServiceMetrics, error_log
+from service.api.observability import ServiceMetrics
 from service.api.processes import every
 from service.api.registry import BundleRegistry
 from service.engine.file_guard import BundleChanged, check_files
@@ -67,8 +67,8 @@ class BundleWatch:
                 return
             engine.changed = exc
         self.metrics.bundle_changed.inc()
-        error_log.error(json.dumps({"event": "bundle_changed", "version": engine.version, "file": str(exc.path),
-                                    "message": str(exc)}))
+        log_event("bundle_changed", logging.ERROR, version=engine.version, file=str(exc.path),
+                  message=str(exc))
 
     def start(self) -> None:
         """Check every interval_s on a daemon thread of its own (none with an interval of 0)."""

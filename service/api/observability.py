@@ -7,7 +7,6 @@ sees every response, including those of unmatched routes and of crashes.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import re
@@ -26,11 +25,12 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api.errors import error_json
+from service.api.events import event_log, log_event
 from service.api.http_protocol import BODY_TIMED_OUT, CLIENT_GONE, CONNECTION, connection_metrics
 from service.api.processes import MULTIPROCESS_ENV, process_alive
 
 access_log = logging.getLogger("shortlist.access")
-error_log = logging.getLogger("shortlist.error")
+error_log = event_log  # service.api.events: the structured events' logger
 
 CLIENT_CLOSED = 499
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
@@ -212,10 +212,8 @@ class ObservabilityMiddleware:
                 raise
         except Exception as exc:
             status = 500
-            error_log.error(json.dumps({
-                "event": "unhandled_error", "request_id": request_id, "path": scope.get("path"),
-                "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(),
-            }))
+            log_event("unhandled_error", logging.ERROR, request_id=request_id, path=scope.get("path"),
+                      error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
             if not started:
                 body = error_json("internal", "unexpected server error; quote the request_id when reporting it",
                                   [], request_id)
@@ -252,8 +250,8 @@ def _abandoned(scope: Scope, request_id: str) -> bool:
     connection = scope.get(CONNECTION)
     if connection is None:
         return False
-    error_log.error(json.dumps({"event": "request_cancelled", "request_id": request_id, "path": scope.get("path"),
-                                "message": "the server stopped before answering (the drain timeout at shutdown)"}))
+    log_event("request_cancelled", logging.ERROR, request_id=request_id, path=scope.get("path"),
+              message="the server stopped before answering (the drain timeout at shutdown)")
     connection.abandon()
     return True
 

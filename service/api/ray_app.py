@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import math
 import os
@@ -64,8 +63,9 @@ from service.api.active_state import ActiveVersionFile, StateUnavailable
 from service.api.app import apply_runtime_tuning, create_app
 from service.api.dependencies import MinuteBudget, ServiceState, lease_engine
 from service.api.errors import ApiError
+from service.api.events import log_event
 from service.api.leases import Leased, lease
-from service.api.observability import ServiceMetrics, error_log
+from service.api.observability import ServiceMetrics
 from service.api.predict import json_response, label_rows, unknown_excluded_uids
 from service.api.ray_settings import refuse_unapplied
 from service.api.registry import LabelChangesUnavailable
@@ -539,8 +539,8 @@ class ShardedIngress:
                 metrics.startup_fallback.labels(wanted=result["fallback_from"]).set(1)
         except (ActivationFailed, BundleNotFound, ActivationInProgress, StateUnavailable) as exc:
             metrics.failed_activations.labels("startup").inc()
-            error_log.error(json.dumps({"event": "startup_load_failed", "message": str(exc),
-                                        "bundle_root": str(self.settings.bundle_root)}))
+            log_event("startup_load_failed", logging.ERROR, message=str(exc),
+                      bundle_root=str(self.settings.bundle_root))
         if stale:
             registry.in_loader(registry.delete_stale, stale)
 
