@@ -20,7 +20,7 @@ from service.api.processes import PROCESSES_DIR, ProcessesDiverged, ProcessGroup
 from service.api.registry import BundleRegistry
 from service.api.settings import SettingsError, load_settings
 from service.engine.label_changes import LabelChange, NewLabel
-from service.engine.removed_names import NAMES_FILE, RemovedNames
+from service.engine.removed_names import MAX_NAMES_BYTES, NAMES_FILE, RemovedNames
 from service.engine.store import BundleStore
 from shortlist.testing import serve
 
@@ -235,3 +235,17 @@ def test_a_record_of_removed_names_that_cannot_be_read_refuses_to_name_a_version
         assert sorted(p.name for p in (state / "bundles").iterdir()) == [NAMES_FILE]
     finally:
         registry.close()
+
+
+@pytest.mark.parametrize("extra", [0, 1])
+def test_the_record_of_removed_names_is_read_up_to_its_limit_and_refused_past_it(tmp_path, extra):
+    """MAX_NAMES_BYTES bounds what is read of the record: at the limit it is read, one byte past
+    it is refused as unreadable (EIO: no name is then given out), never read whole."""
+    record = json.dumps({"highest": {"v2": 7}}).encode()
+    (tmp_path / NAMES_FILE).write_bytes(record + b" " * (MAX_NAMES_BYTES + extra - len(record)))
+    names = RemovedNames(tmp_path)
+    if extra == 0:
+        assert names.highest() == {"v2": 7} and names.holds("v2.labels-7") and not names.holds("v2.labels-8")
+    else:
+        with pytest.raises(OSError, match="removed version names cannot be read"):
+            names.highest()
