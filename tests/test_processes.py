@@ -356,3 +356,30 @@ def test_a_process_restarted_beside_a_serving_one_takes_no_connection_until_it_s
                 break
         assert len(serving) == 2 and set(serving.values()) == {"v1"} and victim not in serving, serving
         assert set(answers) == {(200, 200)}, [a for a in answers if a != (200, 200)][:5]
+
+
+def test_a_restarted_process_whose_load_outlasts_the_converge_timeout_takes_connections_and_says_so(
+        bundle_root, tmp_path):
+    """The hold above is bounded by PROCESS_CONVERGE_TIMEOUT_S: a restarted process still loading
+    then takes connections (a load that never ends must not keep a process out of service
+    unseen), logs startup_hold_timeout naming itself, answers 503 not_ready (never a 500) until its
+    load ends, then serves the recorded version like the others."""
+    state = tmp_path / "state"
+    env = {**_env(state, preload=False), "SHORTLIST_PROCESS_CONVERGE_TIMEOUT_S": "0.001"}
+    with serve(bundle_root, env=env, log_dir=tmp_path, timeout=120) as s:
+        first = _wait_for(s.url, {"v2"})
+        victim = next(iter(first))
+        os.kill(int(victim), signal.SIGKILL)
+        deadline, answers, serving = time.monotonic() + 60, [], {}
+        while time.monotonic() < deadline:
+            with httpx.Client(base_url=s.url) as c:
+                r = c.post("/v1/predict", json={"text": "a", "k": 1})
+                answers.append((r.status_code, r.json().get("error")))
+            serving = _serving(s.url)
+            if len(serving) == 2 and victim not in serving:
+                break
+        assert len(serving) == 2 and set(serving.values()) == {"v2"} and victim not in serving, serving
+        assert set(answers) <= {(200, None), (503, "not_ready")}, answers
+        (replacement,) = set(serving) - set(first)
+        held = [json.loads(line) for line in s.log().splitlines() if "startup_hold_timeout" in line]
+        assert any(f"process {replacement} still loads" in rec["message"] for rec in held), held
