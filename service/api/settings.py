@@ -11,6 +11,7 @@ from typing import Annotated, Any
 from pydantic import Field, SecretStr, TypeAdapter, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from service.engine.jsonlines import DEFAULT_MAX_LINE_CHARS, MAX_LINE_CHARS_RANGE
 from service.engine.label_ledger import MAX_UID_CHARS
 from service.engine.schema import MAX_MANIFEST_BYTES, BundleError, validate_version_name
 from service.engine.small_files import RefusedFile, read_small_file
@@ -126,6 +127,11 @@ class Settings(BaseSettings):
     # The most bytes of a bundle's manifest.json read (listing, activation, start-up): past it the
     # bundle is refused, naming the file (service.engine.small_files).
     max_manifest_bytes: int = Field(MAX_MANIFEST_BYTES, ge=1024, le=1 << 30)
+    # The longest line of a data or label file the offline commands read (service/engine/jsonlines.py,
+    # which reads the variable itself: the engine does not import these settings). A field here too
+    # because `labels add` and `serve` load every setting: as an unknown variable it stopped both,
+    # though the README tells users to set it; a bad value is refused as the data commands refuse it.
+    max_line_chars: int = Field(DEFAULT_MAX_LINE_CHARS, ge=MAX_LINE_CHARS_RANGE[0], le=MAX_LINE_CHARS_RANGE[1])
 
     # What a client may hold before (and while) its request reaches the app (service/api/
     # http_protocol.py, request_body.py). Connections past max_connections get a 503 and are
