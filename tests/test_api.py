@@ -359,6 +359,25 @@ def test_serve_refuses_an_invalid_setting_naming_it(bundle_root, variable, value
     assert variable.removeprefix("SHORTLIST_").lower() in r.stderr.lower()
 
 
+@pytest.mark.parametrize("access_log", ["true", "false"])
+def test_serve_refuses_a_log_level_uvicorn_lacks_naming_it(bundle_root, access_log):
+    # It was a traceback from uvicorn (exit 1) with the access log off, else "Unknown level: 'VERBOSE'".
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHORTLIST_")}
+    env.update({"SHORTLIST_LOG_LEVEL": "verbose", "SHORTLIST_ACCESS_LOG": access_log})
+    r = subprocess.run([sys.executable, "-m", "shortlist.cli", "serve", "--bundle-root", str(bundle_root)],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip() == ("shortlist serve: error: SHORTLIST_LOG_LEVEL='verbose': not a log level: use one of "
+                                "critical, error, warning, info, debug, trace")
+
+
+@pytest.mark.parametrize("level", ["trace", "DEBUG", "Warning"])
+def test_serve_takes_every_uvicorn_log_level_in_any_case(bundle_root, tmp_path, level):
+    env = {"SHORTLIST_LOG_LEVEL": level}
+    with serve(bundle_root, env=env, log_dir=tmp_path) as s, httpx.Client(base_url=s.url) as c:
+        assert c.post("/v1/predict", json={"text": "x"}).status_code == 200
+
+
 @pytest.mark.parametrize(("field", "inside", "outside"), [
     ("loader_nice", [0, 19], [-1, 20]),
     ("heap_tuning", [True, False], ["maybe", 2]),

@@ -10,6 +10,7 @@ from typing import Annotated, Any
 
 from pydantic import Field, SecretStr, TypeAdapter, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+from uvicorn.config import LOG_LEVELS
 
 from service.engine.jsonlines import DEFAULT_MAX_LINE_CHARS, MAX_LINE_CHARS_RANGE
 from service.engine.label_ledger import MAX_UID_CHARS
@@ -223,6 +224,8 @@ class Settings(BaseSettings):
     echo_route: bool = False
     fault_route: bool = False
     access_log: bool = True
+    # uvicorn's levels (trace below debug), in any case. Checked here: an unknown one was a
+    # traceback from uvicorn (exit 1; exit 3 with several processes) or a line naming no setting.
     log_level: str = "info"
 
     @model_validator(mode="after")
@@ -247,6 +250,13 @@ class Settings(BaseSettings):
             except ValueError:
                 raise ValueError(f"{entry!r} is not an IP address, a network (10.0.0.0/8) nor *") from None
         return ",".join(entries)
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _a_log_level(cls, level: Any) -> Any:
+        if not isinstance(level, str) or level.strip().lower() not in LOG_LEVELS:
+            raise ValueError(f"not a log level: use one of {', '.join(LOG_LEVELS)}")
+        return level.strip().lower()
 
     @field_validator("host", "admin_host")
     @classmethod
