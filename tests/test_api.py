@@ -339,6 +339,18 @@ def test_openapi_documents_the_running_limits_and_every_status(client):
     assert predict["422"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
 
 
+def test_openapi_names_each_operation_once_and_every_get_route_answers_head(client):
+    # /healthz, /readyz and /metrics were listed for GET and HEAD under one operationId each:
+    # OpenAPI requires them unique, and client generators refuse the schema.
+    spec = client.get("/openapi.json").json()
+    ids = [op["operationId"] for ops in spec["paths"].values() for op in ops.values()]
+    assert len(ids) == len(set(ids)), sorted(i for i in ids if ids.count(i) > 1)
+    for path, ops in spec["paths"].items():
+        if "get" in ops and "{" not in path:
+            r = client.head(path)
+            assert r.status_code == client.get(path).status_code and r.content == b"", path
+
+
 def test_serve_refuses_a_missing_bundle_root(tmp_path):
     r = subprocess.run([sys.executable, "-m", "shortlist.cli", "serve", "--bundle-root", str(tmp_path / "nope")],
                        capture_output=True, text=True, timeout=60)

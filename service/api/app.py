@@ -96,13 +96,15 @@ Readiness = Callable[[ServiceState], Awaitable[str | None]]
 def _probes(readiness: Readiness | None = None) -> APIRouter:
     router = APIRouter()
 
-    # HEAD too: load balancers and orchestrators probe with it.
-    @router.api_route("/healthz", methods=["GET", "HEAD"], response_model=Health,
+    # GET only: HeadAsGetMiddleware answers HEAD on every GET route (load balancers probe with it).
+    # A route listing both had one operationId for two operations in /openapi.json, which client
+    # generators refuse (OpenAPI requires them unique).
+    @router.get("/healthz", response_model=Health,
                       summary="liveness: 200 while the process serves; `reason`: a problem it serves despite")
     async def healthz(state: State) -> Health:
         return liveness(state)
 
-    @router.api_route("/readyz", methods=["GET", "HEAD"], response_model=Health, responses={503: {"model": Health}},
+    @router.get("/readyz", response_model=Health, responses={503: {"model": Health}},
                       summary="readiness: 200 once a validated bundle serves, 503 before")
     async def readyz(state: State) -> Response:
         engine = state.registry.active
@@ -124,7 +126,7 @@ def _probes(readiness: Readiness | None = None) -> APIRouter:
                                   others)
         return JSONResponse({"status": "ready", "version": engine.version})
 
-    @router.api_route("/metrics", methods=["GET", "HEAD"], response_class=Response, summary="Prometheus text format",
+    @router.get("/metrics", response_class=Response, summary="Prometheus text format",
                       responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
     async def metrics(state: State) -> Response:
         return Response(state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
