@@ -262,6 +262,18 @@ def test_access_log_is_json_lines_with_request_id_pid_route_status_latency_versi
     assert rec["pid"] == server.proc.pid  # which process answered (several may share the port)
 
 
+def test_access_log_off_leaves_the_event_lines_on(bundle_root, tmp_path):
+    # SHORTLIST_ACCESS_LOG=false also dropped the INFO events (bundle_activated: "every swap of the
+    # served bundle" is logged), since the event logger was set up only with the access log.
+    env = {"SHORTLIST_ACCESS_LOG": "false"}
+    with serve(bundle_root, env=env, log_dir=tmp_path) as s, httpx.Client(base_url=s.url) as c:
+        assert c.post("/v1/predict", json={"text": "x"}, headers={"x-request-id": "quiet-1"}).status_code == 200
+        time.sleep(0.5)  # the access record, were there one, is written after the answer
+        lines = [json.loads(line) for line in s.log().splitlines() if line.startswith("{")]
+    assert any(rec.get("event") == "bundle_activated" and rec["cause"] == "start" for rec in lines), lines
+    assert not any(rec.get("request_id") == "quiet-1" for rec in lines)
+
+
 def test_metrics_expose_requests_latency_in_flight_version_and_batch_sizes(client):
     client.post("/v1/predict", json={"text": "count me"})
     client.post("/v1/predict", json={"text": ""})

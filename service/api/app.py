@@ -209,8 +209,10 @@ def create_app(settings: Settings | None = None, *, state: ServiceState | None =
     """
     settings = settings or load_settings()
     owns_state = state is None
-    if settings.access_log:  # first: building the state may log an event (active_state's start-up lines)
-        setup_logging(settings.log_level)
+    # First: building the state may log an event (active_state's start-up lines). Whatever
+    # ACCESS_LOG says: it turns off the access lines only (ObservabilityMiddleware, the HTTP
+    # protocol's refusals); with it off, the INFO events (bundle_activated, ...) were lost.
+    setup_logging(settings.log_level)
     state = state or build_state(settings, preloaded)
     if admin is None:
         admin = settings.admin_token is not None and settings.admin_port is None

@@ -53,8 +53,7 @@ async def _serve_two(settings: Settings) -> None:
     from service.api.app import build_state, create_admin_app, create_app, initial_load, shutdown
     from service.api.observability import setup_logging
 
-    if settings.access_log:  # before build_state, which may log an event (as create_app does)
-        setup_logging(settings.log_level)
+    setup_logging(settings.log_level)  # before build_state, which may log an event (as create_app does)
     state = build_state(settings)
     main = uvicorn.Server(_config(create_app(settings, state=state, admin=False),
                                   settings.host, settings.port, settings))
