@@ -34,6 +34,47 @@ def test_every_setting_is_in_the_readme_and_every_variable_it_names_is_a_setting
     assert sorted(n for n in named if n.lower() not in Settings.model_fields) == []
 
 
+# What an unset setting does, where the prose says more than "unset".
+UNSET_MEANS = {"version": "the recorded version, else the newest", "max_normalized_chars": "2 x `MAX_TEXT_CHARS`",
+               "admin_token": "admin routes off", "state_dir": "nothing remembered",
+               "admin_port": "admin routes on `PORT`", "quality_gate_min_p1": "no gate",
+               "forwarded_allow_ips": "no proxy believed", "admin_host": "`HOST`"}
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
+def settings_rows() -> list[str]:
+    """The README's settings table as service/api/settings.py defines it: one row a setting,
+    `| SHORTLIST_NAME | default | range |`."""
+    from annotated_types import Ge, Gt, Le, Lt
+
+    rows = []
+    for name, field in Settings.model_fields.items():
+        low = next((_number(m.ge) for m in field.metadata if isinstance(m, Ge)), "")
+        low = next((f">{_number(m.gt)}" for m in field.metadata if isinstance(m, Gt)), low)
+        high = next((_number(m.le) for m in field.metadata if isinstance(m, Le)), "")
+        high = next((f"<{_number(m.lt)}" for m in field.metadata if isinstance(m, Lt)), high)
+        default = field.default
+        if default in (None, ""):
+            shown = f"unset: {UNSET_MEANS[name]}" if name in UNSET_MEANS else "unset"
+        elif isinstance(default, bool):
+            shown = str(default).lower()
+        elif isinstance(default, int | float):
+            shown = _number(default)
+        else:
+            shown = f"`{default}`"
+        rows.append(f"| `{ENV_PREFIX}{name.upper()}` | {shown} | {f'{low}..{high}' if low or high else ''} |")
+    return rows
+
+
+def test_the_readme_settings_table_is_every_setting_with_its_default_and_range():
+    start = README.index("| variable | default | range |")
+    table = README[start:].split("\n\n", 1)[0].splitlines()[2:]
+    assert table == settings_rows()
+
+
 def _flags(parser: argparse.ArgumentParser, command: str = "") -> dict[str, set[str]]:
     """Command ("labels add") -> its long options, for every (sub)command."""
     out: dict[str, set[str]] = {command: set()}
