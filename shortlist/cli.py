@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib
+import math
 import os
 import signal
 import sys
@@ -154,10 +155,22 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler="service.api.server:run_cli")
 
 
+def _positive_seconds(text: str) -> float:
+    """A timeout flag's value: a finite number of seconds above 0. -1 or nan reached urllib and
+    were reported as the server not being ready ("Timeout value out of range"), exit 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds above 0, got {text!r}")
+    return value
+
+
 def _add_healthcheck(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("healthcheck", help="exit 0 when the local `shortlist serve` (SHORTLIST_HOST, SHORTLIST_PORT) "
                                            "is ready (/readyz 200), else 1: the images' HEALTHCHECK")
-    p.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the answer")
+    p.add_argument("--timeout", type=_positive_seconds, default=2.0, help="seconds to wait for the answer (> 0)")
     p.set_defaults(handler="service.api.healthcheck:run_cli")
 
 
