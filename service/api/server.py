@@ -46,7 +46,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 def _config(app: object, host: str, port: int, settings: Settings) -> uvicorn.Config:
     # access_log off: the app writes its own JSON access log with request ids and versions.
     return uvicorn.Config(app, host=host, port=port, access_log=False, log_level=settings.log_level,
-                          timeout_graceful_shutdown=int(settings.drain_timeout_s) or None, **protocol_kwargs(settings))
+                          **protocol_kwargs(settings))
 
 
 async def _serve_two(settings: Settings) -> None:
