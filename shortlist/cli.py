@@ -146,7 +146,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a bundle over HTTP")
     p.add_argument("--bundle-root", default=None)
     p.add_argument("--version", default=None,
-                   help="default: the version last activated (with a state dir), else the newest bundle")
+                   help="the version to serve when the state dir records none (the version last activated "
+                        "there is served instead, a restart keeping it); default: the newest bundle")
     p.add_argument("--state-dir", default=None, help="writable directory that remembers the active version")
     p.add_argument("--host", default=None)
     p.add_argument("--port", type=int, default=None)
@@ -180,7 +181,8 @@ def _add_serve_ray(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shards", type=int, required=True, help="shards per version (N)")
     p.add_argument("--replicas", type=int, default=1, help="replicas of each shard")
     p.add_argument("--version", default=None,
-                   help="default: the version last activated (with a state dir), else the newest")
+                   help="the version to serve when the state dir records none (the version last activated "
+                        "there is served instead); default: the newest")
     p.add_argument("--state-dir", default=None, help="writable directory that remembers the active version")
     # Defaults None: SHORTLIST_HOST / SHORTLIST_PORT (else 127.0.0.1:8000) when not given, as for `serve`.
     p.add_argument("--host", default=None, help="default: SHORTLIST_HOST, else 127.0.0.1")
