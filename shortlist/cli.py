@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib
+import math
 import os
 import signal
 import sys
@@ -145,7 +146,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a bundle over HTTP")
     p.add_argument("--bundle-root", default=None)
     p.add_argument("--version", default=None,
-                   help="default: the version last activated (with a state dir), else the newest bundle")
+                   help="the version to serve when the state dir records none (the version last activated "
+                        "there is served instead, a restart keeping it); default: the newest bundle")
     p.add_argument("--state-dir", default=None, help="writable directory that remembers the active version")
     p.add_argument("--host", default=None)
     p.add_argument("--port", type=int, default=None)
@@ -154,10 +156,22 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler="service.api.server:run_cli")
 
 
+def _positive_seconds(text: str) -> float:
+    """A timeout flag's value: a finite number of seconds above 0. -1 or nan reached urllib and
+    were reported as the server not being ready ("Timeout value out of range"), exit 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds above 0, got {text!r}")
+    return value
+
+
 def _add_healthcheck(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("healthcheck", help="exit 0 when the local `shortlist serve` (SHORTLIST_HOST, SHORTLIST_PORT) "
                                            "is ready (/readyz 200), else 1: the images' HEALTHCHECK")
-    p.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the answer")
+    p.add_argument("--timeout", type=_positive_seconds, default=2.0, help="seconds to wait for the answer (> 0)")
     p.set_defaults(handler="service.api.healthcheck:run_cli")
 
 
@@ -167,7 +181,8 @@ def _add_serve_ray(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shards", type=int, required=True, help="shards per version (N)")
     p.add_argument("--replicas", type=int, default=1, help="replicas of each shard")
     p.add_argument("--version", default=None,
-                   help="default: the version last activated (with a state dir), else the newest")
+                   help="the version to serve when the state dir records none (the version last activated "
+                        "there is served instead); default: the newest")
     p.add_argument("--state-dir", default=None, help="writable directory that remembers the active version")
     # Defaults None: SHORTLIST_HOST / SHORTLIST_PORT (else 127.0.0.1:8000) when not given, as for `serve`.
     p.add_argument("--host", default=None, help="default: SHORTLIST_HOST, else 127.0.0.1")

@@ -262,6 +262,18 @@ def test_access_log_is_json_lines_with_request_id_pid_route_status_latency_versi
     assert rec["pid"] == server.proc.pid  # which process answered (several may share the port)
 
 
+def test_access_log_off_leaves_the_event_lines_on(bundle_root, tmp_path):
+    # SHORTLIST_ACCESS_LOG=false also dropped the INFO events (bundle_activated: "every swap of the
+    # served bundle" is logged), since the event logger was set up only with the access log.
+    env = {"SHORTLIST_ACCESS_LOG": "false"}
+    with serve(bundle_root, env=env, log_dir=tmp_path) as s, httpx.Client(base_url=s.url) as c:
+        assert c.post("/v1/predict", json={"text": "x"}, headers={"x-request-id": "quiet-1"}).status_code == 200
+        time.sleep(0.5)  # the access record, were there one, is written after the answer
+        lines = [json.loads(line) for line in s.log().splitlines() if line.startswith("{")]
+    assert any(rec.get("event") == "bundle_activated" and rec["cause"] == "start" for rec in lines), lines
+    assert not any(rec.get("request_id") == "quiet-1" for rec in lines)
+
+
 def test_metrics_expose_requests_latency_in_flight_version_and_batch_sizes(client):
     client.post("/v1/predict", json={"text": "count me"})
     client.post("/v1/predict", json={"text": ""})
@@ -339,6 +351,18 @@ def test_openapi_documents_the_running_limits_and_every_status(client):
     assert predict["422"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
 
 
+def test_openapi_names_each_operation_once_and_every_get_route_answers_head(client):
+    # /healthz, /readyz and /metrics were listed for GET and HEAD under one operationId each:
+    # OpenAPI requires them unique, and client generators refuse the schema.
+    spec = client.get("/openapi.json").json()
+    ids = [op["operationId"] for ops in spec["paths"].values() for op in ops.values()]
+    assert len(ids) == len(set(ids)), sorted(i for i in ids if ids.count(i) > 1)
+    for path, ops in spec["paths"].items():
+        if "get" in ops and "{" not in path:
+            r = client.head(path)
+            assert r.status_code == client.get(path).status_code and r.content == b"", path
+
+
 def test_serve_refuses_a_missing_bundle_root(tmp_path):
     r = subprocess.run([sys.executable, "-m", "shortlist.cli", "serve", "--bundle-root", str(tmp_path / "nope")],
                        capture_output=True, text=True, timeout=60)
@@ -357,6 +381,25 @@ def test_serve_refuses_an_invalid_setting_naming_it(bundle_root, variable, value
                        capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode != 0
     assert variable.removeprefix("SHORTLIST_").lower() in r.stderr.lower()
+
+
+@pytest.mark.parametrize("access_log", ["true", "false"])
+def test_serve_refuses_a_log_level_uvicorn_lacks_naming_it(bundle_root, access_log):
+    # It was a traceback from uvicorn (exit 1) with the access log off, else "Unknown level: 'VERBOSE'".
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHORTLIST_")}
+    env.update({"SHORTLIST_LOG_LEVEL": "verbose", "SHORTLIST_ACCESS_LOG": access_log})
+    r = subprocess.run([sys.executable, "-m", "shortlist.cli", "serve", "--bundle-root", str(bundle_root)],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip() == ("shortlist serve: error: SHORTLIST_LOG_LEVEL='verbose': not a log level: use one of "
+                                "critical, error, warning, info, debug, trace")
+
+
+@pytest.mark.parametrize("level", ["trace", "DEBUG", "Warning"])
+def test_serve_takes_every_uvicorn_log_level_in_any_case(bundle_root, tmp_path, level):
+    env = {"SHORTLIST_LOG_LEVEL": level}
+    with serve(bundle_root, env=env, log_dir=tmp_path) as s, httpx.Client(base_url=s.url) as c:
+        assert c.post("/v1/predict", json={"text": "x"}).status_code == 200
 
 
 @pytest.mark.parametrize(("field", "inside", "outside"), [

@@ -215,6 +215,22 @@ def test_a_filter_file_line_past_the_line_limit_is_refused_naming_file_and_line(
     assert err.endswith(f"{filter_file}:2: line longer than 1024 characters (SHORTLIST_MAX_LINE_CHARS)")
 
 
+def test_labels_add_honours_the_line_limit_the_readme_documents_for_its_label_file(
+        capsys, bundle_root, tmp_path, monkeypatch):
+    # `labels add` loads every SHORTLIST_* setting: SHORTLIST_MAX_LINE_CHARS stopped it as an
+    # unknown setting instead of bounding its label file's lines.
+    monkeypatch.setenv("SHORTLIST_MAX_LINE_CHARS", "1024")
+    labels = tmp_path / "labels.jsonl"
+    labels.write_text('{"uid": "n1", "title": "network monitor"}\n{"uid": "n2", "title": "' + "a" * 1100 + '"}\n')
+    err = _refused(capsys, ["labels", "add", str(bundle_root / "v1"), "--labels", str(labels), "--out",
+                            str(tmp_path / "out")], "labels")
+    assert err.endswith(f"{labels}:2: line longer than 1024 characters (SHORTLIST_MAX_LINE_CHARS)")
+    monkeypatch.setenv("SHORTLIST_MAX_LINE_CHARS", "1023")
+    err = _refused(capsys, ["labels", "add", str(bundle_root / "v1"), "--labels", str(labels), "--out",
+                            str(tmp_path / "out")], "labels")
+    assert "SHORTLIST_MAX_LINE_CHARS='1023'" in err and "1024" in err
+
+
 def test_a_filter_file_that_is_a_fifo_or_a_device_is_refused_without_reading_it(
         capsys, bundle_root, synthetic_data, tmp_path):
     """A FIFO nobody writes hung `eval` for ever; /dev/zero was read until the OOM killer came (24 GB)."""

@@ -143,3 +143,12 @@ def test_serve_and_healthcheck_agree_on_the_bracketed_ipv6_wildcard(bundle_root,
 def test_healthcheck_says_it_cannot_find_a_port_picked_at_start_up():
     r = _healthcheck(SHORTLIST_PORT="0")
     assert r.returncode == 1 and r.stdout.startswith("not ready: SHORTLIST_PORT=0 serves on a port picked"), r
+
+
+@pytest.mark.parametrize("timeout", ["0", "-1", "nan", "inf", "soon"])
+def test_healthcheck_refuses_a_timeout_that_is_no_wait_as_a_usage_error(timeout):
+    # -1 and nan reached urllib and were reported as the server not ready (exit 1): a bad flag
+    # is the command's usage error (exit 2, naming it), not an unhealthy container.
+    r = subprocess.run([sys.executable, "-m", "shortlist.cli", "healthcheck", "--timeout", timeout],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--timeout" in r.stderr and "above 0" in r.stderr, r.stderr + r.stdout

@@ -350,9 +350,11 @@ def test_a_compressed_file_of_one_endless_line_is_refused_before_it_is_read_whol
 
 
 @pytest.mark.parametrize("value", ["1023", "2147483649", "64MiB", "-5"])
+@pytest.mark.parametrize("variable", ["SHORTLIST_MAX_LINE_CHARS", "shortlist_max_line_chars"])
 def test_the_line_limit_out_of_its_range_is_an_error_naming_the_variable(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value: str) -> None:
-    monkeypatch.setenv("SHORTLIST_MAX_LINE_CHARS", value)
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value: str, variable: str) -> None:
+    # In any case, as `serve` and `labels add` read it (every SHORTLIST_* setting).
+    monkeypatch.setenv(variable, value)
     with pytest.raises(ValueError, match=r"SHORTLIST_MAX_LINE_CHARS=.*expected a whole number of characters "
                                          r"in \[1024, 2147483648\]"):
         load_labels(_dataset(tmp_path))

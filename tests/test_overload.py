@@ -311,6 +311,26 @@ def test_a_request_cancelled_at_shutdown_is_one_json_line_not_a_traceback(bundle
     assert "Traceback" not in log and "Exception in ASGI application" not in log, log[-3000:]
 
 
+@pytest.mark.parametrize("drain", ["0", "0.5"])
+def test_sigterm_drains_no_longer_than_a_drain_timeout_below_one_second(bundle_root, tmp_path, drain):
+    # `int(DRAIN_TIMEOUT_S) or None` made 0 and 0.5 None, uvicorn's "no bound": a request held
+    # mid-body kept the process until BODY_TIMEOUT_S (here 30 s), not the drain the README promises.
+    env = {"SHORTLIST_DRAIN_TIMEOUT_S": drain, "SHORTLIST_BODY_TIMEOUT_S": "30"}
+    with serve(bundle_root, env=env, log_dir=tmp_path) as s:
+        sock = socket.create_connection(("127.0.0.1", int(s.url.rsplit(":", 1)[1])))
+        try:
+            sock.sendall(b"POST /v1/predict HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                         b'content-length: 100\r\n\r\n{"text"')
+            time.sleep(0.5)  # the request is in flight, its body a third of the way
+            start = time.monotonic()
+            s.proc.send_signal(signal.SIGTERM)
+            s.proc.wait(timeout=60)
+            took = time.monotonic() - start
+        finally:
+            sock.close()
+    assert took < float(drain) + 3, took
+
+
 # -- the settings' edges ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("env", "problem"), [

@@ -38,6 +38,9 @@ def test_a_restart_serves_the_version_last_activated_or_rolled_back_to(bundle_ro
     # was activated.
     with serve(bundle_root, env=_env(state), version="v2", log_dir=tmp_path) as s:
         assert _serving(s) == "v1"
+        # ... and the log says so: `serve --version v2` serving v1 was silent.
+        passed_over = _events(s.log())["configured_version_passed_over"]
+        assert passed_over["configured"] == "v2" and passed_over["serving"] == "v1"
         r = httpx.post(f"{s.url}/admin/bundles/activate", json={"version": "v2"}, headers=AUTH, timeout=60)
         assert r.status_code == 200
         r = httpx.post(f"{s.url}/admin/bundles/rollback", headers=AUTH, timeout=60)

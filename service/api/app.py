@@ -96,13 +96,15 @@ Readiness = Callable[[ServiceState], Awaitable[str | None]]
 def _probes(readiness: Readiness | None = None) -> APIRouter:
     router = APIRouter()
 
-    # HEAD too: load balancers and orchestrators probe with it.
-    @router.api_route("/healthz", methods=["GET", "HEAD"], response_model=Health,
+    # GET only: HeadAsGetMiddleware answers HEAD on every GET route (load balancers probe with it).
+    # A route listing both had one operationId for two operations in /openapi.json, which client
+    # generators refuse (OpenAPI requires them unique).
+    @router.get("/healthz", response_model=Health,
                       summary="liveness: 200 while the process serves; `reason`: a problem it serves despite")
     async def healthz(state: State) -> Health:
         return liveness(state)
 
-    @router.api_route("/readyz", methods=["GET", "HEAD"], response_model=Health, responses={503: {"model": Health}},
+    @router.get("/readyz", response_model=Health, responses={503: {"model": Health}},
                       summary="readiness: 200 once a validated bundle serves, 503 before")
     async def readyz(state: State) -> Response:
         engine = state.registry.active
@@ -124,7 +126,7 @@ def _probes(readiness: Readiness | None = None) -> APIRouter:
                                   others)
         return JSONResponse({"status": "ready", "version": engine.version})
 
-    @router.api_route("/metrics", methods=["GET", "HEAD"], response_class=Response, summary="Prometheus text format",
+    @router.get("/metrics", response_class=Response, summary="Prometheus text format",
                       responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
     async def metrics(state: State) -> Response:
         return Response(state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
@@ -207,8 +209,10 @@ def create_app(settings: Settings | None = None, *, state: ServiceState | None =
     """
     settings = settings or load_settings()
     owns_state = state is None
-    if settings.access_log:  # first: building the state may log an event (active_state's start-up lines)
-        setup_logging(settings.log_level)
+    # First: building the state may log an event (active_state's start-up lines). Whatever
+    # ACCESS_LOG says: it turns off the access lines only (ObservabilityMiddleware, the HTTP
+    # protocol's refusals); with it off, the INFO events (bundle_activated, ...) were lost.
+    setup_logging(settings.log_level)
     state = state or build_state(settings, preloaded)
     if admin is None:
         admin = settings.admin_token is not None and settings.admin_port is None

@@ -434,8 +434,12 @@ def guarded_protocol(max_connections: int, header_timeout_s: float, max_header_b
 
 
 def protocol_kwargs(settings: Any) -> dict[str, Any]:
-    """uvicorn.Config keyword arguments for the running settings' HTTP limits."""
+    """uvicorn.Config keyword arguments for the running settings' HTTP limits and SIGTERM's drain."""
     return {
+        # As given, a float: uvicorn waits for requests in flight at most this long (0: not at
+        # all). `int(drain) or None` made 0 and anything below 1 s None, which uvicorn takes as
+        # no bound (a request held mid-body kept the process until BODY_TIMEOUT_S).
+        "timeout_graceful_shutdown": settings.drain_timeout_s,
         "http": guarded_protocol(settings.max_connections, settings.header_timeout_s, settings.max_header_bytes,
                                  settings.body_timeout_s, settings.send_timeout_s, settings.access_log),
         "timeout_keep_alive": settings.keep_alive_timeout_s,

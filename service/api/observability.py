@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.config import LOG_LEVELS
 
 from service.api.errors import error_json
 from service.api.events import event_log, log_event
@@ -163,7 +164,8 @@ def setup_logging(level: str = "info") -> None:
             logger.addHandler(handler)
             logger.propagate = False
         logger.setLevel(logging.INFO)
-    logging.getLogger("shortlist").setLevel(level.upper())
+    # By number: "trace" (uvicorn's, below debug) is no level name of the logging module's own.
+    logging.getLogger("shortlist").setLevel(LOG_LEVELS[level.lower()])
 
 
 def _route_label(scope: Scope) -> str:

@@ -466,7 +466,14 @@ class BundleRegistry:
         for stored in self.store.list():
             if stored.shadowed:  # said once here; every activation of the version says it again
                 log.warning("%s", self.store.shadow_message(stored.version))
-        wanted = (self.remembered.read() if self.remembered else None) or configured
+        recorded = self.remembered.read() if self.remembered else None
+        if recorded is not None and configured is not None and configured != recorded:
+            # The operator's last activation outlives a restart; a start-up version stands in only
+            # when none is recorded. Said, since `serve --version X` then serves another version.
+            log_event("configured_version_passed_over", logging.WARNING, configured=configured, serving=recorded,
+                      message=f"SHORTLIST_VERSION / --version {configured} is not served: the state directory "
+                              f"records {recorded} as last activated (activate {configured} to serve it)")
+        wanted = recorded or configured
         try:
             return self.activate(wanted, starting=True)
         except (ActivationFailed, BundleNotFound) as exc:

@@ -46,15 +46,14 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 def _config(app: object, host: str, port: int, settings: Settings) -> uvicorn.Config:
     # access_log off: the app writes its own JSON access log with request ids and versions.
     return uvicorn.Config(app, host=host, port=port, access_log=False, log_level=settings.log_level,
-                          timeout_graceful_shutdown=int(settings.drain_timeout_s) or None, **protocol_kwargs(settings))
+                          **protocol_kwargs(settings))
 
 
 async def _serve_two(settings: Settings) -> None:
     from service.api.app import build_state, create_admin_app, create_app, initial_load, shutdown
     from service.api.observability import setup_logging
 
-    if settings.access_log:  # before build_state, which may log an event (as create_app does)
-        setup_logging(settings.log_level)
+    setup_logging(settings.log_level)  # before build_state, which may log an event (as create_app does)
     state = build_state(settings)
     main = uvicorn.Server(_config(create_app(settings, state=state, admin=False),
                                   settings.host, settings.port, settings))

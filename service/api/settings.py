@@ -10,7 +10,9 @@ from typing import Annotated, Any
 
 from pydantic import Field, SecretStr, TypeAdapter, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+from uvicorn.config import LOG_LEVELS
 
+from service.engine.jsonlines import DEFAULT_MAX_LINE_CHARS, MAX_LINE_CHARS_RANGE
 from service.engine.label_ledger import MAX_UID_CHARS
 from service.engine.schema import MAX_MANIFEST_BYTES, BundleError, validate_version_name
 from service.engine.small_files import RefusedFile, read_small_file
@@ -126,6 +128,11 @@ class Settings(BaseSettings):
     # The most bytes of a bundle's manifest.json read (listing, activation, start-up): past it the
     # bundle is refused, naming the file (service.engine.small_files).
     max_manifest_bytes: int = Field(MAX_MANIFEST_BYTES, ge=1024, le=1 << 30)
+    # The longest line of a data or label file the offline commands read (service/engine/jsonlines.py,
+    # which reads the variable itself: the engine does not import these settings). A field here too
+    # because `labels add` and `serve` load every setting: as an unknown variable it stopped both,
+    # though the README tells users to set it; a bad value is refused as the data commands refuse it.
+    max_line_chars: int = Field(DEFAULT_MAX_LINE_CHARS, ge=MAX_LINE_CHARS_RANGE[0], le=MAX_LINE_CHARS_RANGE[1])
 
     # What a client may hold before (and while) its request reaches the app (service/api/
     # http_protocol.py, request_body.py). Connections past max_connections get a 503 and are
@@ -217,6 +224,8 @@ class Settings(BaseSettings):
     echo_route: bool = False
     fault_route: bool = False
     access_log: bool = True
+    # uvicorn's levels (trace below debug), in any case. Checked here: an unknown one was a
+    # traceback from uvicorn (exit 1; exit 3 with several processes) or a line naming no setting.
     log_level: str = "info"
 
     @model_validator(mode="after")
@@ -241,6 +250,13 @@ class Settings(BaseSettings):
             except ValueError:
                 raise ValueError(f"{entry!r} is not an IP address, a network (10.0.0.0/8) nor *") from None
         return ",".join(entries)
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _a_log_level(cls, level: Any) -> Any:
+        if not isinstance(level, str) or level.strip().lower() not in LOG_LEVELS:
+            raise ValueError(f"not a log level: use one of {', '.join(LOG_LEVELS)}")
+        return level.strip().lower()
 
     @field_validator("host", "admin_host")
     @classmethod

@@ -62,8 +62,7 @@ class ServingWorker(UvicornWorker):
         settings = load_settings()
         for name, value in protocol_kwargs(settings).items():
             setattr(self.config, name, value)
-        self.config.access_log = False
-        self.config.timeout_graceful_shutdown = int(settings.drain_timeout_s) or None
+        self.config.access_log = False  # (SIGTERM's drain: protocol_kwargs)
         # Report on each of uvicorn's once-a-second ticks (not every half stall timeout): the
         # report also looks for the arbiter, so an orphan notices within about a second.
         self.config.timeout_notify = 0.0

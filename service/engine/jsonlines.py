@@ -49,7 +49,9 @@ def os_reason(exc: BaseException) -> str:
 
 def max_line_chars() -> int:
     """The longest line a data file may hold: SHORTLIST_MAX_LINE_CHARS, else DEFAULT_MAX_LINE_CHARS."""
-    raw = os.environ.get(MAX_LINE_CHARS_ENV)
+    # In any case, as the service's settings read every SHORTLIST_* variable (and refuse a bad
+    # one): `shortlist_max_line_chars=1023` stopped `serve` but was ignored here.
+    raw = next((value for name, value in os.environ.items() if name.upper() == MAX_LINE_CHARS_ENV), None)
     if raw is None or not raw.strip():
         return DEFAULT_MAX_LINE_CHARS
     low, high = MAX_LINE_CHARS_RANGE
