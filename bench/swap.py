@@ -102,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for item in args.server_env:
         key, sep, value = item.partition("=")
         if not sep or not key.startswith("SHORTLIST_"):
-            ap.error(f"--server-env {item!r}: expected SHORTLIST_NAME=value")
+            ap.error(f"--server-env {item!r}: expected SHORTLIST_<NAME>=value")
         server_env[key] = value
 
     texts = query_texts(bundle, args.data, 4000)

@@ -11,7 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VARIANT=${1:-cpu}
-STATE=${SHORTLIST_DOCKER_STATE:-/var/tmp/shortlist-docker}
+STATE=${SL_DOCKER_STATE:-/var/tmp/shortlist-docker}
 LOCAL_BASE=local/debian:bookworm
 mkdir -p "$STATE"
 

@@ -171,3 +171,22 @@ def test_every_metric_served_is_in_the_readme_table_and_every_listed_one_is_serv
     served = {f"{name}_total" if f"{name}_total" in text else name for name in served}
     listed = _table_column("| metric | labels | what |", 1)
     assert sorted(served - listed) == [] and sorted(listed - served) == []
+
+
+def test_every_shortlist_variable_the_repository_reads_or_sets_is_a_setting():
+    """`serve` refuses an unknown SHORTLIST_* variable, so a script of ours using that prefix for
+    something else (the load test's rate, the image build's state folder) stopped a server
+    started from the same shell. Tests (which set unknown ones on purpose) and the results'
+    history are left out."""
+    skip = {ROOT / "tests", ROOT / "bench" / "out"}
+    found: dict[str, str] = {}
+    for path in ROOT.rglob("*"):
+        inside = path.relative_to(ROOT).parts
+        if (not path.is_file() or any(part.startswith(".") for part in inside[:-1]) or path.name == "RESULTS.md"
+                or any(folder in path.parents for folder in skip)
+                or path.suffix not in {".py", ".sh", ".yaml", ".yml", ".toml", ".md", ".cfg", ""}):
+            continue
+        text = path.read_text(encoding="utf-8", errors="replace")
+        for name in re.findall(rf"(?<![A-Za-z0-9_]){ENV_PREFIX}([A-Z0-9_]+)", text):
+            found.setdefault(name, str(path.relative_to(ROOT)))
+    assert {n: where for n, where in found.items() if n.lower() not in Settings.model_fields} == {}

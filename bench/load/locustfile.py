@@ -1,7 +1,7 @@
 """Load on a deployed Shortlist, as its clients send it: mostly single predictions, some batches,
 some tree predictions, health checks (`make load URL=...`; or `locust -f bench/load/locustfile.py`).
 
-Texts: the `tst` split titles of the dataset in SHORTLIST_LOAD_DATA (a folder in the raw-text
+Texts: the `tst` split titles of the dataset in LOADTEST_DATA (a folder in the raw-text
 format, default ../shared/data/debian-deps when present), else the label titles the server
 returns for a first query's words, else a few fixed texts. The tree route is used only if the
 serving bundle has a tree (a 409 on the first call turns it off for the run).
@@ -23,7 +23,7 @@ TREE = {"available": True}
 
 
 def _load_texts(limit: int = 5000) -> list[str]:
-    folder = Path(os.environ.get("SHORTLIST_LOAD_DATA", _DEFAULT_DATA))
+    folder = Path(os.environ.get("LOADTEST_DATA", _DEFAULT_DATA))
     for name in ("tst.json.gz", "tst.json", "tst.jsonl"):
         path = folder / name
         if path.is_file():
@@ -41,9 +41,9 @@ def _on_init(environment, **_kwargs) -> None:
 
 
 def _wait_time():
-    """SHORTLIST_LOAD_RATE (requests/s per user) paces each user (open-ish loop at a set rate);
+    """LOADTEST_RATE (requests/s per user) paces each user (open-ish loop at a set rate);
     unset, users send back to back (closed loop: the step ramp finds saturation)."""
-    rate = float(os.environ.get("SHORTLIST_LOAD_RATE", "0"))
+    rate = float(os.environ.get("LOADTEST_RATE", "0"))
     return constant_throughput(rate) if rate > 0 else between(0, 0)
 
 

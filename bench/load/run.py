@@ -39,7 +39,7 @@ def locust(url: str, users: int, seconds: float, prefix: Path, rate: float | Non
     """One headless locust run; per route: req/s, p50/p95/p99 (ms), failure share."""
     if importlib.util.find_spec("locust") is None:
         raise SystemExit(f"locust is not installed in {sys.prefix}: `make load` installs it (the load extra)")
-    env = {**os.environ, **({"SHORTLIST_LOAD_RATE": str(rate)} if rate else {})}
+    env = {**os.environ, **({"LOADTEST_RATE": str(rate)} if rate else {})}
     cmd = [sys.executable, "-m", "locust", "-f", str(HERE / "locustfile.py"), "--headless", "--host", url,
            "--users", str(users), "--spawn-rate", str(users), "--run-time", f"{int(seconds)}s",
            "--csv", str(prefix), "--html", f"{prefix}.html", "--only-summary", "--loglevel", "WARNING"]
