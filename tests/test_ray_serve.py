@@ -244,7 +244,10 @@ def test_a_shard_that_fails_its_checks_blocks_activation(service: Service):
     finally:
         damaged.write_bytes(original)
     assert status == 422 and error["error"] == "bundle_rejected"
+    # which shard, and what its replica found: the file and the check (not only Serve's "Failed to
+    # update the deployments")
     assert "shard-1" in error["message"]
+    assert "shard-1-of-2/classifiers.npy: sha256 mismatch" in error["message"], error["message"]
     assert {service.predict([text], k=3)["version"] for text in service.texts[:5]} == {"v1"}
     _wait(lambda: _shard_apps("v2") == [], "the refused version's shards deleted")
     status, listing = call(f"{service.url}/admin/bundles", token=TOKEN)
