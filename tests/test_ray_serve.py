@@ -41,6 +41,7 @@ from service.api.ray_serve_cli import (  # noqa: E402
     FRONT_ERRORS,
     LOW_LATENCY_ENV,
     connection_limit,
+    drain_front,
     front_error_files,
     haproxy_front,
 )
@@ -579,6 +580,49 @@ def test_a_hung_shard_is_a_503_within_the_shard_timeout_and_readyz_says_so(servi
     assert ready[0] == 503 and "SHORTLIST_SHARD_TIMEOUT_S" in ready[1]["reason"], ready
     _wait(lambda: _predict_with_headers(service.url, "network monitor")[0] == 200, "the shard answering again")
     assert call(f"{service.url}/readyz") == (200, {"status": "ready", "version": version})
+
+
+def test_at_sigterm_the_front_refuses_new_connections_and_answers_those_in_flight(service: Service):
+    """`serve-ray`'s stop (drain_front, before Serve shuts down): a request in flight (its shard's
+    replicas stopped by SIGSTOP meanwhile) is answered, not cut; a new connection is refused; the
+    drain ends when the request is answered, not at its timeout. Serve's shutdown alone stopped
+    HAProxy first: every request in flight got a closed connection and no answer."""
+    port = int(service.url.rsplit(":", 1)[1])
+    version = call(f"{service.url}/readyz")[1]["version"]
+    handle = serve.get_deployment_handle("shard", app_name=_shard_apps(version)[0])
+    pids: set[int] = set()
+    _wait(lambda: len(_sample_pids(handle, pids)) == 2, "both replicas answering")
+    answered: list[tuple[int, dict[str, str], dict[str, Any]]] = []
+    drained: list[tuple[int, float]] = []
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        client = threading.Thread(target=lambda: answered.append(_predict_with_headers(service.url, "network")))
+        client.start()
+        time.sleep(1.0)  # forwarded to the ingress, which waits for the stopped shard
+        drain = threading.Thread(target=lambda: drained.append((drain_front(service.front_dir, 60.0),
+                                                                time.monotonic())))
+        drain.start()
+        _wait(lambda: not _accepts(port), "the front refusing new connections", timeout=10)
+        assert drain.is_alive() and not answered  # still waiting for the request in flight
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+        resumed = time.monotonic()
+        client.join(timeout=60)
+        drain.join(timeout=60)
+        for path in service.front_dir.glob("*/admin.sock"):  # the front back for the tests after this one
+            _haproxy_admin(path, "enable frontend http_frontend")
+    assert answered and answered[0][0] == 200, answered
+    assert drained and drained[0][0] == 0 and drained[0][1] - resumed < 10.0, drained
+    _wait(lambda: _accepts(port), "the front taking connections again")
+
+
+def _haproxy_admin(path: Path, command: str) -> str:
+    with socket.socket(socket.AF_UNIX) as conn:
+        conn.connect(str(path))
+        conn.sendall(command.encode() + b"\n")
+        return conn.makefile().read()
 
 
 def test_the_front_rewrite_leaves_only_the_service_listener(tmp_path: Path):

@@ -5,14 +5,17 @@ limits the service's settings name, until SIGINT or SIGTERM.
 
 from __future__ import annotations
 
+import csv
 import logging
 import math
 import os
 import shlex
 import shutil
+import socket
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,7 @@ from ray import serve
 
 from service.api.errors import error_json
 from service.api.ray_app import RayServing, build_app, settings_flags
+from service.api.ray_front import FRONT_SECTION
 from service.api.ray_settings import refuse_unapplied
 from service.api.settings import Settings, load_settings
 
@@ -128,9 +132,54 @@ def _write_error_file(path: Path, status: int, reason: str, code: str, message: 
     path.write_bytes(head.encode() + body)
 
 
-def _serve_until_stopped(layout: RayServing, settings: Settings) -> None:
+_FRONT_NAME = FRONT_SECTION.split()[1]
+_DRAIN_POLL_S = 0.05
+
+
+def drain_front(runtime_dir: Path, timeout_s: float) -> int:
+    """At SIGINT or SIGTERM, before Serve shuts down, as `serve` drains: the front (HAProxy, its
+    admin sockets under `runtime_dir`) stops taking connections (a new one is refused) and the
+    requests it has forwarded are answered, for at most `timeout_s` (DRAIN_TIMEOUT_S). Serve's own
+    shutdown stopped HAProxy first, cutting every request in flight without an answer. Returns how
+    many were still in flight when it stopped waiting (0: drained)."""
+    sockets = sorted(runtime_dir.glob("*/admin.sock"))
+    for path in sockets:
+        _haproxy_command(path, f"disable frontend {_FRONT_NAME}")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        in_flight = sum(_forwarded(path) for path in sockets)
+        if in_flight == 0 or time.monotonic() >= deadline:
+            return in_flight
+        time.sleep(_DRAIN_POLL_S)
+
+
+def _haproxy_command(path: Path, command: str) -> str:
+    """HAProxy's answer to one command on its admin socket ("" if it is gone: nothing to drain)."""
+    try:
+        with socket.socket(socket.AF_UNIX) as conn:
+            conn.settimeout(2.0)
+            conn.connect(str(path))
+            conn.sendall(command.encode() + b"\n")
+            chunks = []
+            while chunk := conn.recv(65536):
+                chunks.append(chunk)
+    except OSError as exc:
+        log.warning("HAProxy's admin socket %s: %s", path, exc)
+        return ""
+    return b"".join(chunks).decode(errors="replace")
+
+
+def _forwarded(path: Path) -> int:
+    """Requests HAProxy has forwarded or queued for a server and not yet answered: qcur + scur of
+    its backends (`show stat`; an idle keep-alive connection holds no backend session)."""
+    rows = csv.DictReader(_haproxy_command(path, "show stat").removeprefix("# ").splitlines())
+    return sum(int(row["qcur"] or 0) + int(row["scur"] or 0) for row in rows if row.get("svname") == "BACKEND")
+
+
+def _serve_until_stopped(layout: RayServing, settings: Settings, runtime_dir: Path | None) -> None:
     """The application on the connected Ray, HTTP on the settings' host and port, until SIGINT
-    or SIGTERM (handled from here on: ray.init installs a SIGTERM handler of its own that exits)."""
+    or SIGTERM (handled from here on: ray.init installs a SIGTERM handler of its own that exits);
+    then the local front drained (drain_front) before Serve shuts down."""
     import signal
 
     import ray
@@ -144,6 +193,11 @@ def _serve_until_stopped(layout: RayServing, settings: Settings) -> None:
         serve.run(build_app(layout.model_dump()), name="shortlist", route_prefix="/")
         log.warning("serving on http://%s:%d (Ctrl-C stops)", settings.host, settings.port)
         stop.wait()
+        if runtime_dir is not None:
+            left = drain_front(runtime_dir, settings.drain_timeout_s)
+            if left:
+                log.warning("%d requests still in flight after SHORTLIST_DRAIN_TIMEOUT_S=%gs: cut", left,
+                            settings.drain_timeout_s)
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -192,7 +246,7 @@ def run_cli(args: Any) -> int:
     local = {} if args.address else {"num_cpus": args.num_cpus, "include_dashboard": False}
     try:
         ray.init(address=args.address, **local)
-        _serve_until_stopped(layout, settings)
+        _serve_until_stopped(layout, settings, runtime_dir)
     finally:
         if runtime_dir is not None:
             shutil.rmtree(runtime_dir, ignore_errors=True)
