@@ -44,6 +44,7 @@ from service.api.ray_serve_cli import (  # noqa: E402
     drain_front,
     front_error_files,
     haproxy_front,
+    stop_serving,
 )
 from service.api.schemas import ErrorResponse  # noqa: E402
 from service.api.settings import SettingsError, load_settings  # noqa: E402
@@ -616,6 +617,29 @@ def test_at_sigterm_the_front_refuses_new_connections_and_answers_those_in_fligh
     assert answered and answered[0][0] == 200, answered
     assert drained and drained[0][0] == 0 and drained[0][1] - resumed < 10.0, drained
     _wait(lambda: _accepts(port), "the front taking connections again")
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+class _Echo:
+    async def __call__(self, _request: Any) -> str:
+        return "echo"
+
+
+def test_stopping_on_a_cluster_deletes_only_its_own_applications(service: Service):
+    """`serve-ray --address`'s stop (stop_serving): its application ("decoy" here) and its shard
+    applications deleted; another application of the cluster (and the service of this module)
+    serve on. serve.shutdown() there deleted every application of the cluster."""
+    names = ("decoy", "decoy.v1.0123abcd.shard-0", "other")
+    serve.run_many([serve.RunTarget(_Echo.bind(), name=name, route_prefix=None) for name in names])
+    try:
+        stop_serving("decoy", on_cluster=True)
+        _wait(lambda: not {"decoy", "decoy.v1.0123abcd.shard-0"} & set(serve.status().applications),
+              "its applications deleted")
+        statuses = serve.status().applications
+        assert statuses["other"].status == "RUNNING" and statuses["shortlist"].status == "RUNNING"
+        assert call(f"{service.url}/readyz")[0] == 200
+    finally:
+        serve.delete("other")
 
 
 def _haproxy_admin(path: Path, command: str) -> str:

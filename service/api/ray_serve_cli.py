@@ -36,6 +36,8 @@ log = logging.getLogger("shortlist.ray")
 # instance with these unless the environment sets them (0 turns each off).
 LOW_LATENCY_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
 HAPROXY_MAX_SOCKET_PATH = 97
+# The ingress application's name; its shard applications' names start with it and a dot (ray_app).
+APP_NAME = "shortlist"
 # What HAProxy itself answers (status: reason phrase, code, message), in the service's one error body
 # instead of its HTML pages and Ray's plain-text 500 for 502-504: a client parses every error the same
 # way behind either server. Static files: HAProxy cannot say which header was malformed.
@@ -190,7 +192,7 @@ def _serve_until_stopped(layout: RayServing, settings: Settings, runtime_dir: Pa
     try:
         serve.start(http_options={"host": settings.host, "port": settings.port,
                                   "keep_alive_timeout_s": math.ceil(settings.keep_alive_timeout_s)})
-        serve.run(build_app(layout.model_dump()), name="shortlist", route_prefix="/")
+        serve.run(build_app(layout.model_dump()), name=APP_NAME, route_prefix="/")
         log.warning("serving on http://%s:%d (Ctrl-C stops)", settings.host, settings.port)
         stop.wait()
         if runtime_dir is not None:
@@ -199,8 +201,22 @@ def _serve_until_stopped(layout: RayServing, settings: Settings, runtime_dir: Pa
                 log.warning("%d requests still in flight after SHORTLIST_DRAIN_TIMEOUT_S=%gs: cut", left,
                             settings.drain_timeout_s)
     finally:
+        stop_serving(APP_NAME, on_cluster=runtime_dir is None)
+        ray.shutdown()  # on a cluster: this driver disconnects, the cluster runs on
+
+
+def stop_serving(app_name: str, on_cluster: bool) -> None:
+    """`serve-ray`'s stop: Serve shut down on the local instance it started; on a cluster
+    (--address), where Serve and its other applications are not `serve-ray`'s, only `app_name`
+    and its shard applications (`app_name`.VERSION.NONCE.shard-I, ray_app) deleted. serve.shutdown()
+    there deleted every application of the cluster and stopped its HTTP proxies."""
+    if not on_cluster:
         serve.shutdown()
-        ray.shutdown()
+        return
+    serve.delete(app_name)  # the ingress deletes its shard applications as it stops ...
+    for name in serve.status().applications:  # ... those it could not (a replica killed) go here
+        if name.startswith(f"{app_name}."):
+            serve.delete(name, _blocking=False)
 
 
 def _layout(flags: dict[str, Any]) -> RayServing:
@@ -219,7 +235,8 @@ def _layout(flags: dict[str, Any]) -> RayServing:
 
 def run_cli(args: Any) -> int:
     """`shortlist serve-ray`: the application on a local Ray instance (or the cluster at --address),
-    HTTP on --host:--port, until interrupted; then Serve and the local instance are shut down."""
+    HTTP on --host:--port, until interrupted; then Serve and the local instance are shut down (on a
+    cluster, only its own applications are deleted: stop_serving)."""
     import ray
 
     fields = {"bundle_root": args.bundle_root, "shards": args.shards, "replicas": args.replicas,
