@@ -45,6 +45,7 @@ from service.api.ray_serve_cli import (  # noqa: E402
     front_error_files,
     haproxy_front,
     stop_serving,
+    unrouted_answer,
 )
 from service.api.schemas import ErrorResponse  # noqa: E402
 from service.api.settings import SettingsError, load_settings  # noqa: E402
@@ -384,7 +385,8 @@ def test_the_front_answers_its_own_errors_in_the_error_body(tmp_path: Path, monk
     assert sorted(int(d.split()[1]) for d in directives) == sorted(FRONT_ERRORS)
     for status, (_, code, _) in FRONT_ERRORS.items():
         assert _error_of((tmp_path / f"{status}.http").read_bytes(), status)["error"] == code
-    amended = amend(_ray_haproxy_config(tmp_path, "127.0.0.1", free_port()), directives)
+    amended = amend(_ray_haproxy_config(tmp_path, "127.0.0.1", free_port()), directives,
+                    unrouted=(unrouted_answer(tmp_path),))
     errorfiles = [line.split()[1] for line in amended.splitlines() if line.split()[:1] == ["errorfile"]]
     assert sorted(errorfiles) == sorted(str(s) for s in FRONT_ERRORS)  # Ray's own three replaced
     with _backend_server(b"garbage\r\n\r\n") as garbage, _backend_server(None) as silent:
@@ -393,6 +395,7 @@ def test_the_front_answers_its_own_errors_in_the_error_body(tmp_path: Path, monk
     bind 127.0.0.1:{front}
     use_backend garbage if {{ path /garbage }}
     use_backend silent if {{ path /silent }}
+    use_backend default_backend if {{ path /unrouted }}
     default_backend refused
 backend refused
     server s 127.0.0.1:{refused}
@@ -406,11 +409,15 @@ backend silent
                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
             _wait(lambda: _accepts(front), "HAProxy listening")
-            for path, status in (("/refused", 503), ("/garbage", 502), ("/silent", 504)):
+            # /unrouted: Ray's answer to a path no application is routed at, every path at start-up
+            # (it was a plain-text 404 "Path '/readyz' not found": a client took the route as absent)
+            for path, status in (("/refused", 503), ("/garbage", 502), ("/silent", 504), ("/unrouted", 503)):
                 with socket.create_connection(("127.0.0.1", front), timeout=30) as conn:
                     conn.sendall(f"GET {path} HTTP/1.1\r\nhost: x\r\n\r\n".encode())
-                    error = _error_of(_read_all(conn), status)
+                    answer = _read_all(conn)
+                    error = _error_of(answer, status)
                 assert error["error"] == FRONT_ERRORS[status][1], (path, error)
+                assert status != 503 or b"\r\nretry-after: 1\r\n" in answer.lower(), answer
         finally:
             proxy.terminate()
             proxy.wait(timeout=30)

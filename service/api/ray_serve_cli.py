@@ -83,7 +83,8 @@ def haproxy_front(settings: Settings, runtime_dir: Path) -> dict[str, str]:
                "--haproxy", get_haproxy_binary(),  # an operator's RAY_SERVE_HAPROXY_BINARY_PATH first
                *(f"--directive={d}" for d in directives),
                *(f"--front-directive={d}" for d in (*connection_limit(settings.max_connections, runtime_dir),
-                                                     CLIENT_ADDRESS)), "--"]
+                                                     CLIENT_ADDRESS)),
+               f"--unrouted-directive={unrouted_answer(runtime_dir)}", "--"]
     script.write_text(f"#!/bin/sh\nexec {shlex.join(command)} \"$@\"\n")
     script.chmod(0o700)
     return {"RAY_SERVE_HAPROXY_BINARY_PATH": str(script),
@@ -106,6 +107,14 @@ def front_error_files(runtime_dir: Path) -> list[str]:
         _write_error_file(path, status, reason, code, message, retry_after=status == 503)
         directives.append(f"errorfile {status} {path}")
     return directives
+
+
+def unrouted_answer(runtime_dir: Path) -> str:
+    """The front's answer to a request no application is routed at, which with the service at "/"
+    means before the ingress is deployed (start-up): 503 `ingress_unavailable` with Retry-After, as
+    when no ingress replica can take it, instead of Ray's plain-text 404 ("Path '/readyz' not
+    found"), which told a client the route did not exist. Uses front_error_files' 503."""
+    return f"http-request return status 503 errorfile {runtime_dir / '503.http'}"
 
 
 # The client's address as HAProxy saw it, in place of any X-Forwarded-For the client sent: the
