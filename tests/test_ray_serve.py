@@ -41,8 +41,11 @@ from service.api.ray_serve_cli import (  # noqa: E402
     FRONT_ERRORS,
     LOW_LATENCY_ENV,
     connection_limit,
+    drain_front,
     front_error_files,
     haproxy_front,
+    stop_serving,
+    unrouted_answer,
 )
 from service.api.schemas import ErrorResponse  # noqa: E402
 from service.api.settings import SettingsError, load_settings  # noqa: E402
@@ -244,7 +247,10 @@ def test_a_shard_that_fails_its_checks_blocks_activation(service: Service):
     finally:
         damaged.write_bytes(original)
     assert status == 422 and error["error"] == "bundle_rejected"
+    # which shard, and what its replica found: the file and the check (not only Serve's "Failed to
+    # update the deployments")
     assert "shard-1" in error["message"]
+    assert "shard-1-of-2/classifiers.npy: sha256 mismatch" in error["message"], error["message"]
     assert {service.predict([text], k=3)["version"] for text in service.texts[:5]} == {"v1"}
     _wait(lambda: _shard_apps("v2") == [], "the refused version's shards deleted")
     status, listing = call(f"{service.url}/admin/bundles", token=TOKEN)
@@ -379,7 +385,8 @@ def test_the_front_answers_its_own_errors_in_the_error_body(tmp_path: Path, monk
     assert sorted(int(d.split()[1]) for d in directives) == sorted(FRONT_ERRORS)
     for status, (_, code, _) in FRONT_ERRORS.items():
         assert _error_of((tmp_path / f"{status}.http").read_bytes(), status)["error"] == code
-    amended = amend(_ray_haproxy_config(tmp_path, "127.0.0.1", free_port()), directives)
+    amended = amend(_ray_haproxy_config(tmp_path, "127.0.0.1", free_port()), directives,
+                    unrouted=(unrouted_answer(tmp_path),))
     errorfiles = [line.split()[1] for line in amended.splitlines() if line.split()[:1] == ["errorfile"]]
     assert sorted(errorfiles) == sorted(str(s) for s in FRONT_ERRORS)  # Ray's own three replaced
     with _backend_server(b"garbage\r\n\r\n") as garbage, _backend_server(None) as silent:
@@ -388,6 +395,7 @@ def test_the_front_answers_its_own_errors_in_the_error_body(tmp_path: Path, monk
     bind 127.0.0.1:{front}
     use_backend garbage if {{ path /garbage }}
     use_backend silent if {{ path /silent }}
+    use_backend default_backend if {{ path /unrouted }}
     default_backend refused
 backend refused
     server s 127.0.0.1:{refused}
@@ -401,11 +409,15 @@ backend silent
                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
             _wait(lambda: _accepts(front), "HAProxy listening")
-            for path, status in (("/refused", 503), ("/garbage", 502), ("/silent", 504)):
+            # /unrouted: Ray's answer to a path no application is routed at, every path at start-up
+            # (it was a plain-text 404 "Path '/readyz' not found": a client took the route as absent)
+            for path, status in (("/refused", 503), ("/garbage", 502), ("/silent", 504), ("/unrouted", 503)):
                 with socket.create_connection(("127.0.0.1", front), timeout=30) as conn:
                     conn.sendall(f"GET {path} HTTP/1.1\r\nhost: x\r\n\r\n".encode())
-                    error = _error_of(_read_all(conn), status)
+                    answer = _read_all(conn)
+                    error = _error_of(answer, status)
                 assert error["error"] == FRONT_ERRORS[status][1], (path, error)
+                assert status != 503 or b"\r\nretry-after: 1\r\n" in answer.lower(), answer
         finally:
             proxy.terminate()
             proxy.wait(timeout=30)
@@ -576,6 +588,72 @@ def test_a_hung_shard_is_a_503_within_the_shard_timeout_and_readyz_says_so(servi
     assert ready[0] == 503 and "SHORTLIST_SHARD_TIMEOUT_S" in ready[1]["reason"], ready
     _wait(lambda: _predict_with_headers(service.url, "network monitor")[0] == 200, "the shard answering again")
     assert call(f"{service.url}/readyz") == (200, {"status": "ready", "version": version})
+
+
+def test_at_sigterm_the_front_refuses_new_connections_and_answers_those_in_flight(service: Service):
+    """`serve-ray`'s stop (drain_front, before Serve shuts down): a request in flight (its shard's
+    replicas stopped by SIGSTOP meanwhile) is answered, not cut; a new connection is refused; the
+    drain ends when the request is answered, not at its timeout. Serve's shutdown alone stopped
+    HAProxy first: every request in flight got a closed connection and no answer."""
+    port = int(service.url.rsplit(":", 1)[1])
+    version = call(f"{service.url}/readyz")[1]["version"]
+    handle = serve.get_deployment_handle("shard", app_name=_shard_apps(version)[0])
+    pids: set[int] = set()
+    _wait(lambda: len(_sample_pids(handle, pids)) == 2, "both replicas answering")
+    answered: list[tuple[int, dict[str, str], dict[str, Any]]] = []
+    drained: list[tuple[int, float]] = []
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        client = threading.Thread(target=lambda: answered.append(_predict_with_headers(service.url, "network")))
+        client.start()
+        time.sleep(1.0)  # forwarded to the ingress, which waits for the stopped shard
+        drain = threading.Thread(target=lambda: drained.append((drain_front(service.front_dir, 60.0),
+                                                                time.monotonic())))
+        drain.start()
+        _wait(lambda: not _accepts(port), "the front refusing new connections", timeout=10)
+        assert drain.is_alive() and not answered  # still waiting for the request in flight
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+        resumed = time.monotonic()
+        client.join(timeout=60)
+        drain.join(timeout=60)
+        for path in service.front_dir.glob("*/admin.sock"):  # the front back for the tests after this one
+            _haproxy_admin(path, "enable frontend http_frontend")
+    assert answered and answered[0][0] == 200, answered
+    assert drained and drained[0][0] == 0 and drained[0][1] - resumed < 10.0, drained
+    _wait(lambda: _accepts(port), "the front taking connections again")
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+class _Echo:
+    async def __call__(self, _request: Any) -> str:
+        return "echo"
+
+
+def test_stopping_on_a_cluster_deletes_only_its_own_applications(service: Service):
+    """`serve-ray --address`'s stop (stop_serving): its application ("decoy" here) and its shard
+    applications deleted; another application of the cluster (and the service of this module)
+    serve on. serve.shutdown() there deleted every application of the cluster."""
+    names = ("decoy", "decoy.v1.0123abcd.shard-0", "other")
+    serve.run_many([serve.RunTarget(_Echo.bind(), name=name, route_prefix=None) for name in names])
+    try:
+        stop_serving("decoy", on_cluster=True)
+        _wait(lambda: not {"decoy", "decoy.v1.0123abcd.shard-0"} & set(serve.status().applications),
+              "its applications deleted")
+        statuses = serve.status().applications
+        assert statuses["other"].status == "RUNNING" and statuses["shortlist"].status == "RUNNING"
+        assert call(f"{service.url}/readyz")[0] == 200
+    finally:
+        serve.delete("other")
+
+
+def _haproxy_admin(path: Path, command: str) -> str:
+    with socket.socket(socket.AF_UNIX) as conn:
+        conn.connect(str(path))
+        conn.sendall(command.encode() + b"\n")
+        return conn.makefile().read()
 
 
 def test_the_front_rewrite_leaves_only_the_service_listener(tmp_path: Path):

@@ -122,7 +122,8 @@ def test_host_and_port_come_from_the_environment_without_flags(tmp_path: Path, n
     # container still listened on loopback.
     served: list[Settings] = []
     monkeypatch.setattr(ray, "init", lambda *_, **__: None)
-    monkeypatch.setattr(ray_serve_cli, "_serve_until_stopped", lambda _layout, settings: served.append(settings))
+    monkeypatch.setattr(ray_serve_cli, "_serve_until_stopped",
+                        lambda _layout, settings, _front: served.append(settings))
     monkeypatch.setenv("SHORTLIST_HOST", "0.0.0.0")
     monkeypatch.setenv("SHORTLIST_PORT", "8123")
     assert _serve_ray(tmp_path) == 0

@@ -30,6 +30,7 @@ import itertools
 import logging
 import math
 import os
+import re
 import threading
 import time
 import uuid
@@ -46,7 +47,7 @@ from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle
-from ray.serve.schema import ApplicationStatus
+from ray.serve.schema import ApplicationStatus, ApplicationStatusOverview
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -454,8 +455,7 @@ class ShardedRegistry:
                     continue
                 seen.add(name)
                 if app.status in (ApplicationStatus.DEPLOY_FAILED, ApplicationStatus.UNHEALTHY):
-                    raise ActivationFailed(f"shard application {name} is {app.status.value}: "
-                                           f"{_last_line(app.message)}")
+                    raise ActivationFailed(f"shard application {name} is {app.status.value}: {_why_failed(app)}")
             if all(name in statuses and statuses[name].status == ApplicationStatus.RUNNING for name in apps):
                 return
             if time.monotonic() > deadline:
@@ -503,6 +503,19 @@ def _last_line(message: str) -> str:
     """The last non-empty line of a Serve status message (a replica's traceback ends with the error)."""
     lines = [line.strip() for line in message.splitlines() if line.strip()]
     return lines[-1] if lines else message
+
+
+# "service.engine.schema.BundleError: ..." -> "BundleError: ...": the error, not where its class lives.
+_QUALIFIED_ERROR = re.compile(r"^(?:\w+\.)+(?=\w+: )")
+
+
+def _why_failed(app: ApplicationStatusOverview) -> str:
+    """Why a shard application failed, for the activation's 422: the error its replica's
+    constructor raised (the last line of its deployment's message, which holds the traceback),
+    not the application's own message ("Failed to update the deployments ['shard']."), which
+    says only that something did."""
+    reasons = [_last_line(d.message) for d in app.deployments.values() if d.message.strip()]
+    return "; ".join(_QUALIFIED_ERROR.sub("", r) for r in reasons) or _last_line(app.message)
 
 
 @serve.ingress()

@@ -5,14 +5,17 @@ limits the service's settings name, until SIGINT or SIGTERM.
 
 from __future__ import annotations
 
+import csv
 import logging
 import math
 import os
 import shlex
 import shutil
+import socket
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,7 @@ from ray import serve
 
 from service.api.errors import error_json
 from service.api.ray_app import RayServing, build_app, settings_flags
+from service.api.ray_front import FRONT_SECTION
 from service.api.ray_settings import refuse_unapplied
 from service.api.settings import Settings, load_settings
 
@@ -32,6 +36,8 @@ log = logging.getLogger("shortlist.ray")
 # instance with these unless the environment sets them (0 turns each off).
 LOW_LATENCY_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
 HAPROXY_MAX_SOCKET_PATH = 97
+# The ingress application's name; its shard applications' names start with it and a dot (ray_app).
+APP_NAME = "shortlist"
 # What HAProxy itself answers (status: reason phrase, code, message), in the service's one error body
 # instead of its HTML pages and Ray's plain-text 500 for 502-504: a client parses every error the same
 # way behind either server. Static files: HAProxy cannot say which header was malformed.
@@ -77,7 +83,8 @@ def haproxy_front(settings: Settings, runtime_dir: Path) -> dict[str, str]:
                "--haproxy", get_haproxy_binary(),  # an operator's RAY_SERVE_HAPROXY_BINARY_PATH first
                *(f"--directive={d}" for d in directives),
                *(f"--front-directive={d}" for d in (*connection_limit(settings.max_connections, runtime_dir),
-                                                     CLIENT_ADDRESS)), "--"]
+                                                     CLIENT_ADDRESS)),
+               f"--unrouted-directive={unrouted_answer(runtime_dir)}", "--"]
     script.write_text(f"#!/bin/sh\nexec {shlex.join(command)} \"$@\"\n")
     script.chmod(0o700)
     return {"RAY_SERVE_HAPROXY_BINARY_PATH": str(script),
@@ -100,6 +107,14 @@ def front_error_files(runtime_dir: Path) -> list[str]:
         _write_error_file(path, status, reason, code, message, retry_after=status == 503)
         directives.append(f"errorfile {status} {path}")
     return directives
+
+
+def unrouted_answer(runtime_dir: Path) -> str:
+    """The front's answer to a request no application is routed at, which with the service at "/"
+    means before the ingress is deployed (start-up): 503 `ingress_unavailable` with Retry-After, as
+    when no ingress replica can take it, instead of Ray's plain-text 404 ("Path '/readyz' not
+    found"), which told a client the route did not exist. Uses front_error_files' 503."""
+    return f"http-request return status 503 errorfile {runtime_dir / '503.http'}"
 
 
 # The client's address as HAProxy saw it, in place of any X-Forwarded-For the client sent: the
@@ -128,9 +143,54 @@ def _write_error_file(path: Path, status: int, reason: str, code: str, message: 
     path.write_bytes(head.encode() + body)
 
 
-def _serve_until_stopped(layout: RayServing, settings: Settings) -> None:
+_FRONT_NAME = FRONT_SECTION.split()[1]
+_DRAIN_POLL_S = 0.05
+
+
+def drain_front(runtime_dir: Path, timeout_s: float) -> int:
+    """At SIGINT or SIGTERM, before Serve shuts down, as `serve` drains: the front (HAProxy, its
+    admin sockets under `runtime_dir`) stops taking connections (a new one is refused) and the
+    requests it has forwarded are answered, for at most `timeout_s` (DRAIN_TIMEOUT_S). Serve's own
+    shutdown stopped HAProxy first, cutting every request in flight without an answer. Returns how
+    many were still in flight when it stopped waiting (0: drained)."""
+    sockets = sorted(runtime_dir.glob("*/admin.sock"))
+    for path in sockets:
+        _haproxy_command(path, f"disable frontend {_FRONT_NAME}")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        in_flight = sum(_forwarded(path) for path in sockets)
+        if in_flight == 0 or time.monotonic() >= deadline:
+            return in_flight
+        time.sleep(_DRAIN_POLL_S)
+
+
+def _haproxy_command(path: Path, command: str) -> str:
+    """HAProxy's answer to one command on its admin socket ("" if it is gone: nothing to drain)."""
+    try:
+        with socket.socket(socket.AF_UNIX) as conn:
+            conn.settimeout(2.0)
+            conn.connect(str(path))
+            conn.sendall(command.encode() + b"\n")
+            chunks = []
+            while chunk := conn.recv(65536):
+                chunks.append(chunk)
+    except OSError as exc:
+        log.warning("HAProxy's admin socket %s: %s", path, exc)
+        return ""
+    return b"".join(chunks).decode(errors="replace")
+
+
+def _forwarded(path: Path) -> int:
+    """Requests HAProxy has forwarded or queued for a server and not yet answered: qcur + scur of
+    its backends (`show stat`; an idle keep-alive connection holds no backend session)."""
+    rows = csv.DictReader(_haproxy_command(path, "show stat").removeprefix("# ").splitlines())
+    return sum(int(row["qcur"] or 0) + int(row["scur"] or 0) for row in rows if row.get("svname") == "BACKEND")
+
+
+def _serve_until_stopped(layout: RayServing, settings: Settings, runtime_dir: Path | None) -> None:
     """The application on the connected Ray, HTTP on the settings' host and port, until SIGINT
-    or SIGTERM (handled from here on: ray.init installs a SIGTERM handler of its own that exits)."""
+    or SIGTERM (handled from here on: ray.init installs a SIGTERM handler of its own that exits);
+    then the local front drained (drain_front) before Serve shuts down."""
     import signal
 
     import ray
@@ -141,12 +201,31 @@ def _serve_until_stopped(layout: RayServing, settings: Settings) -> None:
     try:
         serve.start(http_options={"host": settings.host, "port": settings.port,
                                   "keep_alive_timeout_s": math.ceil(settings.keep_alive_timeout_s)})
-        serve.run(build_app(layout.model_dump()), name="shortlist", route_prefix="/")
+        serve.run(build_app(layout.model_dump()), name=APP_NAME, route_prefix="/")
         log.warning("serving on http://%s:%d (Ctrl-C stops)", settings.host, settings.port)
         stop.wait()
+        if runtime_dir is not None:
+            left = drain_front(runtime_dir, settings.drain_timeout_s)
+            if left:
+                log.warning("%d requests still in flight after SHORTLIST_DRAIN_TIMEOUT_S=%gs: cut", left,
+                            settings.drain_timeout_s)
     finally:
+        stop_serving(APP_NAME, on_cluster=runtime_dir is None)
+        ray.shutdown()  # on a cluster: this driver disconnects, the cluster runs on
+
+
+def stop_serving(app_name: str, on_cluster: bool) -> None:
+    """`serve-ray`'s stop: Serve shut down on the local instance it started; on a cluster
+    (--address), where Serve and its other applications are not `serve-ray`'s, only `app_name`
+    and its shard applications (`app_name`.VERSION.NONCE.shard-I, ray_app) deleted. serve.shutdown()
+    there deleted every application of the cluster and stopped its HTTP proxies."""
+    if not on_cluster:
         serve.shutdown()
-        ray.shutdown()
+        return
+    serve.delete(app_name)  # the ingress deletes its shard applications as it stops ...
+    for name in serve.status().applications:  # ... those it could not (a replica killed) go here
+        if name.startswith(f"{app_name}."):
+            serve.delete(name, _blocking=False)
 
 
 def _layout(flags: dict[str, Any]) -> RayServing:
@@ -165,7 +244,8 @@ def _layout(flags: dict[str, Any]) -> RayServing:
 
 def run_cli(args: Any) -> int:
     """`shortlist serve-ray`: the application on a local Ray instance (or the cluster at --address),
-    HTTP on --host:--port, until interrupted; then Serve and the local instance are shut down."""
+    HTTP on --host:--port, until interrupted; then Serve and the local instance are shut down (on a
+    cluster, only its own applications are deleted: stop_serving)."""
     import ray
 
     fields = {"bundle_root": args.bundle_root, "shards": args.shards, "replicas": args.replicas,
@@ -192,7 +272,7 @@ def run_cli(args: Any) -> int:
     local = {} if args.address else {"num_cpus": args.num_cpus, "include_dashboard": False}
     try:
         ray.init(address=args.address, **local)
-        _serve_until_stopped(layout, settings)
+        _serve_until_stopped(layout, settings, runtime_dir)
     finally:
         if runtime_dir is not None:
             shutil.rmtree(runtime_dir, ignore_errors=True)
