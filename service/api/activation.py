@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 
 from service.api.active_state import HISTORY_LENGTH, ActiveVersionFile, StateBusy
+from service.api.events import log_event
 
 log = logging.getLogger("shortlist.registry")
 
@@ -68,6 +69,18 @@ def roll_back(history: list[str], activate: Callable[[str, list[str]], dict[str,
         forget()
     passed = "".join(f"; skipped {s['version']}: {s['reason']}" for s in skipped)
     raise BundleNotFound(f"no previously active bundle to roll back to{passed}")
+
+
+def starting_version(remembered: ActiveVersionFile | None, configured: str | None) -> str | None:
+    """The version start-up serves: the recorded one (the operator's last activation outlives a
+    restart), else `configured` (SHORTLIST_VERSION / --version), else None (the newest). A
+    configured version passed over is said, since `serve --version X` then serves another."""
+    recorded = remembered.read() if remembered else None
+    if recorded is not None and configured is not None and configured != recorded:
+        log_event("configured_version_passed_over", logging.WARNING, configured=configured, serving=recorded,
+                  message=f"SHORTLIST_VERSION / --version {configured} is not served: the state directory "
+                          f"records {recorded} as last activated (activate {configured} to serve it)")
+    return recorded or configured
 
 
 def record_no_history(remembered: ActiveVersionFile | None, active: str | None) -> None:

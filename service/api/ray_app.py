@@ -58,6 +58,7 @@ from service.api.activation import (
     exclusive_activation,
     record_no_history,
     roll_back,
+    starting_version,
     with_previous,
 )
 from service.api.active_state import ActiveVersionFile, StateUnavailable
@@ -338,15 +339,17 @@ class ShardedRegistry:
     def start(self, configured: str | None = None) -> dict[str, object]:
         """The remembered version, else `configured`, else the newest; if that one cannot serve,
         the newest that can (with "fallback_from" and "reason")."""
-        wanted = (self.remembered.read() if self.remembered else None) or configured
+        wanted = starting_version(self.remembered, configured)
         try:
             return self.activate(wanted)
         except (ActivationFailed, BundleNotFound) as exc:
             first_error: Exception = exc
         log.error("cannot serve %s: %s; falling back to the newest version that loads", wanted or "(newest)",
                   first_error)
-        for version, _ in reversed(sharded_versions(self.root)):
-            if version == wanted:
+        listed = [stored.manifest.version for stored, _ in self.list()]  # by creation, as "newest" is
+        tried = wanted or (listed[-1] if listed else None)
+        for version in reversed(listed):
+            if version == tried:
                 continue
             try:
                 result = self.activate(version)

@@ -28,6 +28,7 @@ from service.api.activation import (
     BundleNotFound,
     record_no_history,
     roll_back,
+    starting_version,
     with_previous,
 )
 from service.api.active_state import ACTIVE_FILE, ActiveVersionFile, StateUnavailable
@@ -466,14 +467,7 @@ class BundleRegistry:
         for stored in self.store.list():
             if stored.shadowed:  # said once here; every activation of the version says it again
                 log.warning("%s", self.store.shadow_message(stored.version))
-        recorded = self.remembered.read() if self.remembered else None
-        if recorded is not None and configured is not None and configured != recorded:
-            # The operator's last activation outlives a restart; a start-up version stands in only
-            # when none is recorded. Said, since `serve --version X` then serves another version.
-            log_event("configured_version_passed_over", logging.WARNING, configured=configured, serving=recorded,
-                      message=f"SHORTLIST_VERSION / --version {configured} is not served: the state directory "
-                              f"records {recorded} as last activated (activate {configured} to serve it)")
-        wanted = recorded or configured
+        wanted = starting_version(self.remembered, configured)
         try:
             return self.activate(wanted, starting=True)
         except (ActivationFailed, BundleNotFound) as exc:
