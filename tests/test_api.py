@@ -272,6 +272,8 @@ def test_access_log_off_leaves_the_event_lines_on(bundle_root, tmp_path):
         lines = [json.loads(line) for line in s.log().splitlines() if line.startswith("{")]
     assert any(rec.get("event") == "bundle_activated" and rec["cause"] == "start" for rec in lines), lines
     assert not any(rec.get("request_id") == "quiet-1" for rec in lines)
+    # Without SHORTLIST_STATE_DIR nothing is recorded, and the event says so (it said recorded: true).
+    assert [rec["recorded"] for rec in lines if rec.get("event") == "bundle_activated"] == [False], lines
 
 
 def test_metrics_expose_requests_latency_in_flight_version_and_batch_sizes(client):

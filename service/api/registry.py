@@ -440,7 +440,7 @@ class BundleRegistry:
         if self.on_swap is not None:
             self.on_swap(old.version if old else None, new.version)
         log_event("bundle_activated", version=new.version, previous=old.version if old else None, cause=cause,
-                  recorded=record, seconds=round(seconds, 3), pid=os.getpid())
+                  recorded=record and self.remembered is not None, seconds=round(seconds, 3), pid=os.getpid())
         return {"active": new.version, "previous": old.version if old else None, "seconds": seconds,
                 "quality": quality}
 
