@@ -103,7 +103,10 @@ class NodeLexicalFit:
                 if self.steps_ >= self.max_steps:
                     break
                 docs = order[begin : begin + self.batch_docs]
-                total += self._step(tree, work, sum_sq, z, words, doc_start, docs, pair_label)
+                # a diverging step overflows float32: the loss check below ends the fit, and
+                # check_fitted names the setting, so numpy's own warning would only be noise
+                with np.errstate(over="ignore", invalid="ignore"):
+                    total += self._step(tree, work, sum_sq, z, words, doc_start, docs, pair_label)
                 self.steps_ += 1
                 if not math.isfinite(total):
                     break  # diverged: the check below names the setting
