@@ -236,6 +236,24 @@ def test_activation_under_load_fails_no_request_and_keeps_accuracy(service: Serv
     want = [[p.id for p in row] for row in parent.predict(service.texts, k=5)]
     assert abs(p_at_5(sharded, service.truths) - p_at_5(want, service.truths)) <= 0.5
     _wait(lambda: _shard_apps("full") == [], "the old version's shards deleted")
+    # Each swap is an event on the ingress's stdout as `serve` writes it, at once (the start's too).
+    swaps = [{key: e[key] for key in ("version", "previous", "cause", "recorded")}
+             for e in _ingress_events("bundle_activated")]
+    assert swaps == [{"version": "full", "previous": None, "cause": "start", "recorded": False},
+                     {"version": "v1", "previous": "full", "cause": "activate", "recorded": False}], swaps
+
+
+def _ingress_events(event: str) -> list[dict[str, Any]]:
+    """The ingress replica's JSON events of kind `event`, read from its worker's stdout file in the
+    Ray session's logs (the fixture's local instance, Ray's default temporary directory)."""
+    found = []
+    for path in sorted(Path("/tmp/ray/session_latest/logs").glob("worker-*.out")):
+        lines = path.read_text(errors="replace").splitlines()
+        if ":actor_name:ServeReplica:shortlist:ingress" not in lines[:3]:
+            continue
+        found += [record for line in lines if line.startswith("{")
+                  if (record := json.loads(line)).get("event") == event]
+    return found
 
 
 def test_a_shard_that_fails_its_checks_blocks_activation(service: Service):

@@ -16,7 +16,7 @@ import traceback
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
@@ -155,11 +155,11 @@ class _ServedVersions:
         yield family
 
 
-def setup_logging(level: str = "info") -> None:
-    """JSON lines on stdout for access and error records; idempotent."""
+def setup_logging(level: str = "info", stream: TextIO | None = None) -> None:
+    """JSON lines on `stream` (stdout) for access and error records; idempotent."""
     for logger in (access_log, error_log):
         if not logger.handlers:
-            handler = logging.StreamHandler(sys.stdout)
+            handler = logging.StreamHandler(stream or sys.stdout)
             handler.setFormatter(logging.Formatter("%(message)s"))
             logger.addHandler(handler)
             logger.propagate = False

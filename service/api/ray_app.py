@@ -31,6 +31,7 @@ import logging
 import math
 import os
 import re
+import sys
 import threading
 import time
 import uuid
@@ -67,7 +68,7 @@ from service.api.dependencies import MinuteBudget, ServiceState, lease_engine
 from service.api.errors import ApiError
 from service.api.events import log_event
 from service.api.leases import Leased, lease
-from service.api.observability import ServiceMetrics
+from service.api.observability import ServiceMetrics, setup_logging
 from service.api.predict import json_response, label_rows, unknown_excluded_uids
 from service.api.ray_settings import refuse_unapplied
 from service.api.registry import LabelChangesUnavailable
@@ -318,18 +319,21 @@ class ShardedRegistry:
                 self._history = history
             yield
 
-    def activate(self, version: str | None = None) -> dict[str, object]:
+    def activate(self, version: str | None = None, *, cause: str = "activate",
+                 record: bool = True) -> dict[str, object]:
         with self._exclusive():
             version = version if version is not None else self._resolve(None)  # the newest
             if version == self.active_version:
                 return {"active": version, "previous": version, "seconds": 0.0, "quality": {}, "unchanged": True}
-            return self._activate_locked(version, with_previous(self._history, self.active_version, version))
+            return self._activate_locked(version, with_previous(self._history, self.active_version, version),
+                                         cause=cause, record=record)
 
     def rollback(self) -> dict[str, object]:
         """Serve the most recent previously active version that still loads (registry.roll_back)."""
         with self._exclusive():
-            result, skipped = roll_back(self._history, self._activate_locked, self._forget_history,
-                                        self.active_version)
+            result, skipped = roll_back(
+                self._history, lambda version, rest: self._activate_locked(version, rest, cause="rollback"),
+                self._forget_history, self.active_version)
             return {**result, "skipped": skipped}
 
     def _forget_history(self) -> None:
@@ -341,7 +345,7 @@ class ShardedRegistry:
         the newest that can (with "fallback_from" and "reason")."""
         wanted = starting_version(self.remembered, configured)
         try:
-            return self.activate(wanted)
+            return self.activate(wanted, cause="start")
         except (ActivationFailed, BundleNotFound) as exc:
             first_error: Exception = exc
         log.error("cannot serve %s: %s; falling back to the newest version that loads", wanted or "(newest)",
@@ -351,18 +355,21 @@ class ShardedRegistry:
         for version in reversed(listed):
             if version == tried:
                 continue
-            try:
-                result = self.activate(version)
+            try:  # not recorded, as serve's fallback: a restart tries the operator's choice again
+                result = self.activate(version, cause="fallback", record=False)
             except (ActivationFailed, BundleNotFound) as exc:
                 log.error("fallback version %s cannot be served either: %s", version, exc)
                 continue
             return {**result, "fallback_from": wanted or "(newest)", "reason": str(first_error)}
         raise first_error
 
-    def _activate_locked(self, version: str | None, history: list[str]) -> dict[str, object]:
+    def _activate_locked(self, version: str | None, history: list[str], *, cause: str,
+                         record: bool = True) -> dict[str, object]:
+        """`cause` (start, activate, rollback, fallback) goes into the bundle_activated event, as
+        serve's registry says it."""
         t0 = time.perf_counter()
         engine = self._deploy(self._resolve(version))  # phase 1: every shard loaded and checked
-        if self.remembered is not None:
+        if record and self.remembered is not None:
             try:
                 self.remembered.write(engine.version, history)
             except StateUnavailable:
@@ -376,8 +383,8 @@ class ShardedRegistry:
         seconds = time.perf_counter() - t0
         if self.on_swap is not None:
             self.on_swap(old.version if old else None, engine.version)
-        log.info("activated sharded version %s (previous %s) in %.1fs", engine.version,
-                 old.version if old else None, seconds)
+        log_event("bundle_activated", version=engine.version, previous=old.version if old else None, cause=cause,
+                  recorded=record and self.remembered is not None, seconds=round(seconds, 3), pid=os.getpid())
         return {"active": engine.version, "previous": old.version if old else None, "seconds": seconds,
                 "quality": {}}
 
@@ -529,6 +536,10 @@ class ShardedIngress:
     async def __init__(self, layout: dict[str, Any]) -> None:
         self.layout = RayServing.model_validate(layout)
         self.settings = load_settings(settings_flags(self.layout))
+        # The process's own stdout, before any event: a throughput-optimized Serve replica's
+        # sys.stdout is a logger that buffers 1,000 records (RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE)
+        # into Serve's replica log, so events written there came late, or never at a stop.
+        setup_logging(self.settings.log_level, stream=sys.__stdout__)
         refuse_unapplied(self.settings, on_cluster=False)  # `serve deploy` too; the front's limits are its own
         metrics = ServiceMetrics()
 
