@@ -11,8 +11,9 @@ head labels it holds and k_tok its own, canaries answered by the shard itself, `
 manifest (parent version, parent fingerprint = sha256 of its manifest.json, index, count) and
 shard_labels.npy (each row's parent label id). The tokenizer and encoder files are the parent's,
 byte for byte (hard links where the filesystem allows). The tree scorer is not sharded (the tree's
-beam search runs over one tree of all labels): shards carry no tree.npz, and no validation.jsonl
-(its targets are parent ids).
+beam search runs over one tree of all labels): shards carry no tree.npz. Each shard's
+validation.jsonl holds every validation row of the parent, its truths restricted to the shard's
+labels, for the sharded service's quality gate.
 
 The shards are written into a staging directory renamed to ROOT/VERSION when all are written and
 load as served, so a crash never leaves a partial shard set under its final name.
@@ -21,6 +22,7 @@ load as served, so a crash never leaves a partial shard set under its final name
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import shutil
@@ -91,6 +93,7 @@ def _write_shard(parent: Bundle, index: int, count: int, out: Path) -> None:
                                             parent.vector_rows(schema.CENTROIDS, ids), m.hnsw, seed)
     index_w.save(out / schema.HNSW_W)
     index_mu.save(out / schema.HNSW_MU)
+    _write_validation(parent, ids, out)
     k_tok = _write_token_table(parent, ids, out)
     if parent.retired is not None and parent.retired[ids].any():
         np.save(out / schema.RETIRED_LABELS, np.flatnonzero(parent.retired[ids]).astype(np.int32))
@@ -104,6 +107,20 @@ def _write_shard(parent: Bundle, index: int, count: int, out: Path) -> None:
     finally:
         staged.close()
     store.write_manifest(out, fields)
+
+
+def _write_validation(parent: Bundle, ids: np.ndarray, out: Path) -> None:
+    """The parent's validation rows, every one, their truths restricted to the shard's labels (its
+    own ids): the sharded service's quality gate merges them back (service.engine.sharding.GateRows)."""
+    rows = parent.validation_rows()
+    if not rows:
+        return
+    local = np.full(parent.manifest.num_labels, -1, dtype=np.int64)
+    local[ids] = np.arange(len(ids))
+    with (out / schema.VALIDATION).open("w", encoding="utf-8") as f:
+        for row in rows:
+            own = [int(local[t]) for t in row["target_ind"] if local[t] >= 0]
+            f.write(json.dumps({"text": row["text"], "target_ind": own}, ensure_ascii=False) + "\n")
 
 
 def _write_token_table(parent: Bundle, ids: np.ndarray, out: Path) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -53,6 +54,7 @@ from service.engine import Predictor  # noqa: E402
 from shortlist.testing import free_port  # noqa: E402
 
 TOKEN = "ray-serve-test-token"
+GATE_FLOOR = 20  # the fixture's quality gate: the synthetic bundles' P@1 on their rows is above 50
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
@@ -159,6 +161,7 @@ def service(bundle_root: Path, synthetic_data: Path, tmp_path_factory: pytest.Te
            # Free ports, not 8404 and 9101: another Ray Serve on this machine may hold those.
            "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()), "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
            "SHORTLIST_HEADER_TIMEOUT_S": "2", "SHORTLIST_SHARD_TIMEOUT_S": "5",
+           "SHORTLIST_QUALITY_GATE_MIN_P1": str(GATE_FLOOR),  # every version here passes it
            **LOW_LATENCY_ENV}  # what `shortlist serve-ray` runs on
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)  # Ray's processes, started below, inherit them
@@ -299,11 +302,46 @@ def test_a_killed_replica_is_replaced_without_a_failed_request(service: Service)
     assert _running_replicas(app) == 2
 
 
+def test_a_sharded_version_below_the_quality_gate_is_refused_and_the_served_one_serves_on(service: Service,
+                                                                                         tmp_path: Path):
+    wrong = _with_wrong_truths(service.parents["v1"], tmp_path / "parents", "wrong")
+    shard_bundle(wrong, 2, service.root)
+    try:
+        serving = service.predict(service.texts[:1], k=1)["version"]
+        status, error = service.activate("wrong")
+        assert status == 422 and error["error"] == "bundle_rejected", error
+        assert re.search(rf"/wrong: quality gate failed: P@1 [0-9.]+ on \d+ validation rows, the floor is "
+                         rf"{GATE_FLOOR}\.00$", error["message"]), error["message"]
+        assert service.predict(service.texts[:1], k=1)["version"] == serving
+        _wait(lambda: _shard_apps("wrong") == [], "the refused version's shards deleted")
+    finally:
+        shutil.rmtree(service.root / "wrong")
+
+
+def _with_wrong_truths(src: Path, root: Path, version: str) -> Path:
+    """A copy of bundle `src` as ROOT/VERSION whose validation rows name the next label as each truth:
+    the same model, measured as a bad one by the quality gate."""
+    from service.engine import store
+
+    dst = root / version
+    shutil.copytree(src, dst)
+    fields = json.loads((dst / "manifest.json").read_text(encoding="utf-8"))
+    rows = [json.loads(line) for line in (dst / "validation.jsonl").read_text(encoding="utf-8").splitlines()]
+    moved = [{**row, "target_ind": [(t + 1) % fields["num_labels"] for t in row["target_ind"]]} for row in rows]
+    (dst / "validation.jsonl").write_text("".join(json.dumps(row) + "\n" for row in moved), encoding="utf-8")
+    fields["version"] = version
+    for name in ("format_version", "created_at", "files"):
+        del fields[name]
+    store.write_manifest(dst, fields)
+    return dst
+
+
 def test_rollback_passes_over_a_version_that_no_longer_loads(service: Service):
     """As the unsharded service's (tests/test_rollback.py): a history entry gone since is named and
     dropped, the one before it served; with none left, a 404."""
     status, result = service.activate("v2")
     assert status == 200 and result["previous"] == "v1", result
+    assert result["quality"]["P@1"] >= GATE_FLOOR and result["quality"]["validation_rows"] > 0, result
     status, result = service.activate("v2")  # what serves: nothing loaded, nothing pushed onto the history
     assert status == 200 and result["unchanged"] and result["seconds"] == 0.0, result
     aside = service.root.parent / "v1-aside"

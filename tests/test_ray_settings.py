@@ -25,7 +25,7 @@ from service.api.settings import Settings, load_settings, variable_name  # noqa:
 from shortlist.cli import main  # noqa: E402
 
 # A value other than the default for every setting of NOT_APPLIED.
-SET = {"processes": "2", "admin_port": "8001", "quality_gate_min_p1": "70", "max_queued_texts": "9000",
+SET = {"processes": "2", "admin_port": "8001", "max_queued_texts": "9000",
        "max_queue_wait_ms": "500", "bundle_check_interval_s": "5", "load_check_timeout_s": "60",
        "loader_nice": "10", "heap_tuning": "true", "huge_pages": "false", "max_header_bytes": "8192",
        "send_timeout_s": "5", "forwarded_allow_ips": "10.0.0.0/8", "max_connections": "10",
@@ -62,7 +62,7 @@ def test_every_unapplied_setting_has_a_value_here():
 def test_a_setting_serve_ray_does_not_apply_stops_it_before_ray(field: str, tmp_path: Path, no_ray: None,
                                                                  monkeypatch: pytest.MonkeyPatch,
                                                                  capsys: pytest.CaptureFixture):
-    # The quality gate was read and never applied: bad bundles were served to an operator who set a floor.
+    # A setting read and never applied: an operator who set it believed it held (the quality gate was one).
     monkeypatch.setenv(variable_name(field), SET[field])
     for name, value in NEEDS.get(field, {}).items():
         monkeypatch.setenv(name, value.format(tmp=tmp_path))
@@ -85,12 +85,12 @@ def test_a_front_limit_is_refused_on_a_cluster_only(field: str, tmp_path: Path, 
 
 def test_every_refusal_is_one_line_each(tmp_path: Path, no_ray: None, monkeypatch: pytest.MonkeyPatch,
                                         capsys: pytest.CaptureFixture):
-    for field in ("quality_gate_min_p1", "admin_port"):
+    for field in ("loader_nice", "admin_port"):
         monkeypatch.setenv(variable_name(field), SET[field])
     assert _serve_ray(tmp_path) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert [line.split("=")[0] for line in lines] == [f"shortlist serve-ray: error: {variable_name(f)}"
-                                                      for f in ("admin_port", "quality_gate_min_p1")]
+                                                      for f in ("admin_port", "loader_nice")]
 
 
 @pytest.mark.parametrize("address", [[], ["--address", "auto"]])

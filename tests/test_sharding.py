@@ -13,8 +13,10 @@ import pytest
 from sharding_helpers import assert_same_answers, held_out, p_at_5
 
 from model_export.shard import shard_bundle
+from service.api.activation import ActivationFailed
+from service.api.quality_gate import check_quality, require_quality
 from service.engine import BundleError, Predictor, PredictorOptions
-from service.engine.sharding import ShardedPredictor, check_shard_set, shard_dirs
+from service.engine.sharding import GateRows, ShardedPredictor, check_shard_set, merge_gate_rows, shard_dirs
 from shortlist.cli import main
 
 
@@ -35,7 +37,7 @@ def test_each_shard_is_a_bundle_over_its_labels(bundle_root: Path, sharded_root:
         m = shard.bundle.manifest
         assert (m.shard.index, m.shard.count, m.shard.parent_version) == (index, 3, "v1")
         assert m.shard.parent_num_labels == parent.num_labels
-        assert not m.has_tree and "validation.jsonl" not in m.files
+        assert not m.has_tree and "validation.jsonl" in m.files  # the parent's rows, its own truths
         ids = shard.bundle.shard_labels
         held.append(ids)
         assert [shard.bundle.labels.uids[i] for i in range(3)] == [parent.bundle.labels.uids[j] for j in ids[:3]]
@@ -103,6 +105,47 @@ def test_a_parent_with_labels_added_and_retired_shards_into_its_answers(bundle_r
         assert_same_answers([[(p.id, p.uid, p.score) for p in row] for row in got], parent.predict(queries, k=10))
         assert not set(retire) & {p.uid for row in got for p in row}
         assert {label.uid for label in added} & {p.uid for row in got for p in row}
+    # The quality gate of the sharded version scores what the parent's does, retired truths left out alike.
+    exact = PredictorOptions(k_head=base.num_labels + 20, head="always")
+    parent = Predictor.load(tmp_path / "parents" / "changed", exact)
+    want = check_quality(parent, 0.0)
+    assert want["retired_truths_left_out"] > 0
+    assert _sharded_gate(ShardedPredictor.load(root, exact), 0.0) == want
+
+
+def _sharded_gate(sharded: ShardedPredictor, floor: float) -> dict[str, float]:
+    """The sharded service's quality gate (service.api.ray_app), on the shards in this process."""
+    texts, truths, retired = merge_gate_rows([s.gate_rows() for s in sharded.shards], sharded.parent)
+
+    def top5(batch: list[str]) -> np.ndarray:
+        return np.array([[p.id for p in row] + [-1] * (5 - len(row)) for row in sharded.predict(batch, k=5)])
+
+    return require_quality("sharded", texts, truths, retired, top5, floor)
+
+
+def test_each_shard_stores_the_parents_validation_rows_with_its_own_truths(bundle_root: Path, sharded_root: Path):
+    parent = Predictor.load(bundle_root / "v1")
+    rows = parent.bundle.validation_rows()
+    shards = [Predictor.load(d).bundle for d in shard_dirs(sharded_root / "v1")]
+    for shard in shards:
+        own = shard.validation_rows()  # checked as any bundle's: ids among the shard's labels
+        assert [r["text"] for r in own] == [r["text"] for r in rows]
+        ids = set(shard.shard_labels.tolist())
+        assert [sorted(shard.shard_labels[r["target_ind"]].tolist()) for r in own] == [
+            sorted(t for t in r["target_ind"] if t in ids) for r in rows]
+    sharded = ShardedPredictor.load(sharded_root / "v1", PredictorOptions(k_head=parent.num_labels, head="always"))
+    texts, truths, retired = merge_gate_rows([s.gate_rows() for s in sharded.shards], sharded.parent)
+    assert (texts, truths, retired) == ([r["text"] for r in rows], [sorted(r["target_ind"]) for r in rows], None)
+    exact = Predictor.load(bundle_root / "v1", PredictorOptions(k_head=parent.num_labels, head="always"))
+    scores = _sharded_gate(sharded, 0.0)
+    assert scores == check_quality(exact, 0.0) and scores["P@1"] > 30
+    with pytest.raises(ActivationFailed, match=r"^sharded: quality gate failed: P@1 [0-9.]+ on \d+ validation rows, "
+                                               r"the floor is 100\.00$"):
+        _sharded_gate(sharded, 100.0)
+    other = ShardedPredictor.load(sharded_root / "v1")
+    other.shards[1].gate_rows = lambda: GateRows(["another text"], [[1]], [])  # shards not written together
+    with pytest.raises(BundleError, match="shard 1 of v1: its validation rows are not shard 0's"):
+        merge_gate_rows([s.gate_rows() for s in other.shards], other.parent)
 
 
 def test_exclude_by_uid_across_shards(bundle_root: Path, sharded_root: Path):

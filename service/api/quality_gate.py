@@ -1,7 +1,10 @@
 """The activation's quality gate (QUALITY_GATE_MIN_P1): a bundle's P@1 on the validation rows it
-stores, scored on the truths it can answer, against the operator's floor."""
+stores, scored on the truths it can answer, against the operator's floor; for a sharded version
+(service.api.ray_app) the rows its shards store, answered by the shards merged."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 
@@ -10,44 +13,56 @@ from service.engine.metrics import answerable_truths, ranking_metrics
 from service.engine.predictor import Predictor
 
 
-def gate_scores(predictor: Predictor, rows: list[dict]) -> dict[str, float]:
-    """The quality gate's P@1/P@5 (nDCG@1/5) of the bundle on its validation rows, scored on the
-    truths it can answer: a retired label is never answered, and counting it as a missed truth
-    refused retirements as quality failures (P@1 72 -> 58 on 120 of 300 labels retired). A row
-    whose every truth is retired is not scored; the counts of what was left out are in the result."""
-    retired = predictor.bundle.retired
-    answerable = answerable_truths([r["target_ind"] for r in rows], retired)
+def gate_scores(texts: list[str], truths: list[list[int]], retired: np.ndarray | None,
+                top5: Callable[[list[str]], np.ndarray]) -> dict[str, float]:
+    """The quality gate's P@1/P@5 (nDCG@1/5) on validation rows (`texts` and their `truths`), as
+    `top5` answers them (label ids [n, 5], -1 where fewer), scored on the truths the bundle can
+    answer: a retired label (`retired`: True per retired label id) is never answered, and counting
+    it as a missed truth refused retirements as quality failures (P@1 72 -> 58 on 120 of 300 labels
+    retired). A row whose every truth is retired is not scored; the counts of what was left out are
+    in the result."""
+    answerable = answerable_truths(truths, retired)
     keep = np.flatnonzero(answerable.scored)
     scores: dict[str, float] = {"validation_rows": float(len(keep)),
-                                "validation_rows_left_out": float(len(rows) - len(keep)),
+                                "validation_rows_left_out": float(len(texts) - len(keep)),
                                 "retired_truths_left_out": float(answerable.truths_left_out)}
     if len(keep):
-        ids, _ = predictor.predict_ids([str(rows[i]["text"]) for i in keep], k=5)
-        truths = [np.asarray(answerable.truths[i], dtype=np.int64) for i in keep]
-        scores.update((k, float(v)) for k, v in ranking_metrics(ids, truths, ks=(1, 5)).items())
+        ids = top5([texts[i] for i in keep])
+        kept_truths = [np.asarray(answerable.truths[i], dtype=np.int64) for i in keep]
+        scores.update((k, float(v)) for k, v in ranking_metrics(ids, kept_truths, ks=(1, 5)).items())
     else:
         scores["P@1"] = 0.0
     return scores
 
 
-def check_quality(predictor: Predictor, min_p1: float) -> dict[str, float]:
-    """gate_scores of the predictor's bundle, or ActivationFailed (the bundle closed) when it
-    stores no validation rows, none keeps a truth it can answer, or its P@1 is below min_p1."""
-    bundle = predictor.bundle
-    rows = bundle.validation_rows()
-    if not rows:
-        bundle.close()
-        raise ActivationFailed(f"{bundle.path}: quality gate is on (min P@1 {min_p1}) "
-                               "but the bundle stores no validation rows")
-    scores = gate_scores(predictor, rows)
+def require_quality(where: str, texts: list[str], truths: list[list[int]], retired: np.ndarray | None,
+                    top5: Callable[[list[str]], np.ndarray], min_p1: float) -> dict[str, float]:
+    """gate_scores, or ActivationFailed naming `where` when there are no validation rows, none keeps
+    a truth the bundle can answer, or the P@1 is below min_p1."""
+    if not texts:
+        raise ActivationFailed(f"{where}: quality gate is on (min P@1 {min_p1}) but the bundle stores no "
+                               "validation rows")
+    scores = gate_scores(texts, truths, retired, top5)
     p1, scored = float(scores["P@1"]), int(scores["validation_rows"])
     if scored == 0 or p1 < min_p1:
-        bundle.close()
         measured = (f"P@1 {p1:.2f} on {scored} validation rows" if scored else
                     "no validation row has a truth the bundle can answer")
-        raise ActivationFailed(f"{bundle.path}: quality gate failed: {measured}{_left_out(scores)}, "
+        raise ActivationFailed(f"{where}: quality gate failed: {measured}{_left_out(scores)}, "
                                f"the floor is {min_p1:.2f}")
     return scores
+
+
+def check_quality(predictor: Predictor, min_p1: float) -> dict[str, float]:
+    """require_quality of the predictor's bundle on the validation rows it stores (the bundle closed
+    when refused)."""
+    bundle = predictor.bundle
+    rows = bundle.validation_rows()
+    try:
+        return require_quality(str(bundle.path), [str(r["text"]) for r in rows], [r["target_ind"] for r in rows],
+                               bundle.retired, lambda texts: predictor.predict_ids(texts, k=5)[0], min_p1)
+    except ActivationFailed:
+        bundle.close()
+        raise
 
 
 def _left_out(scores: dict[str, float]) -> str:

@@ -20,15 +20,14 @@ version keeps serving on every shard.
 The ingress is one replica: it is where a version becomes the served one. The shards scale by
 replicas. The tree scorer is not sharded: /v1/predict/tree answers 409.
 
-Only this module imports Ray (the `ray` extra): `shortlist serve` runs without it.
+Only this module and service.api.ray_shards (the shard replicas, a version's fan-out) import Ray
+(the `ray` extra): `shortlist serve` runs without it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import math
 import os
 import re
 import sys
@@ -41,16 +40,11 @@ from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any, NoReturn
 
-import grpc
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
-from ray.exceptions import RayActorError, RayTaskError
-from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle
 from ray.serve.schema import ApplicationStatus, ApplicationStatusOverview
-from starlette.requests import Request
-from starlette.responses import Response
 
 from service.api.activation import (
     ActivationFailed,
@@ -64,40 +58,29 @@ from service.api.activation import (
 )
 from service.api.active_state import ActiveVersionFile, StateUnavailable
 from service.api.app import apply_runtime_tuning, create_app
-from service.api.dependencies import MinuteBudget, ServiceState, lease_engine
-from service.api.errors import ApiError
+from service.api.dependencies import MinuteBudget, ServiceState
 from service.api.events import log_event
-from service.api.leases import Leased, lease
+from service.api.leases import lease
 from service.api.observability import ServiceMetrics, setup_logging
-from service.api.predict import json_response, label_rows, unknown_excluded_uids
+from service.api.quality_gate import require_quality
 from service.api.ray_settings import refuse_unapplied
+from service.api.ray_shards import SHARD_DEPLOYMENT, ShardedEngine, ShardReplica, answer_sharded, shards_readiness
 from service.api.registry import LabelChangesUnavailable
 from service.api.schemas import RequestModels
 from service.api.settings import Settings, load_settings
-from service.engine.predictor import PredictorOptions
 from service.engine.query import QueryEncoder
-from service.engine.schema import MAX_MANIFEST_BYTES, BundleError, ShardOf, validate_version_name
+from service.engine.schema import BundleError, validate_version_name
 from service.engine.sharding import (
-    ShardAnswer,
-    ShardPredictor,
     check_shard_set,
-    head_rows,
-    merge_answers,
+    merge_gate_rows,
     shard_dirs,
     sharded_versions,
     union_token_rows,
-    unknown_excluded,
 )
 from service.engine.store import StoredBundle, read_manifest
 
 log = logging.getLogger("shortlist.ray")
-SHARD_DEPLOYMENT = "shard"
 _POLL_S = 0.25
-# A shard call that failed in transport (the replica died under it, or Serve has none to route it
-# to): retried, then a 503. Over gRPC (the low-latency layout) a replica that dies after accepting
-# a call surfaces as the RPC's error or Serve's RuntimeError("Unexpected error (UNAVAILABLE) ...").
-SHARD_CALL_FAILURES = (RayActorError, grpc.aio.AioRpcError, RuntimeError, ReplicaUnavailableError,
-                       DeploymentUnavailableError, BackPressureError)
 
 
 class RayServing(BaseModel):
@@ -123,137 +106,6 @@ class RayServing(BaseModel):
     # A shard call that fails because its replica died is sent again (Serve routes it to a live
     # replica) this many times: reads are safe to repeat.
     shard_retries: int = Field(2, ge=0, le=10)
-
-
-@serve.deployment(name=SHARD_DEPLOYMENT)
-class ShardReplica:
-    """A Predictor over one shard bundle (service.engine.sharding.ShardPredictor), without an
-    encoder session (the ingress encodes). The constructor loads and checks the bundle's files: a
-    replica that cannot serve them never starts; the ingress checks the canaries of a version
-    before it serves (a replica Serve starts later, in place of one that died, loads the same
-    checksummed files)."""
-
-    def __init__(self, path: str, threads: int = 1, max_manifest_bytes: int = MAX_MANIFEST_BYTES) -> None:
-        self.shard = ShardPredictor.load(path, PredictorOptions(threads=threads),
-                                         max_manifest_bytes=max_manifest_bytes)
-
-    def info(self) -> Any:
-        return self.shard.info()
-
-    def token_rows(self) -> np.ndarray | None:
-        return self.shard.token_rows()
-
-    def canary_texts(self) -> list[str]:
-        return self.shard.canary_texts()
-
-    def check_canaries(self, queries: Any) -> None:
-        self.shard.check_canaries(queries)
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def ping(self) -> None:
-        """Answers when a replica can take a call (service.api.app's /readyz)."""
-
-    def predict(self, queries: Any, k: int, alpha: float | None, exclude: list[str],
-                head: np.ndarray | None) -> ShardAnswer:
-        return self.shard.predict(queries, k, alpha, exclude, head)
-
-
-class ShardedEngine(Leased):
-    """One version served by its shard deployments: the query encoder, a handle per shard, and the
-    parent's token rows (for the head's fallback rule)."""
-
-    def __init__(self, version: str, encoder: QueryEncoder, handles: list[DeploymentHandle], apps: list[str],
-                 parent: ShardOf, token_rows: np.ndarray | None, retries: int, timeout_s: float) -> None:
-        super().__init__()
-        self._version = version
-        self.encoder = encoder
-        self.handles = handles
-        self.apps = apps
-        self.parent = parent
-        self.token_rows = token_rows
-        self.retries = retries
-        self.timeout_s = timeout_s
-
-    @property
-    def version(self) -> str:
-        return self._version
-
-    async def _ask(self, handle: DeploymentHandle, *args: Any) -> ShardAnswer:
-        for attempt in itertools.count():
-            try:
-                return await handle.predict.remote(*args)
-            except RayTaskError:  # the shard's own code raised: not a transport failure
-                raise
-            except SHARD_CALL_FAILURES as exc:  # the replica died under the call: Serve routes the retry elsewhere
-                if attempt >= self.retries:
-                    raise
-                log.warning("shard call failed (%s), retrying", type(exc).__name__)
-        raise AssertionError("unreachable")
-
-    async def answer(self, req: Any, alpha: float | None) -> Response:
-        queries = self.encoder(req.all_texts)
-        head = head_rows(self.token_rows, queries.tokens)
-        exclude = list(req.exclude or ())
-        calls = asyncio.gather(*(self._ask(h, queries, req.k, alpha, exclude, head) for h in self.handles))
-        try:
-            answers = await _within(calls, self.timeout_s)
-        except TimeoutError:
-            raise self._unavailable(f"not every shard answered within {self.timeout_s:g} s "
-                                    "(SHORTLIST_SHARD_TIMEOUT_S)") from None
-        except SHARD_CALL_FAILURES as exc:  # its retries spent
-            raise self._unavailable(f"a shard call failed {self.retries + 1} times: {type(exc).__name__}") from exc
-        missing = unknown_excluded(exclude, answers)
-        if missing:
-            raise unknown_excluded_uids(exclude, missing, self.version)
-        results = merge_answers(answers, req.k)
-        return json_response({"version": self.version, "results": [label_rows(r) for r in results]})
-
-    async def unavailable_shard(self) -> str | None:
-        """Why a shard cannot answer now (None: every shard answers a call within the shard
-        timeout). Serve holds a call to a shard with no live replica until it has a new one."""
-        try:
-            await _within(asyncio.gather(*(h.ping.remote() for h in self.handles)), self.timeout_s)
-        except TimeoutError:
-            return f"not every shard answered within {self.timeout_s:g} s (SHORTLIST_SHARD_TIMEOUT_S)"
-        except SHARD_CALL_FAILURES as exc:
-            return f"a shard call failed: {type(exc).__name__}"
-        return None
-
-    def _unavailable(self, why: str) -> ApiError:
-        # Serve replaces a dead shard replica in ~10 s; a client (or a load balancer) retries
-        # rather than waits: the wait is bounded, the answer says when to come back.
-        log.warning("shard unavailable: %s", why)
-        return ApiError(503, "shard_unavailable", f"a shard of {self.version} is unavailable: {why}; retry later",
-                        headers={"Retry-After": str(math.ceil(self.timeout_s))})
-
-
-async def answer_sharded(request: Request, scorer: str, req: Any, params: dict[str, Any]) -> Response:
-    """service.api.predict.Answer of the sharded service."""
-    if scorer == "tree":
-        raise ApiError(409, "no_tree_scorer", "the sharded service has no tree scorer (the tree is not sharded); "
-                       "use /v1/predict")
-    with lease_engine(request) as engine:
-        return await engine.answer(req, params.get("alpha"))
-
-
-async def _within(calls: asyncio.Future[Any], timeout_s: float) -> Any:
-    """The result of `calls`, or TimeoutError once `timeout_s` has passed. Unlike asyncio.wait_for,
-    it does not wait for the cancelled calls to end: the deadline does not depend on how soon
-    Serve's router gives up a call it holds for a replica."""
-    done, _ = await asyncio.wait({calls}, timeout=timeout_s)
-    if not done:
-        calls.cancel()
-        calls.add_done_callback(lambda f: f.cancelled() or f.exception())  # its outcome retrieved, unlogged
-        raise TimeoutError
-    return calls.result()
-
-
-async def shards_readiness(state: ServiceState) -> str | None:
-    """service.api.app.Readiness of the sharded service: /readyz 503 while a shard cannot answer."""
-    with state.registry.lease() as engine:
-        return await engine.unavailable_shard()  # type: ignore[attr-defined]  # a ShardedEngine here
 
 
 class ShardedRegistry:
@@ -368,7 +220,7 @@ class ShardedRegistry:
         """`cause` (start, activate, rollback, fallback) goes into the bundle_activated event, as
         serve's registry says it."""
         t0 = time.perf_counter()
-        engine = self._deploy(self._resolve(version))  # phase 1: every shard loaded and checked
+        engine, quality = self._deploy(self._resolve(version))  # phase 1: every shard loaded and checked
         if record and self.remembered is not None:
             try:
                 self.remembered.write(engine.version, history)
@@ -386,7 +238,7 @@ class ShardedRegistry:
         log_event("bundle_activated", version=engine.version, previous=old.version if old else None, cause=cause,
                   recorded=record and self.remembered is not None, seconds=round(seconds, 3), pid=os.getpid())
         return {"active": engine.version, "previous": old.version if old else None, "seconds": seconds,
-                "quality": {}}
+                "quality": quality}
 
     def _resolve(self, version: str | None) -> str:
         if version is None:
@@ -402,9 +254,10 @@ class ShardedRegistry:
             raise BundleNotFound(f"no sharded version {version!r} under {self.root.resolve()}")
         return version
 
-    def _deploy(self, version: str) -> ShardedEngine:
+    def _deploy(self, version: str) -> tuple[ShardedEngine, dict[str, float]]:
         """Phase 1: the shard applications of `version` started and RUNNING, their shards checked
-        to belong together; ActivationFailed (and the applications deleted) otherwise."""
+        to belong together, and past the quality gate when one is set (its scores returned);
+        ActivationFailed (and the applications deleted) otherwise."""
         layout = self.layout
         try:
             dirs = shard_dirs(self.root / version)
@@ -434,13 +287,28 @@ class ShardedRegistry:
             self._call_all(handles, "check_canaries", [(encoder(t),) for t in texts])
             rows = self._call_all(handles, "token_rows")
             token_rows = union_token_rows(rows, encoder.tokenizer.vocab_size)
+            engine = ShardedEngine(version, encoder, handles, apps, parent, token_rows, layout.shard_retries,
+                                   self.settings.shard_timeout_s)
+            return engine, self._quality_gate(engine)
         except Exception as exc:
             self._delete_apps(apps)
             if isinstance(exc, ActivationFailed):
                 raise
             raise ActivationFailed(f"{version}: {type(exc).__name__}: {exc}") from exc
-        return ShardedEngine(version, encoder, handles, apps, parent, token_rows, layout.shard_retries,
-                             self.settings.shard_timeout_s)
+
+    def _quality_gate(self, engine: ShardedEngine) -> dict[str, float]:
+        """QUALITY_GATE_MIN_P1 on the validation rows the shards store, answered by the shards
+        merged, as the service will answer ({} without a floor)."""
+        floor = self.settings.quality_gate_min_p1
+        if floor is None:
+            return {}
+        texts, truths, retired = merge_gate_rows(self._call_all(engine.handles, "gate_rows"), engine.parent)
+
+        def top5(batch: list[str]) -> np.ndarray:
+            merged = asyncio.run_coroutine_threadsafe(engine.merged(batch, 5, None, []), self.loop).result()
+            return np.array([[p.id for p in row] + [-1] * (5 - len(row)) for row in merged], dtype=np.int64)
+
+        return require_quality(str(self.root / engine.version), texts, truths, retired, top5, floor)
 
     def _call_all(self, handles: list[DeploymentHandle], method: str,
                   args: list[tuple[Any, ...]] | None = None) -> list[Any]:

@@ -1,9 +1,9 @@
 """The settings `shortlist serve-ray` does not apply, and the start-up check that refuses them.
 
 The sharded service builds the same Settings as `shortlist serve`, but has no engine line, no
-process group, no admin port, no quality gate and no file watch of its own, and HAProxy takes
+process group, no admin port and no file watch of its own, and HAProxy takes
 over the HTTP limits: a variable set for one of those would be read, validated and then ignored,
-and an operator who set it (a quality floor, say) would believe it holds. NOT_APPLIED is the one
+and an operator who set it (a queue bound, say) would believe it holds. NOT_APPLIED is the one
 list of them: the check refuses each one set to anything but its default, and README ("Past one
 machine", settings) quotes it. Settings that only make sense with a feature the sharded service
 answers 409 (label changes) or does not have (PROCESSES's tuning) are not listed: with that
@@ -38,8 +38,6 @@ NOT_APPLIED: dict[str, Unapplied] = {
     "processes": Unapplied("the sharded service runs one ingress replica; shards scale by --replicas"),
     "admin_port": Unapplied("the sharded service serves the admin routes on --port only; with it set, "
                             "no port would serve them"),
-    "quality_gate_min_p1": Unapplied("shard bundles store no validation rows to score, so no activation "
-                                     "would be gated"),
     # MAX_BATCH past 4096 needs MAX_QUEUED_TEXTS at least as large (Settings): that floor is accepted.
     "max_queued_texts": Unapplied("the ingress has no engine line to shed load from; a prediction waits "
                                   "for its shards up to SHORTLIST_SHARD_TIMEOUT_S",

@@ -99,6 +99,33 @@ class ShardAnswer(NamedTuple):
     known: list[bool]
 
 
+class GateRows(NamedTuple):
+    """A shard's validation rows, for the quality gate of its version: every row of the parent's (the
+    same texts in every shard), its truths restricted to the shard's labels, in parent ids; and the
+    parent ids of the shard's retired labels."""
+
+    texts: list[str]
+    truths: list[list[int]]
+    retired: list[int]
+
+
+def merge_gate_rows(parts: Sequence[GateRows], parent: ShardOf) -> tuple[list[str], list[list[int]], np.ndarray | None]:
+    """The parent's validation rows from its shards' GateRows (in shard order): texts, truths (parent
+    ids), and a mask of retired parent ids (None when none is); BundleError when the shards' texts
+    differ (shards not written together)."""
+    texts = parts[0].texts
+    for index, part in enumerate(parts):
+        if part.texts != texts or len(part.truths) != len(texts):
+            raise BundleError(f"shard {index} of {parent.parent_version}: its validation rows are not shard 0's")
+    truths = [sorted(label for part in parts for label in part.truths[row]) for row in range(len(texts))]
+    retired_ids = [label for part in parts for label in part.retired]
+    if not retired_ids:
+        return texts, truths, None
+    retired = np.zeros(parent.parent_num_labels, dtype=bool)
+    retired[retired_ids] = True
+    return texts, truths, retired
+
+
 class ShardPredictor:
     """A Predictor over one shard bundle, answering in the parent's label ids.
 
@@ -138,6 +165,12 @@ class ShardPredictor:
         files = p.bundle.manifest.files
         return ShardInfo(str(p.bundle.path), self.shard, p.num_labels, p.alpha,
                          tuple(files.get(name) for name in (TOKENIZER, ENCODER, ENCODER_DATA)))
+
+    def gate_rows(self) -> GateRows:
+        bundle, ids = self.predictor.bundle, self.parent_ids
+        rows = bundle.validation_rows()
+        retired = [] if bundle.retired is None else ids[np.flatnonzero(bundle.retired)].tolist()
+        return GateRows([str(r["text"]) for r in rows], [ids[r["target_ind"]].tolist() for r in rows], retired)
 
     def token_rows(self) -> np.ndarray | None:
         """Packed bits [ceil(V / 8)]: which tokens have a label of this shard among the first
