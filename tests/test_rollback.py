@@ -84,3 +84,34 @@ def test_activating_the_served_version_changes_nothing_and_rollback_passes_over_
         r = c.post("/admin/bundles/activate", json={"version": "v2"})
         assert r.status_code == 200 and r.json()["unchanged"], r.text
         assert json.loads((state_dir / "active.json").read_text())["history"] == ["v1"]
+
+
+def test_a_retried_rollback_with_the_version_it_saw_active_rolls_back_once(bundle_root_copy, tmp_path):
+    """Audit 9: a client whose rollback's answer was lost and retries it rolled back two versions.
+    With `expected_active` the retry is refused, naming what is active, and nothing moves."""
+    renamed_copy(bundle_root_copy, "v1", "v3")
+    env = {"SHORTLIST_ADMIN_TOKEN": TOKEN, "SHORTLIST_STATE_DIR": str(tmp_path / "state")}
+    with serve(bundle_root_copy, version="v1", env=env, log_dir=tmp_path) as s, \
+            httpx.Client(base_url=s.url, headers=AUTH, timeout=120) as c:
+        for version in ("v2", "v3"):
+            assert c.post("/admin/bundles/activate", json={"version": version}).status_code == 200
+        for attempt in range(2):
+            r = c.post("/admin/bundles/rollback", json={"expected_active": "v3"})
+            if attempt == 0:
+                assert r.status_code == 200 and r.json()["active"] == "v2", r.text
+            else:
+                assert r.status_code == 409 and r.json()["error"] == "active_version_changed", r.text
+                assert r.json()["message"] == ("the active version is v2, not v3 (expected_active): "
+                                               "nothing was rolled back")
+        assert c.get("/readyz").json()["version"] == "v2"
+        assert 'reason="changed"' in c.get("/metrics").text
+        # Bad preconditions are the request's fault, named; {} and no body roll back as before.
+        for body, field in (({"expected_active": 3}, "body.expected_active"),
+                            ({"expected_active": "../v1"}, "body.expected_active"),
+                            ({"expected": "v2"}, "body.expected")):
+            r = c.post("/admin/bundles/rollback", json=body)
+            assert r.status_code == 422 and r.json()["details"][0]["field"] == field, r.text
+        r = c.post("/admin/bundles/rollback", json={})
+        assert r.status_code == 200 and r.json()["active"] == "v1", r.text
+        r = c.post("/admin/bundles/rollback")
+        assert r.status_code == 404, r.text

@@ -28,6 +28,18 @@ class ActivationLockBusy(ActivationInProgress):
     retry_after_s = 5
 
 
+class ActiveVersionChanged(Exception):
+    """A rollback's `expected_active` is not the active version (HTTP 409): nothing was done."""
+
+
+def expect_active(expected: str | None, active: str | None) -> None:
+    """ActiveVersionChanged unless `expected` is None or the active version: a client that retries
+    a rollback it sent with the version it saw active rolls back once, not once per attempt."""
+    if expected is not None and expected != active:
+        raise ActiveVersionChanged(f"the active version is {active}, not {expected} (expected_active): "
+                                   "nothing was rolled back")
+
+
 class BundleNotFound(Exception):
     """No bundle of that version under the root (HTTP 404)."""
 

@@ -12,9 +12,15 @@ import re
 from collections.abc import Callable
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Path
+from fastapi import APIRouter, Body, Path
 
-from service.api.activation import ActivationFailed, ActivationInProgress, ActivationLockBusy, BundleNotFound
+from service.api.activation import (
+    ActivationFailed,
+    ActivationInProgress,
+    ActivationLockBusy,
+    ActiveVersionChanged,
+    BundleNotFound,
+)
 from service.api.active_state import StateUnavailable
 from service.api.bundle_watch import changed_error
 from service.api.dependencies import AdminRoute, State
@@ -33,13 +39,15 @@ from service.api.schemas import (
     ErrorDetail,
     LabelChangeResult,
     RequestModels,
+    RollbackRequest,
 )
 from service.engine.file_guard import BundleChanged
 from service.engine.label_changes import LabelChange, LabelChangeRejected, NewLabel
 from service.engine.schema import BundleError
 
 # 401 / 403: no or a wrong token; 404: no such bundle (or nothing to roll back to); 409: another
-# activation or rollback is running (on any process); 422: the bundle was refused (the serving one
+# activation or rollback is running (on any process), or a rollback's expected_active is not the
+# active version; 422: the bundle was refused (the serving one
 # keeps serving). 429: too many wrong admin tokens from this address (dependencies.MinuteBudget).
 # 503: `activation_lock_busy` with Retry-After: a label change held the lock past
 # activation_lock_wait_s; with several processes, one could not serve the version the others now
@@ -64,6 +72,9 @@ async def _activate(state: State, fn: Callable[..., dict[str, Any]], *args: Any)
     except ActivationInProgress as exc:
         metrics.failed_activations.labels("busy").inc()
         raise ApiError(409, "activation_in_progress", str(exc)) from None
+    except ActiveVersionChanged as exc:
+        metrics.failed_activations.labels("changed").inc()
+        raise ApiError(409, "active_version_changed", str(exc)) from None
     except BundleNotFound as exc:
         metrics.failed_activations.labels("not_found").inc()
         raise ApiError(404, "bundle_not_found", str(exc)) from None
@@ -183,10 +194,11 @@ def admin_router(models: RequestModels) -> APIRouter:
     async def activate(req: ActivateRequest, state: State) -> ActivationResult:
         return await _activate(state, state.registry.activate, req.version)
 
-    @router.post("/bundles/rollback", response_model=ActivationResult, responses=ACTIVATION_ERRORS,
+    @router.post("/bundles/rollback", response_model=ActivationResult,
+                 responses={**ACTIVATION_ERRORS, **documented(400, 413, 415)},
                  summary="swap back to the previously active bundle")
-    async def rollback(state: State) -> ActivationResult:
-        return await _activate(state, state.registry.rollback)
+    async def rollback(state: State, req: Annotated[RollbackRequest | None, Body()] = None) -> ActivationResult:
+        return await _activate(state, state.registry.rollback, req.expected_active if req else None)
 
     @router.post("/labels", response_model=LabelChangeResult, responses=LABEL_ERRORS,
                  summary="add labels by their text: a new bundle version derived from the active one, activated; "

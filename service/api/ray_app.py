@@ -51,6 +51,7 @@ from service.api.activation import (
     ActivationInProgress,
     BundleNotFound,
     exclusive_activation,
+    expect_active,
     record_no_history,
     roll_back,
     starting_version,
@@ -180,9 +181,11 @@ class ShardedRegistry:
             return self._activate_locked(version, with_previous(self._history, self.active_version, version),
                                          cause=cause, record=record)
 
-    def rollback(self) -> dict[str, object]:
-        """Serve the most recent previously active version that still loads (registry.roll_back)."""
+    def rollback(self, expected_active: str | None = None) -> dict[str, object]:
+        """Serve the most recent previously active version that still loads (registry.roll_back),
+        when `expected_active` (if given) is the active version (activation.expect_active)."""
         with self._exclusive():
+            expect_active(expected_active, self.active_version)
             result, skipped = roll_back(
                 self._history, lambda version, rest: self._activate_locked(version, rest, cause="rollback"),
                 self._forget_history, self.active_version)

@@ -26,6 +26,7 @@ from service.api.activation import (
     ActivationGate,
     ActivationInProgress,
     BundleNotFound,
+    expect_active,
     record_no_history,
     roll_back,
     starting_version,
@@ -385,9 +386,11 @@ class BundleRegistry:
         recorded = self.remembered.read() if self.remembered is not None else None
         return recorded or self.active_version
 
-    def rollback(self) -> dict[str, object]:
-        """Serve the most recent previously active version that still loads (roll_back)."""
+    def rollback(self, expected_active: str | None = None) -> dict[str, object]:
+        """Serve the most recent previously active version that still loads (roll_back), when
+        `expected_active` (if given) is the active version (expect_active)."""
         with self._operator_turn("rollback"):
+            expect_active(expected_active, self._current())
             result, skipped = roll_back(self._history, lambda version, rest: self._activate_locked(
                 version, history=rest, cause="rollback"), self._forget_history, self._current())
             return {**self._converged(result), "skipped": skipped}

@@ -224,6 +224,13 @@ class ActivateRequest(_Request):
     version: str = Field(pattern=VERSION_RE.pattern, description="a bundle directory name under the bundle root")
 
 
+class RollbackRequest(_Request):
+    expected_active: str | None = Field(
+        None, pattern=VERSION_RE.pattern,
+        description="roll back only while this version is the active one, else 409 active_version_changed and "
+                    "nothing done: a retried rollback (its answer lost) then rolls back once, not once per attempt")
+
+
 class BundleLineage(BaseModel):
     parent: str
     base: str
