@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 
 from service.api.settings import ENV_PREFIX, Settings
+from service.engine.schema import FORMAT_VERSION, READABLE_FORMATS
 from shortlist.cli import build_parser
 from shortlist.testing import serve
 
@@ -159,6 +160,18 @@ def test_every_event_logged_is_named_in_the_readme():
                            if isinstance(k, ast.Constant) and k.value == "event" and _code(v)}
     assert "bundle_activated" in events and "connection_refused" in events
     assert sorted(e for e in events if f"`{e}`" not in README) == []
+
+
+def test_the_readme_bundle_table_names_the_format_version_export_writes():
+    """The bundle table's manifest row said format 4 for a release writing format 5: a user
+    checking what an engine reads against the README took the wrong version."""
+    row = next(line for line in README.splitlines() if line.startswith("| `manifest.json` |"))
+    written = re.search(r"format version \((\d+);", row)
+    assert written is not None and int(written.group(1)) == FORMAT_VERSION
+    # Each version after the first is said, in order, with what it added.
+    said = [int(n) for n in re.findall(r"[;,] (\d+) ", row.split(")", 1)[0])]
+    assert said == list(range(2, FORMAT_VERSION + 1))
+    assert list(READABLE_FORMATS) == list(range(1, FORMAT_VERSION + 1)) and "every earlier format still read" in row
 
 
 def test_every_metric_served_is_in_the_readme_table_and_every_listed_one_is_served(bundle_root, tmp_path):
