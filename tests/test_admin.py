@@ -373,3 +373,22 @@ def test_the_bundle_list_is_paged_under_max_listed_bundles(bundle_root_copy, tmp
             assert r.status_code == 422 and r.json()["details"][0]["field"] == field, r.text
         wrong = {"authorization": "Bearer wrong"}
         assert c.get("/admin/bundles", params={"limit": 3}, headers=wrong).status_code == 403  # the token first
+
+
+def test_a_directory_whose_manifest_is_refused_is_logged_once_not_at_every_listing(bundle_root_copy, tmp_path):
+    """Audit s25 F3: every listing (each GET /admin/bundles, label change, activation) logged a
+    warning per directory of the bundle root whose manifest is refused: 50 such directories and 10
+    GETs wrote 600 lines. Now each is said once, and again when its reason changes."""
+    for name in ("bad0", "bad1"):
+        (bundle_root_copy / name).mkdir()
+        (bundle_root_copy / name / "manifest.json").write_text("{garbage")
+    with serve(bundle_root_copy, version="v1", env={"SHORTLIST_ADMIN_TOKEN": TOKEN}, log_dir=tmp_path) as s, \
+            httpx.Client(base_url=s.url, headers=AUTH, timeout=60) as c:
+        for _ in range(5):
+            assert [b["version"] for b in c.get("/admin/bundles").json()["bundles"]] == ["v1", "v2"]
+        assert c.post("/admin/bundles/activate", json={"version": "v2"}).status_code == 200
+        assert s.log().count("bundle bad0 not listed") == 1 and s.log().count("bundle bad1 not listed") == 1
+        (bundle_root_copy / "bad1" / "manifest.json").write_text("[]")  # another reason: said again
+        c.get("/admin/bundles")
+        c.get("/admin/bundles")
+        assert s.log().count("bundle bad0 not listed") == 1 and s.log().count("bundle bad1 not listed") == 2
