@@ -343,3 +343,52 @@ def test_the_checking_process_is_the_first_the_oom_killer_picks(bundle_root, tmp
         assert activation.result().status_code == 200
         assert scores and scores[-1] == "1000", scores
         assert Path(f"/proc/{s.proc.pid}/oom_score_adj").read_text().strip() != "1000"
+
+
+def test_the_bundle_list_is_paged_under_max_listed_bundles(bundle_root_copy, tmp_path):
+    """Audit s25 F2: GET /admin/bundles listed every version of every place in one answer, each row
+    with its manifest's metrics: no limit, no paging (2.1 MB at 1,000 versions of a small bundle).
+    Now a page of at most `limit` (default and ceiling SHORTLIST_MAX_LISTED_BUNDLES), oldest first,
+    with `total` and the `next_offset` to page on; past the ceiling a 422 naming the parameter."""
+    for i in range(3):
+        renamed_copy(bundle_root_copy, "v1", f"p{i}")
+    env = {"SHORTLIST_ADMIN_TOKEN": TOKEN, "SHORTLIST_MAX_LISTED_BUNDLES": "2"}
+    with serve(bundle_root_copy, version="v1", env=env, log_dir=tmp_path) as s, \
+            httpx.Client(base_url=s.url, headers=AUTH, timeout=60) as c:
+        pages, offset = [], 0
+        while offset is not None:
+            body = c.get("/admin/bundles", params={"offset": offset}).json()
+            assert body["total"] == 5 and len(body["bundles"]) <= 2 and body["active"] == "v1", body
+            pages.append([b["version"] for b in body["bundles"]])
+            offset = body["next_offset"]
+        assert [len(p) for p in pages] == [2, 2, 1]
+        listed = [v for p in pages for v in p]
+        assert sorted(listed) == ["p0", "p1", "p2", "v1", "v2"] and len(set(listed)) == 5
+        one = c.get("/admin/bundles", params={"limit": 1, "offset": 4}).json()
+        assert [b["version"] for b in one["bundles"]] == pages[-1] and one["next_offset"] is None
+        assert c.get("/admin/bundles", params={"offset": 9}).json()["bundles"] == []
+        for params, field in (({"limit": 3}, "query.limit"), ({"limit": 0}, "query.limit"),
+                              ({"offset": -1}, "query.offset")):
+            r = c.get("/admin/bundles", params=params)
+            assert r.status_code == 422 and r.json()["details"][0]["field"] == field, r.text
+        wrong = {"authorization": "Bearer wrong"}
+        assert c.get("/admin/bundles", params={"limit": 3}, headers=wrong).status_code == 403  # the token first
+
+
+def test_a_directory_whose_manifest_is_refused_is_logged_once_not_at_every_listing(bundle_root_copy, tmp_path):
+    """Audit s25 F3: every listing (each GET /admin/bundles, label change, activation) logged a
+    warning per directory of the bundle root whose manifest is refused: 50 such directories and 10
+    GETs wrote 600 lines. Now each is said once, and again when its reason changes."""
+    for name in ("bad0", "bad1"):
+        (bundle_root_copy / name).mkdir()
+        (bundle_root_copy / name / "manifest.json").write_text("{garbage")
+    with serve(bundle_root_copy, version="v1", env={"SHORTLIST_ADMIN_TOKEN": TOKEN}, log_dir=tmp_path) as s, \
+            httpx.Client(base_url=s.url, headers=AUTH, timeout=60) as c:
+        for _ in range(5):
+            assert [b["version"] for b in c.get("/admin/bundles").json()["bundles"]] == ["v1", "v2"]
+        assert c.post("/admin/bundles/activate", json={"version": "v2"}).status_code == 200
+        assert s.log().count("bundle bad0 not listed") == 1 and s.log().count("bundle bad1 not listed") == 1
+        (bundle_root_copy / "bad1" / "manifest.json").write_text("[]")  # another reason: said again
+        c.get("/admin/bundles")
+        c.get("/admin/bundles")
+        assert s.log().count("bundle bad0 not listed") == 1 and s.log().count("bundle bad1 not listed") == 2

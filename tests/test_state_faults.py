@@ -228,6 +228,33 @@ def test_a_state_dir_removed_while_serving_is_named_by_healthz_and_the_metrics_p
 
 
 @needs_namespace
+@pytest.mark.parametrize("fill", ["blocks", "inodes"])
+def test_a_state_dir_that_fills_up_is_named_by_healthz_and_the_metrics_until_there_is_room(bundle_root, tmp_path,
+                                                                                          fill):
+    """Audit s25 F1: a full state directory (no block, or no inode, left) said nothing on /healthz
+    and kept shortlist_state_writable at 1, while every admin write answered 507; README promised
+    that a full disk is said before the next write finds it."""
+    state = tmp_path / "state"
+    state.mkdir()
+    wrap = _mounting(f"mount -t tmpfs -o size=4m,nr_inodes=64 tmpfs {state}")
+    with serve(bundle_root, version="v2", env=_env(state), log_dir=tmp_path, wrap=wrap) as s, \
+            httpx.Client(base_url=s.url, headers=AUTH, timeout=120) as c:
+        _wait_for_state_problem(c, None)
+        filling = (f"dd if=/dev/zero of={state}/filler bs=4k 2>/dev/null; true" if fill == "blocks"
+                   else f"i=0; while touch {state}/inode$i 2>/dev/null; do i=$((i+1)); done")
+        _in_namespace(s.proc.pid, filling)
+        why = "no space left on device " + ("(0 bytes free)" if fill == "blocks" else "(no free inode)")
+        _wait_for_state_problem(c, f"state directory {state} (SHORTLIST_STATE_DIR): {why}")
+        _assert_state_unavailable(c.post("/admin/bundles/activate", json={"version": "v1"}), 507, state,
+                                  "no space left on device")
+        assert c.post("/v1/predict", json={"text": "kama"}).json()["version"] == "v2"
+        _in_namespace(s.proc.pid, f"rm -f {state}/filler {state}/inode*")
+        _wait_for_state_problem(c, None)
+        r = c.post("/admin/bundles/activate", json={"version": "v1"})
+        assert r.status_code == 200 and r.json()["active"] == "v1", r.text
+
+
+@needs_namespace
 def test_a_read_only_state_dir_at_start_up_is_named_by_its_setting(bundle_root, tmp_path):
     state = tmp_path / "state"
     state.mkdir()

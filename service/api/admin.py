@@ -12,7 +12,7 @@ import re
 from collections.abc import Callable
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Path
+from fastapi import APIRouter, Body, Path, Query
 
 from service.api.activation import (
     ActivationFailed,
@@ -176,16 +176,24 @@ def admin_router(models: RequestModels) -> APIRouter:
     router = APIRouter(prefix="/admin", route_class=AdminRoute, tags=["admin"])
     AddLabels, RetireLabels, Uid = models.add_labels, models.retire_labels, models.uid  # noqa: N806
 
-    @router.get("/bundles", response_model=BundleList, responses=documented(401, 403, 429))
-    async def bundles(state: State) -> BundleList:
+    page_most = models.max_listed_bundles
+    Limit = Annotated[int, Query(ge=1, le=page_most, description="bundles in this answer at most "  # noqa: N806
+                                 "(SHORTLIST_MAX_LISTED_BUNDLES)")]
+    Offset = Annotated[int, Query(ge=0, description="bundles skipped first (a page's next_offset)")]  # noqa: N806
+
+    @router.get("/bundles", response_model=BundleList, responses=documented(401, 403, 422, 429),
+                summary="the bundles of every place, oldest first, a page of at most `limit`")
+    async def bundles(state: State, limit: Limit = page_most, offset: Offset = 0) -> BundleList:
         rows = await asyncio.wrap_future(state.registry.in_loader(state.registry.list))
-        return BundleList(active=state.registry.active_version, bundles=[
+        end = offset + limit
+        return BundleList(active=state.registry.active_version, total=len(rows),
+                          next_offset=end if end < len(rows) else None, bundles=[
             BundleInfo(version=b.version, created_at=b.manifest.created_at, active=active,
                        has_tree=b.manifest.has_tree, place=b.place, num_labels=b.manifest.num_labels,
                        unconfirmed=b.unconfirmed, shadowed=b.shadowed,
                        lineage=BundleLineage(**b.manifest.lineage.model_dump()) if b.manifest.lineage else None,
                        metrics=b.manifest.metrics)
-            for b, active in rows
+            for b, active in rows[offset:end]
         ])
 
     @router.post("/bundles/activate", response_model=ActivationResult,

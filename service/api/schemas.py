@@ -151,6 +151,7 @@ class RequestModels:
         self.predict, self.tree_predict, self.echo = PredictRequest, TreePredictRequest, EchoRequest
         # new_label: one new label, the add route's item and a row of `shortlist labels add`'s file.
         self.add_labels, self.retire_labels, self.uid, self.new_label = _label_requests(settings, Text, normalized)
+        self.max_listed_bundles = settings.max_listed_bundles  # GET /admin/bundles' page ceiling
 
 
 def _label_requests(settings: Settings, text: Any, normalized: AfterValidator) -> tuple[
@@ -259,7 +260,9 @@ class BundleInfo(BaseModel):
 
 class BundleList(BaseModel):
     active: str | None
-    bundles: list[BundleInfo]
+    bundles: list[BundleInfo] = Field(description="this page of the bundles, oldest first")
+    total: int = Field(description="bundles listed in every page")
+    next_offset: int | None = Field(description="the `offset` of the next page; null on the last")
 
 
 class SkippedVersion(BaseModel):

@@ -188,6 +188,11 @@ class Settings(BaseSettings):
     # are removed, unless one is active, in the rollback history or served by a process sharing the
     # state directory (README "Labels added live": disk use).
     keep_derived_versions: int = Field(16, ge=0, le=10_000)
+    # Bundles one GET /admin/bundles answer lists at most (its `limit`'s default and ceiling; past
+    # them `next_offset` pages on). Each row carries its manifest's metrics (a manifest is read up to
+    # MAX_MANIFEST_BYTES), and a bundle root kept for months holds hundreds of versions: unpaged, an
+    # answer grew with every version (2.1 MB at 1,000 versions of a small bundle; audit s25 F2).
+    max_listed_bundles: int = Field(1000, ge=1, le=100_000)
     # Platform tricks for hot swaps beside live traffic, both off by default (bench/swap.py
     # measures what they buy; README "Hot swap"). loader_nice: bundle loads (startup,
     # activation, rollback) run on threads this much nicer than the serving threads (0..19),

@@ -1,10 +1,10 @@
 """Whether the state directory still takes writes while the service serves (/healthz, /metrics).
 
 Predictions never touch the state directory, so one that goes (a volume unmounted, a directory
-moved away) or turns read-only is found otherwise only by the next admin write's 503
-`state_unavailable`. This check gives the operator a signal before that: /healthz's `reason` and
-the `shortlist_state_writable` gauge. It is a stat and an access(2) call, made at most once per
-CHECK_INTERVAL_S whatever the probe and scrape rate.
+moved away), turns read-only or fills up (no free block or inode) is found otherwise only by the
+next admin write's 503 or 507 `state_unavailable`. This check gives the operator a signal before
+that: /healthz's `reason` and the `shortlist_state_writable` gauge. It is a stat, an access(2) and
+a statvfs(2) call, made at most once per CHECK_INTERVAL_S whatever the probe and scrape rate.
 """
 
 from __future__ import annotations
@@ -48,7 +48,24 @@ class StateDirCheck:
                 why = "not a directory"
             elif not os.access(self.dir, os.W_OK | os.X_OK):  # read-only mount (EROFS) or permissions
                 why = "not writable"
+            else:
+                why = _full(self.dir)
         if why is None:
             return None
         return (f"state directory {self.dir} (SHORTLIST_STATE_DIR): {why}; predictions serve on, admin writes "
-                "answer 503 state_unavailable until it is back")
+                "answer 503 (507 when out of space) state_unavailable until it is back")
+
+
+def _full(path: Path) -> str | None:
+    """Why nothing more can be written on `path`'s filesystem (no block, or no inode, left to an
+    unprivileged writer: the container's user), None otherwise or when it cannot be asked. Every
+    admin write then answers 507; said here before one finds it (audit s25 F1)."""
+    try:
+        fs = os.statvfs(path)
+    except OSError:
+        return None
+    if fs.f_bavail == 0:
+        return "no space left on device (0 bytes free)"
+    if fs.f_files > 0 and fs.f_favail == 0:  # f_files 0: a filesystem without an inode count (btrfs)
+        return "no space left on device (no free inode)"
+    return None

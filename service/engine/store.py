@@ -82,12 +82,14 @@ def read_manifest(bundle_dir: str | Path, max_bytes: int = MAX_MANIFEST_BYTES) -
 def list_bundles(root: str | Path, max_manifest_bytes: int = MAX_MANIFEST_BYTES) -> list[Manifest]:
     """Manifests of every bundle that could be activated: a directory directly under root (not a
     symlink leading outside it, as activation refuses), named as its manifest's version; oldest first.
-    A directory whose manifest is refused is skipped, the reason logged (activating it names it)."""
+    A directory whose manifest is refused is skipped, the reason logged once (_say_unlisted;
+    activating it names it)."""
     found: list[Manifest] = []
     root = Path(root)
     if not root.is_dir():
         return found
     root_real = root.resolve()
+    refused: dict[str, str] = {}
     for child in root.iterdir():
         if child.name.startswith(".") or not child.is_dir() or not VERSION_RE.fullmatch(child.name):
             continue
@@ -96,11 +98,33 @@ def list_bundles(root: str | Path, max_manifest_bytes: int = MAX_MANIFEST_BYTES)
         try:
             manifest = read_manifest(child, max_manifest_bytes)
         except BundleError as exc:
-            log.warning("bundle %s not listed: %s", child.name, exc)
+            refused[child.name] = str(exc)
             continue
         if manifest.version == child.name:
             found.append(manifest)
+    _say_unlisted(root_real, refused)
     return sorted(found, key=lambda m: (m.created, m.version))
+
+
+# Root -> {directory name: why it is not listed} as last logged. Every listing (each GET /admin/bundles,
+# label change, activation) reads every manifest again: a warning each time wrote a line per refused
+# directory per listing (50 such directories, 10 listings: 500 lines; audit s25 F3). Bounded by the
+# directories there are: a directory gone or listed again is dropped.
+_unlisted: dict[Path, dict[str, str]] = {}
+_unlisted_lock = threading.Lock()
+
+
+def _say_unlisted(root: Path, refused: dict[str, str]) -> None:
+    """Log each directory of `root` that is not listed once, and again only when its reason changes."""
+    with _unlisted_lock:
+        said = _unlisted.get(root, {})
+        new = {name: why for name, why in refused.items() if said.get(name) != why}
+        if refused:
+            _unlisted[root] = refused
+        else:
+            _unlisted.pop(root, None)
+    for name, why in sorted(new.items()):
+        log.warning("bundle %s not listed: %s", name, why)
 
 
 def newest_version(root: str | Path, max_manifest_bytes: int = MAX_MANIFEST_BYTES) -> str:
