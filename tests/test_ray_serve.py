@@ -344,6 +344,10 @@ def test_rollback_passes_over_a_version_that_no_longer_loads(service: Service):
     assert result["quality"]["P@1"] >= GATE_FLOOR and result["quality"]["validation_rows"] > 0, result
     status, result = service.activate("v2")  # what serves: nothing loaded, nothing pushed onto the history
     assert status == 200 and result["unchanged"] and result["seconds"] == 0.0, result
+    # A retried rollback that names what it saw active rolls back once (as serve's, test_rollback.py).
+    status, error = call(f"{service.url}/admin/bundles/rollback", {"expected_active": "v1"}, TOKEN)
+    assert status == 409 and error["error"] == "active_version_changed", error
+    assert error["message"] == "the active version is v2, not v1 (expected_active): nothing was rolled back"
     aside = service.root.parent / "v1-aside"
     (service.root / "v1").rename(aside)
     try:
