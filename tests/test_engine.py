@@ -432,3 +432,28 @@ def test_loading_the_encoder_sends_no_onnxruntime_telemetry(bundle_root, tmp_pat
     code = f"from service.engine import Predictor; Predictor.load({str(bundle_root / 'v1')!r})"
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
     assert not list(tmp_path.rglob("*")), list(tmp_path.rglob("*"))
+
+
+def _encoder_load_log(bundle_dir: Path, extra_path: Path) -> str:
+    """What a fresh process logs when it loads the bundle's encoder with `extra_path` importable."""
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(extra_path), str(repo)])}
+    code = ("import sys; from service.engine.encoder import OnnxEncoder; "
+            "OnnxEncoder(sys.argv[1])")
+    out = subprocess.run([sys.executable, "-c", code, str(bundle_dir / "encoder.onnx")], env=env,
+                         capture_output=True, text=True, timeout=120, check=True)
+    return out.stderr
+
+
+def test_a_mixed_onnxruntime_install_is_said_when_the_encoder_loads(bundle_root, tmp_path):
+    """`pip install '.[gpu]'` leaves onnxruntime and onnxruntime-gpu sharing one module, the CPU
+    build's files winning: the operator who asked for the GPU is told, not left on CPU unawares."""
+    quiet = _encoder_load_log(bundle_root / "v1", tmp_path)
+    assert "onnxruntime-gpu" not in quiet
+    # A second distribution's metadata, as pip leaves it beside the first build's.
+    dist = tmp_path / "onnxruntime_gpu-1.0.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: onnxruntime-gpu\nVersion: 1.0.0\n")
+    said = _encoder_load_log(bundle_root / "v1", tmp_path)
+    assert "onnxruntime and onnxruntime-gpu are both installed" in said
+    assert "serving on CPU" in said

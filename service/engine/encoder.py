@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import logging
 import os
 from pathlib import Path
@@ -31,7 +32,25 @@ def execution_providers() -> tuple[str, ...]:
             log.info("encoder: onnxruntime CUDA execution provider on the visible GPU")
             return ("CUDAExecutionProvider", "CPUExecutionProvider")
         log.warning("encoder: onnxruntime has the CUDA provider but no GPU is visible: serving on CPU")
+    elif len(builds := _onnxruntime_builds()) > 1:
+        # Both wheels install one `onnxruntime` module; the one installed last wins, silently.
+        log.warning(
+            "encoder: %s are both installed and share one onnxruntime module, whose files have no "
+            "CUDA provider: serving on CPU (README, 'For the CUDA provider': uninstall "
+            "onnxruntime, reinstall onnxruntime-gpu)", " and ".join(builds))
     return ("CPUExecutionProvider",)
+
+
+def _onnxruntime_builds() -> list[str]:
+    """The onnxruntime distributions installed (several is a broken install, not a choice)."""
+    builds = []
+    for name in ("onnxruntime", "onnxruntime-gpu"):
+        try:
+            importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        builds.append(name)
+    return builds
 
 
 def _gpu_visible() -> bool:
