@@ -14,8 +14,8 @@ import json
 import logging
 from pathlib import Path
 
+from service.engine.manifests import newest_version
 from service.engine.schema import BundleError
-from service.engine.store import newest_version
 
 DEMO_DATA = {"num_labels": 2000, "train_docs": 10000, "test_docs": 2000, "seed": 0}
 # role:: (program, shared-lib, ...) and implemented-in:: tags sit on most packages and say little

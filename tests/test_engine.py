@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from service.engine import BundleError, Predictor, PredictorOptions
+from service.engine.manifests import newest_version
 from service.engine.schema import MANIFEST, TREE, sha256_file
-from service.engine.store import newest_version, resolve_bundle_dir
+from service.engine.store import resolve_bundle_dir
 
 
 def rewrite_manifest(bundle_dir: Path, **changes) -> dict:

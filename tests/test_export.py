@@ -19,8 +19,8 @@ import torch
 from model_export.export import export_checkpoint
 from model_export.onnx_export import PARITY_TOLERANCE, as_served, parity_texts
 from service.engine import BundleError, Predictor
+from service.engine.manifests import newest_version
 from service.engine.schema import MANIFEST, REQUIRED_FILES, sha256_file
-from service.engine.store import newest_version
 from shortlist.cli import main as cli_main
 from training.checkpoint import MAX_META_BYTES, Checkpoint
 

@@ -15,8 +15,8 @@ import pytest
 
 from service.api.active_state import MAX_ACTIVE_FILE_BYTES, ActiveVersionFile
 from service.engine.bundle import Bundle
+from service.engine.manifests import list_bundles, read_manifest
 from service.engine.schema import MAX_MANIFEST_BYTES, BundleError
-from service.engine.store import list_bundles, read_manifest
 from shortlist.testing import serve
 
 TOKEN = "s3cret-admin-token"

@@ -69,6 +69,7 @@ from service.api.ray_shards import SHARD_DEPLOYMENT, ShardedEngine, ShardReplica
 from service.api.registry import LabelChangesUnavailable
 from service.api.schemas import RequestModels
 from service.api.settings import Settings, load_settings
+from service.engine.manifests import read_manifest
 from service.engine.query import QueryEncoder
 from service.engine.schema import BundleError, validate_version_name
 from service.engine.sharding import (
@@ -78,7 +79,7 @@ from service.engine.sharding import (
     sharded_versions,
     union_token_rows,
 )
-from service.engine.store import StoredBundle, read_manifest
+from service.engine.store import StoredBundle
 
 log = logging.getLogger("shortlist.ray")
 _POLL_S = 0.25

@@ -26,6 +26,7 @@ from service.engine.file_guard import FileStamps
 from service.engine.index import VectorIndex
 from service.engine.labels import LabelTable
 from service.engine.lexical import TokenShortlist
+from service.engine.manifests import read_manifest
 from service.engine.mapped import MappedArrays
 from service.engine.schema import (
     CENTROID_SCALES,
@@ -63,7 +64,6 @@ from service.engine.schema import (
     sha256_file,
 )
 from service.engine.small_files import RefusedFile, bundle_file
-from service.engine.store import read_manifest
 from service.engine.tokenizer import Tokenizer
 from service.engine.tree import TreeScorer
 

@@ -27,9 +27,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
-import orjson
-from pydantic import ValidationError
-
 from service.engine.label_ledger import (
     MAX_ID_RECORD_BYTES,
     IdRecord,
@@ -37,101 +34,21 @@ from service.engine.label_ledger import (
     decoded_record,
     removed_version_record,
 )
+from service.engine.manifests import list_bundles
 from service.engine.removed_names import RemovedNames, derived_version, numbered
 from service.engine.schema import (
     FORMAT_VERSION,
     MANIFEST,
     MAX_MANIFEST_BYTES,
-    READABLE_FORMATS,
     REQUIRED_FILES,
-    VERSION_RE,
     BundleError,
     Manifest,
     sha256_file,
     validate_version_name,
 )
-from service.engine.small_files import RefusedFile, bundle_file, read_small_file
+from service.engine.small_files import read_small_file
 
 log = logging.getLogger("shortlist.store")
-
-
-def read_manifest(bundle_dir: str | Path, max_bytes: int = MAX_MANIFEST_BYTES) -> Manifest:
-    """The manifest of the bundle at `bundle_dir`, read as every bundle file is checked (a regular
-    file of the bundle: no FIFO, device or symlink out of it) and only up to `max_bytes` (default
-    MAX_MANIFEST_BYTES; the service's SHORTLIST_MAX_MANIFEST_BYTES); BundleError naming it otherwise."""
-    bundle_dir = Path(bundle_dir)
-    path = bundle_dir / MANIFEST
-    try:
-        raw = orjson.loads(read_small_file(bundle_file(bundle_dir, MANIFEST), max_bytes))
-    except FileNotFoundError as exc:
-        raise BundleError(f"{path}: missing manifest") from exc
-    except RefusedFile as exc:
-        raise BundleError(str(exc)) from exc  # names the file and why
-    except (OSError, ValueError) as exc:
-        raise BundleError(f"{path}: unreadable manifest: {exc}") from exc
-    if isinstance(raw, dict) and raw.get("format_version") not in READABLE_FORMATS:
-        readable = ", ".join(map(str, READABLE_FORMATS))
-        raise BundleError(f"{path}: bundle format {raw.get('format_version')!r}, this engine reads {readable}")
-    try:
-        return Manifest.model_validate(raw, strict=True)  # values never coerced, as in every bundle file
-    except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'manifest'}: {e['msg']}" for e in exc.errors())
-        raise BundleError(f"{path}: invalid manifest: {problems}") from exc
-
-
-def list_bundles(root: str | Path, max_manifest_bytes: int = MAX_MANIFEST_BYTES) -> list[Manifest]:
-    """Manifests of every bundle that could be activated: a directory directly under root (not a
-    symlink leading outside it, as activation refuses), named as its manifest's version; oldest first.
-    A directory whose manifest is refused is skipped, the reason logged once (_say_unlisted;
-    activating it names it)."""
-    found: list[Manifest] = []
-    root = Path(root)
-    if not root.is_dir():
-        return found
-    root_real = root.resolve()
-    refused: dict[str, str] = {}
-    for child in root.iterdir():
-        if child.name.startswith(".") or not child.is_dir() or not VERSION_RE.fullmatch(child.name):
-            continue
-        if child.resolve().parent != root_real:
-            continue
-        try:
-            manifest = read_manifest(child, max_manifest_bytes)
-        except BundleError as exc:
-            refused[child.name] = str(exc)
-            continue
-        if manifest.version == child.name:
-            found.append(manifest)
-    _say_unlisted(root_real, refused)
-    return sorted(found, key=lambda m: (m.created, m.version))
-
-
-# Root -> {directory name: why it is not listed} as last logged. Every listing (each GET /admin/bundles,
-# label change, activation) reads every manifest again: a warning each time wrote a line per refused
-# directory per listing (50 such directories, 10 listings: 500 lines; audit s25 F3). Bounded by the
-# directories there are: a directory gone or listed again is dropped.
-_unlisted: dict[Path, dict[str, str]] = {}
-_unlisted_lock = threading.Lock()
-
-
-def _say_unlisted(root: Path, refused: dict[str, str]) -> None:
-    """Log each directory of `root` that is not listed once, and again only when its reason changes."""
-    with _unlisted_lock:
-        said = _unlisted.get(root, {})
-        new = {name: why for name, why in refused.items() if said.get(name) != why}
-        if refused:
-            _unlisted[root] = refused
-        else:
-            _unlisted.pop(root, None)
-    for name, why in sorted(new.items()):
-        log.warning("bundle %s not listed: %s", name, why)
-
-
-def newest_version(root: str | Path, max_manifest_bytes: int = MAX_MANIFEST_BYTES) -> str:
-    bundles = list_bundles(root, max_manifest_bytes)
-    if not bundles:
-        raise BundleError(f"no bundle under {Path(root).resolve()}")
-    return bundles[-1].version
 
 
 def resolve_bundle_dir(root: str | Path, version: str) -> Path:
@@ -321,6 +238,25 @@ class StoredBundle:
         return self.manifest.version
 
 
+def in_chain_order(bundles: Collection[StoredBundle]) -> list[StoredBundle]:
+    """Oldest first by manifest creation time, except that a label change's version never sorts
+    before its base or an earlier change of its chain: STEM.labels-N are named in the order they
+    were made (derived_version), whatever the clock said when each was written (audit s25 F4: a
+    change made with the clock a year ahead outranked every later one as "newest")."""
+    def chain(b: StoredBundle) -> tuple[str, int]:
+        lineage = b.manifest.lineage
+        step = numbered(b.version) if lineage is not None else None
+        return (lineage.base, step[1]) if lineage is not None and step is not None else (b.version, 0)
+
+    effective: dict[int, tuple[datetime, str, int]] = {}
+    latest: dict[str, datetime] = {}
+    for b in sorted(bundles, key=chain):
+        base, step = chain(b)
+        latest[base] = max(latest.get(base, b.manifest.created), b.manifest.created)
+        effective[id(b)] = (latest[base], base, step)
+    return sorted(bundles, key=lambda b: (*effective[id(b)], b.version))
+
+
 class BundleStore:
     """The places bundles are read from: `root` (exported bundles) and, when a state directory
     is given, STATE_DIR/bundles (derived ones, written there by label changes)."""
@@ -344,7 +280,7 @@ class BundleStore:
                               unconfirmed=place == "state" and pending is not None and pending.version == m.version,
                               shadowed=place == "root" and self._in_state(m.version))
                  for place, path in self.places() for m in list_bundles(path, self.max_manifest_bytes)]
-        return sorted(found, key=lambda b: (b.manifest.created, b.version))
+        return in_chain_order(found)
 
     def _in_state(self, version: str) -> bool:
         return self.derived_root is not None and (self.derived_root / version).is_dir()
