@@ -61,6 +61,17 @@ def test_single_text_matches_the_engine_in_process(client, bundle_root, texts):
     assert r.headers["x-request-id"]
 
 
+@pytest.mark.parametrize(("method", "path", "body"), [
+    ("GET", "/readyz", None), ("GET", "/healthz", None), ("GET", "/metrics", None), ("HEAD", "/readyz", None),
+    ("POST", "/v1/predict", {"text": "x"}), ("POST", "/v1/predict", {"text": 1}), ("GET", "/nowhere", None),
+])
+def test_no_answer_may_be_stored_by_a_cache_between(client, method, path, body):
+    """Each answer is the process's live state or its serving version's: a proxy or CDN in front
+    must not hand a stale /readyz or an old version's labels to the next client."""
+    r = client.request(method, path, json=body)
+    assert r.headers["cache-control"] == "no-store", (path, r.status_code)
+
+
 def test_batch_of_texts_matches_the_engine_in_process_in_order(client, bundle_root, texts):
     batch = texts[:8]
     want = reference(bundle_root / "v2", batch, k=3)

@@ -34,6 +34,9 @@ access_log = logging.getLogger("shortlist.access")
 error_log = event_log  # service.api.events: the structured events' logger
 
 CLIENT_CLOSED = 499
+# On every answer: each is the live state of a process (the version serving, its health, its
+# counters) or an answer of that version, never something a cache between may hand out again.
+NO_STORE = (b"cache-control", b"no-store")
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 0.5,
                     1.0, 2.5, 10.0)
@@ -200,7 +203,7 @@ class ObservabilityMiddleware:
                 started = True
                 status = message["status"]
                 message.setdefault("headers", [])
-                message["headers"] = [*message["headers"], (b"x-request-id", request_id.encode())]
+                message["headers"] = [*message["headers"], (b"x-request-id", request_id.encode()), NO_STORE]
             await send(message)
 
         self.metrics.in_flight.inc()
@@ -221,7 +224,7 @@ class ObservabilityMiddleware:
                                   [], request_id)
                 await send({"type": "http.response.start", "status": 500, "headers": [
                     (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                    (b"x-request-id", request_id.encode())]})
+                    (b"x-request-id", request_id.encode()), NO_STORE]})
                 await send({"type": "http.response.body", "body": body})
         finally:
             if status == CLIENT_CLOSED or state.get(CLIENT_GONE):
