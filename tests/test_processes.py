@@ -95,6 +95,27 @@ def test_a_process_that_dies_comes_back_serving_the_recorded_version(bundle_root
     assert not list((state / "processes").glob("*.json"))
 
 
+def test_an_activation_sent_while_a_process_restarts_is_neither_refused_nor_held(bundle_root, tmp_path):
+    """An activation sent while the arbiter restarts a process, at any point of its start-up,
+    answers 200: not 409 activation_in_progress (a start-up is not another operator's activation)
+    nor 503 processes_diverged after PROCESS_CONVERGE_TIMEOUT_S (the activation waited, holding
+    the activation lock, for a process whose start-up waited for that lock; audit s25). The
+    restarted process then serves what was activated."""
+    state = tmp_path / "state"
+    env = {**_env(state), "SHORTLIST_PROCESS_CONVERGE_TIMEOUT_S": "8"}
+    with serve(bundle_root, env=env, log_dir=tmp_path, timeout=120) as s:
+        pids = _wait_for(s.url, {"v2"})
+        for delay, version in ((0.2, "v1"), (0.5, "v2"), (0.8, "v1"), (1.1, "v2")):
+            victim = max(pids)
+            os.kill(int(victim), signal.SIGKILL)
+            time.sleep(delay)
+            r = httpx.post(f"{s.url}/admin/bundles/activate", json={"version": version}, headers=AUTH, timeout=60)
+            assert r.status_code == 200, (delay, r.text)
+            assert set(r.json()["processes"].values()) <= {version, None}, r.text  # None: still starting
+            pids = _wait_for(s.url, {version}, gone=victim)
+            assert _versions_answering(s.url, 10) == {version}
+
+
 def _maps_of(pid: int, directory) -> bool:
     """Whether process `pid` maps a file of `directory`."""
     with open(f"/proc/{pid}/maps") as f:

@@ -43,10 +43,15 @@ def build_state(settings: Settings, preloaded: Bundle | None = None) -> ServiceS
     """The service's state; `preloaded`: a bundle opened and checked before this process was
     forked (service.api.supervisor), which the first load of its version serves."""
     metrics = ServiceMetrics()
+    group: ProcessGroup | None = None
 
     def on_swap(_old: str | None, new: str) -> None:
         metrics.swaps.inc()
         metrics.set_active(new)
+        if group is not None:
+            # Before the activation lock is let go: a process another one's activation then
+            # waits for is seen serving what it loaded, never still starting (ProcessGroup.wait_for).
+            group.publish_swap()
 
     store = BundleStore(settings.bundle_root, settings.state_dir, settings.max_manifest_bytes)
     store.sweep_staging()  # what writes killed half-way left (a restart after a crash)
@@ -65,7 +70,6 @@ def build_state(settings: Settings, preloaded: Bundle | None = None) -> ServiceS
         on_batch=metrics.observe_batch, max_queued_texts=settings.max_queued_texts,
         max_queue_wait_s=settings.max_queue_wait_ms / 1000.0,
     )
-    group = None
     if settings.processes > 1 and settings.state_dir is not None:
         group = ProcessGroup(settings.state_dir, registry, settings.process_sync_interval_s,
                              converge_timeout_s=settings.process_converge_timeout_s)

@@ -157,6 +157,14 @@ class ProcessGroup:
         seen, self._changed_seen = self._changed_seen, (engine, record)
         return seen is not None and seen[0] is engine and seen[1] != record
 
+    def publish_swap(self) -> None:
+        """Publish the version this process now serves, at its swap (best effort: a state
+        directory that refuses the record is logged; the sync publishes again)."""
+        try:
+            self._publish()
+        except StateUnavailable as exc:
+            log.error("%s", exc)
+
     def _publish(self) -> None:
         # One writer at a time: the sync thread and an admin request's wait_for both publish, and
         # through the one temporary file the second's rename found it gone (a 503 for a fine state dir).
@@ -235,7 +243,7 @@ class ProcessGroup:
         deadline = time.monotonic() + self.converge_timeout_s
         while True:
             members = self.members()
-            behind = {pid: m for pid, m in members.items() if m.get("version") != version}
+            behind = {pid: m for pid, m in members.items() if m.get("version") != version and not _starting(m)}
             failed = {pid: m["failed"]["error"] for pid, m in behind.items()
                       if (m.get("failed") or {}).get("version") == version}
             if not behind:
@@ -250,3 +258,13 @@ class ProcessGroup:
                 raise ProcessesDiverged(f"{version} is recorded as active and serves on {len(members) - len(behind)} "
                                         f"of {len(members)} processes; {reasons}")
             time.sleep(min(self.interval_s, 0.05))
+
+
+def _starting(member: dict[str, Any]) -> bool:
+    """Whether a process's record says its first load has not swapped anything in. Its start-up
+    loads under the activation lock, which an activation holds while it waits for the processes:
+    it then serves the version that activation recorded, and waiting for it could only time out
+    (audit s25: 60 s, then 503 processes_diverged, for a process restarted at that moment).
+    Records are published at each swap, before the lock is let go (publish_swap)."""
+    return not member.get("version") and member.get("not_serving") == STARTING and not member.get("failed")
+

@@ -355,12 +355,12 @@ class BundleRegistry:
         with self._gate.operator_turn(what), self._exclusive(what, wait_s=self.activation_lock_wait_s):
             yield
 
-    def activate(self, version: str | None = None, *, starting: bool = False) -> dict[str, object]:
+    def activate(self, version: str | None = None) -> dict[str, object]:
         """Load, validate and swap in `version` (default: the newest bundle of any place). The
         version this process serves and the state directory records is left as it is: nothing
-        loaded, nothing pushed onto the rollback history (the result's "unchanged"). `starting`:
-        the first activation of start-up, which leaves a record naming the version it serves as
-        it is (its activated_at is the operator's activation, not this restart's).
+        loaded, nothing pushed onto the rollback history (the result's "unchanged"). Start-up's
+        first load is `start`'s, which leaves a record naming the version it serves as it is (its
+        activated_at is the operator's activation, not this restart's).
 
         Raises ActivationInProgress (another activation or rollback is in progress),
         ActivationLockBusy (_operator_turn), BundleNotFound, ActivationFailed or StateUnavailable;
@@ -374,8 +374,7 @@ class BundleRegistry:
                 return self._converged({"active": wanted, "previous": wanted, "seconds": 0.0, "quality": {},
                                         "unchanged": True})
             history = with_previous(self._history, current, wanted)
-            return self._converged(self._activate_locked(wanted, history=history, starting=starting,
-                                                         cause="start" if starting else "activate"))
+            return self._converged(self._activate_locked(wanted, history=history, cause="activate"))
 
     def _current(self) -> str | None:
         """What an activation replaces: the recorded version (another process sharing the state
@@ -463,20 +462,20 @@ class BundleRegistry:
                 time.sleep(0.05)
 
     def _start(self, configured: str | None, fall_back: bool) -> dict[str, object]:
-        if self.store.derived_root is not None:
-            # Settles a change's mark; a change in progress in another process holds it.
-            with self._exclusive("start-up"):
-                pass
-        for stored in self.store.list():
-            if stored.shadowed:  # said once here; every activation of the version says it again
-                log.warning("%s", self.store.shadow_message(stored.version))
-        wanted = starting_version(self.remembered, configured)
-        try:
-            return self.activate(wanted, starting=True)
-        except (ActivationFailed, BundleNotFound) as exc:
-            if not fall_back:
-                raise
-            first_error: Exception = exc
+        # The activation lock (which settles a change's mark), not an operator's turn: an
+        # activation or rollback sent while a restarted process loads waits for it (up to
+        # ACTIVATION_LOCK_WAIT_S) instead of answering 409 as if another operator were at work.
+        with self._exclusive("start-up: loading the first bundle"):
+            for stored in self.store.list():
+                if stored.shadowed:  # said once here; every activation of the version says it again
+                    log.warning("%s", self.store.shadow_message(stored.version))
+            wanted = starting_version(self.remembered, configured)
+            try:
+                return self._activate_locked(wanted, history=self._history, starting=True, cause="start")
+            except (ActivationFailed, BundleNotFound) as exc:
+                if not fall_back:
+                    raise
+                first_error: Exception = exc
         log.error("cannot serve bundle %s: %s; falling back to the newest bundle that loads",
                   wanted or "(newest)", first_error)
         tried = wanted or _newest_or_none(self.store)
