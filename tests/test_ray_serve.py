@@ -5,6 +5,7 @@ proxy. Skipped when the `ray` extra is not installed; `make install` installs it
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -35,7 +36,7 @@ from ray import serve  # noqa: E402
 from sharding_helpers import assert_same_answers, held_out, p_at_5, rescored_copy  # noqa: E402
 
 from model_export.shard import shard_bundle  # noqa: E402
-from service.api.ray_app import build_app  # noqa: E402
+from service.api.ray_app import RayServing, ShardedRegistry, build_app, settings_flags  # noqa: E402
 from service.api.ray_front import FrontConfigError, amend  # noqa: E402
 from service.api.ray_serve_cli import (  # noqa: E402
     CLIENT_ADDRESS,
@@ -51,6 +52,7 @@ from service.api.ray_serve_cli import (  # noqa: E402
 from service.api.schemas import ErrorResponse  # noqa: E402
 from service.api.settings import SettingsError, load_settings  # noqa: E402
 from service.engine import Predictor  # noqa: E402
+from service.engine.sharding import shard_dirs  # noqa: E402
 from shortlist.testing import free_port  # noqa: E402
 
 TOKEN = "ray-serve-test-token"
@@ -359,6 +361,52 @@ def test_rollback_passes_over_a_version_that_no_longer_loads(service: Service):
     assert {service.predict([text], k=3)["version"] for text in service.texts[:5]} == {"full"}
     status, error = service.admin("rollback")
     assert status == 404 and "no previously active bundle" in error["message"], error
+
+
+@contextlib.contextmanager
+def _registry(root: Path, state: Path, configured: str, prefix: str) -> Iterator[ShardedRegistry]:
+    """A sharded registry as serve-ray's ingress builds one (state directory, configured version),
+    on a loop of its own, closed (its shard applications deleted) at the end."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    layout = RayServing(bundle_root=str(root), shards=2, replicas=1, state_dir=str(state), version=configured)
+    registry = ShardedRegistry(layout, load_settings(settings_flags(layout)), prefix, loop)
+    try:
+        yield registry
+    finally:
+        registry.close()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+def test_a_restart_serves_the_recorded_version_keeping_its_record_or_falls_back_without_recording(
+        service: Service, tmp_path: Path):
+    """serve-ray's start-up (ShardedRegistry.start, what its ingress runs): the version the state
+    directory records over the configured one, the record (activated_at, history) left as it was;
+    a recorded version that no longer loads gives way to the newest that does, not recorded; a
+    version sharded into another number of shards is neither listed nor the newest."""
+    root, state = tmp_path / "sharded", tmp_path / "state"
+    root.mkdir()
+    for version in ("v1", "v2"):
+        shutil.copytree(service.root / version, root / version)
+    shard_bundle(service.parents["v1"], 3, tmp_path / "three")  # written last: the newest, of 3 shards
+    (tmp_path / "three" / "v1").rename(root / "v1-three")
+    with _registry(root, state, "v2", "restart-a") as first:
+        assert first.start("v2")["active"] == "v2"
+        assert [stored.version for stored, _ in first.list()] == ["v1", "v2"]
+        assert first.activate("v1")["active"] == "v1"
+    record = (state / "active.json").read_text()
+    with _registry(root, state, "v2", "restart-b") as second:
+        result = second.start("v2")
+        assert result["active"] == "v1" and "fallback_from" not in result, result
+    assert (state / "active.json").read_text() == record  # activated_at and history as they were
+    (shard_dirs(root / "v1")[1] / "classifiers.npy").write_bytes(b"not an array")
+    with _registry(root, state, "v2", "restart-c") as third:
+        result = third.start("v2")
+        assert result["active"] == "v2" and result["fallback_from"] == "v1", result
+        assert "classifiers.npy" in str(result["reason"])
+    assert (state / "active.json").read_text() == record  # a fallback is not the operator's choice
 
 
 def _running_replicas(app: str) -> int:

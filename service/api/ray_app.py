@@ -154,14 +154,16 @@ class ShardedRegistry:
         return lease(lambda: self._active)
 
     def list(self) -> list[tuple[StoredBundle, bool]]:
-        """(the version as shard 0 describes its parent; is active), oldest first."""
+        """(the version as shard 0 describes its parent; is active), oldest first: the versions
+        sharded into as many shards as this service serves (no other could serve here, nor be
+        the newest it falls back to)."""
         out = []
         for version, _ in sharded_versions(self.root):
             try:
                 m = read_manifest(shard_dirs(self.root / version)[0], self.settings.max_manifest_bytes)
             except BundleError:
                 continue
-            if m.shard is not None:
+            if m.shard is not None and m.shard.count == self.layout.shards:
                 parent = m.model_copy(update={"version": version, "num_labels": m.shard.parent_num_labels})
                 out.append((StoredBundle(parent, self.root / version, "root"), version == self.active_version))
         return sorted(out, key=lambda item: (item[0].manifest.created, item[0].version))
@@ -225,7 +227,10 @@ class ShardedRegistry:
         serve's registry says it."""
         t0 = time.perf_counter()
         engine, quality = self._deploy(self._resolve(version))  # phase 1: every shard loaded and checked
-        if record and self.remembered is not None:
+        # A restart leaves a record that already names what it serves as it is: its activated_at
+        # is the operator's activation (as serve's registry._remember).
+        if record and self.remembered is not None and not (
+                cause == "start" and self.remembered.records(engine.version, history)):
             try:
                 self.remembered.write(engine.version, history)
             except StateUnavailable:
