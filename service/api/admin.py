@@ -12,7 +12,8 @@ import re
 from collections.abc import Callable
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Path, Query
+from fastapi import APIRouter, Body, Path, Query, Security
+from fastapi.security import HTTPBearer
 
 from service.api.activation import (
     ActivationFailed,
@@ -172,8 +173,14 @@ async def _change(state: State, change: LabelChange, single_uid: bool = False) -
                              processes=result.get("processes", {}))
 
 
+# Declares the admin routes' bearer token in the OpenAPI document (a generated client sends it);
+# AdminRoute has checked the token before this runs, so it never refuses anything itself.
+ADMIN_TOKEN = HTTPBearer(auto_error=False, scheme_name="admin_token",
+                         description="SHORTLIST_ADMIN_TOKEN (401 without it, 403 a wrong one)")
+
+
 def admin_router(models: RequestModels) -> APIRouter:
-    router = APIRouter(prefix="/admin", route_class=AdminRoute, tags=["admin"])
+    router = APIRouter(prefix="/admin", route_class=AdminRoute, tags=["admin"], dependencies=[Security(ADMIN_TOKEN)])
     AddLabels, RetireLabels, Uid = models.add_labels, models.retire_labels, models.uid  # noqa: N806
 
     page_most = models.max_listed_bundles
