@@ -675,9 +675,11 @@ def _backend_server(answer: bytes | Callable[[bytes], bytes] | None) -> Iterator
 def test_a_hung_shard_is_a_503_within_the_shard_timeout_and_readyz_says_so(service: Service):
     """Both replicas of a shard stopped (SIGSTOP: Serve still routes to them): a prediction is
     answered 503 shard_unavailable with Retry-After after SHORTLIST_SHARD_TIMEOUT_S (5 s here),
-    not held until the shard answers; /readyz is 503 naming why; both 200 once it answers again."""
+    not held until the shard answers; /readyz is 503 naming the shard and why; both 200 once it
+    answers again."""
     version = call(f"{service.url}/readyz")[1]["version"]
-    handle = serve.get_deployment_handle("shard", app_name=_shard_apps(version)[0])
+    hung = _shard_apps(version)[0]
+    handle = serve.get_deployment_handle("shard", app_name=hung)
     pids: set[int] = set()
     _wait(lambda: len(_sample_pids(handle, pids)) == 2, "both replicas answering")
     for pid in pids:
@@ -694,6 +696,8 @@ def test_a_hung_shard_is_a_503_within_the_shard_timeout_and_readyz_says_so(servi
     assert "SHORTLIST_SHARD_TIMEOUT_S" in error["message"] and headers["retry-after"] == "5"
     assert 5.0 <= took < 20.0, took  # the 5 s bound, not the client's 120 s; room for a loaded machine
     assert ready[0] == 503 and "SHORTLIST_SHARD_TIMEOUT_S" in ready[1]["reason"], ready
+    assert f"shard 0 ({hung}): no answer within 5 s" in ready[1]["reason"], ready  # which shard, not "a shard"
+    assert _shard_apps(version)[1] not in ready[1]["reason"], ready
     _wait(lambda: _predict_with_headers(service.url, "network monitor")[0] == 200, "the shard answering again")
     assert call(f"{service.url}/readyz") == (200, {"status": "ready", "version": version})
 
@@ -705,7 +709,8 @@ def test_at_sigterm_the_front_refuses_new_connections_and_answers_those_in_fligh
     HAProxy first: every request in flight got a closed connection and no answer."""
     port = int(service.url.rsplit(":", 1)[1])
     version = call(f"{service.url}/readyz")[1]["version"]
-    handle = serve.get_deployment_handle("shard", app_name=_shard_apps(version)[0])
+    hung = _shard_apps(version)[0]
+    handle = serve.get_deployment_handle("shard", app_name=hung)
     pids: set[int] = set()
     _wait(lambda: len(_sample_pids(handle, pids)) == 2, "both replicas answering")
     answered: list[tuple[int, dict[str, str], dict[str, Any]]] = []

@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import re
 import sys
 import threading
 import time
@@ -44,7 +43,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve.handle import DeploymentHandle
-from ray.serve.schema import ApplicationStatus, ApplicationStatusOverview
+from ray.serve.schema import ApplicationStatus
 
 from service.api.activation import (
     ActivationFailed,
@@ -65,7 +64,14 @@ from service.api.leases import lease
 from service.api.observability import ServiceMetrics, setup_logging
 from service.api.quality_gate import require_quality
 from service.api.ray_settings import refuse_unapplied
-from service.api.ray_shards import SHARD_DEPLOYMENT, ShardedEngine, ShardReplica, answer_sharded, shards_readiness
+from service.api.ray_shards import (
+    SHARD_DEPLOYMENT,
+    ShardedEngine,
+    ShardReplica,
+    answer_sharded,
+    shards_readiness,
+    why_failed,
+)
 from service.api.registry import LabelChangesUnavailable
 from service.api.schemas import RequestModels
 from service.api.settings import Settings, load_settings
@@ -342,7 +348,7 @@ class ShardedRegistry:
                     continue
                 seen.add(name)
                 if app.status in (ApplicationStatus.DEPLOY_FAILED, ApplicationStatus.UNHEALTHY):
-                    raise ActivationFailed(f"shard application {name} is {app.status.value}: {_why_failed(app)}")
+                    raise ActivationFailed(f"shard application {name} is {app.status.value}: {why_failed(app)}")
             if all(name in statuses and statuses[name].status == ApplicationStatus.RUNNING for name in apps):
                 return
             if time.monotonic() > deadline:
@@ -384,25 +390,6 @@ class ShardedRegistry:
             except Exception as exc:  # noqa: BLE001  Serve itself may be shutting down: nothing left to delete
                 log.warning("could not delete the shard applications of %s: %s", engine.version, exc)
         self._loader.shutdown(wait=False, cancel_futures=True)
-
-
-def _last_line(message: str) -> str:
-    """The last non-empty line of a Serve status message (a replica's traceback ends with the error)."""
-    lines = [line.strip() for line in message.splitlines() if line.strip()]
-    return lines[-1] if lines else message
-
-
-# "service.engine.schema.BundleError: ..." -> "BundleError: ...": the error, not where its class lives.
-_QUALIFIED_ERROR = re.compile(r"^(?:\w+\.)+(?=\w+: )")
-
-
-def _why_failed(app: ApplicationStatusOverview) -> str:
-    """Why a shard application failed, for the activation's 422: the error its replica's
-    constructor raised (the last line of its deployment's message, which holds the traceback),
-    not the application's own message ("Failed to update the deployments ['shard']."), which
-    says only that something did."""
-    reasons = [_last_line(d.message) for d in app.deployments.values() if d.message.strip()]
-    return "; ".join(_QUALIFIED_ERROR.sub("", r) for r in reasons) or _last_line(app.message)
 
 
 @serve.ingress()

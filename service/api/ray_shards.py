@@ -10,6 +10,7 @@ import itertools
 import logging
 import math
 import os
+import re
 from typing import Any
 
 import grpc
@@ -18,6 +19,7 @@ from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle
+from ray.serve.schema import ApplicationStatus, ApplicationStatusOverview
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -138,15 +140,25 @@ class ShardedEngine(Leased):
         return merge_answers(answers, k)
 
     async def unavailable_shard(self) -> str | None:
-        """Why a shard cannot answer now (None: every shard answers a call within the shard
-        timeout). Serve holds a call to a shard with no live replica until it has a new one."""
-        try:
-            await _within(asyncio.gather(*(h.ping.remote() for h in self.handles)), self.timeout_s)
-        except TimeoutError:
-            return f"not every shard answered within {self.timeout_s:g} s (SHORTLIST_SHARD_TIMEOUT_S)"
-        except SHARD_CALL_FAILURES as exc:
-            return f"a shard call failed: {type(exc).__name__}"
-        return None
+        """Why a shard cannot answer now, naming each shard that does not and what Serve says of
+        its application (None: every shard answers a call within the shard timeout). Serve holds
+        a call to a shard with no live replica until it has a new one."""
+        calls = [asyncio.ensure_future(h.ping.remote()) for h in self.handles]
+        done, late = await asyncio.wait(calls, timeout=self.timeout_s)
+        for call in late:
+            call.cancel()  # not awaited: the answer does not wait for the calls to end
+        problems = []
+        for index, call in enumerate(calls):
+            if call in late:
+                problems.append((index, f"no answer within {self.timeout_s:g} s (SHORTLIST_SHARD_TIMEOUT_S)"))
+            elif (error := call.exception()) is not None:
+                if not isinstance(error, SHARD_CALL_FAILURES):
+                    raise error
+                problems.append((index, f"its call failed: {type(error).__name__}"))
+        if not problems:
+            return None
+        states = await asyncio.to_thread(_application_states, [self.apps[i] for i, _ in problems])
+        return "; ".join(f"shard {i} ({self.apps[i]}): {why}{states[self.apps[i]]}" for i, why in problems)
 
     def _unavailable(self, why: str) -> ApiError:
         # Serve replaces a dead shard replica in ~10 s; a client (or a load balancer) retries
@@ -183,3 +195,36 @@ async def shards_readiness(state: ServiceState) -> str | None:
         return await engine.unavailable_shard()  # type: ignore[attr-defined]  # a ShardedEngine here
 
 
+def _application_states(apps: list[str]) -> dict[str, str]:
+    """", its application STATUS: why" for each of `apps` Serve does not report RUNNING (its
+    replicas failing to start, say), else "" (Serve's controller is asked: off the event loop)."""
+    try:
+        statuses = serve.status().applications
+    except Exception:  # noqa: BLE001  the reason without Serve's word rather than no reason
+        return dict.fromkeys(apps, "")
+    out = {}
+    for name in apps:
+        app = statuses.get(name)
+        running = app is not None and app.status == ApplicationStatus.RUNNING
+        out[name] = "" if running else (f", its application {app.status.value}: {why_failed(app)}"
+                                        if app is not None else ", its application is gone")
+    return out
+
+
+def _last_line(message: str) -> str:
+    """The last non-empty line of a Serve status message (a replica's traceback ends with the error)."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    return lines[-1] if lines else message
+
+
+# "service.engine.schema.BundleError: ..." -> "BundleError: ...": the error, not where its class lives.
+_QUALIFIED_ERROR = re.compile(r"^(?:\w+\.)+(?=\w+: )")
+
+
+def why_failed(app: ApplicationStatusOverview) -> str:
+    """Why a shard application failed, for the activation's 422: the error its replica's
+    constructor raised (the last line of its deployment's message, which holds the traceback),
+    not the application's own message ("Failed to update the deployments ['shard']."), which
+    says only that something did."""
+    reasons = [_last_line(d.message) for d in app.deployments.values() if d.message.strip()]
+    return "; ".join(_QUALIFIED_ERROR.sub("", r) for r in reasons) or _last_line(app.message)
