@@ -267,4 +267,3 @@ def _starting(member: dict[str, Any]) -> bool:
     (audit s25: 60 s, then 503 processes_diverged, for a process restarted at that moment).
     Records are published at each swap, before the lock is let go (publish_swap)."""
     return not member.get("version") and member.get("not_serving") == STARTING and not member.get("failed")
-
