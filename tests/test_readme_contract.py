@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import argparse
 import ast
+import json
 import re
 from pathlib import Path
 
 import httpx
+from _api_helpers import sample_titles
 
 from service.api.settings import ENV_PREFIX, Settings
 from service.engine.schema import FORMAT_VERSION, READABLE_FORMATS
@@ -203,3 +205,36 @@ def test_every_shortlist_variable_the_repository_reads_or_sets_is_a_setting():
         for name in re.findall(rf"(?<![A-Za-z0-9_]){ENV_PREFIX}([A-Z0-9_]+)", text):
             found.setdefault(name, str(path.relative_to(ROOT)))
     assert {n: where for n, where in found.items() if n.lower() not in Settings.model_fields} == {}
+
+
+# The README's curl examples: `curl -s -XPOST localhost:8000PATH ... -d 'BODY'` (shell-continued).
+CURL = re.compile(r"curl -s -XPOST localhost:8000(/\S+)[^`]*?-d '([^']*)'")
+
+
+def _documented_answer(route: str) -> tuple[set[str], set[str]]:
+    """The answer's fields and each result's, as the README's route table writes them after `->`."""
+    row = next(line for line in README.splitlines() if line.startswith(f"| `POST {route}` |"))
+    answer = row.split("->", 1)[1]
+    top, _, per_result = answer.partition("[[")
+    return set(re.findall(r'"(\w+)"', top)), set(re.findall(r'"(\w+)"', per_result))
+
+
+def test_the_readmes_curl_examples_answer_as_the_readme_says(bundle_root, tmp_path, synthetic_data):
+    """Each curl example of the README, sent as written (host, token and version substituted by the
+    test server's), answers 200; a prediction's answer has the fields the route table documents."""
+    examples = CURL.findall(README)
+    assert {path for path, _ in examples} == {"/v1/predict", "/admin/bundles/activate"}, examples
+    token = "readme-example-admin-token"
+    fields, per_result = _documented_answer("/v1/predict")
+    assert fields == {"version", "results"} and per_result == {"id", "uid", "title", "score"}
+    title = sample_titles(synthetic_data, 1)[0]
+    with serve(bundle_root, env={"SHORTLIST_ADMIN_TOKEN": token}, log_dir=tmp_path) as s:
+        for path, body in examples:
+            r = httpx.post(f"{s.url}{path}", content=body, headers={
+                "content-type": "application/json", "authorization": f"Bearer {token}"})
+            assert r.status_code == 200, (path, r.text)
+            if path == "/v1/predict":
+                assert set(r.json()) == fields
+                # The same request on a text of the test bundle's vocabulary: the results' fields.
+                answer = httpx.post(f"{s.url}{path}", json={**json.loads(body), "text": title}).json()
+                assert answer["results"][0] and all(set(item) == per_result for item in answer["results"][0])
