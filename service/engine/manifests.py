@@ -109,8 +109,8 @@ def _read_listed(root: Path, child: Path, max_bytes: int,
 
 
 # Root -> {directory name: why it is not listed} as last logged. Every listing (each GET /admin/bundles,
-# label change, activation) reads every manifest again: a warning each time wrote a line per refused
-# directory per listing (50 such directories, 10 listings: 500 lines; audit s25 F3). Bounded by the
+# label change, activation) finds every refused directory again: a warning each time wrote a line per
+# refused directory per listing (50 such directories, 10 listings: 500 lines; audit s25 F3). Bounded by the
 # directories there are: a directory gone or listed again is dropped.
 _unlisted: dict[Path, dict[str, str]] = {}
 _unlisted_lock = threading.Lock()
