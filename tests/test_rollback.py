@@ -46,7 +46,7 @@ def test_rollback_skips_entries_that_no_longer_load_and_drops_them(bundle_root_c
         assert r.status_code == 404, r.text
         assert "no previously active bundle to roll back to; skipped v2: no bundle 'v2'" in r.json()["message"]
         assert json.loads((state_dir / "active.json").read_text()) | {"activated_at": None} == \
-            {"version": "a", "history": [], "activated_at": None}
+            {"version": "a", "history": [], "activated_at": None, "state_format": 1}
         r = c.post("/admin/bundles/rollback")
         assert r.status_code == 404 and r.json()["message"] == "no previously active bundle to roll back to"
         assert c.get("/readyz").json()["version"] == "a"

@@ -65,7 +65,8 @@ def test_active_json_on_a_full_disk_answers_507_and_the_serving_version_stays(bu
         # The fault gone (the temporary name is free again): the next activation records and serves.
         r = c.post("/admin/bundles/activate", json={"version": "v2"})
         assert r.status_code == 200 and r.json()["active"] == "v2", r.text
-        assert _recorded(state) | {"activated_at": None} == {"version": "v2", "history": ["v1"], "activated_at": None}
+        assert _recorded(state) | {"activated_at": None} == {"version": "v2", "history": ["v1"], "activated_at": None,
+                                                              "state_format": 1}
 
 
 def test_a_directory_where_the_lock_or_active_json_goes_answers_503_for_every_admin_write(bundle_root, tmp_path):
@@ -328,7 +329,7 @@ def test_an_unreadable_active_json_is_replaced_keeping_the_rollback_history(bund
             assert r.status_code == 200, r.text
             history.append("v2" if version == "v1" else "v1")
             assert _recorded(state) | {"activated_at": None} == {"version": version, "history": history,
-                                                                 "activated_at": None}
+                                                                 "activated_at": None, "state_format": 1}
         record.unlink()
         record.mkdir()
         _assert_state_unavailable(c.post("/admin/bundles/rollback"), 503, state,
@@ -337,3 +338,31 @@ def test_an_unreadable_active_json_is_replaced_keeping_the_rollback_history(bund
         record.rmdir()  # the fault gone (and the record with it): the next write works
         r = c.post("/admin/bundles/activate", json={"version": "v1"})
         assert r.status_code == 200 and _recorded(state)["version"] == "v1", r.text
+
+
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_a_record_written_by_a_later_release_stops_start_up_and_is_left_as_it_was(bundle_root, tmp_path, processes):
+    """A downgrade: active.json whose `state_format` is past this release's stops `serve` (exit 2,
+    one line naming the file, the formats and what to do) instead of serving from a state it cannot
+    read whole and replacing the record; this release's own records start as before."""
+    state = tmp_path / "state"
+    state.mkdir()
+    later = json.dumps({"version": "v1", "activated_at": "2031-01-01T00:00:00Z", "history": ["v2"],
+                        "state_format": 2, "something_new": {"it": "cannot read"}})
+    (state / "active.json").write_text(later)
+    env = {"PATH": os.environ["PATH"], "SHORTLIST_STATE_DIR": str(state), "SHORTLIST_PROCESSES": processes}
+    r = subprocess.run([sys.executable, "-m", "shortlist.cli", "serve", "--bundle-root", str(bundle_root)],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == (
+        f"shortlist serve: error: {state / 'active.json'} was written by a later release of Shortlist (state "
+        "format 2; this release reads 1): serving from it would replace its record. Run that release, or give "
+        "this one a state directory of its own (SHORTLIST_STATE_DIR)")
+    assert (state / "active.json").read_text() == later
+    # This release's format (and a record from before the field) serve the recorded version.
+    (state / "active.json").write_text(json.dumps({"version": "v1", "history": ["v2"], "state_format": 1}))
+    with serve(bundle_root, env=_env(state), log_dir=tmp_path) as s:
+        assert httpx.get(f"{s.url}/readyz").json()["version"] == "v1"
+        r = httpx.post(f"{s.url}/admin/bundles/activate", json={"version": "v2"}, headers=AUTH, timeout=60)
+        assert r.status_code == 200, r.text
+    assert _recorded(state)["state_format"] == 1  # what a later release's guard reads

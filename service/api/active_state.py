@@ -45,6 +45,10 @@ STATE_RECORDS = (DERIVED_DIR, LEDGER_DIR, QUARANTINE_DIR)
 # and a timestamp); anything larger is not this service's record and is not read (service.engine.
 # small_files: nor is a FIFO, a device or a symlink there).
 MAX_ACTIVE_FILE_BYTES = 64 * 1024
+# What `write` records as `state_format`; a record without one is format 1. A release that changes
+# what the state directory means raises it, so that this release, finding a higher one, refuses
+# to start rather than serve from a state it cannot read whole and replace its record (a downgrade).
+STATE_FORMAT = 1
 
 
 class StateBusy(Exception):
@@ -73,6 +77,17 @@ class StateUnavailable(OSError):
     @property
     def no_space(self) -> bool:
         return self.errno in NO_SPACE
+
+
+class NewerStateFormat(ValueError):
+    """active.json was written by a later release (its `state_format` past STATE_FORMAT): start-up
+    stops (exit 2) instead of replacing that release's record."""
+
+    def __init__(self, path: Path, found: int) -> None:
+        super().__init__(
+            f"{path} was written by a later release of Shortlist (state format {found}; this release reads "
+            f"{STATE_FORMAT}): serving from it would replace its record. Run that release, or give this one a "
+            "state directory of its own (SHORTLIST_STATE_DIR)")
 
 
 class StateDirMissing(OSError):
@@ -106,7 +121,19 @@ class ActiveVersionFile:
             probe.unlink()
         except OSError as exc:
             raise StateUnavailable(self.dir, exc, "create a file there") from None
+        self._refuse_a_later_format()
         self._say_what_is_recorded(created)
+
+    def _refuse_a_later_format(self) -> None:
+        """NewerStateFormat when the record says a later release wrote it; a record that cannot
+        be read is left to read(), which says why (and start-up replaces it, as before)."""
+        try:
+            record = orjson.loads(read_small_file(self.path, self.max_bytes))
+        except (OSError, ValueError):
+            return
+        found = record.get("state_format", 1) if isinstance(record, dict) else 1
+        if isinstance(found, int) and not isinstance(found, bool) and found > STATE_FORMAT:
+            raise NewerStateFormat(self.path, found)
 
     def _create(self) -> bool:
         """Whether the directory had to be made (StateDirMissing when its parent is missing too)."""
@@ -261,7 +288,7 @@ class ActiveVersionFile:
         """Record `version` (and the history before it); StateUnavailable, the old record left as
         it was and no temporary file behind, when the directory cannot take it."""
         data = json.dumps({"version": version, "activated_at": utc_now(),
-                           "history": (history or [])[-HISTORY_LENGTH:]}).encode()
+                           "history": (history or [])[-HISTORY_LENGTH:], "state_format": STATE_FORMAT}).encode()
         try:
             write_atomically(self.path, data)
         except OSError as exc:
