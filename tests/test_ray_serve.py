@@ -248,13 +248,13 @@ def test_activation_under_load_fails_no_request_and_keeps_accuracy(service: Serv
                      {"version": "v1", "previous": "full", "cause": "activate", "recorded": False}], swaps
 
 
-def _ingress_events(event: str) -> list[dict[str, Any]]:
+def _ingress_events(event: str, app: str = "shortlist") -> list[dict[str, Any]]:
     """The ingress replica's JSON events of kind `event`, read from its worker's stdout file in the
     Ray session's logs (the fixture's local instance, Ray's default temporary directory)."""
     found = []
     for path in sorted(Path("/tmp/ray/session_latest/logs").glob("worker-*.out")):
         lines = path.read_text(errors="replace").splitlines()
-        if ":actor_name:ServeReplica:shortlist:ingress" not in lines[:3]:
+        if f":actor_name:ServeReplica:{app}:ingress" not in lines[:3]:
             continue
         found += [record for line in lines if line.startswith("{")
                   if (record := json.loads(line)).get("event") == event]
@@ -407,6 +407,34 @@ def test_a_restart_serves_the_recorded_version_keeping_its_record_or_falls_back_
         assert result["active"] == "v2" and result["fallback_from"] == "v1", result
         assert "classifiers.npy" in str(result["reason"])
     assert (state / "active.json").read_text() == record  # a fallback is not the operator's choice
+
+
+def test_a_start_up_that_serves_nothing_or_falls_back_says_why_as_serve_does(service: Service, tmp_path: Path):
+    """serve-ray's ingress starting on a root whose recorded version's shard is corrupt falls back
+    to one that loads, saying so (startup_fallback); with nothing that loads, /readyz is 503 naming
+    the shard's error (it said only "no bundle loaded yet") and startup_load_failed is logged."""
+    root, state = tmp_path / "sharded", tmp_path / "state"
+    root.mkdir()
+    shutil.copytree(service.root / "v1", root / "v1")
+    (shard_dirs(root / "v1")[1] / "classifiers.npy").write_bytes(b"not an array")
+    app = "startup-check"
+    try:
+        serve.run(build_app({"bundle_root": str(root), "shards": 2, "replicas": 1, "state_dir": str(state)}),
+                  name=app, route_prefix=f"/{app}")
+        status, body = call(f"{service.url}/{app}/readyz")
+        assert status == 503 and "classifiers.npy" in body["reason"], body
+        assert "start-up could not serve a bundle" in body["reason"], body
+        assert any("classifiers.npy" in e["message"] for e in _ingress_events("startup_load_failed", app))
+        serve.delete(app)
+        shutil.copytree(service.root / "v2", root / "v2")
+        (state / "active.json").write_text(json.dumps({"version": "v1", "history": []}))
+        serve.run(build_app({"bundle_root": str(root), "shards": 2, "replicas": 1, "state_dir": str(state)}),
+                  name=app, route_prefix=f"/{app}")
+        assert call(f"{service.url}/{app}/readyz") == (200, {"status": "ready", "version": "v2"})
+        fallbacks = _ingress_events("startup_fallback", app)
+        assert fallbacks and fallbacks[-1]["wanted"] == "v1" and fallbacks[-1]["serving"] == "v2", fallbacks
+    finally:
+        serve.delete(app)
 
 
 def _running_replicas(app: str) -> int:

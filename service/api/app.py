@@ -276,17 +276,10 @@ async def initial_load(state: ServiceState, joining: bool = False) -> None:
         # a fallback of its own would be recorded, and every process would follow it.
         result = await asyncio.wrap_future(state.registry.in_loader(
             functools.partial(state.registry.start, state.settings.version, fall_back=not joining)))
-        if "fallback_from" in result:
-            state.metrics.startup_fallback.labels(wanted=result["fallback_from"]).set(1)
-            log_event("startup_fallback", logging.ERROR, wanted=result["fallback_from"],
-                      serving=result["active"], reason=result["reason"])
-            if state.group is not None:
-                state.group.cannot_serve(str(result["fallback_from"]), str(result["reason"]))
+        if note_start(state, result) and state.group is not None:
+            state.group.cannot_serve(str(result["fallback_from"]), str(result["reason"]))
     except (ActivationFailed, BundleNotFound, ActivationInProgress, StateUnavailable) as exc:
-        state.startup_error = f"start-up could not serve a bundle: {exc}"
-        state.metrics.failed_activations.labels("startup").inc()
-        log_event("startup_load_failed", logging.ERROR, message=str(exc),
-                  bundle_root=str(state.settings.bundle_root))
+        note_start_failed(state, exc)
         recorded = state.registry.remembered.read() if state.registry.remembered is not None else None
         if state.group is not None and recorded is not None and isinstance(exc, ActivationFailed):
             # Not followed unchecked next: the checking child may be what refused it.
@@ -305,6 +298,23 @@ async def initial_load(state: ServiceState, joining: bool = False) -> None:
         state.group.start()
     if state.watch is not None:
         state.watch.start()
+
+
+def note_start(state: ServiceState, result: dict[str, object]) -> bool:
+    """Whether start-up fell back from the version it wanted (counted and said: startup_fallback)."""
+    if "fallback_from" not in result:
+        return False
+    state.metrics.startup_fallback.labels(wanted=result["fallback_from"]).set(1)
+    log_event("startup_fallback", logging.ERROR, wanted=result["fallback_from"], serving=result["active"],
+              reason=result["reason"])
+    return True
+
+
+def note_start_failed(state: ServiceState, exc: Exception) -> None:
+    """Start-up serves nothing: why, for /readyz until a bundle serves, the metric and the event."""
+    state.startup_error = f"start-up could not serve a bundle: {exc}"
+    state.metrics.failed_activations.labels("startup").inc()
+    log_event("startup_load_failed", logging.ERROR, message=str(exc), bundle_root=str(state.settings.bundle_root))
 
 
 def _join(state: ServiceState) -> bool:

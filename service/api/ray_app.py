@@ -57,7 +57,7 @@ from service.api.activation import (
     with_previous,
 )
 from service.api.active_state import ActiveVersionFile, StateUnavailable
-from service.api.app import apply_runtime_tuning, create_app
+from service.api.app import apply_runtime_tuning, create_app, note_start, note_start_failed
 from service.api.dependencies import MinuteBudget, ServiceState
 from service.api.events import log_event
 from service.api.leases import lease
@@ -419,19 +419,15 @@ class ShardedIngress:
                                   MinuteBudget(self.settings.admin_auth_failures_per_minute),
                                   MinuteBudget(self.settings.label_changes_per_minute))
         apply_runtime_tuning(self.settings)
-        await self._start(metrics)
+        await self._start()
 
-    async def _start(self, metrics: ServiceMetrics) -> None:
+    async def _start(self) -> None:
         registry = self.registry
         stale = await asyncio.wrap_future(registry.in_loader(registry.left_behind))
-        try:
-            result = await asyncio.wrap_future(registry.in_loader(registry.start, self.settings.version))
-            if "fallback_from" in result:
-                metrics.startup_fallback.labels(wanted=result["fallback_from"]).set(1)
+        try:  # said as serve says it: /readyz names why nothing serves, events for both outcomes
+            note_start(self.state, await asyncio.wrap_future(registry.in_loader(registry.start, self.settings.version)))
         except (ActivationFailed, BundleNotFound, ActivationInProgress, StateUnavailable) as exc:
-            metrics.failed_activations.labels("startup").inc()
-            log_event("startup_load_failed", logging.ERROR, message=str(exc),
-                      bundle_root=str(self.settings.bundle_root))
+            note_start_failed(self.state, exc)
         if stale:
             registry.in_loader(registry.delete_stale, stale)
 
