@@ -14,9 +14,12 @@ import schemathesis
 _UIDS = Path(os.environ["SHORTLIST_FUZZ_UIDS"]).read_text(encoding="utf-8").splitlines()
 
 
+# map_case, not map_body: schemathesis applies it in the coverage phase too, which generates
+# `exclude` lists of its own.
 @schemathesis.hook
-def map_body(ctx, body):  # noqa: ANN001, ANN201 - schemathesis's hook signature
+def map_case(ctx, case):  # noqa: ANN001, ANN201 - schemathesis's hook signature
+    body = case.body
     exclude = body.get("exclude") if isinstance(body, dict) else None
     if isinstance(exclude, list) and all(isinstance(uid, str) for uid in exclude):
         body["exclude"] = [_UIDS[zlib.crc32(uid.encode("utf-8", "surrogatepass")) % len(_UIDS)] for uid in exclude]
-    return body
+    return case

@@ -350,14 +350,18 @@ def test_version_flag_overrides_the_environment(bundle_root, tmp_path):
 def test_openapi_documents_the_running_limits_and_every_status(client):
     spec = client.get("/openapi.json").json()
     schemas = spec["components"]["schemas"]
-    body = schemas["PredictRequest"]
-    assert set(body["properties"]) == {"text", "texts", "k", "alpha", "exclude"}
-    assert body["additionalProperties"] is False and body["oneOf"] == [{"required": ["text"]}, {"required": ["texts"]}]
+    one, batch = schemas["PredictRequest"]["oneOf"]  # exactly one of text and texts, each a whole object
+    assert set(one["properties"]) == {"text", "k", "alpha", "exclude"} and one["required"] == ["text"]
+    assert set(batch["properties"]) == {"texts", "k", "alpha", "exclude"} and batch["required"] == ["texts"]
+    assert one["additionalProperties"] is False and batch["additionalProperties"] is False
     # the limits are this server's settings (LIMITS), not the defaults
-    assert body["properties"]["text"]["maxLength"] == 50 and body["properties"]["k"]["maximum"] == 20
-    assert body["properties"]["texts"]["maxItems"] == 8 and body["properties"]["texts"]["minItems"] == 1
-    assert body["properties"]["exclude"]["anyOf"][0]["maxItems"] == 3
-    assert set(schemas["TreePredictRequest"]["properties"]) == {"text", "texts", "k", "beam", "exclude"}
+    assert one["properties"]["text"]["maxLength"] == 50 and one["properties"]["k"]["maximum"] == 20
+    assert batch["properties"]["texts"]["maxItems"] == 8 and batch["properties"]["texts"]["minItems"] == 1
+    assert batch["properties"]["texts"]["items"]["maxLength"] == 50
+    assert one["properties"]["exclude"]["anyOf"][0]["maxItems"] == 3
+    tree_one, tree_batch = schemas["TreePredictRequest"]["oneOf"]
+    assert set(tree_one["properties"]) == {"text", "k", "beam", "exclude"}
+    assert set(tree_batch["properties"]) == {"texts", "k", "beam", "exclude"}
     predict = spec["paths"]["/v1/predict"]["post"]["responses"]
     assert {"200", "400", "413", "415", "422", "503"} <= set(predict)
     assert "409" in spec["paths"]["/v1/predict/tree"]["post"]["responses"]

@@ -209,11 +209,14 @@ def admin_router(models: RequestModels) -> APIRouter:
     async def activate(req: ActivateRequest, state: State) -> ActivationResult:
         return await _activate(state, state.registry.activate, req.version)
 
+    # The body may be left out (an empty one is the default), but is not nullable: a generated
+    # client sent an optional nullable body's "unset" marker as JSON and failed before sending.
     @router.post("/bundles/rollback", response_model=ActivationResult,
                  responses={**ACTIVATION_ERRORS, **documented(400, 413, 415)},
                  summary="swap back to the previously active bundle")
-    async def rollback(state: State, req: Annotated[RollbackRequest | None, Body()] = None) -> ActivationResult:
-        return await _activate(state, state.registry.rollback, req.expected_active if req else None)
+    async def rollback(state: State, req: Annotated[RollbackRequest, Body(default_factory=RollbackRequest)]
+                       ) -> ActivationResult:
+        return await _activate(state, state.registry.rollback, req.expected_active)
 
     @router.post("/labels", response_model=LabelChangeResult, responses=LABEL_ERRORS,
                  summary="add labels by their text: a new bundle version derived from the active one, activated; "

@@ -30,7 +30,20 @@ from service.engine.tokenizer import load_unicode_tables, non_blank_pattern, nor
 # Spelled out as ranges: regex engines disagree on what `\s` covers, and the schema must mean
 # to a client what it means to the validator.
 NON_BLANK = non_blank_pattern()
-ONE_OF_TEXT = {"oneOf": [{"required": ["text"]}, {"required": ["texts"]}]}
+
+
+def _one_of_text(schema: dict[str, Any]) -> None:
+    """A body taking exactly one of `text` and `texts`, published as two whole objects, each
+    with its own title: a client generator makes a typed model of each (`oneOf` over bare
+    `required` lists left it an untyped `Any`), and the schema still validates what the model does."""
+    title, properties = schema["title"], schema.pop("properties")
+    for key in ("type", "additionalProperties", "required"):
+        schema.pop(key, None)
+    schema["oneOf"] = [
+        {"type": "object", "title": f"{title}{variant}", "description": description, "required": [key],
+         "properties": {name: p for name, p in properties.items() if name != other}, "additionalProperties": False}
+        for variant, key, other, description in (("One", "text", "texts", "one text"),
+                                                  ("Batch", "texts", "text", "several texts, answered in order"))]
 
 
 def _whole(value: Any) -> Any:
@@ -99,7 +112,7 @@ class _Request(BaseModel):
 
 
 class _OneOfText(_Request):
-    model_config = ConfigDict(json_schema_extra=ONE_OF_TEXT)
+    model_config = ConfigDict(json_schema_extra=_one_of_text)
 
     @model_validator(mode="after")
     def _one_of(self) -> _OneOfText:
