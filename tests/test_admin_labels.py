@@ -212,6 +212,35 @@ def test_label_requests_are_validated_naming_the_field(bundle_root, synthetic_da
         assert c.get("/readyz").json()["version"] == "v2.labels-3"
 
 
+def test_a_label_change_retried_with_expected_active_is_done_once_and_the_retry_says_so(bundle_root, synthetic_data,
+                                                                                        tmp_path):
+    # A client whose answer was lost retries: with the version it saw active, the retry is a 409
+    # naming what is active now, not a second version nor a 422 that the uid exists already.
+    (new,) = _new_labels(synthetic_data, 1, "once")
+    trained = _label_rows(synthetic_data)[3]["uid"]
+    env = _env(tmp_path / "state", SHORTLIST_LOAD_CHECK_IN_CHILD="false")
+    with serve(bundle_root, env=env, log_dir=tmp_path) as s, \
+            httpx.Client(base_url=s.url, headers=AUTH, timeout=120) as c:
+        add = {**_body([new]), "expected_active": "v2"}
+        assert c.post("/admin/labels", json=add).json()["active"] == "v2.labels-1"
+        retried = c.post("/admin/labels", json=add)
+        assert retried.status_code == 409 and retried.json()["error"] == "active_version_changed", retried.text
+        assert "v2.labels-1" in retried.json()["message"] and "no label was changed" in retried.json()["message"]
+        retire = {"uids": [trained], "expected_active": "v2.labels-1"}
+        assert c.post("/admin/labels/retire", json=retire).json()["active"] == "v2.labels-2"
+        assert c.post("/admin/labels/retire", json=retire).json()["error"] == "active_version_changed"
+        gone = c.delete(f"/admin/labels/{quote(new.uid, safe='')}", params={"expected_active": "v2.labels-1"})
+        assert gone.status_code == 409 and gone.json()["error"] == "active_version_changed", gone.text
+        assert c.get("/readyz").json()["version"] == "v2.labels-2"  # none of the refused ones made a version
+        assert c.delete(f"/admin/labels/{new.uid}", params={"expected_active": "v2.labels-2"}).status_code == 200
+        for bad in ("../v2", "", "v" * 200):
+            r = c.post("/admin/labels/retire", json={"uids": [trained], "expected_active": bad})
+            assert r.status_code == 422 and r.json()["details"][0]["field"] == "body.expected_active", r.text
+        r = c.delete("/admin/labels/x", params={"expected_active": "../v2"})
+        assert r.status_code == 422 and r.json()["details"][0]["field"] == "query.expected_active", r.text
+        assert c.get("/readyz").json()["version"] == "v2.labels-3"
+
+
 def test_label_changes_need_a_state_directory(bundle_root, tmp_path):
     with serve(bundle_root, env={"SHORTLIST_ADMIN_TOKEN": TOKEN}, log_dir=tmp_path) as s:
         r = httpx.post(f"{s.url}/admin/labels", json={"labels": [{"uid": "a", "title": "kama"}]}, headers=AUTH)

@@ -29,15 +29,16 @@ class ActivationLockBusy(ActivationInProgress):
 
 
 class ActiveVersionChanged(Exception):
-    """A rollback's `expected_active` is not the active version (HTTP 409): nothing was done."""
+    """A rollback's or label change's `expected_active` is not the active version (HTTP 409):
+    nothing was done."""
 
 
-def expect_active(expected: str | None, active: str | None) -> None:
+def expect_active(expected: str | None, active: str | None, undone: str = "nothing was rolled back") -> None:
     """ActiveVersionChanged unless `expected` is None or the active version: a client that retries
-    a rollback it sent with the version it saw active rolls back once, not once per attempt."""
+    a rollback or a label change it sent with the version it saw active has it done once, not once
+    per attempt. `undone`: what the refusal says was not done."""
     if expected is not None and expected != active:
-        raise ActiveVersionChanged(f"the active version is {active}, not {expected} (expected_active): "
-                                   "nothing was rolled back")
+        raise ActiveVersionChanged(f"the active version is {active}, not {expected} (expected_active): {undone}")
 
 
 class BundleNotFound(Exception):

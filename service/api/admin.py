@@ -32,6 +32,7 @@ from service.api.predict import documented
 from service.api.processes import ProcessesDiverged
 from service.api.registry import LabelChangesUnavailable, TooManyPendingChanges
 from service.api.schemas import (
+    EXPECTED_ACTIVE_HELP,
     ActivateRequest,
     ActivationResult,
     BundleInfo,
@@ -44,7 +45,7 @@ from service.api.schemas import (
 )
 from service.engine.file_guard import BundleChanged
 from service.engine.label_changes import LabelChange, LabelChangeRejected, NewLabel
-from service.engine.schema import BundleError
+from service.engine.schema import VERSION_RE, BundleError
 
 # 401 / 403: no or a wrong token; 404: no such bundle (or nothing to roll back to); 409: another
 # activation or rollback is running (on any process), or a rollback's expected_active is not the
@@ -55,11 +56,12 @@ from service.engine.schema import BundleError
 # serve (service.api.processes); or `state_unavailable`: the state directory cannot be written
 # (507 when out of space).
 ACTIVATION_ERRORS = documented(401, 403, 404, 409, 422, 429, 503, 507)
-# 409: no state directory to write to; 422: a label or uid that does not fit (named), or the new
-# bundle refused; 429: past label_changes_per_minute or max_pending_label_changes; 503: nothing
-# serves, or with several processes one could not serve the new version, or the state directory
-# cannot be written (507 when out of space), or `activation_lock_busy` (Retry-After) when the lock
-# stayed held for twice load_check_timeout_s.
+# 409: no state directory to write to, or `expected_active` is not the active version; 422: a
+# label or uid that does not fit (named), or the new bundle refused; 429: past
+# label_changes_per_minute or max_pending_label_changes; 503: nothing serves, or with several
+# processes one could not serve the new version, or the state directory cannot be written (507
+# when out of space), or `activation_lock_busy` (Retry-After) when the lock stayed held for twice
+# load_check_timeout_s.
 LABEL_ERRORS = documented(400, 401, 403, 409, 413, 415, 422, 429, 503, 507)
 _ENGINE_FIELD = re.compile(r"^(add|retire)(\[\d+\])?(\.\w+)?$")
 
@@ -120,14 +122,15 @@ def _request_field(engine_field: str, single_uid: bool) -> str:
     return ("body.labels" if kind == "add" else "body.uids") + (index or "") + (attr or "")
 
 
-async def _change(state: State, change: LabelChange, single_uid: bool = False) -> LabelChangeResult:
+async def _change(state: State, change: LabelChange, expected_active: str | None = None,
+                  single_uid: bool = False) -> LabelChangeResult:
     """Queue a label change, wait until it serves (or is refused) and answer with the new version."""
     wait = state.label_changes.retry_after("all")
     if wait is not None:
         raise ApiError(429, "too_many_requests", f"more than {state.settings.label_changes_per_minute} label changes "
                        f"this minute: retry in {wait} s", headers={"Retry-After": str(wait)})
     try:
-        future = state.registry.submit_label_change(change)
+        future = state.registry.submit_label_change(change, expected_active)
     except LabelChangesUnavailable as exc:
         raise ApiError(409, "label_changes_unavailable", str(exc)) from None
     except TooManyPendingChanges as exc:
@@ -137,6 +140,9 @@ async def _change(state: State, change: LabelChange, single_uid: bool = False) -
     try:
         # Shielded: a client that leaves does not cancel a change once accepted.
         result = await asyncio.shield(asyncio.wrap_future(future))
+    except ActiveVersionChanged as exc:
+        state.metrics.failed_activations.labels("changed").inc()
+        raise ApiError(409, "active_version_changed", str(exc)) from None
     except LabelChangeRejected as exc:
         details = [ErrorDetail(field=_request_field(f, single_uid), message=m) for f, m in exc.problems]
         if single_uid and any(m.startswith("no label") or "retired already" in m for _, m in exc.problems):
@@ -187,6 +193,7 @@ def admin_router(models: RequestModels) -> APIRouter:
     Limit = Annotated[int, Query(ge=1, le=page_most, description="bundles in this answer at most "  # noqa: N806
                                  "(SHORTLIST_MAX_LISTED_BUNDLES)")]
     Offset = Annotated[int, Query(ge=0, description="bundles skipped first (a page's next_offset)")]  # noqa: N806
+    ExpectedActive = Annotated[str | None, Query(pattern=VERSION_RE.pattern, description=EXPECTED_ACTIVE_HELP)]  # noqa: N806
 
     @router.get("/bundles", response_model=BundleList, responses=documented(401, 403, 422, 429),
                 summary="the bundles of every place, oldest first, a page of at most `limit`")
@@ -223,12 +230,12 @@ def admin_router(models: RequestModels) -> APIRouter:
                  "queued behind changes in progress")
     async def add_labels(req: AddLabels, state: State) -> LabelChangeResult:
         labels = [NewLabel(lab.uid, lab.title, lab.content, lab.prior) for lab in req.labels]
-        return await _change(state, LabelChange(add=labels))
+        return await _change(state, LabelChange(add=labels), req.expected_active)
 
     @router.post("/labels/retire", response_model=LabelChangeResult, responses=LABEL_ERRORS,
                  summary="retire labels: never returned again by any scorer (a new bundle version)")
     async def retire_labels(req: RetireLabels, state: State) -> LabelChangeResult:
-        return await _change(state, LabelChange(retire=list(req.uids)))
+        return await _change(state, LabelChange(retire=list(req.uids)), req.expected_active)
 
     # {uid:path}: the rest of the path, '/' included once percent-decoded (as every path is), so
     # every uid the add route takes can be retired here ('a/b', 'x/', '../x' sent as %2F).
@@ -236,8 +243,8 @@ def admin_router(models: RequestModels) -> APIRouter:
                    responses={**LABEL_ERRORS, **documented(404)},
                    summary="retire one label (404 if no live label has this uid); a '/' in the uid may be sent "
                    "as is or as %2F")
-    async def retire_label(uid: Annotated[Uid, Path(description="the uid of a live label")],
-                           state: State) -> LabelChangeResult:
-        return await _change(state, LabelChange(retire=[uid]), single_uid=True)
+    async def retire_label(uid: Annotated[Uid, Path(description="the uid of a live label")], state: State,
+                           expected_active: ExpectedActive = None) -> LabelChangeResult:
+        return await _change(state, LabelChange(retire=[uid]), expected_active, single_uid=True)
 
     return router

@@ -151,7 +151,7 @@ class ShardedRegistry:
         engine = self._active
         return engine.version if engine is not None else None
 
-    def submit_label_change(self, change: object) -> NoReturn:
+    def submit_label_change(self, change: object, expected_active: str | None = None) -> NoReturn:
         """Labels are changed on the parent bundle, which is then sharded again (HTTP 409)."""
         raise LabelChangesUnavailable("the sharded service does not change labels: change the parent bundle "
                                       "(shortlist labels add|remove) and shard it again")

@@ -185,8 +185,9 @@ class BundleRegistry:
         active = self.active_version
         return [(b, b.version == active) for b in self.store.list()]
 
-    def submit_label_change(self, change: LabelChange) -> Future:
-        """Queue `change` behind those already waiting; the future gives change_labels' result.
+    def submit_label_change(self, change: LabelChange, expected_active: str | None = None) -> Future:
+        """Queue `change` behind those already waiting; the future gives change_labels' result
+        (`expected_active`: change_labels').
 
         Raises LabelChangesUnavailable without a state directory, TooManyPendingChanges when
         max_pending_changes are waiting (a change is never dropped once accepted)."""
@@ -198,7 +199,7 @@ class BundleRegistry:
                 raise TooManyPendingChanges(f"{self._pending_changes} label changes are waiting; retry shortly")
             self._pending_changes += 1
         try:
-            future = self._changes.submit(self._change_in_state_dir, change)
+            future = self._changes.submit(self._change_in_state_dir, change, expected_active)
         except RuntimeError:  # shut down
             self._change_done(None)
             raise NoBundle("the service is shutting down") from None
@@ -209,22 +210,24 @@ class BundleRegistry:
         with self._pending_lock:
             self._pending_changes -= 1
 
-    def _change_in_state_dir(self, change: LabelChange) -> dict[str, object]:
+    def _change_in_state_dir(self, change: LabelChange, expected_active: str | None) -> dict[str, object]:
         """change_labels, a storage error writing the new version said as StateUnavailable: the
         derive removed what it had staged, and the serving version serves on."""
         try:
-            return self.change_labels(change)
+            return self.change_labels(change, expected_active)
         except StateUnavailable:
             raise
         except OSError as exc:
             state_dir = self.store.derived_root.parent if self.store.derived_root is not None else Path()
             raise StateUnavailable(state_dir, exc, "write the new version") from exc
 
-    def change_labels(self, change: LabelChange) -> dict[str, object]:
+    def change_labels(self, change: LabelChange, expected_active: str | None = None) -> dict[str, object]:
         """Derive a bundle from the serving one with `change` applied, write it to the state
         directory and activate it (waiting for an activation in progress, here or in another
-        process sharing the state directory, never refused for it). Raises LabelChangeRejected
-        (nothing written), ActivationFailed, ProcessesDiverged or NoBundle."""
+        process sharing the state directory, never refused for it), when `expected_active` (if
+        given) is the active version once this change's turn comes (expect_active). Raises
+        LabelChangeRejected (nothing written), ActiveVersionChanged, ActivationFailed,
+        ProcessesDiverged or NoBundle."""
         derived_root = self.store.derived_root
         if derived_root is None:
             raise LabelChangesUnavailable("label changes need a state directory (SHORTLIST_STATE_DIR)")
@@ -233,6 +236,7 @@ class BundleRegistry:
                              wait_s=2 * (self.check_timeout_s or 600.0), bound="twice SHORTLIST_LOAD_CHECK_TIMEOUT_S",
                              change=True):
             self._catch_up()
+            expect_active(expected_active, self._current(), "no label was changed")
             try:
                 with self.lease() as engine:
                     _check_parent(engine)

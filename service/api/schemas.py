@@ -30,6 +30,11 @@ from service.engine.tokenizer import load_unicode_tables, non_blank_pattern, nor
 # Spelled out as ranges: regex engines disagree on what `\s` covers, and the schema must mean
 # to a client what it means to the validator.
 NON_BLANK = non_blank_pattern()
+# A label change's precondition (the body's field; DELETE's query parameter): a change retried
+# after its answer was lost is refused, not applied twice or answered as a bad request.
+EXPECTED_ACTIVE_HELP = ("change labels only while this version is the active one, else 409 active_version_changed "
+                        "and nothing done: a retried change (its answer lost) is then applied once")
+EXPECTED_ACTIVE = Field(None, pattern=VERSION_RE.pattern, description=EXPECTED_ACTIVE_HELP)
 
 
 def _one_of_text(schema: dict[str, Any]) -> None:
@@ -188,10 +193,12 @@ def _label_requests(settings: Settings, text: Any, normalized: AfterValidator) -
     class AddLabelsRequest(_Request):
         labels: list[NewLabel] = Field(min_length=1, max_length=settings.max_label_batch,
                                        description="labels to add, as one new bundle version")
+        expected_active: str | None = EXPECTED_ACTIVE
 
     class RetireLabelsRequest(_Request):
         uids: list[Uid] = Field(min_length=1, max_length=settings.max_label_batch,
                                 description="uids of live labels to retire, as one new bundle version")
+        expected_active: str | None = EXPECTED_ACTIVE
 
     return AddLabelsRequest, RetireLabelsRequest, Uid, NewLabel
 
