@@ -41,7 +41,7 @@ def test_every_setting_is_in_the_readme_and_every_variable_it_names_is_a_setting
 UNSET_MEANS = {"version": "the recorded version, else the newest", "max_normalized_chars": "2 x `MAX_TEXT_CHARS`",
                "admin_token": "admin routes off", "state_dir": "nothing remembered",
                "admin_port": "admin routes on `PORT`", "quality_gate_min_p1": "no gate",
-               "forwarded_allow_ips": "no proxy believed", "admin_host": "`HOST`"}
+               "forwarded_allow_ips": "no proxy believed", "admin_host": "`HOST`", "cors_origins": "no CORS headers"}
 
 
 def _number(value: float) -> str:

@@ -116,6 +116,14 @@ CASES = [
      ["SHORTLIST_MAX_LINE_CHARS='2147483649': input should be less than or equal to 2147483648"]),
     ("a trusted proxy that is no address", {"SHORTLIST_FORWARDED_ALLOW_IPS": "127.0.0.1,proxy.local"}, [],
      ["SHORTLIST_FORWARDED_ALLOW_IPS='127.0.0.1,proxy.local': 'proxy.local' is not an IP address, a network"]),
+    # An origin a browser never sends in Origin would match nothing: every call from the page
+    # failing in the browser, nothing in the server's log.
+    ("an origin with a path", {"SHORTLIST_CORS_ORIGINS": "https://app.example/ui"}, [],
+     ["SHORTLIST_CORS_ORIGINS='https://app.example/ui': 'https://app.example/ui' is not an origin"]),
+    ("an origin without a scheme", {"SHORTLIST_CORS_ORIGINS": "https://a.example, app.example"}, [],
+     ["'app.example' is not an origin: scheme://host[:port]"]),
+    ("an origin's port past 65535", {"SHORTLIST_CORS_ORIGINS": "http://localhost:65536"}, [],
+     ["'http://localhost:65536' is not an origin"]),
     ("the admin port on a name for the host", {"SHORTLIST_PORT": "9000", "SHORTLIST_ADMIN_PORT": "9000",
                                                "SHORTLIST_ADMIN_HOST": "localhost"}, [],
      ["SHORTLIST_ADMIN_PORT=9000 equals SHORTLIST_PORT"]),
@@ -157,6 +165,7 @@ EDGES = [
     # Documented for the data commands; serve was stopped by it as an unknown setting.
     ("the line limit at its edges", {"SHORTLIST_MAX_LINE_CHARS": "1024"}, []),
     ("the line limit at its upper edge", {"SHORTLIST_MAX_LINE_CHARS": str(1 << 31)}, []),
+    ("origins at their edges", {"SHORTLIST_CORS_ORIGINS": "https://App.Example/, http://[::1]:65535,*"}, []),
     ("trusted proxies: addresses, a network, any",
      {"SHORTLIST_FORWARDED_ALLOW_IPS": "10.0.0.1, ::1,10.1.0.0/16,*"}, []),
 ]

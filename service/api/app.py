@@ -20,6 +20,7 @@ from service.api.active_state import ActiveVersionFile, StateUnavailable
 from service.api.admin import admin_router
 from service.api.batching import EngineRunner
 from service.api.bundle_watch import BundleWatch
+from service.api.cors import add_cors
 from service.api.dependencies import MinuteBudget, ServiceState, State
 from service.api.errors import install_error_handlers
 from service.api.events import log_event
@@ -194,6 +195,8 @@ def _new_app(state: ServiceState, title: str, lifespan: object = None) -> FastAP
     install_error_handlers(app)
     app.add_middleware(HeadAsGetMiddleware)
     app.add_middleware(RequestBodyMiddleware, max_bytes=settings.max_body_bytes)
+    # Outside the body limits, so a page can read their 413 / 415 answers too.
+    add_cors(app, settings.cors_origins)
     # Added last, so outermost: request ids, metrics and the access log cover every response.
     app.add_middleware(ObservabilityMiddleware, metrics=state.metrics, access_log_enabled=settings.access_log)
     return app

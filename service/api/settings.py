@@ -12,6 +12,7 @@ from pydantic import Field, SecretStr, TypeAdapter, ValidationError, field_valid
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from uvicorn.config import LOG_LEVELS
 
+from service.api.cors import parse_origins
 from service.engine.jsonlines import DEFAULT_MAX_LINE_CHARS, MAX_LINE_CHARS_RANGE
 from service.engine.label_ledger import MAX_UID_CHARS
 from service.engine.schema import MAX_MANIFEST_BYTES, BundleError, validate_version_name
@@ -155,6 +156,9 @@ class Settings(BaseSettings):
     # trusts loopback, so any client whose connection came through a local tunnel or port-forward
     # chose the address the limit counted.
     forwarded_allow_ips: str = ""
+    # Browser pages on these origins may call the API (comma-separated scheme://host[:port], or *;
+    # service.api.cors). Empty: no CORS headers, so a page elsewhere cannot read an answer.
+    cors_origins: str = ""
 
     # Admin API: off unless a token is set (the variable, or the file admin_token_file names,
     # e.g. a Docker or compose secret: a variable's value shows in `docker inspect`; the file is
@@ -255,6 +259,11 @@ class Settings(BaseSettings):
             except ValueError:
                 raise ValueError(f"{entry!r} is not an IP address, a network (10.0.0.0/8) nor *") from None
         return ",".join(entries)
+
+    @field_validator("cors_origins")
+    @classmethod
+    def _origins(cls, value: str) -> str:
+        return parse_origins(value)
 
     @field_validator("log_level", mode="before")
     @classmethod
