@@ -124,8 +124,9 @@ class ShardedEngine(Leased):
 
     async def merged(self, texts: list[str], k: int, alpha: float | None, exclude: list[str]) -> list[list[Prediction]]:
         """Each text's top k over every shard, as the parent answers it; ApiError 503 or 422 else."""
-        queries = self.encoder(texts)
-        head = head_rows(self.token_rows, queries.tokens)
+        # Off the event loop (a 128-text batch took 8.8 ms to encode there): the ingress goes on
+        # relaying other requests' shard answers meanwhile, as serve's engine threads do.
+        queries, head = await asyncio.to_thread(self._encoded, texts)
         calls = asyncio.gather(*(self._ask(h, queries, k, alpha, exclude, head) for h in self.handles))
         try:
             answers = await _within(calls, self.timeout_s)
@@ -138,6 +139,10 @@ class ShardedEngine(Leased):
         if missing:
             raise unknown_excluded_uids(exclude, missing, self.version)
         return merge_answers(answers, k)
+
+    def _encoded(self, texts: list[str]) -> tuple[Any, np.ndarray | None]:
+        queries = self.encoder(texts)
+        return queries, head_rows(self.token_rows, queries.tokens)
 
     async def unavailable_shard(self) -> str | None:
         """Why a shard cannot answer now, naming each shard that does not and what Serve says of
