@@ -241,6 +241,34 @@ def test_a_label_change_retried_with_expected_active_is_done_once_and_the_retry_
         assert c.get("/readyz").json()["version"] == "v2.labels-3"
 
 
+def test_a_label_is_looked_up_by_uid_live_added_or_retired(bundle_root, synthetic_data, tmp_path):
+    rows = _label_rows(synthetic_data)
+    (new,) = _new_labels(synthetic_data, 1, "look/up")
+    with serve(bundle_root, env=_env(tmp_path / "state", SHORTLIST_LOAD_CHECK_IN_CHILD="false"),
+               log_dir=tmp_path) as s, httpx.Client(base_url=s.url, headers=AUTH, timeout=120) as c:
+        trained = c.get(f"/admin/labels/{rows[5]['uid']}")
+        assert trained.status_code == 200, trained.text
+        assert trained.json() == {"version": "v2", "id": 5, "uid": rows[5]["uid"], "title": rows[5]["title"],
+                                  "retired": False, "on_tree_route": True}
+        missing = c.get(f"/admin/labels/{quote(new.uid, safe='')}")
+        assert missing.status_code == 404 and missing.json()["error"] == "label_not_found", missing.text
+        assert "v2" in missing.json()["message"] and missing.json()["details"][0]["field"] == "path.uid"
+        assert c.post("/admin/labels", json=_body([new])).status_code == 200
+        assert c.delete(f"/admin/labels/{rows[5]['uid']}").status_code == 200
+        for sent in (quote(new.uid, safe=""), new.uid):  # a '/' as is or as %2F, as DELETE takes it
+            added = c.get(f"/admin/labels/{sent}").json()
+            assert added == {"version": "v2.labels-2", "id": len(rows), "uid": new.uid, "title": new.title,
+                             "retired": False, "on_tree_route": False}, added
+        retired = c.get(f"/admin/labels/{rows[5]['uid']}").json()
+        assert retired["retired"] is True and retired["on_tree_route"] is False and retired["id"] == 5
+        assert c.head(f"/admin/labels/{rows[5]['uid']}").status_code == 200
+        put = c.put(f"/admin/labels/{rows[5]['uid']}")  # Allow names both routes' methods, not the first's
+        assert put.status_code == 405 and put.headers["allow"] == "DELETE, GET", put.headers
+        assert httpx.get(f"{s.url}/admin/labels/{rows[5]['uid']}").status_code == 401
+        too_long = c.get("/admin/labels/" + "x" * 257)  # past MAX_UID_CHARS (256)
+        assert too_long.status_code == 422 and too_long.json()["details"][0]["field"] == "path.uid", too_long.text
+
+
 def test_label_changes_need_a_state_directory(bundle_root, tmp_path):
     with serve(bundle_root, env={"SHORTLIST_ADMIN_TOKEN": TOKEN}, log_dir=tmp_path) as s:
         r = httpx.post(f"{s.url}/admin/labels", json={"labels": [{"uid": "a", "title": "kama"}]}, headers=AUTH)

@@ -87,6 +87,8 @@ def _admin(api: dict, models, anyone, admin, title: str) -> None:
     added = _call(api, "add_labels", client=admin,
                   body=models.AddLabelsRequest(labels=[models.NewLabel(uid="made/by-client", title=title)]))
     assert isinstance(added, models.LabelChangeResult) and added.added == 1 and added.previous == "v2"
+    found = _call(api, "label_admin", client=admin, uid="made/by-client")
+    assert isinstance(found, models.LabelInfo) and not found.retired and found.version == added.active
     retired = _call(api, "retire_label_", client=admin, uid="made/by-client")
     assert isinstance(retired, models.LabelChangeResult) and retired.retired == 1
     again = _call(api, "retire_label_", client=admin, uid="made/by-client")

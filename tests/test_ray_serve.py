@@ -285,6 +285,8 @@ def test_label_changes_are_refused_with_409_and_the_way_to_make_them(service: Se
     status, error = call(f"{service.url}/admin/labels", {"labels": [{"uid": "new-1", "title": "network tool"}]}, TOKEN)
     assert status == 409 and error["error"] == "label_changes_unavailable", error
     assert "shard it again" in error["message"]
+    status, error = call(f"{service.url}/admin/labels/L1", None, TOKEN)  # a lookup: the parent bundle's
+    assert status == 409 and error["error"] == "label_changes_unavailable" and "labels.jsonl" in error["message"]
 
 
 def test_a_killed_replica_is_replaced_without_a_failed_request(service: Service):

@@ -7,6 +7,7 @@ its settings, and FastAPI reads a route's body type from its evaluated annotatio
 """
 
 import asyncio
+import dataclasses
 import logging
 import re
 from collections.abc import Callable
@@ -25,7 +26,7 @@ from service.api.activation import (
 from service.api.active_state import StateUnavailable
 from service.api.bundle_watch import changed_error
 from service.api.dependencies import AdminRoute, State
-from service.api.errors import ApiError
+from service.api.errors import ApiError, shown
 from service.api.events import log_event
 from service.api.leases import NoBundle
 from service.api.predict import documented
@@ -40,6 +41,7 @@ from service.api.schemas import (
     BundleList,
     ErrorDetail,
     LabelChangeResult,
+    LabelInfo,
     RequestModels,
     RollbackRequest,
 )
@@ -111,6 +113,13 @@ def _lock_busy(state: State, exc: ActivationLockBusy) -> ApiError:
     return ApiError(503, "activation_lock_busy", str(exc), headers={"Retry-After": str(exc.retry_after_s)})
 
 
+def _changed(state: State, exc: BundleChanged) -> ApiError:
+    """The 503 for a serving version's file found written in place; the watch marks it at once."""
+    if state.watch is not None:
+        state.watch.check()
+    return changed_error(state.registry.active_version or "(none)", exc)
+
+
 def _request_field(engine_field: str, single_uid: bool) -> str:
     """An engine problem's field ("add[3].uid", "retire[0]") as the request names it."""
     if single_uid and engine_field.startswith("retire"):
@@ -166,9 +175,7 @@ async def _change(state: State, change: LabelChange, expected_active: str | None
     except ActivationLockBusy as exc:
         raise _lock_busy(state, exc) from None
     except BundleChanged as exc:  # the version the change derives from was written in place: it serves 503 too
-        if state.watch is not None:
-            state.watch.check()
-        raise changed_error(state.registry.active_version or "(none)", exc) from None
+        raise _changed(state, exc) from None
     report = result["change"]
     state.label_changes.record("all")  # the budget counts versions made, not refusals
     state.metrics.activation_seconds.observe(result["seconds"])
@@ -247,4 +254,25 @@ def admin_router(models: RequestModels) -> APIRouter:
                            expected_active: ExpectedActive = None) -> LabelChangeResult:
         return await _change(state, LabelChange(retire=[uid]), expected_active, single_uid=True)
 
+    @router.get("/labels/{uid:path}", response_model=LabelInfo, responses=documented(401, 403, 404, 409, 429, 503),
+                summary="one label of the active version by its uid, live or retired (404 if no row has it)")
+    async def label(uid: Annotated[Uid, Path(description="a label's uid")], state: State) -> LabelInfo:
+        return _label_info(state, uid)
+
     return router
+
+
+def _label_info(state: State, uid: str) -> LabelInfo:
+    """GET /admin/labels/{uid}: a hash lookup in the leased bundle's labels, on the loop."""
+    try:
+        version, found = state.registry.look_up_label(uid)
+    except LabelChangesUnavailable as exc:
+        raise ApiError(409, "label_changes_unavailable", str(exc)) from None
+    except NoBundle as exc:
+        raise ApiError(503, "not_ready", str(exc)) from None
+    except BundleChanged as exc:
+        raise _changed(state, exc) from None
+    if found is None:
+        raise ApiError(404, "label_not_found", f"no label {shown(uid)} in {version} (never added, or added on a "
+                       "version since rolled back)", [ErrorDetail(field="path.uid", message="no such label")])
+    return LabelInfo(version=version, **dataclasses.asdict(found))

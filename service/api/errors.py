@@ -125,7 +125,22 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     code = _HTTP_CODES.get(exc.status_code, "http_error")
     if exc.status_code == 400 and exc.__cause__ is not None:
         code, message = _parse_failure(exc.__cause__, code, message)
-    return error_response(request, ApiError(exc.status_code, code, message, headers=getattr(exc, "headers", None)))
+    headers = getattr(exc, "headers", None)
+    if exc.status_code == 405 and (allowed := _allowed(request)) is not None:
+        headers = {**(headers or {}), "Allow": allowed}
+    return error_response(request, ApiError(exc.status_code, code, message, headers=headers))
+
+
+_HTTP_METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "trace")
+
+
+def _allowed(request: Request) -> str | None:
+    """The methods of the path the 405 is about, as /openapi.json lists them: Starlette names only
+    the methods of the first route on that path (DELETE alone where GET /admin/labels/{uid} is one
+    too). None for a path outside the schema (Starlette's header stands)."""
+    path = getattr(request.scope.get("route"), "path_format", None)
+    item = request.app.openapi().get("paths", {}).get(path) if path else None  # built once, then kept
+    return ", ".join(m.upper() for m in item if m in _HTTP_METHODS) if item else None
 
 
 def _parse_failure(cause: BaseException, code: str, message: str) -> tuple[str, str]:

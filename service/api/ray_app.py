@@ -159,6 +159,11 @@ class ShardedRegistry:
     def lease(self) -> AbstractContextManager[ShardedEngine]:
         return lease(lambda: self._active)
 
+    def look_up_label(self, uid: str) -> NoReturn:
+        """Labels are looked up on the parent bundle's service (HTTP 409)."""
+        raise LabelChangesUnavailable("the sharded service does not look up labels: serve the parent bundle "
+                                      "(shortlist serve) to look them up, or read its labels.jsonl")
+
     def list(self) -> list[tuple[StoredBundle, bool]]:
         """(the version as shard 0 describes its parent; is active), oldest first: the versions
         sharded into as many shards as this service serves (no other could serve here, nor be

@@ -42,6 +42,7 @@ from service.engine.file_guard import check_files
 from service.engine.isolated import check_in_child
 from service.engine.label_changes import ChangeReport, LabelChange, LabelEditor
 from service.engine.label_ledger import IdRecord, LabelLedger, Unconfirmed
+from service.engine.label_lookup import LabelStatus, look_up
 from service.engine.predictor import Predictor, PredictorOptions
 from service.engine.schema import BundleError, validate_version_name
 from service.engine.store import DERIVED_DIR, BundleStore, StoredBundle
@@ -177,6 +178,12 @@ class BundleRegistry:
     def lease(self) -> AbstractContextManager[Engine]:
         """The active engine, guaranteed not to be closed until the block exits."""
         return Lease(lambda: self._active)
+
+    def look_up_label(self, uid: str) -> tuple[str, LabelStatus | None]:
+        """The active version and its label `uid` (label_lookup). Raises NoBundle, BundleChanged."""
+        with self.lease() as engine:
+            engine.bundle.check_maps()
+            return engine.version, look_up(engine.bundle, uid)
 
     # -- admin side ---------------------------------------------------------------------
 

@@ -252,6 +252,16 @@ class RollbackRequest(_Request):
                     "nothing done: a retried rollback (its answer lost) then rolls back once, not once per attempt")
 
 
+class LabelInfo(BaseModel):
+    version: str = Field(description="the active version, which answered")
+    id: int = Field(description="label row in the bundle (stable across derived versions)")
+    uid: str
+    title: str
+    retired: bool = Field(description="retired: no route returns it again (its row and uid stay)")
+    on_tree_route: bool = Field(description="/v1/predict/tree can return it: trained with the tree and not retired "
+                                "(labels added live join it at the next training)")
+
+
 class BundleLineage(BaseModel):
     parent: str
     base: str
