@@ -254,6 +254,8 @@ def test_unknown_route_and_method_are_json_4xx(client):
     r = client.get("/v1/predict")
     assert r.status_code == 405 and r.json()["error"] == "method_not_allowed" and r.headers["allow"] == "POST"
     assert client.put("/readyz").headers["allow"] == "GET"
+    r = client.get("/v2/a%0Ab%09c")  # named as routed: a decoded LF and tab shown, not dropped
+    assert r.status_code == 404 and "'/v2/a\\nb\\tc'" in r.json()["message"], r.text
 
 
 def test_access_log_is_json_lines_with_request_id_pid_route_status_latency_version(client, server):

@@ -119,8 +119,10 @@ async def _http_error(request: Request, exc: Exception) -> Response:
         # FastAPI reports a client gone mid-body as a 400 "error parsing the body": there is no
         # one to answer; the observability middleware counts it apart from errors.
         raise exc.__cause__
-    path = request.url.path
-    where = f"{request.method} {path if len(path) <= SHOWN_CHARS else shown(path)}"
+    # The decoded path as routed: request.url drops a decoded tab, CR or LF (urllib's URL parser
+    # strips them), so "/x/a%0Ab" was named "/x/ab". Quoted (repr) unless plain and short.
+    path = request.scope.get("path") or request.url.path
+    where = f"{request.method} {path if len(path) <= SHOWN_CHARS and path.isprintable() else shown(path)}"
     message = f"{where}: {exc.detail}"
     code = _HTTP_CODES.get(exc.status_code, "http_error")
     if exc.status_code == 400 and exc.__cause__ is not None:
