@@ -231,6 +231,14 @@ def test_a_label_change_retried_with_expected_active_is_done_once_and_the_retry_
         assert c.post("/admin/labels/retire", json=retire).json()["error"] == "active_version_changed"
         gone = c.delete(f"/admin/labels/{quote(new.uid, safe='')}", params={"expected_active": "v2.labels-1"})
         assert gone.status_code == 409 and gone.json()["error"] == "active_version_changed", gone.text
+        # A misspelt or repeated precondition is refused, not dropped (FastAPI ignored the one, kept one of the other).
+        typo = c.delete(f"/admin/labels/{new.uid}", params={"expected_activ": "v2"})
+        assert typo.status_code == 422 and typo.json()["details"][0]["field"] == "query.expected_activ", typo.text
+        assert "this route takes: expected_active" in typo.json()["message"]
+        twice = c.delete(f"/admin/labels/{new.uid}?expected_active=v2.labels-2&expected_active=v2")
+        assert twice.status_code == 422 and twice.json()["details"][0]["message"] == "given more than once", twice.text
+        assert httpx.delete(f"{s.url}/admin/labels/{new.uid}?expected_activ=v2").status_code == 401  # the token first
+        assert c.get("/admin/bundles?limit=1&limit=2").json()["details"][0]["field"] == "query.limit"
         assert c.get("/readyz").json()["version"] == "v2.labels-2"  # none of the refused ones made a version
         assert c.delete(f"/admin/labels/{new.uid}", params={"expected_active": "v2.labels-2"}).status_code == 200
         for bad in ("../v2", "", "v" * 200):

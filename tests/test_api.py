@@ -248,6 +248,16 @@ def test_unexpected_error_is_a_500_with_a_logged_request_id_and_service_keeps_se
     assert any(e["request_id"] == rid and "RuntimeError" in e["error"] for e in errors)
 
 
+def test_a_query_parameter_the_route_does_not_take_is_refused_naming_it(client):
+    # FastAPI ignored it: `?k=5` answered 10 labels, as if the client had not asked for 5.
+    r = client.post("/v1/predict?k=5&alpha=1", json={"text": "x"})
+    assert r.status_code == 422 and [d["field"] for d in r.json()["details"]] == ["query.k", "query.alpha"], r.text
+    assert "unknown query parameter 'k' (this route takes: none)" in r.json()["message"]
+    long_key = client.post(f"/v1/predict/tree?{'q' * 100}=1", json={"text": "x"}).json()
+    assert long_key["details"][0]["field"] == "query" and "(100 characters)" in long_key["message"]
+    assert client.post("/v1/predict?", json={"text": "x"}).status_code == 200  # an empty query is none
+
+
 def test_unknown_route_and_method_are_json_4xx(client):
     r = client.get("/v2/nothing")
     assert r.status_code == 404 and r.json()["error"] == "not_found"

@@ -14,13 +14,14 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 import orjson
+from fastapi.dependencies.models import Dependant
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.api.errors import ApiError, BodyRefused, error_json, shown
+from service.api.errors import SHOWN_CHARS, ApiError, BodyRefused, error_json, invalid_many, shown
 
 _NOT_JSON_NUMBERS = (b"NaN", b"Infinity", b"-Infinity")
 # The methods of the service's routes that take no body.
@@ -139,6 +140,32 @@ def _named(body: bytes, exc: orjson.JSONDecodeError) -> Exception:
     return exc
 
 
+def _query_names(dependant: Dependant) -> set[str]:
+    """The query parameters a route takes, its dependencies' included."""
+    return {p.alias for p in dependant.query_params}.union(*(_query_names(d) for d in dependant.dependencies))
+
+
+def refuse_unknown_query(request: Request, known: frozenset[str]) -> None:
+    """A 422 naming each query parameter the route does not take, or takes once but was given
+    twice: FastAPI ignores the one and keeps the last of the other, so `?k=5` on a prediction, or
+    a misspelt `expected_active` on a DELETE, was answered as if it had not been sent."""
+    if not request.scope.get("query_string"):  # the prediction's usual case: nothing parsed
+        return
+    keys = request.query_params.multi_items()
+    seen: set[str] = set()
+    problems = []
+    for key, _ in keys:
+        field = f"query.{key}" if len(key) <= SHOWN_CHARS and key.isprintable() else "query"
+        if key not in known:
+            takes = ", ".join(sorted(known)) or "none"
+            problems.append((field, f"unknown query parameter {shown(key)} (this route takes: {takes})"))
+        elif key in seen:
+            problems.append((field, "given more than once"))
+        seen.add(key)
+    if problems:
+        raise invalid_many(problems)
+
+
 class StrictJsonRoute(APIRoute):
     """A route whose body is read as StrictJsonRequest."""
 
@@ -146,8 +173,10 @@ class StrictJsonRoute(APIRoute):
         handler = super().get_route_handler()
         # An optional body (POST /admin/bundles/rollback's precondition) may be left out.
         takes_body = self.body_field is not None and self.body_field.field_info.is_required()
+        known = frozenset(_query_names(self.dependant))
 
         async def strict(request: Request) -> Response:
+            refuse_unknown_query(request, known)
             strict_request = StrictJsonRequest(request.scope, request.receive)
             # FastAPI takes an empty body for no body ("field required"), whitespace for bad JSON.
             if takes_body and not await strict_request.body():
