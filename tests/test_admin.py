@@ -382,7 +382,8 @@ def test_the_bundle_list_is_paged_under_max_listed_bundles(bundle_root_copy, tmp
         assert [b["version"] for b in one["bundles"]] == pages[-1] and one["next_offset"] is None
         assert c.get("/admin/bundles", params={"offset": 9}).json()["bundles"] == []
         for params, field in (({"limit": 3}, "query.limit"), ({"limit": 0}, "query.limit"),
-                              ({"offset": -1}, "query.offset")):
+                              ({"offset": -1}, "query.offset"), ({"offset": "0.0"}, "query.offset"),
+                              ({"limit": "1e1"}, "query.limit"), ({"limit": "+2"}, "query.limit")):
             r = c.get("/admin/bundles", params=params)
             assert r.status_code == 422 and r.json()["details"][0]["field"] == field, r.text
         wrong = {"authorization": "Bearer wrong"}

@@ -15,6 +15,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Path, Query, Security
 from fastapi.security import HTTPBearer
+from pydantic import BeforeValidator
 
 from service.api.activation import (
     ActivationFailed,
@@ -113,6 +114,14 @@ def _lock_busy(state: State, exc: ActivationLockBusy) -> ApiError:
     return ApiError(503, "activation_lock_busy", str(exc), headers={"Retry-After": str(exc.retry_after_s)})
 
 
+def _digits(value: object) -> object:
+    """A whole-number query parameter as its digits: "0.0", "1e1" or "+2" were taken as numbers
+    (pydantic's lax parsing), and a list of one number could not be told from the number."""
+    if isinstance(value, str) and not re.fullmatch(r"-?[0-9]+", value):
+        raise ValueError("expected a whole number written in digits")
+    return value
+
+
 def _changed(state: State, exc: BundleChanged) -> ApiError:
     """The 503 for a serving version's file found written in place; the watch marks it at once."""
     if state.watch is not None:
@@ -198,8 +207,9 @@ def admin_router(models: RequestModels) -> APIRouter:
 
     page_most = models.max_listed_bundles
     Limit = Annotated[int, Query(ge=1, le=page_most, description="bundles in this answer at most "  # noqa: N806
-                                 "(SHORTLIST_MAX_LISTED_BUNDLES)")]
-    Offset = Annotated[int, Query(ge=0, description="bundles skipped first (a page's next_offset)")]  # noqa: N806
+                                 "(SHORTLIST_MAX_LISTED_BUNDLES)"), BeforeValidator(_digits)]
+    Offset = Annotated[int, Query(ge=0, description="bundles skipped first (a page's next_offset)"),  # noqa: N806
+                       BeforeValidator(_digits)]
     ExpectedActive = Annotated[str | None, Query(pattern=VERSION_RE.pattern, description=EXPECTED_ACTIVE_HELP)]  # noqa: N806
 
     @router.get("/bundles", response_model=BundleList, responses=documented(401, 403, 422, 429),
