@@ -3,8 +3,9 @@
     python bench/latency.py --bundle bundles/v1 [--data ../shared/data/debian-deps] [--queries 2000]
 
 Prints single-query p50/p99 at one thread (ANN path and brute force, measured in the same
-run), the ratio, batch throughput, and the stage costs of one query (tokenise, encode,
-shortlist search, scoring).
+run, and the tree route when the bundle has one), the ratios, batch throughput, and the stage
+costs of one query (tokenise, encode, shortlist search, scoring; the tree route's beam search
+and rescoring).
 """
 
 from __future__ import annotations
@@ -87,6 +88,16 @@ def main() -> None:
     print(f"single query, 1 thread   ANN   p50 {a50:.3f} ms  p99 {a99:.3f} ms  ({len(ann_ms)} queries)")
     print(f"single query, 1 thread   exact p50 {e50:.3f} ms  p99 {e99:.3f} ms  ({len(exact_ms)} queries)")
     print(f"ANN / exact p50 ratio    {a50 / e50:.3f}")
+    tree = bundle.tree
+
+    def tree_route(batch):
+        return predictor.predict_tree_ids(batch, args.k)
+
+    if tree is not None:
+        tree_ms = _latencies(tree_route, texts)
+        t50, t99 = np.percentile(tree_ms, [50, 99])
+        print(f"single query, 1 thread   tree  p50 {t50:.3f} ms  p99 {t99:.3f} ms  (beam {tree.default_beam}; "
+              f"tree / ANN p50 {t50 / a50:.2f})")
 
     # Where one query's time goes.
     tok = bundle.tokenizer
@@ -103,6 +114,9 @@ def main() -> None:
     }
     cands, lexical = predictor.sources(q_ids, q_w, q)
     stages["score shortlist"] = lambda t: predictor.scorer.score(q, cands, predictor.alpha, lexical)
+    if tree is not None:
+        stages["tree beam search"] = lambda t: tree.beam_leaves(q, tree.default_beam, (q_ids, q_w))
+        stages["tree search (+ rescoring)"] = lambda t: tree.search(q, args.k, tokens=(q_ids, q_w))
     for name, fn in stages.items():
         ms = _latencies(lambda batch, fn=fn: fn(batch[0]), texts[:1000])
         print(f"  stage {name:<22} p50 {np.percentile(ms, 50) * 1e3:8.1f} us")
@@ -110,7 +124,10 @@ def main() -> None:
     for batch in (16, 64, 256):
         qps = _throughput(ann, texts, batch)
         qps_exact = _throughput(exact, texts[: args.exact_queries], batch)
-        print(f"batch {batch:>3}: ANN {qps:9.0f} q/s   exact {qps_exact:9.0f} q/s   ratio {qps / qps_exact:.2f}")
+        line = f"batch {batch:>3}: ANN {qps:9.0f} q/s   exact {qps_exact:9.0f} q/s   ratio {qps / qps_exact:.2f}"
+        if tree is not None:
+            line += f"   tree {_throughput(tree_route, texts, batch):9.0f} q/s"
+        print(line)
 
 
 if __name__ == "__main__":

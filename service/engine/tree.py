@@ -1,4 +1,5 @@
-"""The tree-based bias-corrected scorer (Bamler & Mandt, ICLR 2020), inference only (numpy).
+"""The tree-based bias-corrected scorer (Bamler & Mandt, ICLR 2020), inference only (numpy; the
+beam search in service/engine/_tree_beam.cpp).
 
 The auxiliary model p_n(y|x) is a perfect binary tree in heap order over the labels:
 internal node i (0 = root) has children 2i+1 (left) and 2i+2 (right); leaf j sits at heap
@@ -39,6 +40,12 @@ import numpy as np
 from service.engine.tree_lexical import LexicalRows, NodeLexical, Tokens
 from service.engine.vectors import as_float32
 
+try:
+    from service.engine import _tree_beam
+except ImportError as exc:  # a source tree on the path without its build (`make install` builds it)
+    raise ImportError("service.engine._tree_beam, the tree route's compiled beam search, is not built: install the "
+                      "package (`make install`, or `pip install -e .` with a C++ compiler)") from exc
+
 REQUIRED_ARRAYS = (
     "pca_mean",
     "pca_components",
@@ -56,6 +63,10 @@ MAX_BEAM = 4096
 NODE_LEXICAL = "node_lexical"
 # log_pn's node-term values (one per query, node and token) computed at once.
 _LOG_PN_BLOCK = 1 << 24
+# What the beam search reads a float16 node-lexical table through: every float16 bit pattern as
+# numpy converts it to float32 (256 KiB, so the table stays float16 in memory, as stored).
+_HALF_VALUES = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
+_NO_BYTES = np.zeros(0, dtype=np.uint8)
 
 
 def log_sigmoid(x: np.ndarray) -> np.ndarray:
@@ -92,6 +103,17 @@ def forced_split_bias(leaf_labels: np.ndarray) -> np.ndarray:
     return force
 
 
+def _beam_table(node_lexical: NodeLexical | None) -> tuple[np.ndarray, int]:
+    """The node-lexical table as the beam search reads it: (array, kind) with kind 2 for float16
+    (its bits, read through _HALF_VALUES), 4 for float32, 0 for no table."""
+    if node_lexical is None:
+        return _NO_BYTES, 0
+    table = node_lexical.table
+    if table.dtype == np.float16:
+        return np.ascontiguousarray(table).view(np.uint16), 2
+    return np.ascontiguousarray(table, dtype=np.float32), 4
+
+
 class TreeScorer:
     """Beam search over the probabilistic label tree with bias-corrected rescoring."""
 
@@ -111,7 +133,7 @@ class TreeScorer:
     ) -> None:
         self.pca_mean = np.asarray(pca_mean, dtype=np.float32)
         self.pca_components = np.asarray(pca_components, dtype=np.float32)
-        self.node_weights = np.asarray(node_weights, dtype=np.float32)
+        self.node_weights = np.ascontiguousarray(node_weights, dtype=np.float32)
         self.node_bias = np.asarray(node_bias, dtype=np.float32)
         self.leaf_labels = np.asarray(leaf_labels, dtype=np.int64)
         # float16 or int8 (a bundle's vector_dtype; int8 with its row scales) stays as stored: a
@@ -142,8 +164,7 @@ class TreeScorer:
         # Node scores are s = w . P (q - m) + b = (w P) . q + (b - w P m): fold the PCA
         # projection in per node only where it pays, i.e. keep z = P (q - m) (k << D).
         self._pca_offset = self.pca_components @ self.pca_mean
-        self._paths: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        self._heads: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._beam_table = _beam_table(self.node_lexical)
 
     def live_nodes(self, retired: np.ndarray | None) -> np.ndarray | None:
         """What search(live=...) takes for a bundle's retired labels (bool per label id, of at
@@ -327,77 +348,30 @@ class TreeScorer:
             xi = xi + self.lexical.scores(self._tokens(tokens, len(q)), labels)
         return xi
 
-    def _level_paths(self, level: int) -> tuple[np.ndarray, np.ndarray]:
-        """The nodes above each node of `level` ([2^level, level] heap indices, root first) and the
-        direction taken at each (+1 left, -1 right); cached per level."""
-        cached = self._paths.get(level)
-        if cached is None:
-            nodes = np.zeros((1, 0), dtype=np.int64)
-            signs = np.zeros((1, 0))
-            for depth in range(level):
-                parent = (1 << depth) - 1 + np.arange(1 << depth)
-                nodes = np.repeat(np.concatenate([nodes, parent[:, None]], axis=1), 2, axis=0)
-                signs = np.concatenate([np.repeat(signs, 2, axis=0), np.tile([[1.0], [-1.0]], (1 << depth, 1))], axis=1)
-            cached = self._paths[level] = (nodes, signs)
-        return cached
-
-    def _head(self, level: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """For the levels above `level`, scored whole: their node weights [k, nodes] (float64) and
-        biases, and each node of `level`'s path as indices into [log sigmoid(s), log sigmoid(-s)]
-        of those nodes ([2^level, level]); cached per level."""
-        cached = self._heads.get(level)
-        if cached is None:
-            path, signs = self._level_paths(level)
-            first = (1 << level) - 1
-            cached = self._heads[level] = (self.node_weights[:first].T.astype(np.float64),
-                                           self._node_bias_eff[:first], path + first * (signs < 0))
-        return cached
-
     def beam_leaves(self, q: np.ndarray, beam: int, tokens: Tokens | None = None,
                     live: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Beam search on path log-probs: (label ids [B, <=beam] (-1 = none), log p_n [B, <=beam]).
+        Each level keeps the `beam` children of highest path log-prob among the kept nodes'
+        children (service/engine/_tree_beam.cpp; unordered within the beam).
         live: live_nodes' mask; a node outside it is never entered (its path log-prob -inf, as
         padding's), so the beam holds live labels wherever the tree has them. Live labels keep
         their own log p_n: retiring a label does not rescale its siblings' (xi was trained against
         this p_n)."""
-        z = self._project(q).astype(np.float64)
-        batch = len(z)
-        rows = np.arange(batch)[:, None]
-        node_lexical = self.node_lexical
-        query = None if node_lexical is None else node_lexical.prepare(self._tokens(tokens, batch))
-        # The levels the beam holds whole are scored at once: one product for all their nodes,
-        # then each node of the first level too wide for it sums its path (the same sums a
-        # level-by-level search makes, in a few calls instead of a few per level).
-        full = min(self.depth, max(0, int(beam).bit_length() - 1))
-        first = (1 << full) - 1
-        if full:
-            weights, bias, steps = self._head(full)
-            s = z @ weights + bias
-            if query is not None:
-                s += node_lexical.scores(np.arange(first), query)
-            # log sigmoid of each node's two directions once, then summed along every path: the same
-            # values as over the [2^full, full] gathered logits, at a fraction of the exp/log calls.
-            both = np.concatenate([log_sigmoid(s), log_sigmoid(-s)], axis=1)
-            logp = both[:, steps].sum(-1)
+        z = np.ascontiguousarray(self._project(q), dtype=np.float64)
+        batch, width = len(z), min(int(beam), self.num_leaves)
+        if self.node_lexical is None:
+            offsets, weights = np.zeros((batch, 0), np.int64), np.zeros((batch, 0), np.float32)
         else:
-            logp = np.zeros((batch, 1))
-        nodes = np.broadcast_to(first + np.arange(1 << full), (batch, 1 << full))
-        if live is not None:
-            logp = np.where(live[first : first + (1 << full)], logp, -np.inf)
-        z32 = z.astype(np.float32)
-        for _ in range(full, self.depth):
-            s = (self.node_weights[nodes] @ z32[:, :, None])[:, :, 0] + self._node_bias_eff[nodes]
-            if query is not None:
-                s += node_lexical.scores(nodes, query)
-            # log sigmoid(+-s) = min(+-s, 0) - log(1 + exp(-|s|)): both children from one exp.
-            shared = np.log1p(np.exp(-np.abs(s)))
-            nodes = np.concatenate([2 * nodes + 1, 2 * nodes + 2], axis=1)
-            logp = np.concatenate([logp + (np.minimum(s, 0.0) - shared), logp + (np.minimum(-s, 0.0) - shared)], axis=1)
-            if live is not None:
-                logp = np.where(live[nodes], logp, -np.inf)
-            if nodes.shape[1] > beam:
-                keep = np.argpartition(-logp, beam - 1, axis=1)[:, :beam]
-                nodes, logp = nodes[rows, keep], logp[rows, keep]
+            ids, weights = self._tokens(tokens, batch)
+            offsets = np.ascontiguousarray(self.node_lexical.token_offsets(ids), dtype=np.int64)
+            weights = np.ascontiguousarray(weights, dtype=np.float32)
+        live_bytes = _NO_BYTES if live is None else np.ascontiguousarray(live, dtype=bool).view(np.uint8)
+        nodes = np.empty((batch, width), dtype=np.int64)
+        logp = np.empty((batch, width))
+        table, table_kind = self._beam_table
+        _tree_beam.beam_search(z, self.node_weights, self._node_bias_eff, table, _HALF_VALUES, offsets, weights,
+                               live_bytes, nodes, logp, batch, z.shape[1], offsets.shape[1], self.depth, width,
+                               table_kind)
         labels = self.leaf_labels[nodes - (self.num_leaves - 1)]
         # Padding leaves (p_n = 0) and leaves reached only through them are not candidates.
         labels = np.where(np.isfinite(logp), labels, -1)
