@@ -1,5 +1,5 @@
 """The tree-based bias-corrected scorer (Bamler & Mandt, ICLR 2020), inference only (numpy; the
-beam search in service/engine/_tree_beam.cpp).
+beam search in service/engine/_tree_search.cpp).
 
 The auxiliary model p_n(y|x) is a perfect binary tree in heap order over the labels:
 internal node i (0 = root) has children 2i+1 (left) and 2i+2 (right); leaf j sits at heap
@@ -38,13 +38,8 @@ from collections.abc import Mapping
 import numpy as np
 
 from service.engine.tree_lexical import LexicalRows, NodeLexical, Tokens
+from service.engine.tree_native import beam_search
 from service.engine.vectors import as_float32
-
-try:
-    from service.engine import _tree_beam
-except ImportError as exc:  # a source tree on the path without its build (`make install` builds it)
-    raise ImportError("service.engine._tree_beam, the tree route's compiled beam search, is not built: install the "
-                      "package (`make install`, or `pip install -e .` with a C++ compiler)") from exc
 
 REQUIRED_ARRAYS = (
     "pca_mean",
@@ -147,10 +142,10 @@ class TreeScorer:
         self._check_structure()
         self.lexical = None
         if lexical is not None:
-            self.lexical = LexicalRows(np.asarray(lexical["lexical_indptr"], dtype=np.int64),
-                                       np.asarray(lexical["lexical_labels"], dtype=np.int32),
-                                       np.asarray(lexical["lexical_weights"], dtype=np.float32),
-                                       np.asarray(lexical["lexical_bias"], dtype=np.float32),
+            self.lexical = LexicalRows(np.ascontiguousarray(lexical["lexical_indptr"], dtype=np.int64),
+                                       np.ascontiguousarray(lexical["lexical_labels"], dtype=np.int32),
+                                       np.ascontiguousarray(lexical["lexical_weights"], dtype=np.float32),
+                                       np.ascontiguousarray(lexical["lexical_bias"], dtype=np.float32),
                                        int(self.classifier_weights.shape[0]))
             for name in ("weights", "bias"):
                 if not np.isfinite(getattr(self.lexical, name)).all():
@@ -352,7 +347,7 @@ class TreeScorer:
                     live: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Beam search on path log-probs: (label ids [B, <=beam] (-1 = none), log p_n [B, <=beam]).
         Each level keeps the `beam` children of highest path log-prob among the kept nodes'
-        children (service/engine/_tree_beam.cpp; unordered within the beam).
+        children (service/engine/_tree_search.cpp; unordered within the beam).
         live: live_nodes' mask; a node outside it is never entered (its path log-prob -inf, as
         padding's), so the beam holds live labels wherever the tree has them. Live labels keep
         their own log p_n: retiring a label does not rescale its siblings' (xi was trained against
@@ -369,9 +364,8 @@ class TreeScorer:
         nodes = np.empty((batch, width), dtype=np.int64)
         logp = np.empty((batch, width))
         table, table_kind = self._beam_table
-        _tree_beam.beam_search(z, self.node_weights, self._node_bias_eff, table, _HALF_VALUES, offsets, weights,
-                               live_bytes, nodes, logp, batch, z.shape[1], offsets.shape[1], self.depth, width,
-                               table_kind)
+        beam_search(z, self.node_weights, self._node_bias_eff, table, _HALF_VALUES, offsets, weights, live_bytes, nodes,
+                    logp, batch, z.shape[1], offsets.shape[1], self.depth, width, table_kind)
         labels = self.leaf_labels[nodes - (self.num_leaves - 1)]
         # Padding leaves (p_n = 0) and leaves reached only through them are not candidates.
         labels = np.where(np.isfinite(logp), labels, -1)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from service.engine.tree_native import lexical_scores
+
 # Fibonacci hashing's multiplier (2^64 / golden ratio, odd): the top bits of id * it spread
 # consecutive ids evenly over the table.
 _HASH_MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)
@@ -47,35 +49,21 @@ class LexicalRows:
         self.num_labels = num_labels
         self.vocab_size = len(indptr) - 1
         token = np.repeat(np.arange(self.vocab_size, dtype=np.int64), np.diff(indptr))
-        self.keys = token * num_labels + labels
-        if (np.diff(self.keys) <= 0).any():
+        if (np.diff(token * num_labels + labels) <= 0).any():
             raise ValueError("tree array lexical_labels: labels must be strictly ascending within each token's row")
 
     def scores(self, tokens: Tokens, labels: np.ndarray) -> np.ndarray:
-        """[B, C] sum_t x_t U[t, labels[b, c]] (labels >= 0; token ids past the vocabulary count 0).
-
-        Only the labels on the query's token rows (T x width of them) have a term: they are
-        summed from the rows, and the candidates look theirs up among those few, instead of
-        each (candidate, token) pair searching all of U's keys."""
-        ids, x = tokens
-        batch = len(ids)
-        known = (ids > 0) & (ids < self.vocab_size)  # 0 pads a query's row
-        ids = np.where(known, ids, 0)
-        starts, ends = self.indptr[ids], self.indptr[ids + 1]
-        lengths = np.where(known, ends - starts, 0).ravel()
-        total = int(lengths.sum())
-        if total == 0:
-            return np.zeros(labels.shape)
-        # Every (row, slot of U) the query's tokens reach, flattened.
-        offsets = np.repeat(np.cumsum(lengths) - lengths, lengths)
-        slots = np.repeat(starts.ravel(), lengths) + np.arange(total) - offsets
-        row = np.repeat(np.repeat(np.arange(batch), ids.shape[1]), lengths)
-        reached, where = np.unique(row * self.num_labels + self.labels[slots], return_inverse=True)
-        term = np.bincount(where, weights=self.weights[slots] * np.repeat(x.ravel(), lengths), minlength=len(reached))
-        term += self.bias[reached % self.num_labels]
-        keys = np.arange(batch)[:, None] * self.num_labels + labels
-        slot = np.minimum(np.searchsorted(reached, keys), len(reached) - 1)
-        return np.where(reached[slot] == keys, term[slot], 0.0)
+        """[B, C] sum_t x_t U[t, labels[b, c]] + h for labels on some query token's row, else 0
+        (labels >= 0; token ids past the vocabulary count 0). Only the labels on the query's token
+        rows (T x width of them) have a term: service/engine/_tree_search.cpp sums them into a
+        small hash table per query and looks the candidates up there."""
+        ids = np.ascontiguousarray(tokens[0], dtype=np.int64)
+        x = np.ascontiguousarray(tokens[1], dtype=np.float32)
+        labels = np.ascontiguousarray(labels, dtype=np.int64)
+        out = np.empty(labels.shape)
+        lexical_scores(self.indptr, self.labels, self.weights, self.bias, ids, x, labels, out, len(ids), ids.shape[1],
+                       labels.shape[1])
+        return out
 
     def dense(self, tokens: Tokens) -> np.ndarray:
         """[B, L] the term for every label (measurement only)."""

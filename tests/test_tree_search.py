@@ -1,6 +1,7 @@
-"""The tree route's beam search (service/engine/_tree_beam.cpp) against the search it stands for,
-written out level by level in plain numpy: random trees with padding, forced splits, float16 and
-float32 node-lexical tables, retired subtrees, batches and threads."""
+"""The tree route's compiled search (service/engine/_tree_search.cpp) against what it stands for:
+the beam search written out level by level in plain numpy (random trees with padding, forced
+splits, float16 and float32 node-lexical tables, retired subtrees, batches and threads), and
+xi's lexical term against its dense form."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from service.engine import _tree_beam
+from service.engine import _tree_search
 from service.engine.tree import TreeScorer, log_sigmoid
+from service.engine.tree_lexical import LexicalRows
 
 DIM, PCA = 12, 5
 
@@ -137,7 +139,7 @@ def _call(z=None, weights=None, table=None, kind=2, live=None, out=None, depth=3
     weights = np.zeros((internal, dim), np.float32) if weights is None else weights
     table = np.zeros(16, np.uint16) if table is None else table
     nodes = np.empty((batch, beam), np.int64) if out is None else out
-    _tree_beam.beam_search(z, weights, np.zeros(internal), table, np.zeros(1 << 16, np.float32),
+    _tree_search.beam_search(z, weights, np.zeros(internal), table, np.zeros(1 << 16, np.float32),
                            np.zeros((batch, 1), np.int64), np.ones((batch, 1), np.float32),
                            np.zeros(0, np.uint8) if live is None else live, nodes, np.empty((batch, beam)),
                            batch, dim, 1, depth, beam, kind)
@@ -164,3 +166,47 @@ def test_the_kernel_refuses_buffers_that_disagree_with_the_sizes_it_is_given():
     assert _call(table=np.zeros(0, np.uint16), kind=0).shape == (1, 4)  # no table: kind 0
     with pytest.raises(ValueError, match="contiguous"):
         _call(z=np.zeros((1, 4))[:, ::2])
+
+
+def random_rows(vocab: int, num_labels: int, seed: int) -> LexicalRows:
+    """U with rows of 0..6 ascending labels (some tokens with none) and a bias per label."""
+    rng = np.random.default_rng(seed)
+    rows = [np.sort(rng.choice(num_labels, int(rng.integers(0, 7)), replace=False)) for _ in range(vocab)]
+    indptr = np.r_[0, np.cumsum([len(r) for r in rows])].astype(np.int64)
+    labels = np.concatenate(rows).astype(np.int32) if indptr[-1] else np.zeros(0, np.int32)
+    return LexicalRows(indptr, labels, rng.normal(size=len(labels)).astype(np.float32),
+                       rng.normal(size=num_labels).astype(np.float32), num_labels)
+
+
+@pytest.mark.parametrize("vocab, num_labels", [(1, 3), (40, 25), (300, 1000)])
+def test_the_lexical_term_of_candidates_is_its_dense_form_at_them(vocab, num_labels):
+    rows = random_rows(vocab, num_labels, seed=vocab)
+    rng = np.random.default_rng(1)
+    ids = rng.integers(-2, vocab + 3, size=(6, 9))  # padding 0, ids past the vocabulary and below 0
+    ids[0, :4] = ids[0, 4]  # one token four times: each occurrence counts
+    x = rng.random((6, 9)).astype(np.float32)
+    x[1] = 0.0  # tokens with weight 0 still reach their rows' labels (their h)
+    candidates = rng.integers(0, num_labels, size=(6, 40))
+    got = rows.scores((ids, x), candidates)
+    want = np.take_along_axis(rows.dense((ids, x)), candidates, 1)
+    assert got.shape == candidates.shape and got.dtype == np.float64
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert rows.scores((ids[:, :0], x[:, :0]), candidates).tolist() == np.zeros(candidates.shape).tolist()
+
+
+def test_the_lexical_kernel_refuses_rows_and_arrays_that_disagree():
+    rows = random_rows(40, 25, seed=2)
+    ids, x = np.ones((2, 3), np.int64), np.ones((2, 3), np.float32)
+    candidates, out = np.zeros((2, 4), np.int64), np.empty((2, 4))
+
+    def call(indptr=rows.indptr, labels=rows.labels, tokens=3, count=4):
+        _tree_search.lexical_scores(indptr, labels, rows.weights, rows.bias, ids, x, candidates, out, 2, tokens, count)
+
+    call()
+    outside = rows.indptr.copy()
+    outside[1] = outside[-1] + 5  # token 1's run past the end (ids are all 1)
+    for message, change in {"rows: indptr": {"labels": rows.labels[:-1]}, "tokens:": {"tokens": 2},
+                            "candidates, out:": {"count": 5}, "bad sizes": {"indptr": np.zeros(0, np.int64)},
+                            "rows: a token's run": {"indptr": outside}}.items():
+        with pytest.raises(ValueError, match=message):
+            call(**change)
