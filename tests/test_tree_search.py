@@ -140,9 +140,9 @@ def _call(z=None, weights=None, table=None, kind=2, live=None, out=None, depth=3
     table = np.zeros(16, np.uint16) if table is None else table
     nodes = np.empty((batch, beam), np.int64) if out is None else out
     _tree_search.beam_search(z, weights, np.zeros(internal), table, np.zeros(1 << 16, np.float32),
-                           np.zeros((batch, 1), np.int64), np.ones((batch, 1), np.float32),
-                           np.zeros(0, np.uint8) if live is None else live, nodes, np.empty((batch, beam)),
-                           batch, dim, 1, depth, beam, kind)
+                             np.zeros((batch, 1), np.int64), np.ones((batch, 1), np.float32),
+                             np.zeros(0, np.uint8) if live is None else live, nodes, np.empty((batch, beam)),
+                             batch, dim, 1, depth, beam, kind)
     return nodes
 
 
@@ -163,6 +163,9 @@ def test_the_kernel_refuses_buffers_that_disagree_with_the_sizes_it_is_given():
             _call(**change)
     with pytest.raises(ValueError, match="bad sizes"):
         _call(beam=0)
+    with pytest.raises(ValueError, match="node weights:"):  # depth 40 passes its own check
+        _call(depth=40)
+    assert _call(live=np.ones(15, np.uint8)).shape == (1, 4)  # every node of the tree: enough
     assert _call(table=np.zeros(0, np.uint16), kind=0).shape == (1, 4)  # no table: kind 0
     with pytest.raises(ValueError, match="contiguous"):
         _call(z=np.zeros((1, 4))[:, ::2])
