@@ -1,6 +1,6 @@
 """The package's compiled part; everything else is declared in pyproject.toml.
 
-The tree route's search loops are C++ (service/engine/_tree_search.cpp says why). It builds with
+The tree route's search loops are C++ (service/engine/_tree_native.cpp says why). It builds with
 the compiler hnswlib's source build already needs, and reads numpy arrays as plain buffers (no
 numpy headers at build time).
 """
@@ -10,8 +10,8 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "service.engine._tree_search",
-            sources=["service/engine/_tree_search.cpp"],
+            "service.engine._tree_native",
+            sources=["service/engine/_tree_native.cpp"],
             language="c++",
             extra_compile_args=["-O2", "-std=c++17"],
         )

@@ -227,6 +227,23 @@ def test_soft_labels_train_each_pair_with_its_weights_probability():
     assert xi["near 0"] < 0 < xi["hard"]  # uniform negatives: xi is log p(y|x) + log L + const
 
 
+def test_the_progress_callback_sees_the_start_every_few_steps_and_the_end():
+    """A curve of P@1 against training time (bench/tree.py's convergence) begins at the start,
+    before the first step: with a good start a sampler may be best there."""
+    x, targets, _ = clustered_data(20, 300, 8, 0.8, seed=3)
+    calls: list[tuple[float, int, float]] = []
+
+    def record(elapsed: float, step: int, arrays: dict[str, np.ndarray]) -> None:
+        calls.append((elapsed, step, float(np.abs(arrays["classifier_weights"]).sum())))
+
+    clf = TreeClassifier(epochs=2, batch_size=64, negatives=4, sampler="uniform", seed=0).fit(
+        x, targets, 20, None, callback=record, callback_every=3)
+    steps = [step for _, step, _ in calls]
+    assert steps[0] == 0 and calls[0][0] == 0.0 and calls[0][2] == 0.0  # the zero start, untrained
+    assert steps[1:-1] == list(range(3, clf.fit_stats_["steps"] + 1, 3)) and steps[-1] == clf.fit_stats_["steps"]
+    assert all(a[0] <= b[0] for a, b in zip(calls, calls[1:], strict=False))
+
+
 def one_vs_all_inputs(num_labels: int = 20, dim: int = 8, seed: int = 4):
     """Documents, their labels, Module III-like (w, b) and unit label centroids of the same labels."""
     x, targets, protos = clustered_data(num_labels, 300, dim, 0.8, seed=seed)

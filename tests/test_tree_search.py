@@ -1,4 +1,4 @@
-"""The tree route's compiled search (service/engine/_tree_search.cpp) against what it stands for:
+"""The tree route's compiled search (service/engine/_tree_native.cpp) against what it stands for:
 the beam search written out level by level in plain numpy (random trees with padding, forced
 splits, float16 and float32 node-lexical tables, retired subtrees, batches and threads), and
 xi's lexical term against its dense form."""
@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from service.engine import _tree_search
+from service.engine import _tree_native
 from service.engine.tree import TreeScorer, log_sigmoid
 from service.engine.tree_lexical import LexicalRows
 
@@ -139,7 +139,7 @@ def _call(z=None, weights=None, table=None, kind=2, live=None, out=None, depth=3
     weights = np.zeros((internal, dim), np.float32) if weights is None else weights
     table = np.zeros(16, np.uint16) if table is None else table
     nodes = np.empty((batch, beam), np.int64) if out is None else out
-    _tree_search.beam_search(z, weights, np.zeros(internal), table, np.zeros(1 << 16, np.float32),
+    _tree_native.beam_search(z, weights, np.zeros(internal), table, np.zeros(1 << 16, np.float32),
                              np.zeros((batch, 1), np.int64), np.ones((batch, 1), np.float32),
                              np.zeros(0, np.uint8) if live is None else live, nodes, np.empty((batch, beam)),
                              batch, dim, 1, depth, beam, kind)
@@ -203,7 +203,7 @@ def test_the_lexical_kernel_refuses_rows_and_arrays_that_disagree():
     candidates, out = np.zeros((2, 4), np.int64), np.empty((2, 4))
 
     def call(indptr=rows.indptr, labels=rows.labels, tokens=3, count=4):
-        _tree_search.lexical_scores(indptr, labels, rows.weights, rows.bias, ids, x, candidates, out, 2, tokens, count)
+        _tree_native.lexical_scores(indptr, labels, rows.weights, rows.bias, ids, x, candidates, out, 2, tokens, count)
 
     call()
     outside = rows.indptr.copy()

@@ -6,8 +6,10 @@ dense splits (training/tree.py), which stay as fitted:
 
 by Adagrad over mini-batches of documents: p_n's own likelihood, the objective the dense splits
 were fitted on. A document's pairs share the nodes near the root, so each (document, node) is
-one row weighted by how many of its pairs go left and right. numpy only: the gradient is a
-weighted count per slot, which np.bincount takes in one pass.
+one row weighted by how many of its pairs go left and right. The step is compiled
+(service/engine/_tree_native.cpp, node_lexical_step, beside the search that reads the same
+slots): in numpy its gathers, sorts and bincounts took ~0.3 s an epoch of debian-tags' 20,000
+documents, compiled ~0.07 s (bench/RESULTS.md, "p_n's lexical node term fitted in compiled code").
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from service.engine.tree_lexical import MAX_NODE_LEXICAL_BITS, NodeLexical, Tokens
-from training.distinct_keys import distinct
+from service.engine.tree_native import node_lexical_step
 from training.divergence import check_fitted
 from training.progress import Progress
 from training.tree import LabelTree
@@ -28,37 +30,50 @@ from training.tree import LabelTree
 log = logging.getLogger("shortlist.training")
 
 
-def _sigmoid(x: np.ndarray) -> np.ndarray:
-    return 0.5 * (1.0 + np.tanh(0.5 * x))
-
-
-def _softplus(x: np.ndarray) -> np.ndarray:
-    return np.logaddexp(0.0, x)
-
-
 @dataclass
-class _DocWords:
-    """The documents' words without their padding: document d's are start[d]:start[d + 1] of
-    offsets (where each word's run of table slots starts) and weights (float64)."""
+class FitArrays:
+    """What the compiled step reads, laid out once per fit (C-contiguous, its dtypes)."""
 
-    start: np.ndarray
-    offsets: np.ndarray
-    weights: np.ndarray
+    doc_start: np.ndarray
+    pair_label: np.ndarray
+    path_nodes: np.ndarray
+    path_signs: np.ndarray
+    node_weights: np.ndarray
+    bias: np.ndarray
+    z: np.ndarray
+    word_start: np.ndarray
+    word_offsets: np.ndarray
+    word_weights: np.ndarray
 
     @classmethod
-    def of(cls, work: NodeLexical, tokens: Tokens) -> _DocWords:
+    def of(cls, tree: LabelTree, lexical: NodeLexical, z: np.ndarray, tokens: Tokens, pair_doc: np.ndarray,
+           pair_label: np.ndarray) -> FitArrays:
         ids, weights = np.asarray(tokens[0]), np.asarray(tokens[1], dtype=np.float32)
         doc, col = np.nonzero(weights)
-        start = np.searchsorted(doc, np.arange(len(weights) + 1))
-        return cls(start, work.token_offsets(ids[doc, col]), weights[doc, col].astype(np.float64))
 
-    def of_rows(self, row_doc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """For rows of documents row_doc: each word's row and its index here, row by row (the
-        order np.nonzero gives over the rows' padded [R, T] weights)."""
-        lengths = self.start[row_doc + 1] - self.start[row_doc]
-        rows = np.repeat(np.arange(len(row_doc)), lengths)
-        at = np.repeat(self.start[row_doc] - np.cumsum(lengths) + lengths, lengths) + np.arange(lengths.sum())
-        return rows, at
+        def c(a: np.ndarray, dtype: type) -> np.ndarray:
+            return np.ascontiguousarray(a, dtype=dtype)
+
+        return cls(c(np.searchsorted(pair_doc, np.arange(len(z) + 1)), np.int64), c(pair_label, np.int64),
+                   c(tree.path_nodes_, np.int64), c(tree.path_signs_, np.float64),
+                   c(tree.node_weights_, np.float32), c(tree.bias_eff_, np.float64), c(z, np.float32),
+                   c(np.searchsorted(doc, np.arange(len(weights) + 1)), np.int64),
+                   c(lexical.token_offsets(ids[doc, col]), np.int64), c(weights[doc, col], np.float64))
+
+    def step(self, docs: np.ndarray, state: np.ndarray, lr: float, l2: float) -> float:
+        """One Adagrad step on the documents `docs`, state (new_state) updated in place; returns
+        their summed loss."""
+        return node_lexical_step(np.ascontiguousarray(docs, dtype=np.int64), self.doc_start, self.pair_label,
+                                 self.path_nodes, self.path_signs, self.node_weights, self.bias, self.z,
+                                 self.word_start, self.word_offsets, self.word_weights, state,
+                                 self.z.shape[1], self.path_nodes.shape[1], lr, l2)
+
+
+def new_state(bits: int) -> np.ndarray:
+    """The fit's state, one row a slot: [2^bits, 4] float32 of the value (column 0, the table),
+    Adagrad's sum of squares (1) and the batch's gradient as a float64 (2-3), zero between steps:
+    a slot's reads and writes in one cache line (the compiled step says why)."""
+    return np.zeros((1 << bits, 4), dtype=np.float32)
 
 
 class NodeLexicalFit:
@@ -85,11 +100,9 @@ class NodeLexicalFit:
         """z: the documents' projections (tree.project); tokens: their padded ids and weights
         [N, T]; (pair_doc, pair_label): the positive pairs, by document (training.tree.flatten_pairs)."""
         self.validate()
-        work = NodeLexical(np.zeros(1 << self.bits, dtype=np.float32))
-        words = _DocWords.of(work, tokens)
-        sum_sq = np.zeros_like(work.table)
-        doc_start = np.searchsorted(pair_doc, np.arange(len(z) + 1))
-        with_pairs = np.flatnonzero(np.diff(doc_start) > 0)
+        state = new_state(self.bits)
+        arrays = FitArrays.of(tree, NodeLexical(state[:, 0]), z, tokens, pair_doc, pair_label)
+        with_pairs = np.flatnonzero(np.diff(arrays.doc_start) > 0)
         rng = np.random.default_rng(self.seed)
         self.losses_: list[float] = []
         self.steps_ = 0
@@ -102,11 +115,7 @@ class NodeLexicalFit:
             for begin in bar:
                 if self.steps_ >= self.max_steps:
                     break
-                docs = order[begin : begin + self.batch_docs]
-                # a diverging step overflows float32: the loss check below ends the fit, and
-                # check_fitted names the setting, so numpy's own warning would only be noise
-                with np.errstate(over="ignore", invalid="ignore"):
-                    total += self._step(tree, work, sum_sq, z, words, doc_start, docs, pair_label)
+                total += arrays.step(order[begin : begin + self.batch_docs], state, self.lr, self.l2)
                 self.steps_ += 1
                 if not math.isfinite(total):
                     break  # diverged: the check below names the setting
@@ -116,39 +125,6 @@ class NodeLexicalFit:
             if self.steps_ >= self.max_steps or not math.isfinite(total):
                 break
         check_fitted("tree node lexical", "lower tree.node_lexical_lr or raise tree.node_lexical_l2",
-                     {"its table": work.table, "its loss": self.losses_}, "float16")
-        self.table_ = work.table.astype(np.float16)
+                     {"its table": state[:, 0], "its loss": self.losses_}, "float16")
+        self.table_ = state[:, 0].astype(np.float16)
         return self
-
-    def _step(self, tree: LabelTree, work: NodeLexical, sum_sq: np.ndarray, z: np.ndarray, words: _DocWords,
-              doc_start: np.ndarray, docs: np.ndarray, pair_label: np.ndarray) -> float:
-        """One Adagrad step on the documents `docs`; returns their summed loss."""
-        lengths = doc_start[docs + 1] - doc_start[docs]
-        pairs = np.repeat(doc_start[docs] - np.cumsum(lengths) + lengths, lengths) + np.arange(lengths.sum())
-        # a document's rank in the batch keys its rows: sorted as by its id, in a batch-sized range
-        batch_docs = np.sort(docs)
-        pair_rank = np.repeat(np.searchsorted(batch_docs, docs), lengths)
-        nodes, signs = tree.path_nodes_[pair_label[pairs]], tree.path_signs_[pair_label[pairs]]
-        num_nodes = len(tree.node_bias_)
-        keys, row = distinct((pair_rank[:, None] * num_nodes + nodes).ravel(), len(docs) * num_nodes)
-        left = np.bincount(row, weights=(signs > 0).ravel(), minlength=len(keys))
-        right = np.bincount(row, weights=(signs < 0).ravel(), minlength=len(keys))
-        row_doc, row_node = batch_docs[keys // num_nodes], keys % num_nodes
-        bias = tree.bias_eff_[row_node]
-        learned = np.isfinite(bias)  # a forced split (one side padding) has nothing to learn
-        row_doc, row_node, left, right, bias = (a[learned] for a in (row_doc, row_node, left, right, bias))
-        dense = np.einsum("rk,rk->r", tree.node_weights_[row_node].astype(np.float64), z[row_doc]) + bias
-        r, at = words.of_rows(row_doc)
-        x = words.weights[at]
-        slot = work.slots(row_node[r], words.offsets[at])
-        value = work.table[slot].astype(np.float64)
-        s = dense + np.bincount(r, weights=value * x, minlength=len(row_doc))
-        count = (left + right)[r]
-        loss = float((left * _softplus(-s) + right * _softplus(s)).sum() + self.l2 * (count * value**2).sum())
-        d_s = right * _sigmoid(s) - left * _sigmoid(-s)
-        grad_flat = d_s[r] * x + 2.0 * self.l2 * count * value
-        touched, where = distinct(slot, len(work.table))
-        grad = np.bincount(where, weights=grad_flat, minlength=len(touched))
-        sum_sq[touched] += grad**2
-        work.table[touched] -= (self.lr * grad / (np.sqrt(sum_sq[touched]) + 1e-10)).astype(np.float32)
-        return loss

@@ -62,7 +62,8 @@ log = logging.getLogger("shortlist.training")
 _POSITIVES_AT_ONCE = 1 << 18
 
 # Called with (seconds of training so far, step, xi's arrays (TreeClassifier.arrays_; live views,
-# not copies)); the time it takes is not counted as training time.
+# not copies)) at the start, every callback_every steps and at the end; the time it takes is not
+# counted as training time.
 ProgressCallback = Callable[[float, int, dict[str, np.ndarray]], None]
 
 
@@ -142,6 +143,8 @@ class TreeClassifier:
             run.add_lexical(LexicalPart(tokens, lexical, num_labels), fitted=bool(lexical.weights.any()))
         losses: list[float] = []
         stop = False
+        if callback is not None and callback_every:
+            callback(run.elapsed, run.steps, run.export())  # the start: a curve begins before the first step
         for epoch in range(self.epochs):
             order = run.rng.permutation(len(run.pair_doc))
             if weights is not None:

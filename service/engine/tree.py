@@ -1,5 +1,5 @@
 """The tree-based bias-corrected scorer (Bamler & Mandt, ICLR 2020), inference only (numpy; the
-beam search in service/engine/_tree_search.cpp).
+beam search in service/engine/_tree_native.cpp).
 
 The auxiliary model p_n(y|x) is a perfect binary tree in heap order over the labels:
 internal node i (0 = root) has children 2i+1 (left) and 2i+2 (right); leaf j sits at heap
@@ -347,7 +347,7 @@ class TreeScorer:
                     live: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Beam search on path log-probs: (label ids [B, <=beam] (-1 = none), log p_n [B, <=beam]).
         Each level keeps the `beam` children of highest path log-prob among the kept nodes'
-        children (service/engine/_tree_search.cpp; unordered within the beam).
+        children (service/engine/_tree_native.cpp; unordered within the beam).
         live: live_nodes' mask; a node outside it is never entered (its path log-prob -inf, as
         padding's), so the beam holds live labels wherever the tree has them. Live labels keep
         their own log p_n: retiring a label does not rescale its siblings' (xi was trained against

@@ -55,7 +55,7 @@ class LexicalRows:
     def scores(self, tokens: Tokens, labels: np.ndarray) -> np.ndarray:
         """[B, C] sum_t x_t U[t, labels[b, c]] + h for labels on some query token's row, else 0
         (labels >= 0; token ids past the vocabulary count 0). Only the labels on the query's token
-        rows (T x width of them) have a term: service/engine/_tree_search.cpp sums them into a
+        rows (T x width of them) have a term: service/engine/_tree_native.cpp sums them into a
         small hash table per query and looks the candidates up there."""
         ids = np.ascontiguousarray(tokens[0], dtype=np.int64)
         x = np.ascontiguousarray(tokens[1], dtype=np.float32)

@@ -1,6 +1,8 @@
-// The tree route's search as compiled loops: the beam search down p_n's tree
+// The tree route's compiled loops: the beam search down p_n's tree
 // (service.engine.tree.TreeScorer.beam_leaves) and xi's lexical term of the beam's labels
-// (service.engine.tree_lexical.LexicalRows.scores).
+// (service.engine.tree_lexical.LexicalRows.scores); and, for training, one Adagrad step of p_n's
+// lexical node term (training/tree_node_lexical.py), which reads the table's slots as the search
+// does.
 //
 // Why native code: in numpy a level of the beam search is ~15 calls on arrays of a few hundred
 // values, ~90 us a level on the team's machine, and a debian-deps query walks 16 levels (~0.85
@@ -10,8 +12,8 @@
 // start, load check and CLI call.
 //
 // No numpy headers: arrays arrive as C-contiguous buffers whose dtypes and shapes the Python
-// side fixes (TreeScorer.beam_leaves, LexicalRows.scores); sizes are checked here again before
-// any read.
+// side fixes (TreeScorer.beam_leaves, LexicalRows.scores, training's FitArrays); sizes are
+// checked here again before any read.
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -264,6 +266,192 @@ PyObject* lexical_scores(PyObject*, PyObject* args) {
     return finish(b, 8, out_of_memory, bad);
 }
 
+// --- training: one Adagrad step of p_n's lexical node term (training/tree_node_lexical.py) ---
+//
+// The same slot(n, t) and s_n(x) as node_logit above, fitted: for each document of the batch,
+// each node on its positive labels' paths is one row weighted by how many of its pairs go left
+// and right; the loss is softplus(-d s) per pair plus l2 v^2 per (pair, word); every slot's
+// gradient is summed over the batch before its Adagrad update (all rows read the table as it
+// was before the step). In numpy this step was ~15 gathers, two sorts and bincounts on a few
+// 10^5 values: 8.9 s of debian-tags' 30-epoch fit, 63 s of debian-deps'; here a loop over the
+// batch's rows, 2.1-2.6 s and 12-16 s, the same table (bench/RESULTS.md).
+
+struct NodeLexicalData {
+    const int64_t* doc_start;    // [docs + 1] each document's run of positive pairs
+    const int64_t* pair_label;   // [pairs]
+    const int64_t* path_nodes;   // [labels, depth] heap nodes from the root
+    const double* path_signs;    // [labels, depth] +1 left, -1 right
+    const float* node_weights;   // [nodes, dim]
+    const double* bias;          // [nodes] with the forced splits' +-inf folded in (those rows skipped)
+    const float* z;              // [docs, dim]
+    const int64_t* word_start;   // [docs + 1] each document's run of words
+    const int64_t* word_offsets; // [words] each word's first slot
+    const double* word_weights;  // [words]
+    Py_ssize_t docs, pairs, labels, nodes, words, dim, depth;
+};
+
+// One slot of the fit: its value, Adagrad's sum of squared gradients and the batch's gradient in
+// one 16-byte record, so that a slot's three reads (scoring, gradient, update) are one cache
+// miss, not three: the table (2^22 slots by default) is far larger than a core's caches. With
+// the prefetches below, the misses no longer bound the step (2^14 slots train no faster).
+struct Slot {
+    float value;
+    float sum_sq;
+    double grad;  // zero between steps
+};
+static_assert(sizeof(Slot) == 16, "a slot is four float32 columns of the Python side's state");
+
+struct NodeLexicalState {
+    Slot* slots;
+    uint64_t mask;  // slots - 1
+};
+
+// softplus(-s), softplus(s), sigmoid(s), sigmoid(-s) from one exp and one log1p.
+struct Logistic {
+    double softplus_neg, softplus_pos, sigmoid_pos, sigmoid_neg;
+    explicit Logistic(double s) {
+        const double e = std::exp(-std::fabs(s)), shared = std::log1p(e);
+        softplus_neg = std::max(-s, 0.0) + shared;
+        softplus_pos = std::max(s, 0.0) + shared;
+        const double small = e / (1.0 + e);  // sigmoid(-|s|)
+        sigmoid_pos = s >= 0 ? 1.0 - small : small;
+        sigmoid_neg = s >= 0 ? small : 1.0 - small;
+    }
+};
+
+// One document's rows: their loss, their gradients summed into the slots' grad (slots listed in
+// touched). False when an index lies outside its array.
+bool document_rows(const NodeLexicalData& a, const NodeLexicalState& st, int64_t doc, double l2,
+                   std::vector<double>& left, std::vector<double>& right, std::vector<int64_t>& nodes,
+                   std::vector<uint64_t>& touched, double& loss) {
+    if (doc < 0 || doc >= a.docs) return false;
+    const int64_t p0 = a.doc_start[doc], p1 = a.doc_start[doc + 1];
+    const int64_t w0 = a.word_start[doc], w1 = a.word_start[doc + 1];
+    if (p0 < 0 || p0 > p1 || p1 > a.pairs || w0 < 0 || w0 > w1 || w1 > a.words) return false;
+    nodes.clear();
+    for (int64_t p = p0; p < p1; ++p) {
+        const int64_t label = a.pair_label[p];
+        if (label < 0 || label >= a.labels) return false;
+        for (Py_ssize_t j = 0; j < a.depth; ++j) {
+            const int64_t n = a.path_nodes[label * a.depth + j];
+            if (n < 0 || n >= a.nodes) return false;
+            if (left[n] == 0.0 && right[n] == 0.0) nodes.push_back(n);
+            (a.path_signs[label * a.depth + j] > 0 ? left : right)[n] += 1.0;
+        }
+    }
+    // The rows' slots are scattered over a table larger than the caches: ask for all of them
+    // before the first is read, so that their misses overlap.
+    for (const int64_t n : nodes)
+        for (int64_t w = w0; w < w1; ++w)
+            __builtin_prefetch(&st.slots[(static_cast<uint64_t>(n) + a.word_offsets[w]) & st.mask], 1);
+    for (const int64_t n : nodes) {
+        const double go_left = left[n], go_right = right[n], count = go_left + go_right;
+        left[n] = right[n] = 0.0;
+        if (!std::isfinite(a.bias[n])) continue;  // a forced split has nothing to learn
+        double dense = 0.0;
+        for (Py_ssize_t k = 0; k < a.dim; ++k)
+            dense += static_cast<double>(a.node_weights[n * a.dim + k]) * static_cast<double>(a.z[doc * a.dim + k]);
+        double lexical = 0.0;
+        for (int64_t w = w0; w < w1; ++w)
+            lexical += static_cast<double>(st.slots[(static_cast<uint64_t>(n) + a.word_offsets[w]) & st.mask].value) *
+                       a.word_weights[w];
+        const Logistic f(dense + a.bias[n] + lexical);
+        loss += go_left * f.softplus_neg + go_right * f.softplus_pos;
+        const double d_s = go_right * f.sigmoid_pos - go_left * f.sigmoid_neg;
+        for (int64_t w = w0; w < w1; ++w) {
+            const uint64_t at = (static_cast<uint64_t>(n) + a.word_offsets[w]) & st.mask;
+            Slot& slot = st.slots[at];
+            const double v = slot.value;
+            loss += l2 * count * v * v;
+            if (slot.grad == 0.0) touched.push_back(at);  // listed again if it returns to 0: harmless
+            slot.grad += d_s * a.word_weights[w] + 2.0 * l2 * count * v;
+        }
+    }
+    return true;
+}
+
+// Adagrad on the slots the batch touched: sum_sq and the step in float32 (as the numpy fit
+// before this one did it).
+void apply_adagrad(const NodeLexicalState& st, const std::vector<uint64_t>& touched, double lr) {
+    constexpr size_t ahead = 16;  // slots asked for before they are updated: their misses overlap
+    for (size_t i = 0; i < touched.size(); ++i) {
+        if (i + ahead < touched.size()) __builtin_prefetch(&st.slots[touched[i + ahead]], 1);
+        Slot& slot = st.slots[touched[i]];
+        const double g = slot.grad;
+        slot.grad = 0.0;
+        slot.sum_sq = static_cast<float>(slot.sum_sq + g * g);
+        const float root = std::sqrt(slot.sum_sq) + 1e-10f;
+        slot.value -= static_cast<float>(lr * g / root);
+    }
+}
+
+const char* check_node_lexical(const Py_buffer* b, Py_ssize_t dim, Py_ssize_t depth, NodeLexicalData& a) {
+    // b: batch, doc_start, pair_label, path_nodes, path_signs, node_weights, bias, z, word_start,
+    //    word_offsets, word_weights, state
+    if (dim < 1 || depth < 0 || depth > 40) return "bad sizes";
+    for (int i : {0, 1, 2, 3, 4, 6, 8, 9, 10})
+        if (b[i].len % 8 != 0) return "expected 8-byte items";
+    a.docs = b[1].len / 8 - 1;
+    a.pairs = b[2].len / 8;
+    a.labels = depth == 0 ? 0 : b[3].len / 8 / depth;
+    a.nodes = b[6].len / 8;
+    a.words = b[9].len / 8;
+    if (a.docs < 0 || b[8].len != b[1].len) return "doc_start, word_start: expected [docs + 1]";
+    if (b[3].len != a.labels * depth * 8 || b[4].len != b[3].len) return "paths: expected [labels, depth]";
+    if (b[5].len != a.nodes * dim * 4) return "node weights: expected [nodes, dim] float32";
+    if (b[7].len != a.docs * dim * 4) return "z: expected [docs, dim] float32";
+    if (b[10].len != b[9].len) return "words: offsets and weights disagree";
+    const Py_ssize_t slots = b[11].len / static_cast<Py_ssize_t>(sizeof(Slot));
+    if (slots < 2 || (slots & (slots - 1)) != 0 || b[11].len % static_cast<Py_ssize_t>(sizeof(Slot)) != 0)
+        return "state: expected [slots, 4] float32, slots a power of two";
+    a.dim = dim;
+    a.depth = depth;
+    return nullptr;
+}
+
+PyObject* node_lexical_step(PyObject*, PyObject* args) {
+    Py_buffer b[12];
+    Py_ssize_t dim, depth;
+    double lr, l2;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*y*y*y*y*y*w*nndd:node_lexical_step", &b[0], &b[1], &b[2], &b[3], &b[4],
+                          &b[5], &b[6], &b[7], &b[8], &b[9], &b[10], &b[11], &dim, &depth, &lr, &l2))
+        return nullptr;
+    NodeLexicalData a{};
+    const char* bad = check_node_lexical(b, dim, depth, a);
+    double loss = 0.0;
+    bool out_of_memory = false;
+    if (bad == nullptr) {
+        a.doc_start = static_cast<const int64_t*>(b[1].buf);
+        a.pair_label = static_cast<const int64_t*>(b[2].buf);
+        a.path_nodes = static_cast<const int64_t*>(b[3].buf);
+        a.path_signs = static_cast<const double*>(b[4].buf);
+        a.node_weights = static_cast<const float*>(b[5].buf);
+        a.bias = static_cast<const double*>(b[6].buf);
+        a.z = static_cast<const float*>(b[7].buf);
+        a.word_start = static_cast<const int64_t*>(b[8].buf);
+        a.word_offsets = static_cast<const int64_t*>(b[9].buf);
+        a.word_weights = static_cast<const double*>(b[10].buf);
+        const NodeLexicalState st{static_cast<Slot*>(b[11].buf), static_cast<uint64_t>(b[11].len / sizeof(Slot)) - 1};
+        const int64_t* batch = static_cast<const int64_t*>(b[0].buf);
+        out_of_memory = !without_gil([&] {
+            std::vector<double> left(a.nodes, 0.0), right(a.nodes, 0.0);
+            std::vector<int64_t> nodes;
+            std::vector<uint64_t> touched;
+            for (Py_ssize_t i = 0; i < b[0].len / 8 && bad == nullptr; ++i)
+                if (!document_rows(a, st, batch[i], l2, left, right, nodes, touched, loss))
+                    bad = "an index lies outside its array";
+            if (bad == nullptr) {
+                apply_adagrad(st, touched, lr);
+            } else {
+                for (const uint64_t at : touched) st.slots[at].grad = 0.0;  // grad stays zero between steps
+            }
+        });
+    }
+    if (out_of_memory || bad != nullptr) return finish(b, 12, out_of_memory, bad);
+    for (auto& buffer : b) PyBuffer_Release(&buffer);
+    return PyFloat_FromDouble(loss);
+}
+
 PyMethodDef methods[] = {
     {"beam_search", beam_search, METH_VARARGS,
      "beam_search(z, weights, bias, table, half_value, offsets, token_weights, live, out_nodes, out_logp, "
@@ -271,12 +459,16 @@ PyMethodDef methods[] = {
     {"lexical_scores", lexical_scores, METH_VARARGS,
      "lexical_scores(indptr, labels, weights, bias, ids, x, candidates, out, batch, tokens, count): "
      "fill out [batch, count]"},
+    {"node_lexical_step", node_lexical_step, METH_VARARGS,
+     "node_lexical_step(batch, doc_start, pair_label, path_nodes, path_signs, node_weights, bias, z, word_start, "
+     "word_offsets, word_weights, state, dim, depth, lr, l2): one Adagrad step on state [slots, 4] float32 "
+     "(value, sum_sq, grad's float64) in place; the loss"},
     {nullptr, nullptr, 0, nullptr},
 };
 
-PyModuleDef module = {PyModuleDef_HEAD_INIT, "_tree_search", "The tree route's search loops.", -1, methods,
+PyModuleDef module = {PyModuleDef_HEAD_INIT, "_tree_native", "The tree's compiled loops: its search, its node term's fit.", -1, methods,
                       nullptr, nullptr, nullptr, nullptr};
 
 }  // namespace
 
-PyMODINIT_FUNC PyInit__tree_search(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__tree_native(void) { return PyModule_Create(&module); }
