@@ -14,6 +14,8 @@ import faulthandler
 import fcntl
 import os
 import shutil
+import socket
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,6 +25,7 @@ import uvicorn
 
 from service.api.active_state import ActiveVersionFile
 from service.api.http_protocol import protocol_kwargs
+from service.api.listeners import BoundServer, PortUnavailable, bind_sockets, close_all
 from service.api.processes import MULTIPROCESS_ENV
 from service.api.settings import Settings, load_settings
 
@@ -49,20 +52,21 @@ def _config(app: object, host: str, port: int, settings: Settings) -> uvicorn.Co
                           **protocol_kwargs(settings))
 
 
-async def _serve_two(settings: Settings) -> None:
+async def _serve_two(settings: Settings, main_sockets: list[socket.socket],
+                     admin_sockets: list[socket.socket]) -> None:
     from service.api.app import build_state, create_admin_app, create_app, initial_load, shutdown
     from service.api.observability import setup_logging
 
     setup_logging(settings.log_level)  # before build_state, which may log an event (as create_app does)
     state = build_state(settings)
-    main = uvicorn.Server(_config(create_app(settings, state=state, admin=False),
-                                  settings.host, settings.port, settings))
-    admin = uvicorn.Server(_config(create_admin_app(state), settings.admin_host or settings.host,
-                                   int(settings.admin_port or 0), settings))
+    main = BoundServer(_config(create_app(settings, state=state, admin=False), settings.host, settings.port, settings))
+    admin = BoundServer(_config(create_admin_app(state), _admin_host(settings), int(settings.admin_port or 0),
+                                settings))
     load = asyncio.create_task(initial_load(state))
     try:
         # A signal reaches only one server's handler: when either stops, stop the other.
-        tasks = [asyncio.create_task(main.serve()), asyncio.create_task(admin.serve())]
+        tasks = [asyncio.create_task(main.serve(sockets=main_sockets)),
+                 asyncio.create_task(admin.serve(sockets=admin_sockets))]
         await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         main.should_exit = admin.should_exit = True
         await asyncio.gather(*tasks)
@@ -71,7 +75,11 @@ async def _serve_two(settings: Settings) -> None:
         await shutdown(state)
 
 
-def _run_processes(settings: Settings) -> None:
+def _admin_host(settings: Settings) -> str:
+    return settings.admin_host or settings.host
+
+
+def _run_processes(settings: Settings, sockets: list[socket.socket]) -> None:
     """`settings.processes` copies of the app on one listening socket, forked by gunicorn's
     arbiter from this process (service.api.supervisor).
 
@@ -88,7 +96,7 @@ def _run_processes(settings: Settings) -> None:
         os.environ[MULTIPROCESS_ENV] = metrics_dir
         from service.api.supervisor import ServingProcesses
 
-        ServingProcesses(settings).run()
+        ServingProcesses(settings, sockets).run()
 
 
 @contextmanager
@@ -140,23 +148,35 @@ def run(settings: Settings) -> None:
     # its log says which request path and which engine call it was in; processes forked by
     # gunicorn's arbiter inherit the handler.
     faulthandler.enable(all_threads=True)
+    # Bound before anything loads (service.api.listeners says why); raises PortUnavailable.
+    sockets = bind_sockets(settings.host, settings.port)
     if settings.processes > 1:
-        _run_processes(settings)
+        _run_processes(settings, sockets)
         return
     if settings.admin_token is not None and settings.admin_port is not None:
+        try:
+            admin_sockets = bind_sockets(_admin_host(settings), settings.admin_port)
+        except PortUnavailable:
+            close_all(sockets)
+            raise
         # The same event loop uvicorn.Server.run would pick (uvloop when installed).
         loop_factory = _config(None, settings.host, settings.port, settings).get_loop_factory()
         with asyncio.Runner(loop_factory=loop_factory) as runner:
-            runner.run(_serve_two(settings))
+            runner.run(_serve_two(settings, sockets, admin_sockets))
         return
     from service.api.app import create_app
 
-    uvicorn.Server(_config(create_app(settings), settings.host, settings.port, settings)).run()
+    BoundServer(_config(create_app(settings), settings.host, settings.port, settings)).run(sockets=sockets)
 
 
 def run_cli(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     if not settings.bundle_root.is_dir():
         raise FileNotFoundError(f"bundle root {settings.bundle_root} is not a directory")
-    run(settings)
+    try:
+        run(settings)
+    except PortUnavailable as exc:
+        # 3, as when uvicorn or gunicorn could not start (README, exit statuses).
+        print(f"shortlist {getattr(args, 'command', 'serve')}: error: {exc}", file=sys.stderr)
+        return 3
     return 0

@@ -20,7 +20,8 @@ copy-on-write instead of one copy each. Once another version is recorded as acti
 arbiter drops its copy within a second (no process serves it any more) and processes forked
 later load their bundle themselves, as every process does after a swap; so it does, before it
 forks again, once a file of its copy was written in place (service.engine.file_guard). The arbiter listens
-once it has preloaded: until then no process answers, not even /healthz.
+once it has preloaded, on the sockets `serve` bound before it (service.api.listeners): until
+then no process answers, not even /healthz, and a connection is refused.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import logging
 import math
 import os
 import signal
+import socket
 from typing import Any
 
 from gunicorn.app.base import BaseApplication
@@ -39,6 +41,7 @@ from uvicorn_worker import UvicornWorker
 from service.api.active_state import ActiveVersionFile
 from service.api.app import create_app
 from service.api.http_protocol import protocol_kwargs
+from service.api.listeners import PortUnavailable, address_text, gunicorn_binds
 from service.api.settings import Settings, load_settings
 from service.engine import heap
 from service.engine.bundle import Bundle
@@ -88,15 +91,16 @@ class ServingWorker(UvicornWorker):
 class ServingProcesses(BaseApplication):  # type: ignore[misc]
     """`settings.processes` serving processes on one listening socket."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, sockets: list[socket.socket]) -> None:
         self.settings = settings
+        self.sockets = sockets  # bound by `serve` (service.api.listeners); the arbiter listens on them
         self.preloaded: Bundle | None = None
         super().__init__()
 
     def load_config(self) -> None:
         s = self.settings
         options = {
-            "bind": f"[{s.host}]:{s.port}" if ":" in s.host else f"{s.host}:{s.port}",
+            "bind": gunicorn_binds(self.sockets),
             "workers": s.processes,
             "worker_class": f"{ServingWorker.__module__}.{ServingWorker.__qualname__}",
             # The arbiter's own wait for a draining process: the drain plus a margin to exit.
@@ -159,6 +163,14 @@ class PreloadingArbiter(Arbiter):  # type: ignore[misc]
     def manage_workers(self) -> None:
         self.app.drop_stale_preload()
         super().manage_workers()
+
+    def start(self) -> None:
+        try:
+            super().start()  # listens on the sockets `serve` bound (service.api.listeners)
+        except OSError as exc:  # another server bound the port beside this one and listened first
+            s = self.app.settings
+            raise PortUnavailable(f"cannot listen on {address_text((s.host, s.port))}: "
+                                  f"{(exc.strerror or str(exc)).lower()}") from None
 
 
 def preload(settings: Settings) -> Bundle | None:
