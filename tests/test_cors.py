@@ -3,15 +3,19 @@ the body limits' 413); other origins get no CORS header; with none configured, n
 
 from __future__ import annotations
 
+import socket
+
 import httpx
 import pytest
 from test_admin import AUTH, TOKEN
 
+from service.api.cors import refusal_headers
 from shortlist.testing import serve
 
 PAGE = "https://app.example.com"
 ENV = {"SHORTLIST_CORS_ORIGINS": "https://App.Example.com:443/, http://localhost:3000",
-       "SHORTLIST_ADMIN_TOKEN": TOKEN, "SHORTLIST_MAX_BODY_BYTES": "2048", "SHORTLIST_ACCESS_LOG": "false"}
+       "SHORTLIST_ADMIN_TOKEN": TOKEN, "SHORTLIST_MAX_BODY_BYTES": "2048", "SHORTLIST_ACCESS_LOG": "false",
+       "SHORTLIST_BODY_TIMEOUT_S": "1"}
 
 
 @pytest.fixture(scope="module")
@@ -68,3 +72,47 @@ def test_without_origins_configured_no_answer_carries_cors_headers(bundle_root, 
         assert r.status_code == 200 and not any(h.startswith("access-control-") for h in r.headers)
         pre = _preflight(server.url, "/v1/predict", PAGE)
         assert pre.status_code == 405 and not any(h.startswith("access-control-") for h in pre.headers)
+
+
+def _raw(url: str, request: bytes) -> tuple[int, dict[str, str], bytes]:
+    """Status, headers and body of what the server answers `request` (sent as is) before it closes."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(request)
+        raw = b""
+        while chunk := sock.recv(65536):
+            raw += chunk
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+    return int(lines[0].split(" ")[1]), headers, body
+
+
+@pytest.mark.parametrize("origin", [PAGE, "https://evil.example", None])
+def test_a_refusal_below_the_app_carries_the_headers_a_listed_origin_needs(cors_server, origin):
+    """A body past its timeout and a malformed body are answered by the HTTP layer, below the
+    app's CORS middleware: to a listed origin with the same headers, so that its page reads the
+    408 or 400 (not a network error); to others with none."""
+    sent = b"" if origin is None else b"origin: %s\r\n" % origin.encode()
+    head = b"POST /v1/predict HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+    stalled = head + b"%scontent-length: 40\r\n\r\n{" % sent  # 39 bytes short
+    malformed = b"POST /v1/predict HTTP/1.1\r\nhost: x\r\n%stransfer-encoding: chunked\r\n\r\nzz\r\n" % sent
+    for request, status, error in ((stalled, 408, b"request_timeout"), (malformed, 400, b"malformed_http")):
+        got, headers, body = _raw(cors_server.url, request)
+        assert got == status and error in body, (got, body)
+        cors = {name: value for name, value in headers.items() if name.startswith("access-control-")}
+        if origin == PAGE:
+            assert cors["access-control-allow-origin"] == PAGE and headers["vary"] == "origin", headers
+            assert {"x-request-id", "retry-after"} <= set(cors["access-control-expose-headers"].split(", "))
+        else:
+            assert cors == {}, headers
+
+
+def test_refusal_headers_follow_the_configured_origins():
+    assert refusal_headers("", PAGE.encode()) == []
+    assert refusal_headers("https://a.example", None) == []
+    assert refusal_headers("*", b"https://any.example")[0] == (b"access-control-allow-origin", b"*")
+    assert (b"vary", b"Origin") not in refusal_headers("*", b"https://any.example")  # the same answer for all
+    listed = refusal_headers("https://a.example,https://b.example", b"https://b.example")
+    assert listed[0] == (b"access-control-allow-origin", b"https://b.example") and (b"vary", b"Origin") in listed
+    assert refusal_headers("https://a.example", b"https://A.example") == []  # compared as browsers send it

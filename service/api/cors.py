@@ -49,3 +49,19 @@ def add_cors(app: Starlette, origins: str) -> None:
         app.add_middleware(CORSMiddleware, allow_origins=origins.split(","), allow_methods=METHODS,
                            allow_headers=REQUEST_HEADERS, expose_headers=EXPOSED_HEADERS,
                            max_age=PREFLIGHT_MAX_AGE_S)
+
+
+def refusal_headers(allowed: str, origin: bytes | None) -> list[tuple[bytes, bytes]]:
+    """The headers CORSMiddleware adds to an answer to `origin` (a request's Origin), for the
+    answers written below the app (service.api.http_protocol's refusals: a body past its timeout,
+    a malformed body), so that a page reads those too; none unless `allowed` (parse_origins'
+    form) lets that origin call."""
+    if not allowed or origin is None:
+        return []
+    entries = allowed.split(",")
+    expose = (b"access-control-expose-headers", ", ".join(EXPOSED_HEADERS).encode())
+    if "*" in entries:
+        return [(b"access-control-allow-origin", b"*"), expose]
+    if origin.decode("latin-1") in entries:
+        return [(b"access-control-allow-origin", origin), expose, (b"vary", b"Origin")]
+    return []

@@ -60,6 +60,7 @@ from typing import Any
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
+from service.api.cors import refusal_headers
 from service.api.errors import error_json
 
 _REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large",
@@ -106,6 +107,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     body_timeout_s = 30.0
     send_timeout_s = 30.0
     log_refusals = True  # not `access_log`: uvicorn's protocol sets that for its own log (off here)
+    cors_origins = ""  # the origins whose pages may read a refusal too (service.api.cors)
     _log_second, _log_lines, _log_left_out = 0, 0, 0  # this process's refusal lines in the current second
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -328,8 +330,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self.log_refusals and reason != "body_timeout":
             self._log_refusal(status, code, reason)
         body = error_json(code, message, [], request_id)
+        # The refused request's Origin, once its head began (a refusal before it has no request).
+        origin = next((v for n, v in self.headers if n == b"origin"), None) if self._head_begun else None
         head = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS[status]),
                 *(name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers),
+                *(name + b": " + value + b"\r\n" for name, value in refusal_headers(self.cors_origins, origin)),
                 b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(body)]
         self._refusal = b"".join(head) + body
         self._dropping = True  # the parser is past what it can read, or at a head not to be read
@@ -423,13 +428,14 @@ def connection_metrics() -> ConnectionMetrics:
 
 
 def guarded_protocol(max_connections: int, header_timeout_s: float, max_header_bytes: int,
-                     body_timeout_s: float, send_timeout_s: float, access_log: bool = True) -> type[HttpToolsProtocol]:
+                     body_timeout_s: float, send_timeout_s: float, access_log: bool = True,
+                     cors_origins: str = "") -> type[HttpToolsProtocol]:
     """The protocol class with these limits (pass it as uvicorn.Config(http=...)); also keeps the
     warnings a client causes at will out of uvicorn's log (a filter survives its logging set-up)."""
     logging.getLogger("uvicorn.error").addFilter(_CLIENT_CAUSED_WARNINGS)
     limits = {"max_connections": max_connections, "header_timeout_s": header_timeout_s,
               "max_header_bytes": max_header_bytes, "body_timeout_s": body_timeout_s,
-              "send_timeout_s": send_timeout_s, "log_refusals": access_log}
+              "send_timeout_s": send_timeout_s, "log_refusals": access_log, "cors_origins": cors_origins}
     return type("GuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,), limits)
 
 
@@ -441,7 +447,8 @@ def protocol_kwargs(settings: Any) -> dict[str, Any]:
         # no bound (a request held mid-body kept the process until BODY_TIMEOUT_S).
         "timeout_graceful_shutdown": settings.drain_timeout_s,
         "http": guarded_protocol(settings.max_connections, settings.header_timeout_s, settings.max_header_bytes,
-                                 settings.body_timeout_s, settings.send_timeout_s, settings.access_log),
+                                 settings.body_timeout_s, settings.send_timeout_s, settings.access_log,
+                                 settings.cors_origins),
         "timeout_keep_alive": settings.keep_alive_timeout_s,
         "proxy_headers": bool(settings.forwarded_allow_ips),
         "forwarded_allow_ips": settings.forwarded_allow_ips or None,
