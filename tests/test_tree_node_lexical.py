@@ -87,7 +87,7 @@ def test_the_compiled_step_is_the_step_written_out(problem, bits):
         assert got == pytest.approx(want, rel=1e-9)
         np.testing.assert_allclose(state[:, 0], table, rtol=1e-5, atol=1e-7)
         np.testing.assert_allclose(state[:, 1], sum_sq, rtol=1e-5, atol=1e-9)
-        assert not state[:, 2:].any()  # the gradient column is left zero between steps
+        assert not state[:, 2:].any() and not arrays.node_counts.any()  # the scratch is left zero between steps
     assert np.count_nonzero(table) > (1 << bits) // 8
 
 
@@ -123,15 +123,18 @@ def test_an_index_out_of_range_is_refused_and_changes_nothing(problem, name, cha
     every = np.unique(pair_doc)
     arrays.step(every[:20], state, LR, L2)
     before = state.copy()
+    corrupted = corrupt(arrays, name, change)
     with pytest.raises(ValueError, match="outside its array"):
-        corrupt(arrays, name, change).step(every, state, LR, L2)
+        corrupted.step(every, state, LR, L2)
     np.testing.assert_array_equal(state, before)
+    assert not corrupted.node_counts.any()
     for doc in (-1, len(z)):
         with pytest.raises(ValueError, match="outside its array"):
             arrays.step(np.array([every[0], doc]), state, LR, L2)
     np.testing.assert_array_equal(state, before)
+    assert not arrays.node_counts.any()
     arrays.step(every[20:40], state, LR, L2)  # and the fit goes on
-    assert not state[:, 2:].any()
+    assert not state[:, 2:].any() and not arrays.node_counts.any()
 
 
 def test_arrays_that_do_not_fit_together_are_refused(problem):
@@ -147,7 +150,7 @@ def test_arrays_that_do_not_fit_together_are_refused(problem):
         return node_lexical_step(args["docs"], args["doc_start"], args["pair_label"], args["path_nodes"],
                                  args["path_signs"], args["node_weights"], args["bias"], args["z"],
                                  args["word_start"], args["word_offsets"], args["word_weights"], args["state"],
-                                 args["dim"], args["depth"], LR, L2)
+                                 args["node_counts"], args["dim"], args["depth"], LR, L2)
 
     assert np.isfinite(step())
     refusals = [
@@ -158,6 +161,7 @@ def test_arrays_that_do_not_fit_together_are_refused(problem):
         ({"word_start": a.word_start[:-1]}, "word_start"), ({"word_weights": a.word_weights[:-1]}, "words"),
         ({"path_signs": a.path_signs[:-1]}, "paths"), ({"depth": depth + 1}, "paths"), ({"depth": 41}, "bad sizes"),
         ({"dim": 0}, "bad sizes"), ({"docs": docs.astype(np.int32)[:3]}, "8-byte"),
+        ({"node_counts": a.node_counts[:-1]}, "node counts"),
     ]
     for change, message in refusals:
         with pytest.raises(ValueError, match=message):

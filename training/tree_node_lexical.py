@@ -44,6 +44,7 @@ class FitArrays:
     word_start: np.ndarray
     word_offsets: np.ndarray
     word_weights: np.ndarray
+    node_counts: np.ndarray  # the step's scratch [nodes, 2], zero between steps (made once: 32 MB at 10^6 labels)
 
     @classmethod
     def of(cls, tree: LabelTree, lexical: NodeLexical, z: np.ndarray, tokens: Tokens, pair_doc: np.ndarray,
@@ -58,14 +59,15 @@ class FitArrays:
                    c(tree.path_nodes_, np.int64), c(tree.path_signs_, np.float64),
                    c(tree.node_weights_, np.float32), c(tree.bias_eff_, np.float64), c(z, np.float32),
                    c(np.searchsorted(doc, np.arange(len(weights) + 1)), np.int64),
-                   c(lexical.token_offsets(ids[doc, col]), np.int64), c(weights[doc, col], np.float64))
+                   c(lexical.token_offsets(ids[doc, col]), np.int64), c(weights[doc, col], np.float64),
+                   np.zeros((len(tree.bias_eff_), 2)))
 
     def step(self, docs: np.ndarray, state: np.ndarray, lr: float, l2: float) -> float:
         """One Adagrad step on the documents `docs`, state (new_state) updated in place; returns
         their summed loss."""
         return node_lexical_step(np.ascontiguousarray(docs, dtype=np.int64), self.doc_start, self.pair_label,
                                  self.path_nodes, self.path_signs, self.node_weights, self.bias, self.z,
-                                 self.word_start, self.word_offsets, self.word_weights, state,
+                                 self.word_start, self.word_offsets, self.word_weights, state, self.node_counts,
                                  self.z.shape[1], self.path_nodes.shape[1], lr, l2)
 
 

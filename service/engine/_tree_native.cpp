@@ -303,7 +303,8 @@ static_assert(sizeof(Slot) == 16, "a slot is four float32 columns of the Python 
 
 struct NodeLexicalState {
     Slot* slots;
-    uint64_t mask;  // slots - 1
+    uint64_t mask;   // slots - 1
+    double* counts;  // [nodes, 2] zero between steps (a buffer of the fit's, not one a step: 32 MB at 10^6 labels)
 };
 
 // softplus(-s), softplus(s), sigmoid(s), sigmoid(-s) from one exp and one log1p.
@@ -322,21 +323,26 @@ struct Logistic {
 // One document's rows: their loss, their gradients summed into the slots' grad (slots listed in
 // touched). False when an index lies outside its array.
 bool document_rows(const NodeLexicalData& a, const NodeLexicalState& st, int64_t doc, double l2,
-                   std::vector<double>& left, std::vector<double>& right, std::vector<int64_t>& nodes,
-                   std::vector<uint64_t>& touched, double& loss) {
+                   std::vector<int64_t>& nodes, std::vector<uint64_t>& touched, double& loss) {
     if (doc < 0 || doc >= a.docs) return false;
     const int64_t p0 = a.doc_start[doc], p1 = a.doc_start[doc + 1];
     const int64_t w0 = a.word_start[doc], w1 = a.word_start[doc + 1];
     if (p0 < 0 || p0 > p1 || p1 > a.pairs || w0 < 0 || w0 > w1 || w1 > a.words) return false;
     nodes.clear();
+    double* counts = st.counts;  // [nodes, 2]: pairs going left, right
     for (int64_t p = p0; p < p1; ++p) {
         const int64_t label = a.pair_label[p];
-        if (label < 0 || label >= a.labels) return false;
+        bool inside = label >= 0 && label < a.labels;
+        const int64_t* path = inside ? a.path_nodes + label * a.depth : nullptr;
+        for (Py_ssize_t j = 0; inside && j < a.depth; ++j) inside = path[j] >= 0 && path[j] < a.nodes;
+        if (!inside) {
+            for (const int64_t n : nodes) counts[2 * n] = counts[2 * n + 1] = 0.0;  // left zero for the next step
+            return false;
+        }
         for (Py_ssize_t j = 0; j < a.depth; ++j) {
-            const int64_t n = a.path_nodes[label * a.depth + j];
-            if (n < 0 || n >= a.nodes) return false;
-            if (left[n] == 0.0 && right[n] == 0.0) nodes.push_back(n);
-            (a.path_signs[label * a.depth + j] > 0 ? left : right)[n] += 1.0;
+            const int64_t n = path[j];
+            if (counts[2 * n] == 0.0 && counts[2 * n + 1] == 0.0) nodes.push_back(n);
+            counts[2 * n + (a.path_signs[label * a.depth + j] > 0 ? 0 : 1)] += 1.0;
         }
     }
     // The rows' slots are scattered over a table larger than the caches: ask for all of them
@@ -345,8 +351,8 @@ bool document_rows(const NodeLexicalData& a, const NodeLexicalState& st, int64_t
         for (int64_t w = w0; w < w1; ++w)
             __builtin_prefetch(&st.slots[(static_cast<uint64_t>(n) + a.word_offsets[w]) & st.mask], 1);
     for (const int64_t n : nodes) {
-        const double go_left = left[n], go_right = right[n], count = go_left + go_right;
-        left[n] = right[n] = 0.0;
+        const double go_left = counts[2 * n], go_right = counts[2 * n + 1], count = go_left + go_right;
+        counts[2 * n] = counts[2 * n + 1] = 0.0;
         if (!std::isfinite(a.bias[n])) continue;  // a forced split has nothing to learn
         double dense = 0.0;
         for (Py_ssize_t k = 0; k < a.dim; ++k)
@@ -387,7 +393,7 @@ void apply_adagrad(const NodeLexicalState& st, const std::vector<uint64_t>& touc
 
 const char* check_node_lexical(const Py_buffer* b, Py_ssize_t dim, Py_ssize_t depth, NodeLexicalData& a) {
     // b: batch, doc_start, pair_label, path_nodes, path_signs, node_weights, bias, z, word_start,
-    //    word_offsets, word_weights, state
+    //    word_offsets, word_weights, state, node counts
     if (dim < 1 || depth < 0 || depth > 40) return "bad sizes";
     for (int i : {0, 1, 2, 3, 4, 6, 8, 9, 10})
         if (b[i].len % 8 != 0) return "expected 8-byte items";
@@ -404,17 +410,18 @@ const char* check_node_lexical(const Py_buffer* b, Py_ssize_t dim, Py_ssize_t de
     const Py_ssize_t slots = b[11].len / static_cast<Py_ssize_t>(sizeof(Slot));
     if (slots < 2 || (slots & (slots - 1)) != 0 || b[11].len % static_cast<Py_ssize_t>(sizeof(Slot)) != 0)
         return "state: expected [slots, 4] float32, slots a power of two";
+    if (b[12].len != a.nodes * 16) return "node counts: expected [nodes, 2] float64";
     a.dim = dim;
     a.depth = depth;
     return nullptr;
 }
 
 PyObject* node_lexical_step(PyObject*, PyObject* args) {
-    Py_buffer b[12];
+    Py_buffer b[13];
     Py_ssize_t dim, depth;
     double lr, l2;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*y*y*y*y*y*w*nndd:node_lexical_step", &b[0], &b[1], &b[2], &b[3], &b[4],
-                          &b[5], &b[6], &b[7], &b[8], &b[9], &b[10], &b[11], &dim, &depth, &lr, &l2))
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*y*y*y*y*y*w*w*nndd:node_lexical_step", &b[0], &b[1], &b[2], &b[3],
+                          &b[4], &b[5], &b[6], &b[7], &b[8], &b[9], &b[10], &b[11], &b[12], &dim, &depth, &lr, &l2))
         return nullptr;
     NodeLexicalData a{};
     const char* bad = check_node_lexical(b, dim, depth, a);
@@ -431,14 +438,14 @@ PyObject* node_lexical_step(PyObject*, PyObject* args) {
         a.word_start = static_cast<const int64_t*>(b[8].buf);
         a.word_offsets = static_cast<const int64_t*>(b[9].buf);
         a.word_weights = static_cast<const double*>(b[10].buf);
-        const NodeLexicalState st{static_cast<Slot*>(b[11].buf), static_cast<uint64_t>(b[11].len / sizeof(Slot)) - 1};
+        const NodeLexicalState st{static_cast<Slot*>(b[11].buf), static_cast<uint64_t>(b[11].len / sizeof(Slot)) - 1,
+                                  static_cast<double*>(b[12].buf)};
         const int64_t* batch = static_cast<const int64_t*>(b[0].buf);
         out_of_memory = !without_gil([&] {
-            std::vector<double> left(a.nodes, 0.0), right(a.nodes, 0.0);
             std::vector<int64_t> nodes;
             std::vector<uint64_t> touched;
             for (Py_ssize_t i = 0; i < b[0].len / 8 && bad == nullptr; ++i)
-                if (!document_rows(a, st, batch[i], l2, left, right, nodes, touched, loss))
+                if (!document_rows(a, st, batch[i], l2, nodes, touched, loss))
                     bad = "an index lies outside its array";
             if (bad == nullptr) {
                 apply_adagrad(st, touched, lr);
@@ -447,7 +454,7 @@ PyObject* node_lexical_step(PyObject*, PyObject* args) {
             }
         });
     }
-    if (out_of_memory || bad != nullptr) return finish(b, 12, out_of_memory, bad);
+    if (out_of_memory || bad != nullptr) return finish(b, 13, out_of_memory, bad);
     for (auto& buffer : b) PyBuffer_Release(&buffer);
     return PyFloat_FromDouble(loss);
 }
@@ -461,8 +468,9 @@ PyMethodDef methods[] = {
      "fill out [batch, count]"},
     {"node_lexical_step", node_lexical_step, METH_VARARGS,
      "node_lexical_step(batch, doc_start, pair_label, path_nodes, path_signs, node_weights, bias, z, word_start, "
-     "word_offsets, word_weights, state, dim, depth, lr, l2): one Adagrad step on state [slots, 4] float32 "
-     "(value, sum_sq, grad's float64) in place; the loss"},
+     "word_offsets, word_weights, state, node_counts, dim, depth, lr, l2): one Adagrad step on state "
+     "[slots, 4] float32 (value, sum_sq, grad's float64) in place, node_counts [nodes, 2] float64 zero "
+     "before and after; the loss"},
     {nullptr, nullptr, 0, nullptr},
 };
 
