@@ -1,6 +1,6 @@
 """Distinct integer keys of a mini-batch, by flags when their range is small.
 
-Training's lexical fits (token_shortlist, tree_node_lexical) key each step's pairs as
+Training's fits (token_shortlist's lexical table, EAGLE's label space) key each step's pairs as
 row * width + column and need the distinct keys, where each pair went and which keys are in
 another set. np.unique and np.isin sort; a batch may hold ~10^6 pairs over a range not much
 larger, where a flag per possible key gives the same arrays in O(range + pairs): 6.5 ms against
