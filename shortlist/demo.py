@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import sys
 from pathlib import Path
 
 from service.engine.manifests import newest_version
@@ -126,9 +127,15 @@ def run_cli(args: argparse.Namespace) -> int:
     root = workdir / "bundles"
     dataset = getattr(args, "dataset", "auto")
     if not args.build_only:  # a bad --port (or SHORTLIST_* setting) named now, not after minutes of training
+        from service.api.listeners import PortUnavailable, bind_sockets, close_all
         from service.api.server import settings_from_args
 
-        settings_from_args(argparse.Namespace(host=args.host, port=args.port))
+        settings = settings_from_args(argparse.Namespace(host=args.host, port=args.port))
+        try:  # so is a port another server holds (the bound sockets let go at once: serve binds its own)
+            close_all(bind_sockets(settings.host, settings.port))
+        except PortUnavailable as exc:
+            print(f"shortlist demo: error: {exc}", file=sys.stderr)
+            return 3
     try:
         version = newest_version(root)
         built_from = _read_info(workdir).get("dataset", "unknown")
@@ -146,4 +153,5 @@ def run_cli(args: argparse.Namespace) -> int:
     query = json.dumps({"text": example_query(built_from, workdir / "data"), "k": 5})
     print(f"serving on http://{args.host}:{args.port}  (try: curl -s -XPOST http://{args.host}:{args.port}"
           f"/v1/predict -H 'content-type: application/json' -d '{query}')")
-    return serve(argparse.Namespace(bundle_root=str(root), version=None, host=args.host, port=args.port))
+    return serve(argparse.Namespace(bundle_root=str(root), version=None, host=args.host, port=args.port,
+                                    command="demo"))

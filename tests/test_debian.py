@@ -225,3 +225,17 @@ def test_demo_names_a_bad_port_before_building_anything(tmp_path: Path, capsys) 
     err = capsys.readouterr().err
     assert "--port 99999" in err and "Traceback" not in err, err
     assert not workdir.exists()  # nothing built
+
+
+def test_demo_names_a_taken_port_before_building_anything(tmp_path: Path, capsys) -> None:
+    import socket
+
+    from shortlist.cli import main
+
+    workdir = tmp_path / "demo"
+    with socket.create_server(("127.0.0.1", 0)) as taker:
+        port = taker.getsockname()[1]
+        assert main(["demo", "--workdir", str(workdir), "--port", str(port)]) == 3
+    err = capsys.readouterr().err
+    assert err.strip() == f"shortlist demo: error: cannot listen on 127.0.0.1:{port}: address already in use", err
+    assert not workdir.exists()  # nothing built: the port is checked before minutes of training
