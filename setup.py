@@ -1,6 +1,6 @@
 """The package's compiled part; everything else is declared in pyproject.toml.
 
-The tree's loops are C++ (the route's search and training's step of its node term;
+The tree's loops are C++ (the route's search, training's sampling from p_n and step of its node term;
 service/engine/_tree_native.cpp says why). It builds with the compiler hnswlib's source build
 already needs, and reads numpy arrays as plain buffers (no numpy headers at build time).
 """

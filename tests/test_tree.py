@@ -111,6 +111,58 @@ def test_ancestral_samples_follow_pn(small_tree):
     assert chisquare(observed, all_p[far] * n).pvalue < 1e-6
 
 
+def numpy_samples(tree: LabelTree, z: np.ndarray, num_samples: int, rng: np.random.Generator, tokens
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Ancestral sampling written out level by level in numpy (as training sampled before the
+    compiled sampler), each level's uniforms drawn for every sample at once."""
+    nodes = np.zeros((len(z), num_samples), np.int64)
+    logp = np.zeros((len(z), num_samples))
+    for _ in range(tree.depth_):
+        s = np.einsum("bsk,bk->bs", tree.node_weights_[nodes].astype(np.float64), z) + tree.bias_eff_[nodes]
+        if tree.node_lexical_ is not None:
+            table = tree.node_lexical_.table.astype(np.float64)
+            offsets = tree.node_lexical_.token_offsets(tokens[0])[:, None, :]
+            s = s + (table[tree.node_lexical_.slots(nodes[:, :, None], offsets)] * tokens[1][:, None, :]).sum(-1)
+        left_logp, right_logp = -np.logaddexp(0.0, -s), -np.logaddexp(0.0, s)
+        left = np.log(rng.random(nodes.shape)) < left_logp
+        logp += np.where(left, left_logp, right_logp)
+        nodes = 2 * nodes + np.where(left, 1, 2)
+    return tree.leaf_labels_[nodes - (len(tree.leaf_labels_) - 1)], logp
+
+
+@pytest.mark.parametrize("lexical", [False, True])
+def test_the_compiled_sampler_draws_what_the_numpy_one_drew(lexical):
+    """The same draws, the same labels, on a tree of 100 labels (128 leaves: forced splits above
+    the padding) with 300 samples a document: more distinct nodes a level than the sampler shares
+    logits between (32)."""
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(500, 8)).astype(np.float32)
+    targets = [rng.choice(100, size=int(rng.integers(1, 4)), replace=False).tolist() for _ in range(500)]
+    tree = LabelTree(pca_dim=4, seed=0).fit(x, targets, 100)
+    ids = rng.integers(1, 300, size=(6, 5))
+    weights = rng.random((6, 5)).astype(np.float32)
+    weights[:, 4] = 0.0  # padding
+    if lexical:
+        tree.set_node_lexical(rng.normal(0.0, 0.5, 1 << 12).astype(np.float16))
+    z = tree.project(x[:6])
+    labels, logp = tree.sample(z, 300, np.random.default_rng(9), tokens=(ids, weights))
+    want_labels, want_logp = numpy_samples(tree, z.astype(np.float64), 300, np.random.default_rng(9), (ids, weights))
+    assert np.isinf(tree.bias_eff_).any() and labels.min() >= 0
+    np.testing.assert_array_equal(labels, want_labels)
+    np.testing.assert_allclose(logp, want_logp, rtol=1e-12)
+    assert max(len(np.unique(row)) for row in labels) > 32
+
+
+def test_the_compiled_sampler_refuses_draws_of_another_shape(small_tree):
+    from service.engine.tree import sample_leaves
+
+    tree, x = small_tree
+    z = tree.project(x[:3])
+    for shape, message in [((tree.depth_ - 1, 3, 4), "log_draws: expected"), ((tree.depth_, 2, 4), "z: expected")]:
+        with pytest.raises(ValueError, match=message):
+            sample_leaves(tree.node_weights_, tree.bias_eff_, None, tree.depth_, z, None, np.full(shape, 0.5))
+
+
 def test_beam_equal_to_num_labels_is_exact(scorer_and_data):
     scorer, _, xte, _ = scorer_and_data
     exact = scorer.exact_scores(xte)

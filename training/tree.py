@@ -27,7 +27,7 @@ import numpy as np
 import scipy.sparse as sp
 from threadpoolctl import threadpool_limits
 
-from service.engine.tree import NODE_LEXICAL, forced_split_bias, log_sigmoid
+from service.engine.tree import NODE_LEXICAL, forced_split_bias, log_sigmoid, sample_leaves
 from service.engine.tree_lexical import NodeLexical, QueryTokens, Tokens
 
 # A level's Newton step solves its nodes' Hessians this many at a time, and its scores take the
@@ -451,23 +451,14 @@ class LabelTree:
                tokens: Tokens | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Ancestral sampling y ~ p_n(.|x): (labels [B, S], log p_n [B, S]); O(k log L) each
         (tokens: x's [B, T], with the lexical node term)."""
-        z = np.asarray(z, dtype=np.float64)
-        batch = len(z)
-        zr = np.repeat(z, num_samples, axis=0)
-        # Each document's words once for each of its samples, one node a sample at each level.
-        pairs = None if self.node_lexical_ is None else self.node_lexical_.pairs(_tokens_needed(tokens), num_samples)
-        nodes = np.zeros(batch * num_samples, dtype=np.int64)
-        logp = np.zeros(batch * num_samples)
-        for _ in range(self.depth_):
-            s = self._node_scores(nodes[:, None], zr, None)[:, 0]
-            if pairs is not None:
-                s += self.node_lexical_.pair_scores(nodes, pairs)
-            lp_left = log_sigmoid(s)
-            left = np.log(rng.random(len(nodes))) < lp_left
-            logp += np.where(left, lp_left, log_sigmoid(-s))
-            nodes = 2 * nodes + np.where(left, 1, 2)
-        labels = self.leaf_labels_[nodes - (len(self.leaf_labels_) - 1)]
-        return labels.reshape(batch, num_samples), logp.reshape(batch, num_samples)
+        # One uniform a sample at each level, in the order the numpy sampler before the compiled
+        # one drew them (level by level); that sampler's per-level arrays were a third of an
+        # adversarial xi fit (bench/RESULTS.md, "xi's negatives drawn from p_n in compiled code").
+        draws = rng.random((self.depth_, len(z), num_samples))
+        query = None if self.node_lexical_ is None else _without_padding(_tokens_needed(tokens))
+        nodes, logp = sample_leaves(self.node_weights_, self.bias_eff_, self.node_lexical_, self.depth_,
+                                    z, query, draws)
+        return self.leaf_labels_[nodes - (len(self.leaf_labels_) - 1)], logp
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The tree part of the TreeScorer arrays."""

@@ -1,7 +1,8 @@
 // The tree route's compiled loops: the beam search down p_n's tree
 // (service.engine.tree.TreeScorer.beam_leaves) and xi's lexical term of the beam's labels
-// (service.engine.tree_lexical.LexicalRows.scores); and, for training, one Adagrad step of p_n's
-// lexical node term (training/tree_node_lexical.py), which reads the table's slots as the search
+// (service.engine.tree_lexical.LexicalRows.scores); and, for training, the ancestral sampling of
+// xi's negatives from p_n (training/tree.py LabelTree.sample) and one Adagrad step of p_n's
+// lexical node term (training/tree_node_lexical.py), which read the table's slots as the search
 // does.
 //
 // Why native code: in numpy a level of the beam search is ~15 calls on arrays of a few hundred
@@ -12,7 +13,7 @@
 // start, load check and CLI call.
 //
 // No numpy headers: arrays arrive as C-contiguous buffers whose dtypes and shapes the Python
-// side fixes (TreeScorer.beam_leaves, LexicalRows.scores, training's FitArrays); sizes are
+// side fixes (TreeScorer.beam_leaves, sample_leaves, LexicalRows.scores, training's FitArrays); sizes are
 // checked here again before any read.
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -107,6 +108,44 @@ void search_one(const Tree& t, const Query& q, Py_ssize_t beam, int64_t* out_nod
     }
 }
 
+// One query's ancestral samples y ~ p_n(.|x) (training's negatives, training/tree.py
+// LabelTree.sample), level by level: from the root, a sample goes left when log(u) < log
+// sigmoid(s_n(x)) for its uniform draw u at that level (log_draws[level * stride + i] = log(u)).
+// Out: each sample's leaf (heap node) and its path's log-prob. A query's samples share the nodes
+// near the root, so a node's two log-probs are computed once a level for all of them (up to
+// kShared distinct nodes; past that each sample computes its own): the exp and log1p per
+// decision were most of the time.
+constexpr size_t kShared = 32;
+
+struct Split {
+    int64_t node;
+    double left, right;  // log sigmoid(s), log sigmoid(-s)
+};
+
+Split split_of(const Tree& t, const Query& q, int64_t node) {
+    const double s = node_logit(t, q, node);
+    const double shared = std::log1p(std::exp(-std::fabs(s)));
+    return {node, std::min(s, 0.0) - shared, std::min(-s, 0.0) - shared};
+}
+
+void sample_query(const Tree& t, const Query& q, const double* log_draws, Py_ssize_t stride, Py_ssize_t samples,
+                  int64_t* out_nodes, double* out_logp, std::vector<Split>& known) {
+    std::fill(out_nodes, out_nodes + samples, 0);
+    std::fill(out_logp, out_logp + samples, 0.0);
+    for (Py_ssize_t level = 0; level < t.depth; ++level) {
+        known.clear();
+        for (Py_ssize_t i = 0; i < samples; ++i) {
+            const int64_t node = out_nodes[i];
+            auto hit = std::find_if(known.begin(), known.end(), [node](const Split& k) { return k.node == node; });
+            const Split split = hit != known.end() ? *hit : split_of(t, q, node);
+            if (hit == known.end() && known.size() < kShared) known.push_back(split);
+            const bool go_left = log_draws[level * stride + i] < split.left;
+            out_logp[i] += go_left ? split.left : split.right;
+            out_nodes[i] = 2 * node + (go_left ? 1 : 2);
+        }
+    }
+}
+
 struct Rows {
     const int64_t* indptr;   // [vocab + 1] each token's run of (label, weight)
     const int32_t* labels;   // [nnz] ascending within a run
@@ -156,16 +195,18 @@ bool lexical_one(const Rows& u, const int64_t* ids, const float* x, Py_ssize_t t
     return true;
 }
 
+// b: z, weights, bias, table, half_value, offsets, token_weights, live (the search) or log_draws
+// (the sampler: `draws`), out_nodes, out_logp; beam: the search's width or the samples per query.
 const char* check_sizes(const Py_buffer* b, Py_ssize_t batch, Py_ssize_t dim, Py_ssize_t tokens, Py_ssize_t depth,
-                        Py_ssize_t beam, int table_kind) {
-    // b: z, weights, bias, table, half_value, offsets, token_weights, live, out_nodes, out_logp
+                        Py_ssize_t beam, int table_kind, bool draws = false) {
     if (batch < 0 || dim < 1 || tokens < 0 || depth < 0 || depth > 40 || beam < 1) return "bad sizes";
     const Py_ssize_t internal = (static_cast<Py_ssize_t>(1) << depth) - 1;
     if (b[0].len != batch * dim * 8) return "z: expected [batch, dim] float64";
     if (b[1].len < internal * dim * 4) return "node weights: fewer rows than the tree's internal nodes";
     if (b[2].len < internal * 8) return "node bias: fewer values than the tree's internal nodes";
     if (b[5].len != batch * tokens * 8 || b[6].len != batch * tokens * 4) return "tokens: expected [batch, T]";
-    if (b[7].len != 0 && b[7].len < 2 * internal + 1) return "live: fewer values than the tree's nodes";
+    if (draws && b[7].len != depth * batch * beam * 8) return "log_draws: expected [depth, batch * samples] float64";
+    if (!draws && b[7].len != 0 && b[7].len < 2 * internal + 1) return "live: fewer values than the tree's nodes";
     if (b[8].len != batch * beam * 8 || b[9].len != batch * beam * 8) return "outputs: expected [batch, beam]";
     const Py_ssize_t item = table_kind == 2 ? 2 : 4;
     const Py_ssize_t slots = b[3].len / item;
@@ -201,6 +242,20 @@ PyObject* finish(Py_buffer* b, int count, bool out_of_memory, const char* bad) {
     Py_RETURN_NONE;
 }
 
+Tree tree_of(const Py_buffer* b, Py_ssize_t dim, Py_ssize_t depth, int table_kind, bool live) {
+    return Tree{static_cast<const float*>(b[1].buf), static_cast<const double*>(b[2].buf),
+                table_kind == 2 ? static_cast<const uint16_t*>(b[3].buf) : nullptr,
+                static_cast<const float*>(b[4].buf),
+                table_kind == 4 ? static_cast<const float*>(b[3].buf) : nullptr,
+                static_cast<uint64_t>(b[3].len / (table_kind == 2 ? 2 : 4)) - 1,
+                live && b[7].len != 0 ? static_cast<const uint8_t*>(b[7].buf) : nullptr, dim, depth};
+}
+
+Query query_of(const Py_buffer* b, Py_ssize_t row, Py_ssize_t dim, Py_ssize_t tokens) {
+    return Query{static_cast<const double*>(b[0].buf) + row * dim, static_cast<const int64_t*>(b[5].buf) + row * tokens,
+                 static_cast<const float*>(b[6].buf) + row * tokens, tokens};
+}
+
 PyObject* beam_search(PyObject*, PyObject* args) {
     Py_buffer b[10];
     Py_ssize_t batch, dim, tokens, depth, beam;
@@ -211,20 +266,35 @@ PyObject* beam_search(PyObject*, PyObject* args) {
     const char* bad = check_sizes(b, batch, dim, tokens, depth, beam, table_kind);
     bool out_of_memory = false;
     if (bad == nullptr) {
-        Tree t{static_cast<const float*>(b[1].buf), static_cast<const double*>(b[2].buf),
-               table_kind == 2 ? static_cast<const uint16_t*>(b[3].buf) : nullptr,
-               static_cast<const float*>(b[4].buf),
-               table_kind == 4 ? static_cast<const float*>(b[3].buf) : nullptr,
-               static_cast<uint64_t>(b[3].len / (table_kind == 2 ? 2 : 4)) - 1,
-               b[7].len != 0 ? static_cast<const uint8_t*>(b[7].buf) : nullptr, dim, depth};
+        const Tree t = tree_of(b, dim, depth, table_kind, true);
         out_of_memory = !without_gil([&] {
-            for (Py_ssize_t r = 0; r < batch; ++r) {
-                const Query q{static_cast<const double*>(b[0].buf) + r * dim,
-                              static_cast<const int64_t*>(b[5].buf) + r * tokens,
-                              static_cast<const float*>(b[6].buf) + r * tokens, tokens};
-                search_one(t, q, beam, static_cast<int64_t*>(b[8].buf) + r * beam,
+            for (Py_ssize_t r = 0; r < batch; ++r)
+                search_one(t, query_of(b, r, dim, tokens), beam, static_cast<int64_t*>(b[8].buf) + r * beam,
                            static_cast<double*>(b[9].buf) + r * beam);
-            }
+        });
+    }
+    return finish(b, 10, out_of_memory, bad);
+}
+
+PyObject* ancestral_sample(PyObject*, PyObject* args) {
+    Py_buffer b[10];
+    Py_ssize_t batch, dim, tokens, depth, samples;
+    int table_kind;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*y*y*w*w*nnnnni:ancestral_sample", &b[0], &b[1], &b[2], &b[3], &b[4],
+                          &b[5], &b[6], &b[7], &b[8], &b[9], &batch, &dim, &tokens, &depth, &samples, &table_kind))
+        return nullptr;
+    const char* bad = check_sizes(b, batch, dim, tokens, depth, samples, table_kind, true);
+    bool out_of_memory = false;
+    if (bad == nullptr) {
+        const Tree t = tree_of(b, dim, depth, table_kind, false);
+        const double* log_draws = static_cast<const double*>(b[7].buf);
+        out_of_memory = !without_gil([&] {
+            std::vector<Split> known;
+            known.reserve(kShared);
+            for (Py_ssize_t r = 0; r < batch; ++r)
+                sample_query(t, query_of(b, r, dim, tokens), log_draws + r * samples, batch * samples, samples,
+                             static_cast<int64_t*>(b[8].buf) + r * samples,
+                             static_cast<double*>(b[9].buf) + r * samples, known);
         });
     }
     return finish(b, 10, out_of_memory, bad);
@@ -463,6 +533,10 @@ PyMethodDef methods[] = {
     {"beam_search", beam_search, METH_VARARGS,
      "beam_search(z, weights, bias, table, half_value, offsets, token_weights, live, out_nodes, out_logp, "
      "batch, dim, tokens, depth, beam, table_kind): fill out_nodes/out_logp [batch, beam]"},
+    {"ancestral_sample", ancestral_sample, METH_VARARGS,
+     "ancestral_sample(z, weights, bias, table, half_value, offsets, token_weights, log_draws, out_nodes, "
+     "out_logp, batch, dim, tokens, depth, samples, table_kind): fill out_nodes/out_logp [batch, samples] with "
+     "leaves drawn from p_n, log_draws [depth, batch * samples] the logs of uniforms in (0, 1)"},
     {"lexical_scores", lexical_scores, METH_VARARGS,
      "lexical_scores(indptr, labels, weights, bias, ids, x, candidates, out, batch, tokens, count): "
      "fill out [batch, count]"},
@@ -474,7 +548,8 @@ PyMethodDef methods[] = {
     {nullptr, nullptr, 0, nullptr},
 };
 
-PyModuleDef module = {PyModuleDef_HEAD_INIT, "_tree_native", "The tree's compiled loops: its search, its node term's fit.", -1, methods,
+PyModuleDef module = {PyModuleDef_HEAD_INIT, "_tree_native",
+                      "The tree's compiled loops: its search, its sampling, its node term's fit.", -1, methods,
                       nullptr, nullptr, nullptr, nullptr};
 
 }  // namespace

@@ -38,7 +38,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from service.engine.tree_lexical import LexicalRows, NodeLexical, Tokens
-from service.engine.tree_native import beam_search
+from service.engine.tree_native import ancestral_sample, beam_search
 from service.engine.vectors import as_float32
 
 REQUIRED_ARRAYS = (
@@ -98,15 +98,44 @@ def forced_split_bias(leaf_labels: np.ndarray) -> np.ndarray:
     return force
 
 
-def _beam_table(node_lexical: NodeLexical | None) -> tuple[np.ndarray, int]:
-    """The node-lexical table as the beam search reads it: (array, kind) with kind 2 for float16
-    (its bits, read through _HALF_VALUES), 4 for float32, 0 for no table."""
+def _native_table(node_lexical: NodeLexical | None) -> tuple[np.ndarray, int]:
+    """The node-lexical table as the compiled search and sampler read it: (array, kind) with kind
+    2 for float16 (its bits, read through _HALF_VALUES), 4 for float32, 0 for no table."""
     if node_lexical is None:
         return _NO_BYTES, 0
     table = node_lexical.table
     if table.dtype == np.float16:
         return np.ascontiguousarray(table).view(np.uint16), 2
     return np.ascontiguousarray(table, dtype=np.float32), 4
+
+
+def _native_tokens(node_lexical: NodeLexical | None, tokens: Tokens | None, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """Queries' tokens as the compiled loops read them: each token's first slot [rows, T] int64
+    and its weight float32 (none without a node-lexical table)."""
+    if node_lexical is None or tokens is None:
+        return np.zeros((rows, 0), np.int64), np.zeros((rows, 0), np.float32)
+    return (np.ascontiguousarray(node_lexical.token_offsets(tokens[0]), dtype=np.int64),
+            np.ascontiguousarray(tokens[1], dtype=np.float32))
+
+
+def sample_leaves(node_weights: np.ndarray, node_bias: np.ndarray, node_lexical: NodeLexical | None, depth: int,
+                  z: np.ndarray, tokens: Tokens | None, draws: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Ancestral samples of p_n's leaves, training's negatives (training/tree.py LabelTree.sample),
+    compiled beside the search: heap nodes and path log-probs [B, S] for projected inputs z
+    [B, k] and, with the node-lexical table, their tokens ([B, T] ids and weights); one uniform
+    draw a level and sample, draws [depth, B, S]: left where log(draw) < log sigmoid(s_n(x))."""
+    z = np.ascontiguousarray(z, dtype=np.float64)
+    log_draws = np.log(np.asarray(draws, dtype=np.float64))  # one vectorised log, not one a decision in the loop
+    batch, samples = draws.shape[1:]
+    if node_lexical is not None and tokens is None:
+        raise ValueError("this tree's node logits read the documents' tokens: pass tokens=(ids, weights)")
+    offsets, weights = _native_tokens(node_lexical, tokens, batch)
+    table, table_kind = _native_table(node_lexical)
+    nodes, logp = np.empty((batch, samples), np.int64), np.empty((batch, samples))
+    ancestral_sample(z, np.ascontiguousarray(node_weights, dtype=np.float32),
+                     np.ascontiguousarray(node_bias, dtype=np.float64), table, _HALF_VALUES, offsets, weights,
+                     log_draws, nodes, logp, batch, z.shape[1], offsets.shape[1], depth, samples, table_kind)
+    return nodes, logp
 
 
 class TreeScorer:
@@ -159,7 +188,7 @@ class TreeScorer:
         # Node scores are s = w . P (q - m) + b = (w P) . q + (b - w P m): fold the PCA
         # projection in per node only where it pays, i.e. keep z = P (q - m) (k << D).
         self._pca_offset = self.pca_components @ self.pca_mean
-        self._beam_table = _beam_table(self.node_lexical)
+        self._native_table = _native_table(self.node_lexical)
 
     def live_nodes(self, retired: np.ndarray | None) -> np.ndarray | None:
         """What search(live=...) takes for a bundle's retired labels (bool per label id, of at
@@ -354,16 +383,12 @@ class TreeScorer:
         this p_n)."""
         z = np.ascontiguousarray(self._project(q), dtype=np.float64)
         batch, width = len(z), min(int(beam), self.num_leaves)
-        if self.node_lexical is None:
-            offsets, weights = np.zeros((batch, 0), np.int64), np.zeros((batch, 0), np.float32)
-        else:
-            ids, weights = self._tokens(tokens, batch)
-            offsets = np.ascontiguousarray(self.node_lexical.token_offsets(ids), dtype=np.int64)
-            weights = np.ascontiguousarray(weights, dtype=np.float32)
+        offsets, weights = _native_tokens(self.node_lexical, None if self.node_lexical is None
+                                          else self._tokens(tokens, batch), batch)
         live_bytes = _NO_BYTES if live is None else np.ascontiguousarray(live, dtype=bool).view(np.uint8)
         nodes = np.empty((batch, width), dtype=np.int64)
         logp = np.empty((batch, width))
-        table, table_kind = self._beam_table
+        table, table_kind = self._native_table
         beam_search(z, self.node_weights, self._node_bias_eff, table, _HALF_VALUES, offsets, weights, live_bytes, nodes,
                     logp, batch, z.shape[1], offsets.shape[1], self.depth, width, table_kind)
         labels = self.leaf_labels[nodes - (self.num_leaves - 1)]

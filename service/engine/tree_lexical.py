@@ -23,9 +23,6 @@ MAX_NODE_LEXICAL_BITS = 32
 Tokens = tuple[np.ndarray, np.ndarray]
 # NodeLexical.prepare's: the tokens' slot offsets [B, 1, T] and weights [B, T, 1].
 QueryTokens = tuple[np.ndarray, np.ndarray]
-# NodeLexical.pairs': each (query, token) pair of nonzero weight as its query's row, slot offset
-# and weight (float32), flat [P].
-TokenPairs = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 class LexicalRows:
@@ -111,23 +108,6 @@ class NodeLexical:
         """Queries' tokens ([B, T] ids and weights) as scores() reads them: computed once a search."""
         ids, weights = tokens
         return self.token_offsets(ids)[:, None, :], np.asarray(weights, dtype=np.float32)[:, :, None]
-
-    def pairs(self, tokens: Tokens, repeats: int = 1) -> TokenPairs:
-        """Queries' tokens ([B, T] ids and weights) as pair_scores() reads them, each query's
-        pairs repeated for `repeats` consecutive rows (row b * repeats + r): a form for one node
-        per row, where a padded [B, T] would read as many slots for the padding as for the words
-        (training's ancestral sampling: 6.6 words a debian-deps document, padded to ~30)."""
-        ids, weights = tokens
-        doc, col = np.nonzero(np.asarray(weights))
-        rows = (doc[:, None] * repeats + np.arange(repeats)).ravel()
-        offsets = np.repeat(self.token_offsets(np.asarray(ids)[doc, col]), repeats)
-        return rows, offsets, np.repeat(np.asarray(weights, dtype=np.float32)[doc, col], repeats)
-
-    def pair_scores(self, nodes: np.ndarray, pairs: TokenPairs) -> np.ndarray:
-        """The term of one node per row, nodes [R] for pairs(..) of R rows: [R] float64."""
-        rows, offsets, weights = pairs
-        values = self.table[self.slots(nodes[rows], offsets)].astype(np.float32)
-        return np.bincount(rows, weights=values * weights, minlength=len(nodes))
 
     def scores(self, nodes: np.ndarray, query: QueryTokens) -> np.ndarray:
         """The term of nodes [n] (every query) or [B, n] for prepared queries: [B, n] float32."""
