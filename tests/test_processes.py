@@ -73,6 +73,10 @@ def test_an_activation_on_one_process_is_served_by_every_process(bundle_root, tm
         assert r.status_code == 200 and r.json()["active"] == "v2", r.text
         assert set(r.json()["processes"].values()) == {"v2"}
         assert _versions_answering(s.url, 20) == {"v2"}
+    # Stopped (SIGTERM): each process let its listening socket go once; a second close of the
+    # same descriptor was logged at every shutdown.
+    assert s.log().count("Finished server process") == 2 and "Shutting down: Master" in s.log()
+    assert "Error while closing socket" not in s.log()
 
 
 def test_a_process_that_dies_comes_back_serving_the_recorded_version(bundle_root, tmp_path):

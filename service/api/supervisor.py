@@ -71,6 +71,13 @@ class ServingWorker(UvicornWorker):
         self.config.timeout_notify = 0.0
         self.leaving = False
 
+    def run(self) -> None:
+        # uvicorn's event loop takes the listening sockets over: handed gunicorn's wrappers, uvloop
+        # closed the descriptor, then the wrapper closed the same number again at every shutdown
+        # ("Error while closing socket [Errno 9]"; a number another thread may have reopened).
+        self.sockets = [getattr(listener, "sock", listener) for listener in self.sockets]
+        super().run()
+
     def load_wsgi(self) -> None:
         super().load_wsgi()
         # A process joining live ones holds its start-up until it serves (service.api.app,
