@@ -9,8 +9,9 @@ aggregate`) and models are trained and exported, then scored on the test split t
 served engine: naive (each member gets all its group's labels); eagle-paper (the paper's
 Algorithm 1 on TF-IDF and Algorithm 2: closest member); eagle (the defaults: centred features,
 label texts as groups of one, the relative assignment with soft labels; training/eagle.py);
-eagle-hard (eagle with every imputed label weighing 1, as before soft labels); eagle-2 (eagle's
-model, labels imputed again in its encoder space, trained again); and the true per-document
+eagle-hard (eagle with every imputed label weighing 1, as before soft labels); eagle-2 (a second
+round: eagle's labels imputed again by models trained on them, by default each member's posteriors
+under models of the other folds of groups, then trained again); and the true per-document
 labels (once). Prints P@1 / P@5 / PSP@5, the share of the naive-to-true P@1 gap each system
 recovers with a 95% paired bootstrap interval, imputation time against training time, and the
 imputed labels' precision and recall against the true ones (a diagnostic: no choice of the
@@ -123,8 +124,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-train", action="store_true",
                     help="score the bundles already trained under --out, list the others as not run")
     args = ap.parse_args(argv)
-    if "eagle-2" in args.systems and "eagle" not in args.systems:
-        ap.error("eagle-2 continues eagle's model: list eagle too")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     out = args.out or _common.OUT_DIR / f"aggregated-{args.data.name}"
     cfg = TrainConfig.from_json(args.config) if args.config else TrainConfig()
@@ -146,18 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _train(data: Path, cfg: TrainConfig, aggregated: bool = False):
+def _train(data: Path, cfg: TrainConfig, rounds: int = 0):
+    """A model of `data`: trained as ordinary data (rounds 0) or grouped data with `rounds` rounds."""
     from training.aggregated import train_aggregated
     from training.pipeline import train
 
-    return train_aggregated(data, replace(cfg, aggregated_rounds=1)) if aggregated else train(data, cfg)
-
-
-def _next_round(grouped: Path, ckpt_dir: Path, cfg: TrainConfig):
-    from training.aggregated import next_round
-    from training.checkpoint import Checkpoint
-
-    return next_round(grouped, Checkpoint.load(ckpt_dir), cfg)
+    return train_aggregated(data, replace(cfg, aggregated_rounds=rounds)) if rounds else train(data, cfg)
 
 
 def _setting(args, cfg: TrainConfig, out: Path, size: int, grouping: str, table: dict, true_info: dict) -> dict:
@@ -166,10 +159,10 @@ def _setting(args, cfg: TrainConfig, out: Path, size: int, grouping: str, table:
         make_grouped(args.data, grouped, size, grouping, seed=0)
     tag = f"{grouping}-{size}"
     builds = {"naive": lambda: _train(_naive_data(grouped, out / f"data-naive-{tag}"), cfg),
-              "eagle-paper": lambda: _train(grouped, replace(cfg, **PAPER), aggregated=True),
-              "eagle": lambda: _train(grouped, cfg, aggregated=True),
-              "eagle-hard": lambda: _train(grouped, replace(cfg, aggregated_soft_labels=False), aggregated=True),
-              "eagle-2": lambda: _next_round(grouped, out / f"eagle-{tag}" / "ckpt", cfg)}
+              "eagle-paper": lambda: _train(grouped, replace(cfg, **PAPER), rounds=1),
+              "eagle": lambda: _train(grouped, cfg, rounds=1),
+              "eagle-hard": lambda: _train(grouped, replace(cfg, aggregated_soft_labels=False), rounds=1),
+              "eagle-2": lambda: _train(grouped, cfg, rounds=2)}
     row = {"setting": tag, "true_train_s": true_info["times"]["total_s"], "systems": [],
            "imputed": _imputation_quality(args.data, grouped, cfg, out / f"eagle-{tag}" / "ckpt",
                                           out / f"imputed-{tag}.json")}
@@ -196,15 +189,16 @@ def _setting(args, cfg: TrainConfig, out: Path, size: int, grouping: str, table:
 def _imputation_quality(data: Path, grouped_dir: Path, cfg: TrainConfig, eagle_ckpt: Path,
                         cache: Path) -> dict[str, tuple]:
     """Precision and recall of each system's imputed training labels against the true ones, soft
-    labels counting by their weights (kept in `cache`; eagle-2's once eagle's model exists)."""
-    has_eagle = (eagle_ckpt / "checkpoint.json").exists()
+    labels counting by their weights (kept in `cache`; eagle-2's once eagle's model exists, when
+    one model on every group re-imputes, aggregated_posterior_folds 1: eagle's is that model)."""
+    has_eagle = (eagle_ckpt / "checkpoint.json").exists() and cfg.aggregated_posterior_folds == 1
     if cache.is_file():
         quality = json.loads(cache.read_text(encoding="utf-8"))
         if "eagle-2" in quality or not has_eagle:
             return quality
     import torch
 
-    from training.aggregated import fit_imputer, impute, model_posteriors, tfidf_spaces
+    from training.aggregated import as_lists, fit_imputer, fold_posteriors, impute, tfidf_spaces
     from training.checkpoint import Checkpoint
     from training.encoder import EncodedTexts, embed
     from training.grouped import load_grouped
@@ -220,8 +214,9 @@ def _imputation_quality(data: Path, grouped_dir: Path, cfg: TrainConfig, eagle_c
     if cfg.aggregated_soft_labels:
         weights["eagle"] = eagle.impute_weights()
     if has_eagle and cfg.aggregated_reimpute == "model":
-        imputed["eagle-2"], weights["eagle-2"] = model_posteriors(Checkpoint.load(eagle_ckpt), grouped, len(labels),
-                                                                    cfg.aggregated_min_posterior)
+        every_group = np.arange(len(grouped.group_uids))
+        imputed["eagle-2"], weights["eagle-2"] = as_lists(fold_posteriors(
+            Checkpoint.load(eagle_ckpt), grouped, every_group, len(labels), cfg.aggregated_min_posterior))
     elif has_eagle:
         ckpt = Checkpoint.load(eagle_ckpt)
         with torch.no_grad():

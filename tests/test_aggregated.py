@@ -357,16 +357,76 @@ def test_posteriors_under_the_floor_are_left_out_but_each_pair_keeps_a_member() 
 
 
 def test_a_round_from_the_models_posteriors_beats_the_first_on_clustered_groups(planted: dict[str, Path]) -> None:
-    """Clustered groups' members are alike: the first model, trained on many groups, tells them
-    apart better than the TF-IDF imputation did, and a round trained on its posteriors predicts the
+    """Clustered groups' members are alike: models trained on many groups tell them apart better
+    than the TF-IDF imputation did, and a round trained on their posteriors predicts the
     per-document test labels better (deterministic given the seed)."""
-    from training.aggregated import next_round, train_aggregated
+    from training.aggregated import train_aggregated
 
     cfg = replace(TrainConfig.tiny(), tree_enabled=False, seed=0, aggregated_rounds=1)
     first = train_aggregated(planted["clustered"], cfg)
-    second = next_round(planted["clustered"], first, cfg)
-    assert second.metrics["aggregated"]["rounds"] == 2 and second.metrics["aggregated"]["keep_ratio"][1] is None
+    second = train_aggregated(planted["clustered"], replace(cfg, aggregated_rounds=2))
+    info = second.metrics["aggregated"]
+    assert info["rounds"] == 2 and info["keep_ratio"][1] is None and len(info["training_s"]) == 2
     p1 = [ckpt.metrics["module3"]["combined"]["P@1"] for ckpt in (first, second)]
     assert p1[1] > p1[0] + 3, p1
-    again = next_round(planted["clustered"], first, cfg)
+    again = train_aggregated(planted["clustered"], replace(cfg, aggregated_rounds=2))
     assert again.metrics["module3"]["combined"] == second.metrics["module3"]["combined"]
+
+
+def test_posterior_folds_deal_whole_groups_and_train_each_fold_on_the_others(caplog) -> None:
+    from training.aggregated import posterior_folds
+    from training.grouped import GroupedSplit
+
+    group_of = np.repeat(np.arange(10), 3)
+    grouped = GroupedSplit([f"d{i}" for i in range(30)], ["t"] * 30, group_of, [f"g{g}" for g in range(10)],
+                           [[0]] * 10)
+    folds = posterior_folds(grouped, 4, seed=3)
+    assert folds.count == 4 and sorted(np.bincount(folds.of_document).tolist()) == [6, 6, 9, 9]
+    assert all(len(set(folds.of_document[group_of == g])) == 1 for g in range(10))  # a group in one fold
+    for fold in range(4):
+        assert folds.trained_on(fold) == np.flatnonzero(folds.of_document != fold).tolist()
+    np.testing.assert_array_equal(posterior_folds(grouped, 4, seed=3).of_document, folds.of_document)
+    assert posterior_folds(grouped, 1, seed=3).trained_on(0) == list(range(30))
+    assert posterior_folds(grouped, 10, seed=3).count == 10 and not caplog.records
+    assert posterior_folds(grouped, 11, seed=3).count == 10
+    assert "aggregated_posterior_folds 11: only 10 groups, 10 folds" in caplog.text
+
+
+def test_a_members_posteriors_come_from_a_model_that_did_not_see_its_groups_labels(planted: dict[str, Path]) -> None:
+    """Cross-fitted: the labels the round before gave a fold's documents change the other folds'
+    posteriors, never their own (a model trained on a document echoes its labels back)."""
+    from training.aggregated import fit_imputer, posterior_folds, reimpute
+
+    cfg = replace(TrainConfig.tiny(), tree_enabled=False, seed=0, aggregated_posterior_folds=2)
+    labels = xc_data.load_labels(planted["clustered"])
+    grouped = load_grouped(planted["clustered"], "title", len(labels))
+    x, z = tfidf_spaces(grouped.texts, labels.texts, cfg)
+    imputed = fit_imputer(grouped, x, len(labels), cfg, z).impute()
+    fold = posterior_folds(grouped, 2, cfg.seed).of_document
+    mine = np.flatnonzero(fold == 0)
+    moved = list(imputed)
+    for a, b in zip(mine, np.roll(mine, 1), strict=True):  # fold 0's labels dealt to other documents of it
+        moved[a] = imputed[b]
+    before, _ = reimpute(planted["clustered"], grouped, labels.texts,
+                         xc_data.Split(grouped.uids, grouped.texts, imputed), cfg, "title")
+    after, _ = reimpute(planted["clustered"], grouped, labels.texts,
+                        xc_data.Split(grouped.uids, grouped.texts, moved), cfg, "title")
+    assert [before.weights[i] for i in mine] == [after.weights[i] for i in mine]
+    others = np.flatnonzero(fold == 1)
+    assert [before.weights[i] for i in others] != [after.weights[i] for i in others]
+
+
+def test_a_member_model_is_the_model_training_fits_up_to_module3(planted: dict[str, Path]) -> None:
+    """One fold (aggregated_posterior_folds 1) re-imputes with the model a round would train."""
+    import torch
+
+    from training.pipeline import fit_member_model, train
+
+    cfg = replace(TrainConfig.tiny(), tree_enabled=False, seed=0)
+    trn = xc_data.load_split(planted["data"], "trn", "title", len(xc_data.load_labels(planted["data"])))
+    member, ckpt = fit_member_model(planted["data"], cfg, "title", trn), train(planted["data"], cfg, trn=trn)
+    np.testing.assert_array_equal(member.classifiers.weights_, ckpt.classifiers.weights_)
+    np.testing.assert_array_equal(member.classifiers.bias_, ckpt.classifiers.bias_)
+    for name, value in ckpt.encoder.state_dict().items():
+        assert torch.equal(member.encoder.state_dict()[name], value), name
+    assert member.tokenizer.vocab_size == ckpt.tokenizer.vocab_size

@@ -216,3 +216,17 @@ def test_documents_without_tokens_are_refused_after_imputation_not_crashed(tmp_p
     code, err = _train(data, tmp_path, capsys, aggregated_validation=0.25, aggregated_center=False,
                        min_train_docs=10**6)
     assert code == 2 and "fewer than min_train_docs (1000000)" in err
+
+
+@pytest.mark.parametrize(("minimum", "refused"), [(5, False), (6, True)])
+def test_a_posterior_fold_with_too_few_documents_is_refused_naming_the_folds(
+        tmp_path: Path, capsys, minimum: int, refused: bool) -> None:
+    data = _grouped(tmp_path / "g", num_groups=12, members=1)  # two folds of 6 groups of one document
+    code, err = _train(data, tmp_path, capsys, aggregated_rounds=2, aggregated_posterior_folds=2,
+                       min_train_docs=minimum, tune=False, m3_min_gain=None)
+    assert code == (2 if refused else 0), err
+    if refused:  # 6 documents a fold's model, one of them carved for validation
+        assert "aggregated_posterior_folds 2: posterior model 1 of 2 (trained on 6 of 12 documents): " in err
+        assert f"5 training documents have both a label and a token of the vocabulary, fewer than " \
+               f"min_train_docs ({minimum})" in err and err.rstrip().endswith("use fewer folds (1: one model on " \
+                                                                             "every group)"), err

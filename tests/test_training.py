@@ -269,6 +269,7 @@ TRAIN_SETTING_EDGES = [
     ("aggregated_step", 1e-9, 0.0, {}), ("aggregated_step", 1.0, 1.0 + 1e-9, {}), ("aggregated_rounds", 1, 0, {}),
     ("aggregated_keep_ratio", 0.0, -1e-9, {}), ("aggregated_keep_ratio", 1.0, 1.0 + 1e-9, {}),
     ("aggregated_min_posterior", 0.0, -1e-9, {}), ("aggregated_min_posterior", 0.999, 1.0, {}),
+    ("aggregated_posterior_folds", 1, 0, {}), ("aggregated_posterior_folds", 100, 101, {}),
 ]
 
 

@@ -1,16 +1,18 @@
 """`shortlist train --aggregated`: per-document labels imputed from group labels (training/eagle.py),
-then the usual training on them; each further round (aggregated_rounds) imputes again from the
-trained model and trains again: by default each member's posterior of carrying each of its
-group's labels under the model's probabilities (aggregated_reimpute "model"), or EAGLE's
-imputation in the trained encoder's embedding space ("encoder")."""
+then the usual training on them; each further round (aggregated_rounds) imputes again from
+models trained on the round before's labels: by default each member's posterior of carrying each
+of its group's labels under the probabilities of a model that did not train on its group
+(aggregated_reimpute "model", cross-fitted over aggregated_posterior_folds folds of the groups),
+or EAGLE's imputation in the embedding space of a model trained on all of them ("encoder")."""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import scipy.sparse as sp
@@ -23,7 +25,7 @@ from training.config import TrainConfig
 from training.eagle import KEEP_RATIOS, EagleImputer, carrier_posteriors
 from training.encoder import EncodedTexts, embed
 from training.grouped import GroupedSplit, load_grouped
-from training.pipeline import train
+from training.pipeline import MemberModel, fit_member_model, train
 
 log = logging.getLogger("shortlist.training")
 
@@ -80,7 +82,7 @@ def fit_imputer(grouped: GroupedSplit, features: sp.csr_matrix | np.ndarray, num
 
 def train_aggregated(data_dir: str | Path, config: TrainConfig | None = None, text_field: str = "title",
                      seed: int | None = None) -> Checkpoint:
-    """Train on a grouped dataset: impute, train; re-impute with the encoder and retrain per extra round."""
+    """Train on a grouped dataset: impute (TF-IDF), re-impute per extra round, train."""
     cfg = replace(config or TrainConfig(), **({} if seed is None else {"seed": int(seed)}))
     cfg.validate()
     labels = xc_data.load_labels(data_dir, text_field)
@@ -88,52 +90,114 @@ def train_aggregated(data_dir: str | Path, config: TrainConfig | None = None, te
     started = time.monotonic()
     docs_tfidf, labels_tfidf = tfidf_spaces(grouped.texts, labels.texts, cfg)
     imputer = fit_imputer(grouped, docs_tfidf, len(labels), cfg, labels_tfidf)
-    targets, weights = imputer.impute(), _weights(imputer, cfg)
+    split = xc_data.Split(grouped.uids, grouped.texts, imputer.impute(), _weights(imputer, cfg))
     seconds = time.monotonic() - started
     log.info("aggregated: %d documents in %d groups, labels imputed in %.1f s (TF-IDF)",
              len(grouped), len(grouped.group_uids), seconds)
-    ckpt = train(data_dir, cfg, text_field, trn=xc_data.Split(grouped.uids, grouped.texts, targets, weights))
-    _record_round(ckpt, grouped, seconds, imputer, None)
-    for _ in range(2, cfg.aggregated_rounds + 1):
-        ckpt = next_round(data_dir, ckpt, cfg, text_field)
+    record = _record_round(None, grouped, seconds, imputer)
+    for number in range(2, cfg.aggregated_rounds + 1):
+        split, done = reimpute(data_dir, grouped, labels.texts, split, cfg, text_field)
+        log.info("aggregated round %d: %d labels imputed in %.1f s (%s) after %.1f s of training", number,
+                 sum(map(len, split.targets)), done.imputation_s,
+                 "the models' posteriors" if done.imputer is None else "encoder embeddings", done.training_s)
+        record["training_s"].append(round(done.training_s, 3))
+        record = _record_round(record, grouped, done.imputation_s, done.imputer)
+    ckpt = train(data_dir, cfg, text_field, trn=split)
+    record["training_s"].append(ckpt.metrics.get("times", {}).get("total_s"))
+    ckpt.metrics["aggregated"] = record
     return ckpt
 
 
-def next_round(data_dir: str | Path, ckpt: Checkpoint, config: TrainConfig, text_field: str = "title") -> Checkpoint:
-    """One more round on a grouped dataset after `ckpt` (trained on it): labels imputed again from
-    ckpt (config.aggregated_reimpute: its probabilities, or EAGLE in its encoder space), then
-    trained again."""
-    labels = xc_data.load_labels(data_dir, text_field)
-    grouped = load_grouped(data_dir, text_field, len(labels))
-    started = time.monotonic()
-    imputer = None
-    if config.aggregated_reimpute == "model":
-        targets, weights = model_posteriors(ckpt, grouped, len(labels), config.aggregated_min_posterior)
+class Reimputed(NamedTuple):
+    training_s: float  # training the models on the round before's labels
+    imputation_s: float
+    imputer: EagleImputer | None  # None: from the models' posteriors
+
+
+def reimpute(data_dir: str | Path, grouped: GroupedSplit, label_texts: list[str], split: xc_data.Split,
+             cfg: TrainConfig, text_field: str) -> tuple[xc_data.Split, Reimputed]:
+    """A round's labels, from models trained on the round before's (`split`): by
+    cfg.aggregated_reimpute, the members' posteriors under models cross-fitted over the groups
+    (posterior_folds), or EAGLE again in the embedding space of one model trained on all of them."""
+    started, training_s, imputer = time.monotonic(), 0.0, None
+    if cfg.aggregated_reimpute == "model":
+        folds = posterior_folds(grouped, cfg.aggregated_posterior_folds, cfg.seed)
+        post = sp.csr_matrix((len(grouped), len(label_texts)), dtype=np.float32)
+        for fold in range(folds.count):  # one model at a time: each holds [L, D] classifiers
+            trained, rows = time.monotonic(), folds.trained_on(fold)
+            log.info("aggregated: posterior model %d of %d, trained on %d of %d documents", fold + 1, folds.count,
+                     len(rows), len(grouped))
+            model = _member_model(data_dir, cfg, text_field, split.subset(rows), f"posterior model {fold + 1} of "
+                                  f"{folds.count} (trained on {len(rows)} of {len(grouped)} documents)")
+            training_s += time.monotonic() - trained
+            post += fold_posteriors(model, grouped, np.flatnonzero(folds.of_group == fold), len(label_texts),
+                                    cfg.aggregated_min_posterior)
+        targets, weights = as_lists(post)
     else:
+        model = fit_member_model(data_dir, cfg, text_field, split)
+        training_s = time.monotonic() - started
         with torch.no_grad():
-            emb, label_emb = (embed(ckpt.encoder, EncodedTexts.of(ckpt.tokenizer, t), torch.device("cpu"))
-                              for t in (grouped.texts, labels.texts))
-        imputer = fit_imputer(grouped, emb, len(labels), config, label_emb)
-        targets, weights = imputer.impute(), _weights(imputer, config)
-    seconds = time.monotonic() - started
-    rounds = ckpt.metrics.get("aggregated", {})
-    log.info("aggregated round %d: %d labels imputed in %.1f s (%s)", rounds.get("rounds", 1) + 1,
-             sum(map(len, targets)), seconds, "the model's posteriors" if imputer is None else "encoder embeddings")
-    new = train(data_dir, config, text_field, trn=xc_data.Split(grouped.uids, grouped.texts, targets, weights))
-    _record_round(new, grouped, seconds, imputer, rounds)
-    return new
+            emb, label_emb = (embed(model.encoder, EncodedTexts.of(model.tokenizer, t), torch.device("cpu"))
+                              for t in (grouped.texts, label_texts))
+        imputer = fit_imputer(grouped, emb, len(label_texts), cfg, label_emb)
+        targets, weights = imputer.impute(), _weights(imputer, cfg)
+    return (xc_data.Split(grouped.uids, grouped.texts, targets, weights),
+            Reimputed(training_s, time.monotonic() - started - training_s, imputer))
 
 
-def model_posteriors(ckpt: Checkpoint, grouped: GroupedSplit, num_labels: int,
-                     min_posterior: float) -> tuple[list[list[int]], list[list[float]]]:
-    """Per document, its group's labels and its posterior of carrying each (carrier_posteriors)
-    under ckpt's Module III probabilities, those under min_posterior left out (but each pair's likeliest)."""
+def _member_model(data_dir: str | Path, cfg: TrainConfig, text_field: str, trn: xc_data.Split,
+                  which: str) -> MemberModel:
+    """fit_member_model, a refusal of its data naming the fold (a fold's model sees part of the data)."""
+    try:
+        return fit_member_model(data_dir, cfg, text_field, trn)
+    except ValueError as e:
+        raise ValueError(f"aggregated_posterior_folds {cfg.aggregated_posterior_folds}: {which}: {e}; "
+                         f"use fewer folds (1: one model on every group)") from e
+
+
+@dataclass(frozen=True)
+class Folds:
+    """Groups in folds; count 1: one fold, whose model trains on every group."""
+
+    of_group: np.ndarray  # int64 [G]
+    of_document: np.ndarray  # int64 [N], its group's
+    count: int
+
+    def trained_on(self, fold: int) -> list[int]:
+        """The documents fold's model trains on: the other folds' (all of them, with one fold)."""
+        rows = np.arange(len(self.of_document)) if self.count == 1 else np.flatnonzero(self.of_document != fold)
+        return rows.tolist()
+
+
+def posterior_folds(grouped: GroupedSplit, folds: int, seed: int) -> Folds:
+    """Each group in one of `folds` folds at random (given the seed), about as many groups a fold;
+    fewer folds than asked when there are fewer groups."""
+    count = max(1, min(folds, len(grouped.group_uids)))
+    of_group = (np.random.default_rng(seed).permutation(len(grouped.group_uids)) % count).astype(np.int64)
+    if count < folds:
+        log.warning("aggregated_posterior_folds %d: only %d groups, %d folds", folds, count, count)
+    return Folds(of_group, of_group[grouped.group_of], count)
+
+
+def fold_posteriors(model: MemberModel, grouped: GroupedSplit, groups: np.ndarray, num_labels: int,
+                    min_posterior: float) -> sp.csr_matrix:
+    """[documents, labels]: each member of `groups` (rows of grouped's groups) with its posterior
+    of carrying each of its group's labels (carrier_posteriors) under the model's Module III
+    probabilities, those under min_posterior left out (but each pair's likeliest); no other rows."""
+    docs = np.flatnonzero(np.isin(grouped.group_of, groups))
+    local = np.zeros(len(grouped), np.int64)
+    local[docs] = np.arange(len(docs))
     with torch.no_grad():
-        emb = embed(ckpt.encoder, EncodedTexts.of(ckpt.tokenizer, grouped.texts), torch.device("cpu"))
-    post = carrier_posteriors(grouped.members(), grouped.group_labels(num_labels),
-                              member_probability(emb, ckpt.classifiers.weights_, ckpt.classifiers.bias_),
-                              min_posterior)
-    rows = range(len(grouped))
+        emb = embed(model.encoder, EncodedTexts.of(model.tokenizer, [grouped.texts[i] for i in docs]),
+                    torch.device("cpu"))
+    probability = member_probability(emb, model.classifiers.weights_, model.classifiers.bias_)
+    return carrier_posteriors(grouped.members()[groups], grouped.group_labels(num_labels)[groups],
+                              lambda d, labels: probability(local[d], labels), min_posterior)
+
+
+def as_lists(post: sp.csr_matrix) -> tuple[list[list[int]], list[list[float]]]:
+    """A [documents, labels] matrix as per-document label ids and weights (a Split's targets and weights)."""
+    rows = range(post.shape[0])
     return ([post.indices[post.indptr[i] : post.indptr[i + 1]].tolist() for i in rows],
             [post.data[post.indptr[i] : post.indptr[i + 1]].tolist() for i in rows])
 
@@ -156,16 +220,15 @@ def _weights(imputer: EagleImputer, cfg: TrainConfig) -> list[list[float]] | Non
     return imputer.impute_weights() if cfg.aggregated_soft_labels else None
 
 
-def _record_round(ckpt: Checkpoint, grouped: GroupedSplit, imputation_s: float, imputer: EagleImputer | None,
-                  before: dict | None) -> None:
-    """ckpt.metrics["aggregated"]: the rounds so far with each one's imputation and training seconds,
-    the iterations it ran and the keep ratio it used (None: not the relative assignment, or no
-    EAGLE imputation: a round from the model's posteriors)."""
-    before = before or {"rounds": 0, "imputation_s": [], "training_s": [], "iterations": []}
+def _record_round(before: dict | None, grouped: GroupedSplit, imputation_s: float,
+                  imputer: EagleImputer | None) -> dict:
+    """The checkpoint's metrics["aggregated"] so far: the rounds with each one's imputation
+    seconds, the iterations it ran and the keep ratio it used (None: not the relative assignment,
+    or no EAGLE imputation: a round from the models' posteriors), and (appended by the caller)
+    the seconds of training on each round's labels (the member models' or the final model's)."""
+    before = before or {"rounds": 0, "imputation_s": [], "training_s": [], "iterations": [], "keep_ratio": []}
     ratio = imputer.keep_ratio_ if imputer is not None and imputer.assignment == "relative" else None
-    ckpt.metrics["aggregated"] = {
-        "groups": len(grouped.group_uids), "documents": len(grouped), "rounds": before["rounds"] + 1,
-        "imputation_s": [*before["imputation_s"], imputation_s],
-        "iterations": [*before.get("iterations", []), None if imputer is None else imputer.iterations_],
-        "keep_ratio": [*before.get("keep_ratio", []), ratio],
-        "training_s": [*before["training_s"], ckpt.metrics.get("times", {}).get("total_s")]}
+    return {"groups": len(grouped.group_uids), "documents": len(grouped), "rounds": before["rounds"] + 1,
+            "imputation_s": [*before["imputation_s"], imputation_s],
+            "iterations": [*before["iterations"], None if imputer is None else imputer.iterations_],
+            "keep_ratio": [*before["keep_ratio"], ratio], "training_s": list(before["training_s"])}

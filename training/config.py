@@ -226,11 +226,12 @@ class TrainConfig:
     # (aggregated_iterations as given; aggregated_keep_ratio, else each group label to its closest member).
     aggregated_min_val_groups: int = 10
     aggregated_step: float = 0.5
-    # A second round re-imputes from the first model's posteriors (aggregated_reimpute): on
-    # clustered groups of 4 it recovers more of the naive-to-true P@1 gap (debian-tags 24% -> 44%
-    # at seed 0, +13..+20 points over three seeds; debian-deps 29% -> 39%), but PSP@5 falls
-    # (debian-deps clustered 26.5 -> 22.4, debian-tags random 60.4 -> 54.3) and training takes
-    # twice as long (bench/RESULTS.md): one round by default, two on request.
+    # A second round re-imputes from cross-fitted models' posteriors (aggregated_reimpute,
+    # aggregated_posterior_folds): on groups of 4 it recovers more of the naive-to-true P@1 gap
+    # (clustered: debian-tags 14 / 19 / 25% -> 47 / 45 / 52% at seeds 0 / 1 / 2, debian-deps 32% ->
+    # 50%; random: debian-tags 74% -> 83%) with PSP@5 within a point of one round's, but training
+    # takes two to four times as long and debian-deps' random groups are not measured with it
+    # (bench/RESULTS.md): one round by default, two on request.
     aggregated_rounds: int = 1
     # Who gets a group's label: its closest member (the paper's Algorithm 2), "expected": as
     # many closest members as a group carrying the label is expected to hold (from the share of
@@ -264,6 +265,14 @@ class TrainConfig:
     # 30 million soft labels for 20,000 documents in groups of 500, nearly all weighing ~1/500,
     # which train as targets near 0, as the negatives they would be without them (bench/RESULTS.md).
     aggregated_min_posterior: float = 0.01
+    # The "model" round's posteriors are cross-fitted: the groups are dealt into this many folds
+    # and each fold's members are scored by a model (Modules I-III) trained on the other folds'
+    # labels of the round before, never on their own, which a model trained on them echoes back.
+    # Clustered groups of 4 of debian-tags, the naive-to-true P@1 gap the second round recovers at
+    # seeds 0 / 1 / 2 (bench/RESULTS.md): one model on every group 31 / 39 / 43%, 2 folds 41 / 43 /
+    # 44%, 4 folds 47 / 45 / 52% (one round: 14 / 19 / 25%). The folds' models cost about
+    # folds - 1 trainings of Modules I-III (1: one model on every group, as before).
+    aggregated_posterior_folds: int = 4
     tree: dict[str, Any] = field(default_factory=dict)
 
     def shortlist_choices(self, has_table: bool) -> list[tuple[int, int, int]]:
@@ -354,6 +363,7 @@ _EF = Bounds(1, MAX_EF_SEARCH)  # the manifest's ef_search limit; beyond any bui
 _HNSW_M = Bounds(2, MAX_HNSW_M)  # hnswlib divides by log(M): M = 1 is no graph
 _POINTS = Bounds(0, MAX_POINTS)
 _THREADS = Bounds(0, MAX_THREADS)  # 0: every core
+_FOLDS = Bounds(1, 100)  # a model trained per fold: past a few folds, more cost and little change
 # The range of every numeric setting (m3_min_gain and aggregated_keep_ratio may also be null; the
 # maxima: training.config_values). Settings that count epochs or candidates may be 0 where 0 is
 # documented to turn that part off.
@@ -379,7 +389,7 @@ _BOUNDS: dict[str, Bounds] = {
     "aggregated_iterations": STEPS_0, "aggregated_validation": _FRACTION,
     "aggregated_min_val_groups": COUNT_1,
     "aggregated_step": Bounds(0, 1, open_low=True), "aggregated_rounds": STEPS_1, "aggregated_keep_ratio": UNIT,
-    "aggregated_min_posterior": _FRACTION,
+    "aggregated_min_posterior": _FRACTION, "aggregated_posterior_folds": _FOLDS,
 }
 
 

@@ -1,5 +1,5 @@
 """`shortlist train`: SiameseXML Modules I-III, the token table, the bundle's indices, the tuned
-scoring and the tree, on an XC raw-text dataset -> Checkpoint. Read `_train` top to bottom."""
+scoring and the tree, on an XC raw-text dataset -> Checkpoint. Read `_fit_modules`, then `_train`."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import scipy.sparse as sp
@@ -21,6 +21,7 @@ from service.engine.labels import LabelTable
 from service.engine.lexical import TokenShortlist
 from service.engine.schema import HnswParams, Scoring, Shortlist
 from service.engine.scorers import Calibration, LabelScorer
+from service.engine.tokenizer import Tokenizer
 from service.engine.vectors import as_served
 from training.ann import AnnParams
 from training.centroids import Centroids, hard_negative_shortlists
@@ -55,8 +56,39 @@ def train(data_dir: str | Path, config: TrainConfig | None = None, text_field: s
         return _train(Path(data_dir), cfg, text_field, trn)
 
 
-def _train(data_dir: Path, cfg: TrainConfig, text_field: str, trn: Split | None = None) -> Checkpoint:
-    device, rng, report = _device(cfg), np.random.default_rng(cfg.seed), Report()
+@dataclass
+class Modules:
+    """What SiameseXML's Modules I-III leave for the rest of training."""
+
+    data: TrainingSet
+    encoder: SiameseEncoder
+    encoder_losses: list[float]
+    classifiers: OneVsAll
+    centroids: Centroids
+    doc_emb: np.ndarray
+
+
+class MemberModel(NamedTuple):
+    """A model's probability that a document carries a label (Module III's), what training from
+    aggregated labels re-imputes with; a Checkpoint has the same three attributes."""
+
+    tokenizer: Tokenizer
+    encoder: SiameseEncoder
+    classifiers: OneVsAll
+
+
+def fit_member_model(data_dir: str | Path, config: TrainConfig, text_field: str, trn: Split) -> MemberModel:
+    """Modules I-III alone on `trn` (data_dir's labels): no token table, tree, indices, tuning or
+    test metrics, the same encoder and classifiers `train` would give."""
+    config.validate()
+    with _torch_settings(config):
+        modules = _fit_modules(Path(data_dir), config, text_field, trn, Report(), test=False)
+    return MemberModel(modules.data.tokenizer, modules.encoder.cpu(), modules.classifiers)
+
+
+def _fit_modules(data_dir: Path, cfg: TrainConfig, text_field: str, trn: Split | None, report: Report,
+                 test: bool = True) -> Modules:
+    device, rng = _device(cfg), np.random.default_rng(cfg.seed)
     with report.stage("data"):
         data = TrainingSet.load(data_dir, cfg, text_field, rng, trn)
     if data.warnings:
@@ -71,7 +103,8 @@ def _train(data_dir: Path, cfg: TrainConfig, text_field: str, trn: Split | None 
                                                            "the label embeddings": label_emb,
                                                            "the documents' embeddings": doc_emb})
         mu = _centroids(cfg, doc_emb, data.y, label_emb).vectors_
-    report.test_module1(data, encoder, label_emb, mu, device)
+    if test:
+        report.test_module1(data, encoder, label_emb, mu, device)
     with report.stage("module3"):
         m3 = OneVsAll.of(cfg, data.num_labels)
         negatives = None
@@ -88,6 +121,15 @@ def _train(data_dir: Path, cfg: TrainConfig, text_field: str, trn: Split | None 
         centroids = _centroids(cfg, doc_emb, data.y, label_emb)
         del label_emb
         clf.weights_, centroids.vectors_ = _as_stored(clf.weights_, cfg), _as_stored(centroids.vectors_, cfg)
+    return Modules(data, encoder, m1.losses_, clf, centroids, doc_emb)
+
+
+def _train(data_dir: Path, cfg: TrainConfig, text_field: str, trn: Split | None = None) -> Checkpoint:
+    report, device = Report(), _device(cfg)
+    modules = _fit_modules(data_dir, cfg, text_field, trn, report)
+    data, encoder, clf, centroids = modules.data, modules.encoder, modules.classifiers, modules.centroids
+    doc_emb, encoder_losses = modules.doc_emb, modules.encoder_losses
+    del modules  # doc_emb is dropped below, before the indices
     with report.stage("token_shortlist"):
         lexical = (TokenTable.of(cfg).fit(data.docs, data.y, data.label_texts, data.tokenizer.vocab_size, device)
                    if cfg.token_shortlist_width else None)
@@ -105,7 +147,7 @@ def _train(data_dir: Path, cfg: TrainConfig, text_field: str, trn: Split | None 
         scoring, table = tune_scoring(cfg, data, encoder, clf, centroids, indices, tables, device, report)
     report.test_module3(data, encoder, LabelScorer.of(clf.weights_, clf.bias_, centroids.vectors_, scoring), device,
                         scoring.alpha)
-    report.losses(m1.losses_, clf.losses_, getattr(lexical, "losses_", None), clf.validation_)
+    report.losses(encoder_losses, clf.losses_, getattr(lexical, "losses_", None), clf.validation_)
     return Checkpoint(
         tokenizer=data.tokenizer, labels=LabelTable(data.labels.uids, data.labels.titles), encoder=encoder.cpu(),
         classifiers=clf, centroids=centroids, scoring=scoring, hnsw=hnsw, indices=indices, token_table=table,
