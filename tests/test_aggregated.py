@@ -411,9 +411,11 @@ def test_a_members_posteriors_come_from_a_model_that_did_not_see_its_groups_labe
                          xc_data.Split(grouped.uids, grouped.texts, imputed), cfg, "title")
     after, _ = reimpute(planted["clustered"], grouped, labels.texts,
                         xc_data.Split(grouped.uids, grouped.texts, moved), cfg, "title")
-    assert [before.weights[i] for i in mine] == [after.weights[i] for i in mine]
-    others = np.flatnonzero(fold == 1)
-    assert [before.weights[i] for i in others] != [after.weights[i] for i in others]
+    def labels_of(split: xc_data.Split, rows: np.ndarray) -> list[tuple[list[int], list[float]]]:
+        return [(split.targets[i], split.weights[i]) for i in rows]
+
+    assert labels_of(before, mine) == labels_of(after, mine)
+    assert labels_of(before, np.flatnonzero(fold == 1)) != labels_of(after, np.flatnonzero(fold == 1))
 
 
 def test_a_member_model_is_the_model_training_fits_up_to_module3(planted: dict[str, Path]) -> None:
