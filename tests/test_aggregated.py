@@ -227,6 +227,30 @@ def test_module3_takes_a_soft_label_as_its_target() -> None:
     assert targets.tolist() == [[0.25, 1.0, 0, 0], [0.5, 0, 0, 0]]
 
 
+def test_validation_weighs_a_soft_label_by_how_sure_it_is(planted: dict[str, Path]) -> None:
+    """Training chooses the served scoring on validation documents carved from the imputed labels:
+    a label spread over a group's members at weight w is a hit worth w there and counts w towards
+    its label's frequency (the propensities), not a sure label on each member."""
+    from service.engine.metrics import ranking_metrics
+    from training.dataset import TrainingSet
+
+    labels = xc_data.load_labels(planted["data"])
+    trn = xc_data.load_split(planted["data"], "trn", "title", len(labels))
+    soft = replace(trn, weights=[[0.25] * len(t) for t in trn.targets])
+    sure, spread = (TrainingSet.load(planted["data"], TrainConfig.tiny(), "title", np.random.default_rng(0), trn=s)
+                    for s in (trn, soft))
+    first = np.array([[t[0] if t else -1] for t in sure.val.targets])  # each document's first label
+
+    def p1(data: TrainingSet) -> float:
+        return ranking_metrics(first, data.truths(data.val), ks=(1,))["P@1"]
+
+    assert p1(sure) > 90
+    assert p1(spread) == pytest.approx(0.25 * p1(sure))
+    carried = np.diff(sure.y.tocsc().indptr) > 0
+    assert np.all(spread.inv_propensity[carried] > sure.inv_propensity[carried])
+    np.testing.assert_array_equal(spread.inv_propensity[~carried], sure.inv_propensity[~carried])
+
+
 @pytest.mark.parametrize("grouping", ["random", "clustered"])
 def test_the_keep_ratio_chosen_on_held_out_groups_recovers_labels_the_closest_member_drops(
         planted: dict[str, Path], grouping: str) -> None:

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from service.engine.metrics import (
+    Truths,
     aggregate,
     document_terms,
     label_frequencies,
@@ -72,6 +73,37 @@ def test_propensity_formula() -> None:
 
 def test_label_frequencies_count_each_doc_once() -> None:
     assert label_frequencies([[0, 0, 2], [2]], 3).tolist() == [1, 0, 2]
+
+
+def test_label_frequencies_with_weights_sum_them() -> None:
+    freq = label_frequencies([[0, 2], [2]], 3, weights=[[0.5, 0.25], [1.0]])
+    assert freq.tolist() == pytest.approx([0.5, 0.0, 1.25])
+
+
+def test_weighted_truths_credit_a_hit_its_weight() -> None:
+    # doc 0: labels 1 (sure) and 3 (a quarter sure); doc 1: label 7 at 0.5.
+    truths = Truths(TRUTHS, INV_PROP, weights=[[1.0, 0.25], [0.5]])
+    m = ranking_metrics(PREDS, truths, ks=(1, 3))
+    assert m["P@1"] == pytest.approx(100.0 * (1.0 + 0.0) / 2)
+    assert m["P@3"] == pytest.approx(100.0 * (1.25 / 3 + 0.0) / 2)
+    # PSP@1: gain 2 * 1 over the bests max(2 * 1, 4 * 0.25) + 3 * 0.5
+    assert m["PSP@1"] == pytest.approx(100.0 * 2.0 / (2.0 + 1.5))
+    # nDCG@3 of doc 0: (1 + 0.25 / log2 4) over its ideal (1 + 0.25 / log2 3)
+    doc0 = (1.0 + 0.25 / math.log2(4)) / (1.0 + 0.25 / math.log2(3))
+    assert m["nDCG@3"] == pytest.approx(100.0 * doc0 / 2)
+
+
+def test_weights_of_one_score_as_no_weights() -> None:
+    plain = ranking_metrics(PREDS, TRUTHS, ks=(1, 3), inv_propensity=INV_PROP)
+    ones = ranking_metrics(PREDS, Truths(TRUTHS, INV_PROP, weights=[[1.0, 1.0], [1.0]]), ks=(1, 3))
+    assert ones == pytest.approx(plain)
+
+
+@pytest.mark.parametrize(("weights", "message"), [([[1.0, 1.0]], "1 rows of weights for 2"),
+                                                   ([[1.0], [1.0]], "2 labels and 1 weights")])
+def test_weights_not_matching_the_truths_are_refused(weights: list, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Truths(TRUTHS, weights=weights)
 
 
 def test_shortlist_recall() -> None:

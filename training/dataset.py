@@ -71,7 +71,7 @@ class TrainingSet:
         docs, val_texts = EncodedTexts.of(tokenizer, trn.texts), EncodedTexts.of(tokenizer, val.texts)
         warnings = check_teachable(str(source), trn, docs, val, val_texts, cfg,
                                    TokenizerFit(tokenizer, fitted_on, text_field))
-        freq = label_frequencies(trn.targets, len(labels))
+        freq = label_frequencies(trn.targets, len(labels), trn.weights)  # a soft label counts its weight
         return cls(
             labels, trn, val, tst, tokenizer, docs, EncodedTexts.of(tokenizer, labels.texts), val_texts,
             EncodedTexts.of(tokenizer, tst.texts) if tst else None,
@@ -80,7 +80,11 @@ class TrainingSet:
         )
 
     def truths(self, split: xc_data.Split) -> Truths:
-        return Truths(split.targets, self.inv_propensity)
+        """The split's labels to score rankings against, a soft label (imputed from group labels)
+        counting its weight: validation chooses the served scoring by them, and counting a label
+        spread over a group's members as sure on each one favoured the labels the model finds
+        in many documents (bench/RESULTS.md, aggregated labels)."""
+        return Truths(split.targets, self.inv_propensity, split.weights)
 
     def own_labels(self) -> np.ndarray:
         """Per validation document the id of the label with its uid (-1: none)."""

@@ -3,7 +3,7 @@
 P@k, nDCG@k, PSP@k and PSnDCG@k with Jain et al. (2016) propensities (A=0.55, B=1.5),
 the propensity-scored ones normalised by the best achievable value, and recall@K of
 a shortlist. Predictions are [N, >=k] arrays of label ids, best first (-1 = no label);
-truths are lists of label-id collections.
+truths are lists of label-id collections (or Truths, which may weigh each label).
 """
 
 from __future__ import annotations
@@ -20,7 +20,16 @@ def propensities(label_freq: np.ndarray, num_train_docs: int, a: float = 0.55, b
     return 1.0 / (1.0 + c * np.exp(-a * np.log(np.asarray(label_freq, dtype=np.float64) + b)))
 
 
-def label_frequencies(targets: Iterable[Iterable[int]], num_labels: int) -> np.ndarray:
+def label_frequencies(targets: Iterable[Iterable[int]], num_labels: int,
+                      weights: Iterable[Iterable[float]] | None = None) -> np.ndarray:
+    """Per label, how many documents carry it; with weights (each target's, in (0, 1]: how sure
+    it is, as imputed from group labels) the expected number, the sum of its weights."""
+    if weights is not None:
+        freq = np.zeros(num_labels, dtype=np.float64)
+        for t, w in zip(targets, weights, strict=True):
+            for label, x in dict(zip(t, w, strict=True)).items():
+                freq[label] += x
+        return freq
     freq = np.zeros(num_labels, dtype=np.int64)
     for t in targets:
         for label in set(t):
@@ -34,41 +43,77 @@ def _discounts(k: int) -> np.ndarray:
 
 class Truths:
     """Each document's true labels (a set per document), indexed once so that many rankings of
-    the same documents (a tuning grid, a bootstrap) are scored without a loop over documents."""
+    the same documents (a tuning grid, a bootstrap) are scored without a loop over documents.
 
-    def __init__(self, truths: Sequence[Iterable[int]], inv_propensity: np.ndarray | None = None) -> None:
-        sets = [np.unique(np.fromiter(t, dtype=np.int64)) for t in truths]
-        self.sizes = np.array([len(t) for t in sets], dtype=np.int64)
-        labels = np.concatenate(sets) if sets else np.zeros(0, dtype=np.int64)
-        docs = np.repeat(np.arange(len(sets), dtype=np.int64), self.sizes)
-        self.span = int(labels.max()) + 1 if len(labels) else 1
-        self._keys = docs * self.span + labels  # sorted: by document, then label
+    weights (optional, per document one per label, in (0, 1]): how sure each true label is (labels
+    imputed from group labels, training/aggregated.py). A hit then gains its weight, so P@k is its
+    expected value with each label carried with that probability, and the bests (nDCG's ideal,
+    PSP's) are the largest weights; without weights every label weighs 1."""
+
+    def __init__(self, truths: Sequence[Iterable[int]], inv_propensity: np.ndarray | None = None,
+                 weights: Sequence[Iterable[float]] | None = None) -> None:
+        labels, values = _truth_arrays(truths, weights)
+        self.sizes = np.array([len(t) for t in labels], dtype=np.int64)
+        docs = np.repeat(np.arange(len(labels), dtype=np.int64), self.sizes)
+        self._labels = np.concatenate(labels) if labels else np.zeros(0, dtype=np.int64)
+        self._values = np.concatenate(values) if values else np.ones(len(self._labels))
+        self.span = int(self._labels.max()) + 1 if len(self._labels) else 1
+        self._keys = docs * self.span + self._labels  # sorted: by document, then label
         self.inv_propensity = inv_propensity
-        self._docs, self._labels = docs, labels
-        self._best: dict[int, np.ndarray] = {}
+        self._docs = docs
+        self._best: dict[tuple[str, int], np.ndarray] = {}
 
     def __len__(self) -> int:
         return len(self.sizes)
 
-    def hits(self, predictions: np.ndarray) -> np.ndarray:
-        """bool [N, K]: is each predicted label one of its document's truths."""
+    def gains(self, predictions: np.ndarray) -> np.ndarray:
+        """float64 [N, K]: each predicted label's weight as a truth of its document (0: not one)."""
+        if not len(self._keys):
+            return np.zeros(predictions.shape, dtype=np.float64)
         valid = (predictions >= 0) & (predictions < self.span)
         keys = np.arange(len(predictions), dtype=np.int64)[:, None] * self.span + np.where(valid, predictions, 0)
-        at = np.minimum(np.searchsorted(self._keys, keys), max(len(self._keys) - 1, 0))
-        return valid & (self._keys[at] == keys) if len(self._keys) else np.zeros(predictions.shape, dtype=bool)
+        at = np.minimum(np.searchsorted(self._keys, keys), len(self._keys) - 1)
+        return np.where(valid & (self._keys[at] == keys), self._values[at], 0.0)
 
     def best_gains(self, kmax: int) -> np.ndarray:
-        """float64 [N, kmax]: each document's largest inverse propensities, largest first, 0 padded."""
-        if kmax in self._best:
-            return self._best[kmax]
-        gains = np.asarray(self.inv_propensity, dtype=np.float64)[self._labels]
-        order = np.lexsort((-gains, self._docs))
+        """float64 [N, kmax]: each document's largest inverse propensities (times weights),
+        largest first, 0 padded."""
+        return self._largest("psp", np.asarray(self.inv_propensity, dtype=np.float64)[self._labels] * self._values,
+                             kmax)
+
+    def best_hits(self, kmax: int) -> np.ndarray:
+        """float64 [N, kmax]: each document's largest weights (1 each without weights), 0 padded."""
+        return self._largest("hits", self._values, kmax)
+
+    def _largest(self, name: str, values: np.ndarray, kmax: int) -> np.ndarray:
+        if (name, kmax) in self._best:
+            return self._best[name, kmax]
+        order = np.lexsort((-values, self._docs))
         rank = np.arange(len(order)) - np.repeat(np.cumsum(self.sizes) - self.sizes, self.sizes)
         out = np.zeros((len(self), kmax))
         keep = rank < kmax
-        out[self._docs[order][keep], rank[keep]] = gains[order][keep]
-        self._best[kmax] = out
+        out[self._docs[order][keep], rank[keep]] = values[order][keep]
+        self._best[name, kmax] = out
         return out
+
+
+def _truth_arrays(truths: Sequence[Iterable[int]], weights: Sequence[Iterable[float]] | None
+                  ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Per document its distinct labels, sorted, and their weights (none without weights: each 1;
+    a label given twice keeps its first weight)."""
+    if weights is None:
+        return [np.unique(np.fromiter(t, dtype=np.int64)) for t in truths], []
+    if len(weights) != len(truths):
+        raise ValueError(f"{len(weights)} rows of weights for {len(truths)} rows of truths")
+    labels, values = [], []
+    for t, w in zip(truths, weights, strict=True):
+        ids, x = np.fromiter(t, dtype=np.int64), np.fromiter(w, dtype=np.float64)
+        if len(ids) != len(x):
+            raise ValueError(f"a document with {len(ids)} labels and {len(x)} weights")
+        ids, first = np.unique(ids, return_index=True)
+        labels.append(ids)
+        values.append(x[first])
+    return labels, values
 
 
 def document_terms(
@@ -91,17 +136,16 @@ def document_terms(
         preds = np.pad(preds, ((0, 0), (0, kmax - preds.shape[1])), constant_values=-1)
     preds = preds[:, :kmax]
     disc = _discounts(kmax)
-    ideal = np.concatenate(([0.0], np.cumsum(disc)))
-    hits = truths.hits(preds).astype(np.float64)
+    hits, ideal = truths.gains(preds), truths.best_hits(kmax)
     out: dict[str, np.ndarray] = {}
     for k in ks:
         out[f"P@{k}"] = hits[:, :k].sum(axis=1) / k
-        best = ideal[np.minimum(k, truths.sizes)]
+        best = (ideal[:, :k] * disc[:k]).sum(axis=1)
         out[f"nDCG@{k}"] = np.divide((hits[:, :k] * disc[:k]).sum(axis=1), best, out=np.zeros(len(preds)),
                                      where=best > 0)
     if truths.inv_propensity is not None:
         inv = np.asarray(truths.inv_propensity, dtype=np.float64)
-        gains = np.where(hits > 0, inv[np.maximum(preds, 0)], 0.0)
+        gains = hits * inv[np.maximum(preds, 0)]
         best = truths.best_gains(kmax)
         for k in ks:
             out[f"PSP@{k}"] = gains[:, :k].sum(axis=1) / k
