@@ -18,8 +18,9 @@ from service.api.settings import offline_store
 from service.engine import canary, schema, store, vectors
 from service.engine.bundle import Bundle
 from service.engine.index import build_label_indices
-from service.engine.metrics import ranking_metrics, shortlist_recall
+from service.engine.metrics import Truths, ranking_metrics, shortlist_recall
 from service.engine.predictor import Predictor, check_staged
+from service.engine.validation_rows import validation_truths
 from training.checkpoint import Checkpoint
 from training.files import naming
 from training.token_shortlist import lexical_files
@@ -125,9 +126,9 @@ def validation_metrics(predictor: Predictor, rows: list[dict]) -> dict[str, floa
     """P@k / nDCG@k and shortlist recall of the engine on held-out rows, recorded at export (the
     activation's quality gate scores a served bundle itself: service.api.quality_gate)."""
     texts = [r["text"] for r in rows]
-    truths = [r["target_ind"] for r in rows]
+    truths, weights = validation_truths(rows)
     ids, _ = predictor.predict_ids(texts, k=5)
-    out = ranking_metrics(ids, truths, ks=(1, 3, 5))
+    out = ranking_metrics(ids, Truths(truths, weights=weights), ks=(1, 3, 5))
     out["recall@shortlist"] = shortlist_recall(predictor.shortlist(texts), truths)
     return {k: round(v, 4) for k, v in out.items()}
 

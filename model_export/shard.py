@@ -110,8 +110,9 @@ def _write_shard(parent: Bundle, index: int, count: int, out: Path) -> None:
 
 
 def _write_validation(parent: Bundle, ids: np.ndarray, out: Path) -> None:
-    """The parent's validation rows, every one, their truths restricted to the shard's labels (its
-    own ids): the sharded service's quality gate merges them back (service.engine.sharding.GateRows)."""
+    """The parent's validation rows, every one, their truths (and weights) restricted to the shard's
+    labels (its own ids): the sharded service's quality gate merges them back
+    (service.engine.sharding.GateRows)."""
     rows = parent.validation_rows()
     if not rows:
         return
@@ -119,8 +120,11 @@ def _write_validation(parent: Bundle, ids: np.ndarray, out: Path) -> None:
     local[ids] = np.arange(len(ids))
     with (out / schema.VALIDATION).open("w", encoding="utf-8") as f:
         for row in rows:
-            own = [int(local[t]) for t in row["target_ind"] if local[t] >= 0]
-            f.write(json.dumps({"text": row["text"], "target_ind": own}, ensure_ascii=False) + "\n")
+            mine = [j for j, t in enumerate(row["target_ind"]) if local[t] >= 0]
+            out_row = {"text": row["text"], "target_ind": [int(local[row["target_ind"][j]]) for j in mine]}
+            if "target_weight" in row:
+                out_row["target_weight"] = [row["target_weight"][j] for j in mine]
+            f.write(json.dumps(out_row, ensure_ascii=False) + "\n")
 
 
 def _write_token_table(parent: Bundle, ids: np.ndarray, out: Path) -> int:

@@ -341,6 +341,11 @@ def test_cli_aggregates_then_trains_two_rounds(planted: dict[str, Path], tmp_pat
     assert info["rounds"] == 2 and len(info["imputation_s"]) == 2 and info["groups"] == 300
     # Far above chance (1/200) on the per-document test split.
     assert report["metrics"]["module3"]["combined"]["P@1"] > 10
+    # The quality gate's rows carry the imputed labels' weights, the second round's posteriors.
+    rows = [json.loads(line) for line in (tmp_path / "ckpt" / "validation.jsonl").read_text().splitlines()]
+    weights = [w for r in rows for w in r["target_weight"]]
+    assert all(len(r["target_weight"]) == len(r["target_ind"]) for r in rows)
+    assert all(0 < w <= 1 for w in weights) and min(weights) < 1
     # Without --aggregated, grouped data is not mistaken for ordinary data.
     assert cli(["train", "--data", str(tmp_path / "g"), "--out", str(tmp_path / "c2"), "--config", str(config)]) == 2
     assert "grouped data (it has a groups file): train it with --aggregated" in capsys.readouterr().err

@@ -11,11 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from sharding_helpers import assert_same_answers, held_out, p_at_5
+from test_engine import refresh_checksum
 
 from model_export.shard import shard_bundle
 from service.api.activation import ActivationFailed
 from service.api.quality_gate import check_quality, require_quality
 from service.engine import BundleError, Predictor, PredictorOptions
+from service.engine.schema import VALIDATION
 from service.engine.sharding import GateRows, ShardedPredictor, check_shard_set, merge_gate_rows, shard_dirs
 from shortlist.cli import main
 
@@ -115,12 +117,12 @@ def test_a_parent_with_labels_added_and_retired_shards_into_its_answers(bundle_r
 
 def _sharded_gate(sharded: ShardedPredictor, floor: float) -> dict[str, float]:
     """The sharded service's quality gate (service.api.ray_app), on the shards in this process."""
-    texts, truths, retired = merge_gate_rows([s.gate_rows() for s in sharded.shards], sharded.parent)
+    rows = merge_gate_rows([s.gate_rows() for s in sharded.shards], sharded.parent)
 
     def top5(batch: list[str]) -> np.ndarray:
         return np.array([[p.id for p in row] + [-1] * (5 - len(row)) for row in sharded.predict(batch, k=5)])
 
-    return require_quality("sharded", texts, truths, retired, top5, floor)
+    return require_quality("sharded", rows.texts, rows.truths, rows.retired, top5, floor, rows.weights)
 
 
 def test_each_shard_stores_the_parents_validation_rows_with_its_own_truths(bundle_root: Path, sharded_root: Path):
@@ -134,8 +136,9 @@ def test_each_shard_stores_the_parents_validation_rows_with_its_own_truths(bundl
         assert [sorted(shard.shard_labels[r["target_ind"]].tolist()) for r in own] == [
             sorted(t for t in r["target_ind"] if t in ids) for r in rows]
     sharded = ShardedPredictor.load(sharded_root / "v1", PredictorOptions(k_head=parent.num_labels, head="always"))
-    texts, truths, retired = merge_gate_rows([s.gate_rows() for s in sharded.shards], sharded.parent)
-    assert (texts, truths, retired) == ([r["text"] for r in rows], [sorted(r["target_ind"]) for r in rows], None)
+    merged = merge_gate_rows([s.gate_rows() for s in sharded.shards], sharded.parent)
+    want = ([r["text"] for r in rows], [sorted(r["target_ind"]) for r in rows], None, None)
+    assert tuple(merged) == want
     exact = Predictor.load(bundle_root / "v1", PredictorOptions(k_head=parent.num_labels, head="always"))
     scores = _sharded_gate(sharded, 0.0)
     assert scores == check_quality(exact, 0.0) and scores["P@1"] > 30
@@ -255,3 +258,26 @@ def test_a_sharded_bundle_reads_its_manifests_under_the_limit_it_is_given(sharde
 
     with pytest.raises(BundleError, match=rf"shard-2-of-3/manifest\.json: {size} bytes, more than the limit"):
         ShardPredictor.load(copy / "shard-2-of-3", max_manifest_bytes=size - 1)
+
+
+def test_a_sharded_gate_counts_each_truth_at_its_weight(bundle_root: Path, tmp_path: Path):
+    """Validation rows whose labels were imputed carry their weights through sharding: each shard
+    keeps its own labels' weights and the merged gate scores what the parent's gate scores."""
+    parent_dir = tmp_path / "parents" / "v1"
+    shutil.copytree(bundle_root / "v1", parent_dir)
+    rows = Predictor.load(parent_dir).bundle.validation_rows()
+    for i, row in enumerate(rows):
+        row["target_weight"] = [1.0 / (1 + (i + j) % 4) for j in range(len(row["target_ind"]))]
+    (parent_dir / VALIDATION).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    refresh_checksum(parent_dir, VALIDATION)
+    root = shard_bundle(parent_dir, 3, tmp_path / "sharded")
+    for d in shard_dirs(root):
+        shard = Predictor.load(d).bundle
+        weight_of = [dict(zip(r["target_ind"], r["target_weight"], strict=True)) for r in rows]
+        assert [r["target_weight"] for r in shard.validation_rows()] == [
+            [weight_of[i][int(t)] for t in shard.shard_labels[r["target_ind"]]]
+            for i, r in enumerate(shard.validation_rows())]
+    exact = PredictorOptions(k_head=Predictor.load(parent_dir).num_labels, head="always")
+    want = check_quality(Predictor.load(parent_dir, exact), 0.0)
+    assert want["P@1"] < check_quality(Predictor.load(bundle_root / "v1", exact), 0.0)["P@1"]
+    assert _sharded_gate(ShardedPredictor.load(root, exact), 0.0) == want

@@ -12,7 +12,8 @@ Layout of CKPT_DIR (each part saved by the object that fitted it):
                          with hnsw_w_projection.npy, hnsw_mu_projection.npy when hnsw.projection_dim > 0
   token_shortlist.npz    optional: training.token_shortlist (the table and its chosen form)
   tree.npz               optional: training.tree_train.AdversarialTree
-  validation.jsonl       optional: held-out {"text", "target_ind"} rows for a bundle's quality gate
+  validation.jsonl       optional: held-out {"text", "target_ind"[, "target_weight"]} rows for a
+                         bundle's quality gate (service.engine.validation_rows)
 checkpoint.json's "files" holds the sha256 of every other file; a load refuses a file missing,
 changed or not listed (a folder of files from several runs, or edited), naming it. From format 3
 on "files" is required (a checkpoint.json without it is refused, never loaded unverified);

@@ -91,10 +91,17 @@ class TrainingSet:
         return xc_data.own_label_ids(self.val.uids, self.labels.uids)
 
     def validation_rows(self, limit: int) -> list[dict[str, Any]]:
-        """Held-out {"text", "target_ind"} rows for the bundle's quality gate."""
+        """Held-out {"text", "target_ind"} rows for the bundle's quality gate, with "target_weight"
+        when the labels were imputed (the gate then counts each label at its weight, as
+        validation did here)."""
         val = self.val
-        return [{"text": val.texts[i], "target_ind": val.targets[i]} for i in range(min(limit, len(val)))
-                if val.targets[i]]
+        rows: list[dict[str, Any]] = []
+        for i in range(min(limit, len(val))):
+            if val.targets[i]:
+                rows.append({"text": val.texts[i], "target_ind": list(val.targets[i])})
+                if val.weights is not None:
+                    rows[-1]["target_weight"] = [float(w) for w in val.weights[i]]
+        return rows
 
 
 class TokenizerFit(NamedTuple):

@@ -322,13 +322,14 @@ class ShardedRegistry:
         floor = self.settings.quality_gate_min_p1
         if floor is None:
             return {}
-        texts, truths, retired = merge_gate_rows(self._call_all(engine.handles, "gate_rows"), engine.parent)
+        rows = merge_gate_rows(self._call_all(engine.handles, "gate_rows"), engine.parent)
 
         def top5(batch: list[str]) -> np.ndarray:
             merged = asyncio.run_coroutine_threadsafe(engine.merged(batch, 5, None, []), self.loop).result()
             return np.array([[p.id for p in row] + [-1] * (5 - len(row)) for row in merged], dtype=np.int64)
 
-        return require_quality(str(self.root / engine.version), texts, truths, retired, top5, floor)
+        return require_quality(str(self.root / engine.version), rows.texts, rows.truths, rows.retired, top5, floor,
+                               rows.weights)
 
     def _call_all(self, handles: list[DeploymentHandle], method: str,
                   args: list[tuple[Any, ...]] | None = None) -> list[Any]:

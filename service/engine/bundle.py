@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-import orjson
 
 from service.engine import heap, vectors
 from service.engine.encoder import OnnxEncoder
@@ -66,6 +65,7 @@ from service.engine.schema import (
 from service.engine.small_files import RefusedFile, bundle_file
 from service.engine.tokenizer import Tokenizer
 from service.engine.tree import TreeScorer
+from service.engine.validation_rows import read_validation_rows
 
 IndexName = Literal["w", "mu"]
 # The label vectors a scorer gathers rows of are copied into the process's memory, in huge pages,
@@ -519,17 +519,11 @@ class Bundle:
         self._maps.release()
 
     def validation_rows(self) -> list[dict[str, Any]]:
-        """Held-out {"text", "target_ind"} rows stored at export, for a quality gate ([] if none);
-        BundleError naming the line of a row that is not one."""
-        p = self.path / VALIDATION
+        """Held-out {"text", "target_ind"[, "target_weight"]} rows stored at export, for a quality
+        gate ([] if none); BundleError naming the line of a row that is not one."""
         if VALIDATION not in self.manifest.files:
             return []
-        rows = []
-        with p.open("rb") as f:
-            for number, line in enumerate(f, 1):
-                if line.strip():
-                    rows.append(_validation_row(line, self.manifest.num_labels, f"{p}:{number}"))
-        return rows
+        return read_validation_rows(self.path / VALIDATION, self.manifest.num_labels)
 
     def close(self) -> None:
         """Drop references to memory maps, indices and the tree so their memory can be released."""
@@ -584,16 +578,3 @@ def _first_non_finite(arr: np.ndarray) -> int | None:
         if not ok.all():
             return start + int(np.argmin(ok))
     return None
-
-
-def _validation_row(line: bytes, num_labels: int, where: str) -> dict[str, Any]:
-    try:
-        row = orjson.loads(line)
-        text, targets = row["text"], row["target_ind"]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise BundleError(f"{where}: bad validation row: {exc!r}") from exc
-    if not isinstance(text, str) or not isinstance(targets, list) or not all(
-        type(t) is int and 0 <= t < num_labels for t in targets
-    ):
-        raise BundleError(f"{where}: a validation row is {{\"text\": str, \"target_ind\": [label ids < {num_labels}]}}")
-    return row

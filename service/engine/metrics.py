@@ -245,21 +245,27 @@ class AnswerableTruths(NamedTuple):
     truths: list[list[int]]  # each document's truths, its retired labels left out
     scored: np.ndarray  # bool [N]: False for a document whose every truth is retired
     truths_left_out: int  # retired labels among all the documents' truths
+    weights: list[list[float]] | None  # the kept truths' weights (None when none were given)
 
 
-def answerable_truths(truths: Sequence[Iterable[int]], retired: np.ndarray | None) -> AnswerableTruths:
+def answerable_truths(truths: Sequence[Iterable[int]], retired: np.ndarray | None,
+                      weights: Sequence[Sequence[float]] | None = None) -> AnswerableTruths:
     """Each document's truths without the labels a bundle retired (`retired`: Bundle.retired, True
-    per retired label row, None when none is). A retired label is never answered, so as a truth it
-    measures the operator's retirement, not the bundle: the quality gate scores only what is left,
-    and `shortlist eval` counts them. A document whose every truth is retired is not `scored`; one
-    with no truth to begin with is (as it would be without retirements)."""
+    per retired label row, None when none is), and their `weights` with them. A retired label is
+    never answered, so as a truth it measures the operator's retirement, not the bundle: the
+    quality gate scores only what is left, and `shortlist eval` counts them. A document whose every
+    truth is retired is not `scored`; one with no truth to begin with is (as it would be without
+    retirements)."""
     kept: list[list[int]] = []
+    kept_weights: list[list[float]] | None = None if weights is None else []
     scored = np.ones(len(truths), dtype=bool)
     left_out = 0
     for i, truth in enumerate(truths):
         labels = [int(t) for t in truth]
-        live = labels if retired is None else [t for t in labels if not retired[t]]
-        kept.append(live)
+        live = [j for j, t in enumerate(labels) if retired is None or not retired[t]]
+        kept.append([labels[j] for j in live])
+        if kept_weights is not None:
+            kept_weights.append([float(weights[i][j]) for j in live])
         left_out += len(labels) - len(live)
         scored[i] = bool(live) or not labels
-    return AnswerableTruths(kept, scored, left_out)
+    return AnswerableTruths(kept, scored, left_out, kept_weights)

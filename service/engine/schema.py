@@ -47,7 +47,9 @@ A bundle is a directory BUNDLE_ROOT/VERSION, immutable once written:
                          vector_dtype); stored, not compressed, so that a reader can memory-map it;
                          format 2 added the lexical arrays (xi's per-token term, TREE_ARRAYS_SINCE),
                          format 5 node_lexical (p_n's per-token term of its node logits)
-  validation.jsonl       optional: held-out {"text", "target_ind"} rows for a quality gate
+  validation.jsonl       optional: held-out {"text", "target_ind"} rows for a quality gate; a row
+                         may carry "target_weight", one weight in (0, 1] per label (how sure a
+                         label imputed from group labels is; absent: every label 1)
   shard_labels.npy       format 2, a shard's (manifest `shard`): [L] int64, the parent bundle's
                          id of each label row, increasing (service.engine.sharding; written by
                          model_export/shard.py)

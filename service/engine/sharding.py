@@ -38,6 +38,7 @@ from service.engine.schema import (
     ShardOf,
     validate_version_name,
 )
+from service.engine.validation_rows import validation_truths
 
 _SHARD_DIR = re.compile(r"^shard-(\d+)-of-(\d+)$")
 
@@ -107,23 +108,40 @@ class GateRows(NamedTuple):
     texts: list[str]
     truths: list[list[int]]
     retired: list[int]
+    weights: list[list[float]] | None = None  # the truths' weights (None: every truth sure)
 
 
-def merge_gate_rows(parts: Sequence[GateRows], parent: ShardOf) -> tuple[list[str], list[list[int]], np.ndarray | None]:
-    """The parent's validation rows from its shards' GateRows (in shard order): texts, truths (parent
-    ids), and a mask of retired parent ids (None when none is); BundleError when the shards' texts
-    differ (shards not written together)."""
+class MergedGateRows(NamedTuple):
+    """The parent's validation rows merged from its shards' (merge_gate_rows)."""
+
+    texts: list[str]
+    truths: list[list[int]]  # parent ids, increasing
+    retired: np.ndarray | None  # bool per parent id (None when no label is retired)
+    weights: list[list[float]] | None  # with truths (None: every truth sure)
+
+
+def merge_gate_rows(parts: Sequence[GateRows], parent: ShardOf) -> MergedGateRows:
+    """The parent's validation rows from its shards' GateRows (in shard order); BundleError when
+    the shards' texts differ (shards not written together)."""
     texts = parts[0].texts
     for index, part in enumerate(parts):
         if part.texts != texts or len(part.truths) != len(texts):
             raise BundleError(f"shard {index} of {parent.parent_version}: its validation rows are not shard 0's")
-    truths = [sorted(label for part in parts for label in part.truths[row]) for row in range(len(texts))]
+    weighted = any(part.weights is not None for part in parts)
+    truths: list[list[int]] = []
+    weights: list[list[float]] | None = [] if weighted else None
+    for row in range(len(texts)):
+        pairs = sorted((label, 1.0 if part.weights is None else part.weights[row][j])
+                       for part in parts for j, label in enumerate(part.truths[row]))
+        truths.append([label for label, _ in pairs])
+        if weights is not None:
+            weights.append([w for _, w in pairs])
     retired_ids = [label for part in parts for label in part.retired]
-    if not retired_ids:
-        return texts, truths, None
-    retired = np.zeros(parent.parent_num_labels, dtype=bool)
-    retired[retired_ids] = True
-    return texts, truths, retired
+    retired = None
+    if retired_ids:
+        retired = np.zeros(parent.parent_num_labels, dtype=bool)
+        retired[retired_ids] = True
+    return MergedGateRows(texts, truths, retired, weights)
 
 
 class ShardPredictor:
@@ -169,8 +187,9 @@ class ShardPredictor:
     def gate_rows(self) -> GateRows:
         bundle, ids = self.predictor.bundle, self.parent_ids
         rows = bundle.validation_rows()
+        truths, weights = validation_truths(rows)
         retired = [] if bundle.retired is None else ids[np.flatnonzero(bundle.retired)].tolist()
-        return GateRows([str(r["text"]) for r in rows], [ids[r["target_ind"]].tolist() for r in rows], retired)
+        return GateRows([str(r["text"]) for r in rows], [ids[t].tolist() for t in truths], retired, weights)
 
     def token_rows(self) -> np.ndarray | None:
         """Packed bits [ceil(V / 8)]: which tokens have a label of this shard among the first
