@@ -34,6 +34,7 @@ from training.dataset import TokenizerFit, TrainingSet, no_token_cause, target_m
 from training.encoder import EncodedTexts, embed
 from training.pipeline import train
 from training.progress import Progress
+from training.siamese import PositiveDraw
 from training.token_shortlist import TokenTable
 from training.tuning import LEXICAL_WEIGHTS, ScoringTuner, classifier_objective, objective_value, source_cost
 
@@ -756,3 +757,27 @@ def test_retune_and_refit_tree_refuse_a_checkpoint_whose_files_changed(checkpoin
             f"shortlist train: error: {changed / 'centroids.npy'}: sha256 differs from checkpoint.json's: the file "
             "changed after the checkpoint was saved (edited, or written by another run)\n")
     assert not (tmp_path / "out").exists()
+
+
+def test_module1_draws_a_soft_positive_by_its_weight() -> None:
+    """Module I's positive is drawn in proportion to the label's weight: an imputed label at 0.25
+    beside a sure one is drawn about a fifth of the time, not half; a zero weight never."""
+    y = target_matrix([[3, 7], [1, 2, 5], [4]], 8, [[1.0, 0.25], [0.0, 0.5, 0.5], [0.3]])
+    draw = PositiveDraw(y)
+    picks = draw(np.repeat(np.arange(3), 20_000), np.random.default_rng(0)).reshape(3, -1)
+    assert np.mean(picks[0] == 7) == pytest.approx(0.2, abs=0.01)
+    assert set(picks[0]) == {3, 7} and set(picks[1]) == {2, 5} and set(picks[2]) == {4}
+    assert np.mean(picks[1] == 2) == pytest.approx(0.5, abs=0.01)
+
+
+def test_module1_draw_with_sure_labels_is_the_uniform_draw() -> None:
+    """Labels all weighing 1 are drawn uniformly, the same ids as before weights were read; equal
+    weights other than 1 (the weighted path) draw the same ids."""
+    targets = [[0, 1, 2], [5], [3, 4, 6, 7]]
+    rows = np.array([0, 2, 1, 2, 0, 2] * 500)
+    got = PositiveDraw(target_matrix(targets, 8))(rows, np.random.default_rng(3))
+    u = np.random.default_rng(3).random(len(rows))
+    want = [targets[r][int(x * len(targets[r]))] for r, x in zip(rows, u, strict=True)]
+    assert got.tolist() == want
+    halves = PositiveDraw(target_matrix(targets, 8, [[0.5] * len(t) for t in targets]))
+    assert halves.cumulative is not None and halves(rows, np.random.default_rng(3)).tolist() == want

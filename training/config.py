@@ -228,10 +228,10 @@ class TrainConfig:
     aggregated_step: float = 0.5
     # A second round re-imputes from cross-fitted models' posteriors (aggregated_reimpute,
     # aggregated_posterior_folds): on groups of 4 it recovers more of the naive-to-true P@1 gap
-    # (clustered: debian-tags 14 / 19 / 25% -> 39 / 48 / 53% at seeds 0 / 1 / 2, debian-deps 33% ->
-    # 57%; random: debian-tags 74% -> 83%, debian-deps 80% -> 85%), but training takes two to four
-    # times as long and on debian-deps' random groups PSP@5 falls from 32.6 to 26.3 (clustered
-    # groups and debian-tags: -0.4 to +2.0; bench/RESULTS.md): one round by default, two on
+    # (clustered: debian-tags 9 / 11 / 18% -> 45 / 43 / 45% at seeds 0 / 1 / 2, debian-deps 35% ->
+    # 58%; random: debian-tags 74% -> 85%, debian-deps 80% -> 86%), but training takes two to four
+    # times as long and on debian-deps' random groups PSP@5 falls from 32.6 to 27.0 (clustered
+    # groups and debian-tags: -0.9 to +2.3; bench/RESULTS.md): one round by default, two on
     # request, for groups of alike documents.
     aggregated_rounds: int = 1
     # Who gets a group's label: its closest member (the paper's Algorithm 2), "expected": as

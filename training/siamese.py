@@ -1,8 +1,9 @@
 """Module I: Siamese training of the encoder E on documents against their labels' texts.
 
 The SiameseXML likelihood p(+|v) = c exp(d (v - 1)) on cosine similarities, one positive label
-per document per step, hard negatives from the batch (the most similar labels of other
-documents) and, every `refresh_every` epochs, from an HNSW index over the label embeddings.
+per document per step (drawn by the labels' weights: PositiveDraw), hard negatives from the batch
+(the most similar labels of other documents) and, every `refresh_every` epochs, from an HNSW
+index over the label embeddings.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class SiameseTrainer:
         opts = encoder_optimizer(encoder, self.lr, self.lazy)
         trainable = np.flatnonzero(np.diff(y.indptr) > 0)
         ann_neg: np.ndarray | None = None
+        positives = PositiveDraw(y)
         self.losses_: list[float] = []
         encoder.train()
         for epoch in range(self.epochs):
@@ -48,7 +50,7 @@ class SiameseTrainer:
             order = rng.permutation(trainable)
             self.losses_.append(run_epoch(
                 order, self.batch_size,
-                lambda batch, negatives=ann_neg: self._loss(encoder, docs, labels, y, batch, negatives, device, rng),
+                lambda batch, negs=ann_neg: self._loss(encoder, docs, labels, positives, batch, negs, device, rng),
                 opts, f"Module I epoch {epoch + 1}/{self.epochs}", self.progress))
             if not math.isfinite(self.losses_[-1]):
                 break  # diverged: the pipeline's stage check names the setting
@@ -63,12 +65,11 @@ class SiameseTrainer:
         cand = self.ann.nearest(index, embed(encoder, docs, device), self.ann_negatives + 10)
         return negatives_excluding(cand, y)
 
-    def _loss(self, encoder: SiameseEncoder, docs: EncodedTexts, labels: EncodedTexts, y: sp.csr_matrix,
+    def _loss(self, encoder: SiameseEncoder, docs: EncodedTexts, labels: EncodedTexts, positives: PositiveDraw,
               batch: np.ndarray, ann_neg: np.ndarray | None, device: torch.device,
               rng: np.random.Generator) -> torch.Tensor:
-        # One positive per document, drawn uniformly from its labels.
-        starts, ends = y.indptr[batch], y.indptr[batch + 1]
-        label_rows = [y.indices[starts + (rng.random(len(batch)) * (ends - starts)).astype(np.int64)]]
+        y = positives.y
+        label_rows = [positives(batch, rng)]
         if ann_neg is not None:
             cand = ann_neg[batch]
             pick = cand[np.arange(len(batch)), rng.integers(0, cand.shape[1], size=len(batch))]
@@ -84,6 +85,29 @@ class SiameseTrainer:
         hard = neg_sims.topk(min(self.inbatch_negatives, neg_sims.shape[1]), dim=1).values
         neg_loss = (siamese_nll(hard, self.c, self.d, positive=False) * (hard > -2.0)).sum(dim=1)
         return (pos_loss + neg_loss).mean()
+
+
+class PositiveDraw:
+    """Draws one label id per document with probability proportional to its weight (y's value).
+
+    A label imputed from a group's labels weighs how sure the imputation is (about 1/4 when it is
+    spread over four members): drawn uniformly, it was trained as a sure positive of every member.
+    With every weight 1 this is the uniform draw: the same ids from the same generator."""
+
+    def __init__(self, y: sp.csr_matrix) -> None:
+        self.y = y
+        uniform = bool(np.all(y.data == 1))
+        self.cumulative = None if uniform else np.concatenate([[0.0], np.cumsum(y.data, dtype=np.float64)])
+
+    def __call__(self, rows: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        y = self.y
+        starts, ends = y.indptr[rows], y.indptr[rows + 1]
+        u = rng.random(len(rows))
+        if self.cumulative is None:
+            return y.indices[starts + (u * (ends - starts)).astype(np.int64)]
+        cum = self.cumulative
+        picked = np.searchsorted(cum, cum[starts] + u * (cum[ends] - cum[starts]), side="right") - 1
+        return y.indices[np.clip(picked, starts, ends - 1)]
 
 
 def negatives_excluding(candidates: np.ndarray, y: sp.csr_matrix, rows: np.ndarray | None = None) -> np.ndarray:
