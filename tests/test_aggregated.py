@@ -251,6 +251,32 @@ def test_validation_weighs_a_soft_label_by_how_sure_it_is(planted: dict[str, Pat
     np.testing.assert_array_equal(spread.inv_propensity[~carried], sure.inv_propensity[~carried])
 
 
+def test_the_quality_gates_rows_carry_the_weights_and_leave_a_weight_of_zero_out(planted: dict[str, Path],
+                                                                                 tmp_path: Path) -> None:
+    """The validation rows a checkpoint stores for the quality gate keep each imputed label's
+    weight; a label of weight 0 is no truth (a member scoring 0 kept at keep ratio 0) and a row
+    left without one is not stored, so the bundle's reader, which refuses a weight of 0, reads
+    them all."""
+    from service.engine.validation_rows import read_validation_rows
+    from training.dataset import TrainingSet
+
+    labels = xc_data.load_labels(planted["data"])
+    trn = xc_data.load_split(planted["data"], "trn", "title", len(labels))
+    weights = [[0.0] + [0.5] * (len(t) - 1) if i % 2 else [0.0] * len(t) for i, t in enumerate(trn.targets)]
+    data = TrainingSet.load(planted["data"], TrainConfig.tiny(), "title", np.random.default_rng(0),
+                            trn=replace(trn, weights=weights))
+    rows = data.validation_rows(10_000)
+    pairs = [[(label, x) for label, x in zip(t, w, strict=True) if x > 0]
+             for t, w in zip(data.val.targets, data.val.weights, strict=True)]
+    want = [([label for label, _ in p], [x for _, x in p]) for p in pairs if p]
+    assert [(r["target_ind"], r["target_weight"]) for r in rows] == want
+    assert 5 < len(rows) < sum(1 for t in data.val.targets if t)  # rows of only zero weights not stored
+    assert {x for r in rows for x in r["target_weight"]} == {0.5}
+    path = tmp_path / "validation.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert read_validation_rows(path, len(labels)) == rows
+
+
 @pytest.mark.parametrize("grouping", ["random", "clustered"])
 def test_the_keep_ratio_chosen_on_held_out_groups_recovers_labels_the_closest_member_drops(
         planted: dict[str, Path], grouping: str) -> None:

@@ -93,14 +93,17 @@ class TrainingSet:
     def validation_rows(self, limit: int) -> list[dict[str, Any]]:
         """Held-out {"text", "target_ind"} rows for the bundle's quality gate, with "target_weight"
         when the labels were imputed (the gate then counts each label at its weight, as
-        validation did here)."""
+        validation did here; a label of weight 0 is no truth, and a row without one is left out)."""
         val = self.val
         rows: list[dict[str, Any]] = []
         for i in range(min(limit, len(val))):
-            if val.targets[i]:
-                rows.append({"text": val.texts[i], "target_ind": list(val.targets[i])})
+            targets = list(val.targets[i])
+            weights = [1.0] * len(targets) if val.weights is None else [float(w) for w in val.weights[i]]
+            kept = [j for j, w in enumerate(weights) if w > 0]
+            if kept:
+                rows.append({"text": val.texts[i], "target_ind": [targets[j] for j in kept]})
                 if val.weights is not None:
-                    rows[-1]["target_weight"] = [float(w) for w in val.weights[i]]
+                    rows[-1]["target_weight"] = [weights[j] for j in kept]
         return rows
 
 
