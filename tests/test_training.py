@@ -36,7 +36,14 @@ from training.pipeline import train
 from training.progress import Progress
 from training.siamese import PositiveDraw
 from training.token_shortlist import TokenTable
-from training.tuning import LEXICAL_WEIGHTS, ScoringTuner, classifier_objective, objective_value, source_cost
+from training.tuning import (
+    LEXICAL_WEIGHTS,
+    ScoringTuner,
+    classifier_objective,
+    objective_text,
+    objective_value,
+    source_cost,
+)
 
 CPU = torch.device("cpu")
 IDENTITY = Calibration("identity")
@@ -393,6 +400,15 @@ def test_tuning_maximises_the_configured_objective(tuning_inputs):
     for other in (head, tail):
         assert objective_value(default.metrics_, DEFAULT_OBJECTIVE) >= objective_value(
             other.metrics_, DEFAULT_OBJECTIVE)
+
+
+def test_the_tuning_log_states_the_objective_as_the_sum_it_maximises(tuning_inputs, caplog):
+    assert objective_text({"P@1": 1.0, "P@5": 1.0, "PSP@5": 1.0}) == "P@1 + P@5 + PSP@5"
+    assert objective_text({"P@1": 0.5, "PSP@5": 2.0}) == "0.5 P@1 + 2 PSP@5"
+    with caplog.at_level("INFO", logger="shortlist.training"):
+        ScoringTuner(objective={"P@1": 0.5, "PSP@5": 2.0}).fit(*tuning_inputs)
+    lines = [r.getMessage() for r in caplog.records if "to the best" in r.getMessage()]
+    assert lines and all("validation 0.5 P@1 + 2 PSP@5 = " in line for line in lines)
 
 
 def test_tuning_serves_the_cheapest_sources_within_the_margin(ckpt, tuning_inputs):

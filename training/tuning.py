@@ -43,6 +43,11 @@ def objective_value(metrics: dict[str, Any], objective: dict[str, float]) -> Any
     return sum(weight * metrics[name] for name, weight in objective.items())
 
 
+def objective_text(objective: dict[str, float]) -> str:
+    """The objective as the sum it is ("P@1 + 0.5 PSP@5"): its dict read as if P@1 were 1.0."""
+    return " + ".join(name if weight == 1 else f"{weight:g} {name}" for name, weight in objective.items())
+
+
 def bootstrap_counts(n: int, resamples: int, rng: np.random.Generator) -> np.ndarray:
     """int [resamples, n]: how often each of n documents is drawn in each bootstrap resample."""
     draws = rng.integers(0, n, (resamples, n)) + n * np.arange(resamples)[:, None]
@@ -175,8 +180,8 @@ class ScoringTuner:
         for src, (_, _, value, _, full), share in zip(sources, results, below, strict=True):
             spec, gap = src.spec, value - values[best]
             log.info("k_w=%d k_mu=%d k_tok=%d, lexical form %s: validation %s = %.3f%s (%+.3f to the best, below "
-                     "it on %.1f%% of resamples)", spec.k_w, spec.k_mu, spec.k_tok, _form(src), self.objective,
-                     value, "" if full else " at its form's scoring", gap, 100 * share)
+                     "it on %.1f%% of resamples)", spec.k_w, spec.k_mu, spec.k_tok, _form(src),
+                     objective_text(self.objective), value, "" if full else " at its form's scoring", gap, 100 * share)
             self.tried_.append({**spec.model_dump(), "lexical_form": _form(src), "value": round(value, 3),
                                 "tuned_in_full": full, "gap": round(gap, 3), "below_share": round(float(share), 3)})
 
