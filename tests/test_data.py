@@ -6,6 +6,7 @@ import gzip
 import json
 import re
 import shutil
+import zlib
 from pathlib import Path
 
 import pytest
@@ -209,6 +210,38 @@ def test_bytes_that_are_not_utf8_are_named_by_line_and_column(tmp_path: Path, su
     with pytest.raises(ValueError, match=rf"trn{suffix.replace('.', '[.]')}:2: malformed line, not UTF-8: byte 0xff "
                        r"at column 11"):
         load_split(d, "trn", "title", 2)
+
+
+def _damaged_inside(path: Path) -> None:
+    """Bytes flipped inside a .gz file's compressed data (not its end): zlib's own error on reading,
+    where a truncated file is gzip's EOFError and a wrong checksum its BadGzipFile (an OSError)."""
+    original = path.read_bytes()
+    for start in range(20, len(original) // 2, 97):  # the first damage zlib itself detects
+        raw = bytearray(original)
+        for i in range(start, start + 40):
+            raw[i] ^= 0x5A
+        try:
+            zlib.decompress(bytes(raw), wbits=31)
+        except zlib.error as exc:
+            if "incorrect data check" not in str(exc):  # a checksum error is gzip's OSError, not zlib's
+                path.write_bytes(bytes(raw))
+                return
+    raise AssertionError("no damage zlib detects")
+
+
+def test_a_gzip_file_damaged_inside_its_data_is_refused_naming_it(tmp_path: Path, capsys) -> None:
+    from shortlist.cli import main
+
+    rows = [{**DOCS[i % 2], "uid": f"d{i}", "title": f"doc {i} {i * 7919}"} for i in range(3000)]
+    d = _dataset(tmp_path / "data", docs=rows)
+    _damaged_inside(d / "trn.json.gz")
+    with pytest.raises(ValueError, match=r"trn\.json\.gz: cannot read file: corrupt gzip data after \d+ readable"):
+        load_split(d, "trn", "title", 2)
+    with pytest.raises(ValueError, match=r"trn\.json\.gz: cannot read file: "):
+        fingerprint(d)
+    assert main(["data", "aggregate", "--data", str(d), "--out", str(tmp_path / "grouped"), "--group-size", "2",
+                 "--grouping", "random"]) == 2
+    assert "corrupt gzip data" in capsys.readouterr().err
 
 
 LABEL_FILES = [

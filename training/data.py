@@ -15,6 +15,7 @@ import gzip
 import hashlib
 import json
 import math
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,7 @@ from typing import Any, get_args
 
 import numpy as np
 
-from service.engine.jsonlines import iter_rows, json_kind, row_uid
+from service.engine.jsonlines import iter_rows, json_kind, os_reason, row_uid
 from service.engine.schema import TextField
 
 SPLIT_SUFFIXES = (".json.gz", ".json", ".jsonl", ".jsonl.gz")
@@ -186,9 +187,12 @@ def _sha256(path: Path, content: bool = True) -> str:
     """sha256 of a file's content: a `.gz` file's decompressed bytes, so that compressing the same
     rows again (gzip's header holds a time stamp and a name) names the same data."""
     h = hashlib.sha256()
-    with (gzip.open if content and path.name.endswith(".gz") else open)(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
+    try:
+        with (gzip.open if content and path.name.endswith(".gz") else open)(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    except (OSError, EOFError, zlib.error) as exc:
+        raise ValueError(f"{path}: cannot read file: {os_reason(exc)}") from None
     return h.hexdigest()
 
 

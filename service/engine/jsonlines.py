@@ -17,6 +17,7 @@ import math
 import os
 import re
 import stat
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -68,11 +69,20 @@ def bounded_lines(f: IO[str], path: Path) -> Iterator[tuple[int, str]]:
     """(line number, line without its line end) of a text stream, each at most max_line_chars()."""
     limit = max_line_chars()
     lineno = 0
-    while line := f.readline(limit + 1):
+    while line := _next_line(f, limit, path, lineno):
         lineno += 1
         if len(line) > limit and not (len(line) == limit + 1 and line.endswith("\n")):
             raise ValueError(f"{path}:{lineno}: line longer than {limit} characters ({MAX_LINE_CHARS_ENV})")
         yield lineno, line.rstrip("\r\n")
+
+
+def _next_line(f: IO[str], limit: int, path: Path, lineno: int) -> str:
+    # zlib's error is no OSError: a .gz damaged inside its data (not truncated, which gzip calls an
+    # EOFError) escaped every reader's except as a traceback and exit 1.
+    try:
+        return f.readline(limit + 1)
+    except zlib.error as exc:
+        raise ValueError(f"{path}: cannot read file: corrupt gzip data after {lineno} readable lines ({exc})") from None
 
 
 def require_regular(path: Path, what: str) -> None:
