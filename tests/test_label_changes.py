@@ -406,7 +406,7 @@ def test_cli_adds_and_retires_labels_offline(bundle_root, synthetic_data, tmp_pa
     assert cli(["labels", "remove", str(out / "v1.labels-1"), "new-0", "--out", str(out)]) == 0
     assert json.loads(capsys.readouterr().out)["version"] == "v1.labels-2"
     assert cli(["labels", "remove", str(out / "v1.labels-2"), "new-0", "--out", str(out)]) == 2
-    assert "retire[0]: 'new-0' is retired already" in capsys.readouterr().err
+    assert "uid argument 1: 'new-0' is retired already" in capsys.readouterr().err
     labels.write_text('{"uid": "x"}\n')
     assert cli(["labels", "add", str(bundle_root / "v1"), "--labels", str(labels), "--out", str(out)]) == 2
     assert f"{labels}:1" in capsys.readouterr().err
@@ -424,6 +424,33 @@ def test_cli_adds_and_retires_labels_offline(bundle_root, synthetic_data, tmp_pa
         assert f"{labels}{named}" in capsys.readouterr().err
     labels.write_text(json.dumps({"uid": "x", "title": "kama " + "t" * 1995, "content": "c" * 2000}) + "\n")
     assert cli(["labels", "add", str(bundle_root / "v1"), "--labels", str(labels), "--out", str(out)]) == 0
+
+
+def test_cli_reads_a_uids_files_lines_exactly_and_names_a_refused_one_by_file_and_line(
+        bundle_root, synthetic_data, tmp_path, capsys):
+    # Training data may hold uids with spaces: a line stripped of them could name, and retire,
+    # another label (' L6 ' read as 'L6'), silently.
+    parent = _derive(bundle_root / "v1", tmp_path, LabelChange(add=[NewLabel("spaced", "kama")]))
+    uids, out = tmp_path / "uids.txt", tmp_path / "out"
+    uids.write_text("\n \n spaced \n")
+    assert cli(["labels", "remove", str(parent), "--uids-file", str(uids), "--out", str(out)]) == 2
+    assert f"{uids}:3: no label ' spaced '" in capsys.readouterr().err
+    uids.write_text("spaced\n\nno-such\n")
+    assert cli(["labels", "remove", str(parent), "also-none", "--uids-file", str(uids), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "uid argument 1: no label 'also-none'" in err and f"{uids}:3: no label 'no-such'" in err
+    uids.write_text("spaced\r\n")
+    assert cli(["labels", "remove", str(parent), "--uids-file", str(uids), "--out", str(out)]) == 0
+    child = Bundle.open(out / json.loads(capsys.readouterr().out)["version"])
+    try:
+        assert [child.labels.uids[i] for i in np.flatnonzero(child.retired)] == ["spaced"]
+    finally:
+        child.close()
+    labels = tmp_path / "new.jsonl"
+    rows = [{"uid": "fresh", "title": "kama"}, {"uid": "spaced", "title": "kama"}]
+    labels.write_text(json.dumps(rows[0]) + "\n\n" + json.dumps(rows[1]) + "\n")
+    assert cli(["labels", "add", str(parent), "--labels", str(labels), "--out", str(out)]) == 2
+    assert f"{labels}:3: uid: 'spaced' is already a label" in capsys.readouterr().err
 
 
 def test_faults_in_a_derived_bundles_own_files_are_refused_naming_the_file(bundle_root, synthetic_data, tmp_path):

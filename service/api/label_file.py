@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from dataclasses import asdict
 from pathlib import Path
 
@@ -19,18 +20,18 @@ from service.api.schemas import RequestModels
 from service.api.settings import load_settings, offline_store
 from service.engine.bundle import Bundle
 from service.engine.jsonlines import iter_rows, iter_text_lines, row_uid
-from service.engine.label_changes import ChangeReport, LabelChange, LabelEditor, NewLabel
+from service.engine.label_changes import ChangeReport, LabelChange, LabelChangeRejected, LabelEditor, NewLabel
 from service.engine.label_ledger import IdRecord, LabelLedger
 from service.engine.predictor import Predictor
 from service.engine.store import BundleStore
 
 
-def read_label_file(path: Path, models: RequestModels | None = None) -> list[NewLabel]:
+def read_label_file(path: Path, models: RequestModels | None = None) -> tuple[list[NewLabel], list[str]]:
     """Labels to add, one JSON object a line: {"uid", "title", "content"?, "prior"?}; each uid
-    once (.gz read as gzip). A row is checked as the API checks one of POST /admin/labels'
-    labels (`models`: the request models under the service's settings, by default those of
-    this environment's SHORTLIST_* variables, a bad one named as `serve` names it, never
-    with the admin token): one definition of what a new label may be."""
+    once (.gz read as gzip), with where each is ("FILE:LINE"). A row is checked as the API checks
+    one of POST /admin/labels' labels (`models`: the request models under the service's settings,
+    by default those of this environment's SHORTLIST_* variables, a bad one named as `serve` names
+    it, never with the admin token): one definition of what a new label may be."""
     model = (models or RequestModels(load_settings())).new_label
     line_of: dict[str, int] = {}
     labels = []
@@ -48,12 +49,35 @@ def read_label_file(path: Path, models: RequestModels | None = None) -> list[New
         labels.append(NewLabel(uid, label.title, label.content, label.prior))  # type: ignore[attr-defined]
     if not labels:
         raise ValueError(f"{path}: no labels")
-    return labels
+    return labels, [f"{path}:{line}" for line in line_of.values()]
 
 
-def read_uids_file(path: Path) -> list[str]:
-    """Uids to retire, one a line (blank lines skipped)."""
-    return [line.strip() for _, line in iter_text_lines(path, "uids file") if line.strip()]
+def read_uids_file(path: Path) -> list[tuple[str, str]]:
+    """Uids to retire, one a line, each with where it is ("FILE:LINE"); lines of blanks skipped. A
+    line is the uid exactly (less its line end): uids may hold spaces, and a stripped line could
+    name, and retire, another label (' L6 ' read as 'L6')."""
+    return [(line, f"{path}:{n}") for n, line in iter_text_lines(path, "uids file") if line.strip()]
+
+
+def _change(args: argparse.Namespace) -> tuple[LabelChange, list[str]]:
+    """The change the command asks for, and where each of its labels or uids was given."""
+    if args.labels_command == "add":
+        labels, where = read_label_file(Path(args.labels))
+        return LabelChange(add=labels), where
+    uids = [(uid, f"uid argument {i + 1}") for i, uid in enumerate(args.uids)]
+    uids += read_uids_file(Path(args.uids_file)) if args.uids_file else []
+    return LabelChange(retire=[uid for uid, _ in uids]), [where for _, where in uids]
+
+
+def _located(exc: LabelChangeRejected, where: list[str]) -> ValueError:
+    """The refusal with each problem named where its label or uid was given (the file and line),
+    not by its place in the change ("add[3].title", as the HTTP API names it)."""
+    problems = []
+    for name, message in exc.problems:
+        if (m := re.fullmatch(r"(?:add|retire)\[(\d+)\](?:\.(\w+))?", name)) is not None:
+            name = where[int(m[1])] + (f": {m[2]}" if m[2] else "")
+        problems.append(f"{name}: {message}")
+    return ValueError("; ".join(problems))
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -62,10 +86,7 @@ def run_cli(args: argparse.Namespace) -> int:
     parent's own root, the one `serve` reads)."""
     parent_dir = Path(args.bundle)
     out_root = Path(args.out) if args.out else parent_dir.resolve().parent
-    if args.labels_command == "add":
-        change = LabelChange(add=read_label_file(Path(args.labels)))
-    else:
-        change = LabelChange(retire=list(args.uids) + (read_uids_file(Path(args.uids_file)) if args.uids_file else []))
+    change, where = _change(args)
     # A server's state directory (SHORTLIST_STATE_DIR) lists its versions beside the bundle root's:
     # a name it holds (or a removed version of it kept taken) is not given to another bundle here.
     places = offline_store(out_root)
@@ -79,6 +100,8 @@ def run_cli(args: argparse.Namespace) -> int:
             report = LabelEditor().derive(parent, change, out_root, version, check=True)
         else:
             report = _derive_recorded(parent, change, out_root, version, state_dir)
+    except LabelChangeRejected as exc:
+        raise _located(exc, where) from None
     finally:
         parent.close()
     print(json.dumps({**asdict(report), "path": str(out_root / version)}))
