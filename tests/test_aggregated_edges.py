@@ -201,6 +201,17 @@ def test_data_aggregate_refuses_a_dataset_without_labels(tmp_path: Path, capsys)
     assert "Traceback" not in err and not (tmp_path / "g" / "groups.json.gz").exists()
 
 
+def test_data_aggregate_refuses_to_write_over_the_data_it_reads(tmp_path: Path, capsys) -> None:
+    data = _ordinary(tmp_path / "d")
+    before = {p.name: p.read_bytes() for p in data.iterdir()}
+    (tmp_path / "link").symlink_to(data)
+    for out in (data, tmp_path / "link", data / ".." / "d"):
+        assert cli(["data", "aggregate", "--data", str(data), "--out", str(out), "--group-size", "4",
+                    "--grouping", "random"]) == 2
+        assert f"--out {out}: is the --data folder" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in data.iterdir()} == before  # the documents' own labels kept
+
+
 def test_documents_without_tokens_are_refused_after_imputation_not_crashed(tmp_path: Path, capsys) -> None:
     """With every document tokenless the choice of keep ratio finds no neighbour (it crashed with an
     IndexError); with the held-out groups' documents tokenless and uncentred features it scores them

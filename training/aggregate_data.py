@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -69,6 +70,9 @@ def aggregate(data_dir: Path, out: Path, group_size: int, grouping: str, seed: i
         raise ValueError(f"group size must be >= 1, got {group_size}")
     if grouping not in GROUPINGS:
         raise ValueError(f"grouping must be one of {GROUPINGS}, got {grouping!r}")
+    if out.is_dir() and data_dir.is_dir() and os.path.samefile(out, data_dir):
+        # the grouped trn.json.gz would replace the documents' own labels, the data it was made from
+        raise ValueError(f"--out {out}: is the --data folder; grouped data goes to a folder of its own")
     labels = xc_data.load_labels(data_dir)
     trn_path = xc_data.find_split_file(data_dir, "trn")
     trn = xc_data.load_split(data_dir, "trn", "title", len(labels))
