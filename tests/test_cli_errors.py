@@ -96,6 +96,40 @@ def test_data_aggregate_on_a_full_disk_names_the_file_and_leaves_nothing_under_a
     assert sorted(p.name for p in out.iterdir()) == ["groups.json.gz", "lbl.json.gz", "trn.json.gz", "tst.json.gz"]
 
 
+def test_train_refuses_an_out_it_could_not_save_to_before_it_trains(capsys, caplog, tmp_path, synthetic_data,
+                                                                     a_file):
+    """Checked at the start, not at the save after the training (hours at 10^6 labels)."""
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("keep")
+    train = ["train", "--data", str(synthetic_data), "--config", json.dumps({"preset": "tiny"})]
+    with caplog.at_level("INFO", logger="shortlist.training"):
+        for out, reason in ((a_file, f"{a_file}: exists and is not a checkpoint (no checkpoint.json)"),
+                            (notes, f"{notes}: exists and is not a checkpoint (no checkpoint.json)"),
+                            (a_file / "ck", f"--out {a_file}/ck: {a_file} is not a directory")):
+            err = _refused(capsys, [*train, "--out", str(out)], "train")
+            assert reason in err, err
+    assert not [r for r in caplog.records if r.getMessage().startswith("data:")]  # no training began
+    assert a_file.read_text().startswith("{") and (notes / "todo.txt").read_text() == "keep"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["l_ok.jsonl", "notes"]  # no probe left
+
+
+def test_train_refuses_an_out_on_a_read_only_disk_before_it_trains(tmp_path, synthetic_data):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if shutil.which("unshare") is None or subprocess.run(
+            ["unshare", "-m", "--propagation", "private", "mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs",
+             str(ro)], capture_output=True).returncode != 0:
+        pytest.skip("needs unshare -m and mount (root) for a read-only tmpfs")
+    argv = ["train", "--data", str(synthetic_data), "--out", f"{ro}/a/ck"]
+    run = f"from shortlist.cli import main\nprint('rc=' + str(main({argv!r})))"
+    script = f"mount -t tmpfs -o ro,size=64k tmpfs {ro} || exit 9\n{shlex.quote(sys.executable)} -c {shlex.quote(run)}"
+    r = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script], capture_output=True,
+                       text=True, timeout=120)
+    assert r.stdout.strip() == "rc=2", (r.stdout, r.stderr)
+    assert r.stderr.strip() == f"shortlist train: error: --out {ro}/a/ck: cannot write in {ro}: read-only file system"
+
+
 def test_a_full_disk_names_the_output_of_every_command(tmp_path, checkpoints, synthetic_data):
     """A real full disk (a 64 KiB tmpfs in a private mount namespace, as root): export, train
     (its save) and generate-data exit 2 naming the path, and leave nothing under a final name."""

@@ -29,6 +29,7 @@ import logging
 import os
 import pickle
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,13 +102,7 @@ class Checkpoint:
         existing `out_dir` must be a checkpoint or empty: it is replaced, never written into. A
         symlink `out_dir` is kept: the checkpoint it leads to is the one replaced (staged beside
         it, on its disk), as writing through the link would."""
-        given = Path(out_dir)
-        out = Path(os.path.realpath(given)) if given.is_symlink() else given
-        via = f" ({given} leads to it)" if out != given else ""
-        if out.is_symlink():  # realpath stops at a loop
-            raise ValueError(f"{given}: a symlink that leads to no folder (a loop); give another --out")
-        if out.exists() and not (out / META).is_file() and (not out.is_dir() or any(out.iterdir())):
-            raise ValueError(f"{out}: exists and is not a checkpoint (no {META}){via}; give another --out")
+        given, out = Path(out_dir), save_target(out_dir)
         out.parent.mkdir(parents=True, exist_ok=True)
         staging = out.parent / f".{out.name}.saving-{os.getpid()}"
         shutil.rmtree(staging, ignore_errors=True)
@@ -285,6 +280,34 @@ def _load_encoder(path: Path, vocab_size: int, dim: int) -> SiameseEncoder:
                              f"{tuple(tensor.shape)} (vocab_size {vocab_size}, dim {dim}): not this checkpoint's")
     encoder.load_state_dict(state)
     return encoder.eval()
+
+
+def save_target(out_dir: str | Path) -> Path:
+    """The folder Checkpoint.save(out_dir) replaces (a symlink followed); ValueError for one it
+    must not replace (a file, a folder that is not a checkpoint, a symlink loop)."""
+    given = Path(out_dir)
+    out = Path(os.path.realpath(given)) if given.is_symlink() else given
+    via = f" ({given} leads to it)" if out != given else ""
+    if out.is_symlink():  # realpath stops at a loop
+        raise ValueError(f"{given}: a symlink that leads to no folder (a loop); give another --out")
+    if out.exists() and not (out / META).is_file() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"{out}: exists and is not a checkpoint (no {META}){via}; give another --out")
+    return out
+
+
+def check_save_target(out_dir: str | Path) -> None:
+    """What save(out_dir) would refuse or fail to write, found before the hours of training it
+    would have come after: save_target's refusals, a file in the way of its folders, and a folder
+    nothing can be written in (read-only, no permission), tried by making and removing a folder in
+    the nearest one that exists (nothing is left: folders on the way are made only by save)."""
+    out = save_target(out_dir)
+    nearest = next(p for p in (out.parent.absolute(), *out.parent.absolute().parents) if os.path.lexists(p))
+    if not nearest.is_dir():
+        raise ValueError(f"--out {out_dir}: {nearest} is not a directory")
+    try:
+        tempfile.TemporaryDirectory(dir=nearest, prefix=f".{out.name}.probe-").cleanup()
+    except OSError as exc:
+        raise ValueError(f"--out {out_dir}: cannot write in {nearest}: {os_reason(exc)}") from None
 
 
 def _replace_dir(new: Path, out: Path) -> None:

@@ -9,7 +9,7 @@ import sys
 
 from service.engine.jsonlines import strict_dumps
 from training.aggregated import train_aggregated
-from training.checkpoint import Checkpoint
+from training.checkpoint import Checkpoint, check_save_target
 from training.config import TrainConfig, read_config_file
 from training.pipeline import refit_tree, retune, train
 from training.tree_config import resolve_config as resolve_tree_config
@@ -19,6 +19,7 @@ def run_cli(args: argparse.Namespace) -> int:
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(message)s")
     if args.refit_tree and args.retune:
         raise ValueError("--refit-tree and --retune: one at a time")
+    check_save_target(args.out)  # before training: a refusal after it lost hours of it
     if args.refit_tree:
         return _refit_tree(args)
     if args.retune:
