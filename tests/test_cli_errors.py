@@ -284,6 +284,23 @@ def test_a_filter_file_that_is_a_fifo_or_a_device_is_refused_without_reading_it(
     assert err.endswith(f"{data / 'tst.json.gz'}: cannot read file: not a regular file")
 
 
+def test_a_config_or_labels_xml_that_is_a_fifo_or_a_device_is_refused_without_reading_it(capsys, tmp_path):
+    """Both were read whole by name: a FIFO hung the command, /dev/zero filled the memory."""
+    fifo = tmp_path / "cfg.fifo"
+    os.mkfifo(fifo)
+    zero = tmp_path / "zero"
+    zero.symlink_to("/dev/zero")
+    arff = tmp_path / "x.arff"
+    arff.write_text("@relation r\n@attribute a {0,1}\n@attribute b {0,1}\n@data\n1,0\n")
+    for path, kind in ((fifo, "a FIFO"), (zero, "a character device"), (tmp_path, "a directory")):
+        err = _refused(capsys, ["train", "--data", str(tmp_path), "--out", str(tmp_path / "ck"), "--config",
+                                str(path)], "train")
+        assert err.endswith(f"{path}: cannot read training config: {kind}, not a regular file"), err
+        err = _refused(capsys, ["data", "import-arff", "--arff", str(arff), "--labels-xml", str(path), "--out",
+                                str(tmp_path / "out")], "data")
+        assert err.endswith(f"{path}: not a MULAN label file: {kind}, not a regular file"), err
+
+
 @pytest.mark.parametrize(("flags", "named"), [
     (["--parity-texts", "0"], "--parity-texts must be >= 1"),
     (["--parity-texts", "-1"], "--parity-texts must be >= 1"),

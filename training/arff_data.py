@@ -25,10 +25,13 @@ from typing import Any
 import numpy as np
 
 from service.engine.jsonlines import bounded_lines, os_reason, require_regular
+from service.engine.small_files import RefusedFile, read_small_file
 from training.files import StagedFiles
 
 _MEKA_LABELS = re.compile(r"(?:^|\s)-C\s+(-?\d+)(?:\s|$)")
 _ABSENT = ("0", 0, 0.0, None, "?")
+# MULAN's label file names each label once (~50 bytes): 256 MiB is millions of labels.
+MAX_LABELS_XML_BYTES = 256 << 20
 
 
 def label_attributes(attributes: list[str], relation: str, labels_xml: Path | None) -> list[int]:
@@ -53,7 +56,10 @@ def label_attributes(attributes: list[str], relation: str, labels_xml: Path | No
 
 def _mulan_labels(path: Path) -> list[str]:
     try:
-        root = ElementTree.fromstring(path.read_bytes())
+        # A FIFO would hang the read and /dev/zero fill the memory: a regular file, bounded.
+        root = ElementTree.fromstring(read_small_file(path, MAX_LABELS_XML_BYTES, follow_symlinks=True))
+    except RefusedFile as exc:
+        raise ValueError(f"{path}: not a MULAN label file: {str(exc).removeprefix(f'{path}: ')}") from None
     except (OSError, ElementTree.ParseError) as exc:
         raise ValueError(f"{path}: not a MULAN label file: {exc}") from None
     names = [e.get("name") for e in root.iter() if e.tag.rsplit("}", 1)[-1] == "label"]

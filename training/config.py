@@ -12,7 +12,9 @@ from typing import Any
 
 import orjson
 
+from service.engine.jsonlines import os_reason
 from service.engine.schema import LEXICAL_FORMS, MAX_EF_SEARCH, MAX_SOURCE_K, VECTOR_DTYPES
+from service.engine.small_files import RefusedFile, read_small_file
 from service.engine.token_schemes import DEFAULT_SCHEME, SCHEME_PATTERNS
 from training.config_values import (
     BATCH,
@@ -42,6 +44,8 @@ CLASSIFIER_FORMS = ("paper", "scaled_bias")
 # Metrics the validation tuning can weigh: ranking_metrics at ks (1, 5) with propensities.
 TUNABLE_METRICS = ("P@1", "P@5", "nDCG@1", "nDCG@5", "PSP@1", "PSP@5", "PSnDCG@1", "PSnDCG@5")
 DEFAULT_OBJECTIVE = {"P@1": 1.0, "P@5": 1.0, "PSP@5": 1.0}
+# A training config is a few hundred bytes of settings: past this it is not one.
+MAX_CONFIG_BYTES = 1 << 20
 # m3_negatives "auto": all labels as negatives up to this many labels, the shortlist beyond.
 M3_ALL_MAX_LABELS = 50_000
 
@@ -420,9 +424,13 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     """The JSON object of a config file (orjson: RFC 8259, nesting bounded without recursion);
     ValueError naming the file otherwise."""
     try:
-        d = orjson.loads(Path(path).read_bytes())
+        # A FIFO would hang the read and /dev/zero fill the memory: a regular file, bounded.
+        d = orjson.loads(read_small_file(Path(path), MAX_CONFIG_BYTES, follow_symlinks=True))
+    except RefusedFile as exc:
+        raise ValueError(f"{path}: cannot read training config: {str(exc).removeprefix(f'{path}: ')}") from None
     except (OSError, orjson.JSONDecodeError) as exc:
-        raise ValueError(f"{path}: cannot read training config: {exc}") from None
+        reason = os_reason(exc) if isinstance(exc, OSError) else exc
+        raise ValueError(f"{path}: cannot read training config: {reason}") from None
     if not isinstance(d, dict):
         raise ValueError(f"{path}: training config must be a JSON object")
     return d
