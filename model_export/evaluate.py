@@ -102,14 +102,16 @@ def evaluate_bundle(
     check_scorer(predictor, scorer)  # before the data is read
     manifest = predictor.bundle.manifest
     field, num_labels = text_field or manifest.text_field, manifest.num_labels
-    docs = load_split(data_dir, split, field, num_labels=num_labels)
     labels = load_labels(data_dir, field)
     check_same_labels(labels, predictor, data_dir)
+    # Target rows name the data's label rows (the bundle's first ones; it may have more, added
+    # since): a row past the label file is refused as training refuses it, not scored.
+    docs = load_split(data_dir, split, field, num_labels=len(labels))
     # Over the whole split, then limited: a filter file names rows of the whole split, and its
     # pairs past the limit are of documents not evaluated.
     left_out = filtered_pairs(protocol, docs, labels, num_labels)
     # From the whole trn split, also when it is the one evaluated and --limit cuts it.
-    inv_prop = _inverse_propensities(data_dir, split, docs, field, num_labels)
+    inv_prop = _inverse_propensities(data_dir, split, docs, field, len(labels), num_labels)
     if limit is not None:
         docs, left_out = docs.subset(list(range(min(limit, len(docs))))), left_out[:limit]
     truths = [[t for t in truth if t not in dropped]
@@ -230,16 +232,17 @@ def check_same_labels(labels: LabelSet, predictor: Predictor, data_dir: str | Pa
                          f"not the bundle {predictor.version}'s, row for row (target_ind would name other labels)")
 
 
-def _inverse_propensities(data_dir: str | Path, split: str, docs: Split, field: str,
+def _inverse_propensities(data_dir: str | Path, split: str, docs: Split, field: str, data_labels: int,
                           num_labels: int) -> np.ndarray | None:
-    """PSP@k's weights, from the training split's label frequencies; None without a trn file (the
-    other metrics need only the evaluated split)."""
+    """PSP@k's weights over the bundle's `num_labels`, from the training split's label frequencies
+    (its rows checked against the data's `data_labels`); None without a trn file (the other
+    metrics need only the evaluated split)."""
     if split == "trn":
         trn = docs
     elif find_split_file(data_dir, "trn") is None:
         return None
     else:
-        trn = load_split(data_dir, "trn", field, num_labels=num_labels)
+        trn = load_split(data_dir, "trn", field, num_labels=data_labels)
     return 1.0 / propensities(label_frequencies(trn.targets, num_labels), len(trn))
 
 

@@ -267,7 +267,8 @@ def test_cli_eval_json_reports_metrics_far_above_chance(bundle_root, synthetic_d
     assert 0 < result["recall@shortlist"] <= 100.0
 
 
-def test_eval_reports_a_clear_error_for_a_missing_split(bundle_root, tmp_path):
+def test_eval_reports_a_clear_error_for_a_missing_split(bundle_root, synthetic_data, tmp_path):
+    shutil.copy(synthetic_data / "lbl.json.gz", tmp_path)
     out = subprocess.run(
         [sys.executable, "-m", "shortlist.cli", "eval", str(bundle_root / "v1"), "--data", str(tmp_path)],
         capture_output=True, text=True, timeout=120,
@@ -447,6 +448,15 @@ def test_eval_refuses_data_whose_label_rows_are_not_the_bundles(bundle_root, syn
     prefix = _relabelled(synthetic_data, tmp_path / "prefix", drop_tail=1)
     code, out, err = _eval_cli(capsys, bundle_root / "v1", prefix)
     assert code == 0 and json.loads(out)["P@1"] > 30.0, err
+    # A label file cut short whose documents still name its missing rows (rows of the bundle):
+    # refused as training refuses it, not scored against labels the data does not have.
+    cut = tmp_path / "cut"
+    shutil.copytree(prefix, cut)
+    docs = [json.loads(line) for line in (cut / "tst.jsonl").read_text().splitlines()]
+    docs[3]["target_ind"], docs[3]["target_rel"] = [labels - 1], [1.0]
+    (cut / "tst.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    code, out, err = _eval_cli(capsys, bundle_root / "v1", cut)
+    assert code == 2 and f"tst.jsonl:4: target_ind {labels - 1} out of range (the label file has {labels - 1} " in err
 
 
 def test_eval_refuses_a_split_in_which_no_document_has_a_label(bundle_root, synthetic_data, tmp_path, capsys):
