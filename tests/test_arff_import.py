@@ -55,7 +55,7 @@ def _rows(path: Path) -> list[dict]:
 
 def _write(tmp_path: Path, name: str, text: str) -> Path:
     path = tmp_path / name
-    path.write_text(text)
+    path.write_bytes(text.encode("utf-8", "surrogateescape"))  # "\udce9": the byte 0xe9, not UTF-8
     return path
 
 
@@ -103,6 +103,13 @@ def test_the_split_is_seeded_and_a_gzip_file_reads_as_the_plain_one(tmp_path):
 @pytest.mark.parametrize(("arff", "xml", "extra", "message"), [
     (MEKA_ARFF.replace(": -C 2", ""), None, [], "give MULAN's label file with --labels-xml"),
     (MEKA_ARFF.replace("-C 2", "-C 4"), None, [], "-C 4 leaves no label or no feature"),
+    # Dense rows were named "at line -1", bytes not UTF-8 by a decoder buffer's position.
+    (MEKA_ARFF.replace("0,1,0,1", "0,1,0"), None, [], "Bad @DATA instance format in line 8: 0,1,0"),
+    (MEKA_ARFF.replace("0,1,0,1", "0,1,x,1"), None, [], "Invalid numerical value, at line 8"),
+    (MEKA_ARFF.replace("guitar", "guit\udce9r"), None, [], "x.arff:5: not UTF-8: byte 0xe9 at column 16"),
+    # "no" is not 0: read as present, every document carried the label (exit 0).
+    (MEKA_ARFF.replace("sport {0,1}", "sport {no,yes}").replace("\n1,", "\nyes,").replace("\n0,", "\nno,"), None,
+     [], "label attribute 'sport' is nominal {no,yes}: a label's values are 0 and 1"),
     (MULAN_ARFF, MULAN_XML.replace("TAG_net", "TAG_other"), [], "1 labels are no attribute of the ARFF file"),
     (MULAN_ARFF, "<labels><label/></labels>", [], "1 without a name"),
     (MULAN_ARFF, "<labels>", [], "not a MULAN label file"),

@@ -19,12 +19,13 @@ import gzip
 import json
 import re
 import xml.etree.ElementTree as ElementTree
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from service.engine.jsonlines import bounded_lines, os_reason, require_regular
+from service.engine.jsonlines import bounded_lines, not_utf8, os_reason, require_regular
 from service.engine.small_files import RefusedFile, read_small_file
 from training.files import StagedFiles
 
@@ -80,17 +81,51 @@ def read_arff(path: Path) -> dict[str, Any]:
     try:
         require_regular(path, "ARFF file")
         opener = gzip.open if path.name.endswith(".gz") else open
-        with opener(path, "rt", encoding="utf-8") as f:
-            lines = [line for _, line in bounded_lines(f, path)]
+        with opener(path, "rt", encoding="utf-8", errors="surrogateescape") as f:
+            lines = [_utf8_line(path, n, line) for n, line in bounded_lines(f, path)]
         # liac-arff reads sparse rows into dicts only, dense rows into lists only: the first
         # row after @data says which this file has.
         sparse = _first_row(lines).startswith("{")
         data = arff.load(lines, return_type=arff.LOD if sparse else arff.DENSE_GEN)
         rows = data["data"] if sparse else map(dict, map(enumerate, data["data"]))
-        data["data"] = [{a: v for a, v in row.items() if v not in _ABSENT} for row in rows]
+        data["data"] = _present_values(rows, lines)
         return data
     except (OSError, EOFError, UnicodeDecodeError, arff.ArffException) as exc:
         raise ValueError(f"{path}: {os_reason(exc) if isinstance(exc, OSError) else exc}") from None
+
+
+def _utf8_line(path: Path, number: int, line: str) -> str:
+    if (why := not_utf8(line)) is not None:  # named by line and column, not a decoder buffer's offset
+        raise ValueError(f"{path}:{number}: {why}")
+    return line
+
+
+def _present_values(rows: Iterable[dict[int, Any]], lines: list[str]) -> list[dict[int, Any]]:
+    """Each row's {attribute index: value} of its present values. Dense rows are decoded as they
+    are read here, where liac-arff no longer counts lines ("at line -1"): a row it refuses is
+    given its line in the file."""
+    import arff
+
+    present: list[dict[int, Any]] = []
+    try:
+        for row in rows:
+            present.append({a: v for a, v in row.items() if v not in _ABSENT})
+    except arff.ArffException as exc:
+        if exc.line == -1:
+            exc.line = _data_line_numbers(lines)[len(present)]
+        raise
+    return present
+
+
+def _data_line_numbers(lines: list[str]) -> list[int]:
+    """The line numbers (from 1) of the data rows: after @data, neither blank nor a % comment."""
+    numbers, after_data = [], False
+    for number, line in enumerate(lines, 1):
+        text = line.strip()
+        if after_data and text and not text.startswith("%"):
+            numbers.append(number)
+        after_data = after_data or text.lower().startswith("@data")
+    return numbers
 
 
 def _first_row(lines: list[str]) -> str:
@@ -101,6 +136,17 @@ def _first_row(lines: list[str]) -> str:
             return text
         after_data = after_data or text.lower().startswith("@data")
     return ""
+
+
+def _check_label_values(path: Path, attributes: list[tuple[str, Any]], labels: list[int]) -> None:
+    """A label attribute is present unless 0 (or ?): numeric, or nominal {0,1} as MULAN and MEKA
+    write it. Other nominal values ({no,yes}) would read "no" as present: every document would
+    carry the label, exit 0."""
+    for a in labels:
+        name, kind = attributes[a]
+        if isinstance(kind, list) and sorted(map(str, kind)) != ["0", "1"]:
+            raise ValueError(f"{path}: label attribute {name!r} is nominal {{{','.join(map(str, kind))}}}: a label's "
+                             "values are 0 and 1 (nominal {0,1} or numeric), absent where 0 or ?")
 
 
 def convert(arff_data: dict[str, Any], labels: list[int]) -> tuple[list[dict], list[dict]]:
@@ -125,6 +171,7 @@ def import_arff(path: Path, out: Path, labels_xml: Path | None = None, test_frac
         raise ValueError(f"--test-fraction must be in (0, 1), got {test_fraction}")
     data = read_arff(path)
     labels = label_attributes([name for name, _ in data["attributes"]], data["relation"], labels_xml)
+    _check_label_values(path, data["attributes"], labels)
     docs, label_rows = convert(data, labels)
     if len(docs) < 2:
         raise ValueError(f"{path}: {len(docs)} documents: nothing to split into trn and tst")
