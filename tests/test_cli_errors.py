@@ -4,6 +4,7 @@ from the operating system, never a traceback (audit s13 F7)."""
 from __future__ import annotations
 
 import errno
+import gzip
 import json
 import os
 import shlex
@@ -70,6 +71,24 @@ def test_a_full_disk_names_the_file_and_leaves_the_dataset_there_as_it_was(capsy
     assert err.endswith(f"--out {out}: {out / 'trn.json.gz'}: no space left on device")
     # Audit s13 G9: the full disk left a truncated trn.json.gz (and a new lbl.json.gz) under the final names.
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_generate_data_small_profile_at_and_past_its_label_limit(capsys, tmp_path):
+    """Past the made-up words' supply the small profile drew words for ever (--labels 10^12 ran
+    until killed); at its limit it writes the data."""
+    from training.synthetic import MAX_SMALL_LABELS
+
+    err = _refused(capsys, ["generate-data", "--out", str(tmp_path / "past"), "--labels", str(MAX_SMALL_LABELS + 1)],
+                   "generate-data")
+    assert err.endswith(f"--labels {MAX_SMALL_LABELS + 1}: the small profile makes at most {MAX_SMALL_LABELS} labels "
+                        "(its made-up words run out); --profile scale makes 10^4..10^6+")
+    assert not (tmp_path / "past").exists()
+    at = ["generate-data", "--out", str(tmp_path / "at"), "--labels", str(MAX_SMALL_LABELS), "--train-docs", "3",
+          "--test-docs", "1"]
+    assert main(at) == 0
+    with gzip.open(tmp_path / "at" / "lbl.json.gz", "rt") as f:
+        titles = [json.loads(line)["title"].split()[0] for line in f]
+    assert len(titles) == len(set(titles)) == MAX_SMALL_LABELS  # each label its own name word
 
 
 def test_a_write_that_names_no_file_names_the_commands_output():

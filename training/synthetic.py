@@ -18,6 +18,10 @@ import numpy as np
 from training.files import StagedFiles
 
 _SYLLABLES = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
+# Words are 2-3 syllables, ~348,000 distinct: past them drawing a new one never ended (a large
+# --labels ran for ever), and drawing slows as they run out. The small profile is the demo's and
+# tests' data; `--profile scale` (training/synthetic_scale.py) is for more labels.
+MAX_SMALL_LABELS = 20_000
 
 
 def _words(rng: np.random.Generator, count: int, taken: set[str]) -> list[str]:
@@ -41,6 +45,9 @@ def generate(
     """Write trn.json.gz, tst.json.gz and lbl.json.gz under out_dir; returns out_dir."""
     if num_labels < 2 or train_docs < 1 or test_docs < 0:
         raise ValueError("need at least 2 labels, 1 training document and a non-negative test size")
+    if num_labels > MAX_SMALL_LABELS:
+        raise ValueError(f"--labels {num_labels}: the small profile makes at most {MAX_SMALL_LABELS} labels (its "
+                         "made-up words run out); --profile scale makes 10^4..10^6+")
     rng = np.random.default_rng(seed)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
