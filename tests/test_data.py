@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from training.data import fingerprint, load_labels, load_split, same_data
+from training.data import data_differences, fingerprint, load_labels, load_split, same_data
 from training.synthetic import generate
 
 LABELS = [{"uid": "a", "title": "alpha", "content": "first"}, {"uid": "b", "title": "beta", "content": "second"}]
@@ -115,6 +115,24 @@ def test_fingerprint_follows_content(tmp_path: Path) -> None:
     (c / "trn.json.gz").write_bytes(gzip.compress(raw, mtime=123456789))
     assert (c / "trn.json.gz").read_bytes() != (a / "trn.json.gz").read_bytes()
     assert fingerprint(c)["sha256"] == fa["sha256"]
+
+
+def test_the_same_rows_in_another_folder_or_uncompressed_are_the_same_data(tmp_path: Path) -> None:
+    """--retune and --refit-tree refused a byte-identical copy in a folder of another name, and the
+    same rows as .json, as "not the data" ("fingerprints differ", without saying how)."""
+    a = _dataset(tmp_path / "a")
+    stored = fingerprint(a, {"trn": 2})
+    renamed = tmp_path / "renamed"
+    shutil.copytree(a, renamed)
+    plain = _dataset(tmp_path / "plain", suffix=".json")
+    for same in (renamed, plain):
+        assert data_differences(same, fingerprint(same, {"trn": 2}), stored) == []
+    other = _dataset(tmp_path / "other", docs=DOCS[:1])
+    (other / "tst.json").write_text(json.dumps(DOCS[0]) + "\n")
+    assert data_differences(other, fingerprint(other, {"trn": 1}), stored) == [
+        "trn: other rows", "tst: the checkpoint's data had no such file", "row counts {'trn': 1} against {'trn': 2}"]
+    assert data_differences(a, fingerprint(a, {"trn": 2}), fingerprint(other, {"trn": 2})) == [
+        "trn: other rows", "tst: no such file in the data, the checkpoint's had one"]
 
 
 def test_checkpoint_fingerprinted_by_file_bytes_still_matches(tmp_path: Path) -> None:

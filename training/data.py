@@ -216,6 +216,31 @@ def fingerprint(data_dir: str | Path, counts: dict[str, int] | None = None, cont
 
 def same_data(data_dir: str | Path, current: dict[str, Any], stored: dict[str, Any]) -> bool:
     """Whether `stored` (a checkpoint's fingerprint) names the data whose fingerprint is `current`."""
+    return not data_differences(data_dir, current, stored)
+
+
+def data_differences(data_dir: str | Path, current: dict[str, Any], stored: dict[str, Any]) -> list[str]:
+    """How the data whose fingerprint is `current` differs from what `stored` (a checkpoint's
+    fingerprint) names: each split whose rows differ or that one side lacks, and the row counts.
+    Compared split by split on content: the same rows in a folder of another name, or as `.json`
+    where they were `.json.gz`, are the same data (a checkpoint fingerprinted by file bytes, before
+    2026-11-27, is compared on bytes)."""
     if "hashed" not in stored:
         current = fingerprint(data_dir, current.get("counts"), content=False)
-    return current == stored
+    ours, theirs = _by_split(current["files"]), _by_split(stored["files"])
+    out = []
+    for split in sorted(set(ours) | set(theirs)):
+        if split not in ours:
+            out.append(f"{split}: no such file in the data, the checkpoint's had one")
+        elif split not in theirs:
+            out.append(f"{split}: the checkpoint's data had no such file")
+        elif ours[split] != theirs[split]:
+            out.append(f"{split}: other rows")
+    if current.get("counts") != stored.get("counts"):
+        out.append(f"row counts {current.get('counts')} against {stored.get('counts')}")
+    return out
+
+
+def _by_split(files: dict[str, str]) -> dict[str, str]:
+    """A fingerprint's file hashes by split ("trn.json.gz" -> "trn")."""
+    return {name.split(".", 1)[0]: sha for name, sha in files.items()}

@@ -28,7 +28,7 @@ from training.centroids import Centroids, hard_negative_shortlists
 from training.checkpoint import Checkpoint
 from training.classifiers import OneVsAll, Validation
 from training.config import TrainConfig
-from training.data import Split, find_split_file, same_data
+from training.data import Split, data_differences, find_split_file
 from training.dataset import TrainingSet
 from training.divergence import check_fitted
 from training.encoder import SiameseEncoder, embed
@@ -157,8 +157,8 @@ def _train(data_dir: Path, cfg: TrainConfig, text_field: str, trn: Split | None 
 
 
 def _require_same_data(data_dir: str | Path, data: TrainingSet, ckpt: Checkpoint, checkpoint: str | Path) -> None:
-    if not same_data(data_dir, data.fingerprint, ckpt.fingerprint):
-        raise ValueError(f"{data_dir}: not the data {checkpoint} was trained on (fingerprints differ)")
+    if differences := data_differences(data_dir, data.fingerprint, ckpt.fingerprint):
+        raise ValueError(f"{data_dir}: not the data {checkpoint} was trained on ({'; '.join(differences)})")
 
 
 def refit_tree(checkpoint: str | Path, data_dir: str | Path, tree_config: dict[str, Any] | None = None) -> Checkpoint:
