@@ -227,10 +227,27 @@ def passive_openmp_waits(environ: dict[str, str] | os._Environ[str]) -> None:
         environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM to an offline command (`timeout`, `docker stop`, a job's deadline), raised where it
+    runs as Ctrl-C is, so that what it was writing is cleaned up (staged files, a checkpoint's
+    staging folder): Python's default SIGTERM ended the process at once, leaving them."""
+
+
+# The serving commands stop on SIGTERM their own way (uvicorn's and gunicorn's drains).
+_SERVING = ("serve", "serve-ray", "demo")
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     passive_openmp_waits(os.environ)
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) \
+        if on_main_thread and args.command not in _SERVING else None
     try:
         handler = _import_handler(args.handler)
         return int(handler(args) or 0)
@@ -241,6 +258,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for line in message.splitlines() or [type(exc).__name__]:
             print(f"shortlist {args.command}: error: {line}", file=sys.stderr)
         return 2
+    except Terminated:
+        print(f"shortlist {args.command}: terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM  # the shell's code for a SIGTERM
     except KeyboardInterrupt:
         # Ctrl-C is the user's own stop, not a failure to debug: one line, the shell's code for
         # SIGINT. What a command writes is staged and renamed at its end: nothing half-made has a final name.
@@ -251,6 +271,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"shortlist {args.command}: error: out of memory: this machine's memory (or this process's "
               "limit, `ulimit -v`, a container's memory limit) is not enough for this run", file=sys.stderr)
         return 1
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _import_handler(path: str) -> Any:
@@ -258,19 +281,23 @@ def _import_handler(path: str) -> Any:
     from Ctrl-C: a KeyboardInterrupt inside an extension's initialisation surfaced as that
     library's ImportError ("initialization failed"), a traceback; it is raised after them instead."""
     module_name, func_name = path.split(":")
-    interrupted = []
+    interrupted: list[type[KeyboardInterrupt]] = []
     # Python runs signal handlers on the main thread only; a SIGINT ignored (a shell's background
-    # job) stays ignored.
-    shield = threading.current_thread() is threading.main_thread() and \
-        signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
-    previous = signal.signal(signal.SIGINT, lambda *_: interrupted.append(True)) if shield else None
+    # job) stays ignored. SIGTERM is shielded where main() raises it (offline commands).
+    shielded: dict[int, type[KeyboardInterrupt]] = {}
+    if threading.current_thread() is threading.main_thread():
+        if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+            shielded[signal.SIGINT] = KeyboardInterrupt
+        if signal.getsignal(signal.SIGTERM) is _raise_terminated:
+            shielded[signal.SIGTERM] = Terminated
+    previous = {s: signal.signal(s, lambda *_, e=e: interrupted.append(e)) for s, e in shielded.items()}
     try:
         module = importlib.import_module(module_name)
     finally:
-        if shield:
-            signal.signal(signal.SIGINT, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     if interrupted:
-        raise KeyboardInterrupt
+        raise interrupted[0]
     return getattr(module, func_name)
 
 

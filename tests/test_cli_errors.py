@@ -216,7 +216,10 @@ def test_the_installed_command_exits_2_without_a_traceback(a_file):
     assert r.stderr.strip() == f"shortlist generate-data: error: --out {a_file}: exists and is not a directory"
 
 
-def test_ctrl_c_is_one_line_and_the_shells_code_for_sigint_not_a_traceback(tmp_path):
+@pytest.mark.parametrize(("signum", "code", "said"), [(signal.SIGINT, 130, "interrupted"),
+                                                      (signal.SIGTERM, 143, "terminated")])
+def test_ctrl_c_or_sigterm_is_one_line_and_the_shells_code_not_a_traceback(tmp_path, signum, code, said):
+    """SIGTERM (`timeout`, `docker stop`) ended the process at once, leaving its staged files."""
     # A million labels take ~30 s to generate: the command is at work when the signal comes.
     out = tmp_path / "d"
     proc = subprocess.Popen([sys.executable, "-m", "shortlist.cli", "generate-data", "--out", str(out), "--profile",
@@ -226,10 +229,11 @@ def test_ctrl_c_is_one_line_and_the_shells_code_for_sigint_not_a_traceback(tmp_p
     deadline = time.monotonic() + 60
     while not out.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)  # the folder is made once the command runs (its imports done)
-    proc.send_signal(signal.SIGINT)
+    time.sleep(1.0)  # past the imports, into the writing
+    proc.send_signal(signum)
     _, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 130 and "Traceback" not in stderr, stderr[-2000:]
-    assert stderr.strip() == "shortlist generate-data: interrupted"
+    assert proc.returncode == code and "Traceback" not in stderr, stderr[-2000:]
+    assert stderr.strip() == f"shortlist generate-data: {said}"
     assert not [p for p in out.rglob("*") if p.is_file()]
 
 
