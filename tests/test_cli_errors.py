@@ -92,6 +92,22 @@ def test_generate_data_small_profile_at_and_past_its_label_limit(capsys, tmp_pat
     assert len(titles) == len(set(titles)) == MAX_SMALL_LABELS  # each label its own name word
 
 
+def test_a_dataset_writer_refuses_a_folder_holding_a_split_in_another_form(capsys, tmp_path):
+    """generate-data (import-arff, data aggregate: the same writer) wrote trn.json.gz beside a
+    trn.json, exit 0, and `train` then refused the folder (a split in two files)."""
+    out = tmp_path / "d"
+    out.mkdir()
+    (out / "trn.json").write_text("someone's data\n")
+    err = _refused(capsys, ["generate-data", "--out", str(out), "--labels", "50", "--train-docs", "5",
+                            "--test-docs", "2"], "generate-data")
+    assert err.endswith(f"{out / 'trn.json'}: the trn split in another form than the trn.json.gz written here (a "
+                        "split in two files is refused when read): remove it or write to another folder")
+    assert [p.name for p in out.iterdir()] == ["trn.json"] and (out / "trn.json").read_text() == "someone's data\n"
+    (out / "trn.json").unlink()
+    assert main(["generate-data", "--out", str(out), "--labels", "50", "--train-docs", "5", "--test-docs", "2"]) == 0
+    assert main(["generate-data", "--out", str(out), "--labels", "50", "--train-docs", "5", "--test-docs", "2"]) == 0
+
+
 def test_a_write_that_names_no_file_names_the_commands_output():
     """A write error that names no file (a full disk found by a close, or a library's writer): the
     command's output option is named."""

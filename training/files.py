@@ -12,6 +12,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
 
+from training.data import SPLIT_SUFFIXES
+
 
 @contextmanager
 def naming(path: str | Path) -> Iterator[None]:
@@ -37,6 +39,7 @@ class StagedFiles:
 
     def write_gz_lines(self, name: str, lines: Iterable[str], compresslevel: int = 9) -> None:
         """NAME (gzip, UTF-8): one line per item of `lines`."""
+        self._refuse_other_forms(name)
         temporary = self.folder / f".{name}.writing-{os.getpid()}"
         self._temporary[name] = temporary
         with naming(self.folder / name), gzip.open(temporary, "wt", encoding="utf-8",
@@ -47,10 +50,21 @@ class StagedFiles:
 
     def copy(self, name: str, source: Path) -> None:
         """NAME: a copy of `source`."""
+        self._refuse_other_forms(name)
         temporary = self.folder / f".{name}.writing-{os.getpid()}"
         self._temporary[name] = temporary
         with naming(self.folder / name):
             shutil.copyfile(source, temporary)
+
+    def _refuse_other_forms(self, name: str) -> None:
+        """A split's file (trn.json.gz) where the folder holds it in another form (trn.json): the
+        two would be one split in two files, which every reader refuses (exit 0 here, then
+        `train` refused the folder). Not removed: it may be someone's data."""
+        split = name.split(".", 1)[0]
+        for other in (self.folder / f"{split}{suffix}" for suffix in SPLIT_SUFFIXES):
+            if other.name != name and os.path.lexists(other):
+                raise ValueError(f"{other}: the {split} split in another form than the {name} written here (a "
+                                 "split in two files is refused when read): remove it or write to another folder")
 
     def __enter__(self) -> StagedFiles:
         return self
