@@ -9,6 +9,7 @@ import shutil
 import zlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from training.data import data_differences, fingerprint, load_labels, load_split, same_data
@@ -209,6 +210,16 @@ def test_a_document_field_of_the_wrong_json_type_is_refused_naming_it(tmp_path: 
 def test_a_label_file_uid_that_is_not_a_unique_string_is_refused(tmp_path: Path, what, labels, message) -> None:
     with pytest.raises(ValueError, match=message):
         load_labels(_dataset(tmp_path, labels=labels))
+
+
+def test_one_training_document_is_refused_naming_the_file(tmp_path: Path) -> None:
+    from training.config import TrainConfig
+    from training.dataset import TrainingSet
+
+    d = _dataset(tmp_path, docs=DOCS[:1])
+    message = f"{d / 'trn.json.gz'}: need at least 2 training documents, found 1"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        TrainingSet.load(d, TrainConfig.tiny(), "title", np.random.default_rng(0))
 
 
 def test_an_empty_split_is_refused_not_measured(tmp_path: Path) -> None:

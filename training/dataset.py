@@ -54,7 +54,7 @@ class TrainingSet:
             data_dir, "trn")
         full_trn = trn if trn is not None else xc_data.load_split(data_dir, "trn", text_field, len(labels))
         if len(full_trn) < 2:
-            raise ValueError(f"{data_dir}: need at least 2 training documents, found {len(full_trn)}")
+            raise ValueError(f"{source}: need at least 2 training documents, found {len(full_trn)}")
         has_tst = xc_data.find_split_file(data_dir, "tst") is not None
         tst = xc_data.load_split(data_dir, "tst", text_field, len(labels)) if has_tst else None
         counts = {"trn": len(full_trn), "tst": len(tst) if tst else 0, "lbl": len(labels)}
