@@ -138,7 +138,7 @@ def test_train_refuses_an_out_it_could_not_save_to_before_it_trains(capsys, capl
     notes = tmp_path / "notes"
     notes.mkdir()
     (notes / "todo.txt").write_text("keep")
-    train = ["train", "--data", str(synthetic_data), "--config", json.dumps({"preset": "tiny"})]
+    train = ["train", "--data", str(synthetic_data)]
     with caplog.at_level("INFO", logger="shortlist.training"):
         for out, reason in ((a_file, f"{a_file}: exists and is not a checkpoint (no checkpoint.json)"),
                             (notes, f"{notes}: exists and is not a checkpoint (no checkpoint.json)"),
@@ -150,18 +150,24 @@ def test_train_refuses_an_out_it_could_not_save_to_before_it_trains(capsys, capl
     assert sorted(p.name for p in tmp_path.iterdir()) == ["l_ok.jsonl", "notes"]  # no probe left
 
 
+def _on_tmpfs(folder: Path, options: str, python: str, after: str = "") -> subprocess.CompletedProcess:
+    """`python` run with a tmpfs (mount `options`) on `folder`, in a private mount namespace (as
+    root), then the shell lines `after`; skipped where that cannot be had."""
+    folder.mkdir()
+    if shutil.which("unshare") is None or subprocess.run(
+            ["unshare", "-m", "--propagation", "private", "mount", "-t", "tmpfs", "-o", options, "tmpfs",
+             str(folder)], capture_output=True).returncode != 0:
+        pytest.skip("needs unshare -m and mount (root) for a tmpfs")
+    script = f"mount -t tmpfs -o {options} tmpfs {folder} || exit 9\n{shlex.quote(sys.executable)} -c " \
+             f"{shlex.quote(python)}\n{after}"
+    return subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script], capture_output=True,
+                          text=True, timeout=300)
+
+
 def test_train_refuses_an_out_on_a_read_only_disk_before_it_trains(tmp_path, synthetic_data):
     ro = tmp_path / "ro"
-    ro.mkdir()
-    if shutil.which("unshare") is None or subprocess.run(
-            ["unshare", "-m", "--propagation", "private", "mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs",
-             str(ro)], capture_output=True).returncode != 0:
-        pytest.skip("needs unshare -m and mount (root) for a read-only tmpfs")
     argv = ["train", "--data", str(synthetic_data), "--out", f"{ro}/a/ck"]
-    run = f"from shortlist.cli import main\nprint('rc=' + str(main({argv!r})))"
-    script = f"mount -t tmpfs -o ro,size=64k tmpfs {ro} || exit 9\n{shlex.quote(sys.executable)} -c {shlex.quote(run)}"
-    r = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script], capture_output=True,
-                       text=True, timeout=120)
+    r = _on_tmpfs(ro, "ro,size=64k", f"from shortlist.cli import main\nprint('rc=' + str(main({argv!r})))")
     assert r.stdout.strip() == "rc=2", (r.stdout, r.stderr)
     assert r.stderr.strip() == f"shortlist train: error: --out {ro}/a/ck: cannot write in {ro}: read-only file system"
 
@@ -170,20 +176,11 @@ def test_a_full_disk_names_the_output_of_every_command(tmp_path, checkpoints, sy
     """A real full disk (a 64 KiB tmpfs in a private mount namespace, as root): export, train
     (its save) and generate-data exit 2 naming the path, and leave nothing under a final name."""
     full = tmp_path / "full"
-    full.mkdir()
-    if shutil.which("unshare") is None or subprocess.run(
-            ["unshare", "-m", "--propagation", "private", "mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs",
-             str(full)], capture_output=True).returncode != 0:
-        pytest.skip("needs unshare -m and mount (root) for a full tmpfs")
     commands = [["export", str(checkpoints["v1"]), "--out", f"{full}/root", "--version", "x1", "--parity-texts", "20"],
                 ["train", "--data", str(synthetic_data), "--out", f"{full}/ck", "--retune", str(checkpoints["v1"])],
                 ["generate-data", "--out", f"{full}/gen", "--labels", "300", "--train-docs", "2000"]]
     run = f"from shortlist.cli import main\nfor argv in {commands!r}:\n    print(f'rc={{main(argv)}}', flush=True)"
-    script = f"""mount -t tmpfs -o size=64k tmpfs {full} || exit 9
-{shlex.quote(sys.executable)} -c {shlex.quote(run)}
-ls -A {full}/root {full}/gen; ls -A {full}"""
-    r = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script], capture_output=True,
-                       text=True, timeout=300)
+    r = _on_tmpfs(full, "size=64k", run, f"ls -A {full}/root {full}/gen; ls -A {full}")
     errors = [line for line in r.stderr.splitlines() if ": error: " in line]
     assert r.stdout.count("rc=2") == 3, (r.stdout, r.stderr)
     assert errors == [
