@@ -129,13 +129,8 @@ def _data_line_numbers(lines: list[str]) -> list[int]:
 
 
 def _first_row(lines: list[str]) -> str:
-    after_data = False
-    for line in lines:
-        text = line.strip()
-        if after_data and text and not text.startswith("%"):
-            return text
-        after_data = after_data or text.lower().startswith("@data")
-    return ""
+    numbers = _data_line_numbers(lines)
+    return lines[numbers[0] - 1].strip() if numbers else ""
 
 
 def _check_label_values(path: Path, attributes: list[tuple[str, Any]], labels: list[int]) -> None:
