@@ -19,6 +19,19 @@ from pathlib import Path
 from typing import Any
 
 
+def _seed(text: str) -> int:
+    """A seed as training takes one: numpy's "expected non-negative integer" named no flag."""
+    from training.config_values import MAX_SEED  # light: no torch
+
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, {MAX_SEED}], got {text!r}")
+    return value
+
+
 def _add_train(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train a SiameseXML model on an XC raw-text dataset")
     p.add_argument("--data", required=True, help="folder with trn.json(.gz|l) and lbl.json(.gz|l)")
@@ -52,7 +65,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--labels", type=int, default=2000)
     p.add_argument("--train-docs", type=int, default=None, help="default: 8000 (small), as many as labels (scale)")
     p.add_argument("--test-docs", type=int, default=None, help="default: 2000 (small), a tenth of trn (scale)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_seed, default=0)
     p.set_defaults(handler="training.synthetic:run_cli")
 
 
@@ -65,7 +78,7 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--group-size", type=int, required=True)
     a.add_argument("--grouping", default="random", choices=["random", "clustered"],
                    help="clustered: leaves of a balanced hierarchical 2-means on TF-IDF (alike documents together)")
-    a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--seed", type=_seed, default=0)
     a.set_defaults(handler="training.aggregate_data:run_cli")
     i = data_sub.add_parser("import-arff", help="a multi-label ARFF dataset (MULAN's or MEKA's layout) as an "
                             "XC raw-text dataset, split at random")
@@ -73,7 +86,7 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
     i.add_argument("--labels-xml", type=Path, help="MULAN's label file (else MEKA's -C N in the relation name)")
     i.add_argument("--out", type=Path, required=True, help="folder to write trn/tst/lbl.json.gz to")
     i.add_argument("--test-fraction", type=float, default=0.3)
-    i.add_argument("--seed", type=int, default=0)
+    i.add_argument("--seed", type=_seed, default=0)
     i.set_defaults(handler="training.arff_data:run_cli")
 
 

@@ -108,6 +108,20 @@ def test_a_dataset_writer_refuses_a_folder_holding_a_split_in_another_form(capsy
     assert main(["generate-data", "--out", str(out), "--labels", "50", "--train-docs", "5", "--test-docs", "2"]) == 0
 
 
+@pytest.mark.parametrize("command", [["generate-data", "--labels", "50", "--train-docs", "5", "--test-docs", "2"],
+                                     ["data", "aggregate", "--group-size", "2", "--grouping", "random"]])
+def test_a_seed_is_checked_at_and_past_its_edges_naming_the_flag(capsys, tmp_path, synthetic_data, command):
+    """numpy's "expected non-negative integer" named no flag; every --seed takes training's range."""
+    given = ["--data", str(synthetic_data)] if command[0] == "data" else []
+    for seed in ("-1", "4294967296", "1.5"):
+        with pytest.raises(SystemExit) as exit_:
+            main([*command, *given, "--out", str(tmp_path / "out"), "--seed", seed])
+        assert exit_.value.code == 2
+        assert f"argument --seed: must be an integer in [0, 4294967295], got '{seed}'" in capsys.readouterr().err
+    assert main([*command, *given, "--out", str(tmp_path / "top"), "--seed", "4294967295"]) == 0
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_write_that_names_no_file_names_the_commands_output():
     """A write error that names no file (a full disk found by a close, or a library's writer): the
     command's output option is named."""

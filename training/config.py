@@ -24,6 +24,7 @@ from training.config_values import (
     MAX_HNSW_M,
     MAX_LEARNING_RATE,
     MAX_POINTS,
+    MAX_SEED,
     MAX_THREADS,
     PER_ROW_0,
     PER_ROW_1,
@@ -373,7 +374,7 @@ _FOLDS = Bounds(1, 100)  # a model trained per fold: past a few folds, more cost
 # maxima: training.config_values). Settings that count epochs or candidates may be 0 where 0 is
 # documented to turn that part off.
 _BOUNDS: dict[str, Bounds] = {
-    "seed": Bounds(0, 2**32 - 1), "dim": WIDTH_1, "threads": _THREADS, "index_threads": _THREADS,
+    "seed": Bounds(0, MAX_SEED), "dim": WIDTH_1, "threads": _THREADS, "index_threads": _THREADS,
     "min_df": COUNT_1, "max_vocab": COUNT_1, "max_tokens": WIDTH_1,
     "val_fraction": _FRACTION, "val_max_docs": COUNT_1, "validation_rows": COUNT_1,
     "min_train_docs": COUNT_1, "min_val_docs": COUNT_1, "small_train_docs": COUNT_0, "small_val_docs": COUNT_0,

@@ -92,6 +92,9 @@ MAX_WEIGHT = 1e6
 # Points of the tuning objective (tune_source_margin, m3_min_gain): at most 8 metrics x 100 points
 # x a weight of MAX_WEIGHT = 8e8, so a margin or gain of 10^9 is already "any".
 MAX_POINTS = 1e9
+# A seed: numpy takes any non-negative integer; torch's manual_seed and hnswlib's random_seed 64 bits
+# or fewer. 32 bits is the range every command that takes one (--seed) accepts.
+MAX_SEED = 2**32 - 1
 
 UNIT = Bounds(0, 1)
 COUNT_0, COUNT_1 = Bounds(0, MAX_COUNT), Bounds(1, MAX_COUNT)
