@@ -92,7 +92,18 @@ def test_malformed_line(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"trn\.json\.gz:2: malformed line, not JSON"):
         load_split(d, "trn", "title", 2)
     d = _dataset(tmp_path, raw_doc_lines={0: "[1, 2]"})
-    with pytest.raises(ValueError, match=r"trn\.json\.gz:1: malformed line, expected a JSON object"):
+    with pytest.raises(ValueError, match=r"trn\.json\.gz:1: malformed line, expected a JSON object \(a file of "
+                       r"rows holds one JSON object a line, JSON Lines, not a JSON array\)"):
+        load_split(d, "trn", "title", 2)
+    # A JSON array over many lines: its first line is "[", which is said to be the layout's fault.
+    (d / "trn.json.gz").unlink()
+    (d / "trn.json").write_text("\n[\n" + ",\n".join(json.dumps(r) for r in DOCS) + "\n]\n")
+    with pytest.raises(ValueError, match=r"trn\.json:2: malformed line, not JSON \(.*\) \(a file of rows holds "
+                       r"one JSON object a line"):
+        load_split(d, "trn", "title", 2)
+    # Not at the first row: no hint (a row that is a list is only that).
+    (d / "trn.json").write_text(json.dumps(DOCS[0]) + "\n[1, 2]\n")
+    with pytest.raises(ValueError, match=r"trn\.json:2: malformed line, expected a JSON object$"):
         load_split(d, "trn", "title", 2)
 
 

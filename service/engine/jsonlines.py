@@ -108,22 +108,29 @@ def iter_text_lines(path: Path, what: str = "file") -> Iterator[tuple[int, str]]
         raise ValueError(f"{path}: cannot read {what}: {os_reason(exc)}") from None
 
 
+_ARRAY_HINT = " (a file of rows holds one JSON object a line, JSON Lines, not a JSON array)"
+
+
 def iter_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     """(line number, object) for every line that is not blank."""
     opener = gzip.open if path.name.endswith(".gz") else open
     try:
         require_regular(path, "file")
         with opener(path, "rt", encoding="utf-8", errors="surrogateescape") as f:
+            first = True
             for lineno, line in bounded_lines(f, path):
                 if not line.strip():
                     continue
+                # A whole JSON array (one line or many) is the commonest wrong layout: said so.
+                hint = _ARRAY_HINT if first and line.lstrip().startswith("[") else ""
+                first = False
                 try:
                     row = orjson.loads(line)
                 except json.JSONDecodeError as exc:
                     why = not_utf8(line) or f"not JSON ({exc.msg})"
-                    raise ValueError(f"{path}:{lineno}: malformed line, {why}") from None
+                    raise ValueError(f"{path}:{lineno}: malformed line, {why}{hint}") from None
                 if not isinstance(row, dict):
-                    raise ValueError(f"{path}:{lineno}: malformed line, expected a JSON object")
+                    raise ValueError(f"{path}:{lineno}: malformed line, expected a JSON object{hint}")
                 yield lineno, row
     except (OSError, EOFError) as exc:
         raise ValueError(f"{path}: cannot read file: {os_reason(exc)}") from None
