@@ -359,6 +359,26 @@ def test_a_config_or_labels_xml_that_is_a_fifo_or_a_device_is_refused_without_re
         assert err.endswith(f"{path}: not a MULAN label file: {kind}, not a regular file"), err
 
 
+def test_a_config_and_a_labels_xml_at_and_past_their_size_limits(capsys, tmp_path, monkeypatch):
+    from training import arff_data
+    from training.config import MAX_CONFIG_BYTES, read_config_file
+
+    config = tmp_path / "cfg.json"
+    config.write_bytes(b'{"seed": 3}' + b" " * (MAX_CONFIG_BYTES - 11))
+    assert config.stat().st_size == MAX_CONFIG_BYTES and read_config_file(config) == {"seed": 3}
+    config.write_bytes(config.read_bytes() + b" ")
+    with pytest.raises(ValueError, match=rf"cfg\.json: cannot read training config: {MAX_CONFIG_BYTES + 1} bytes, "
+                                         rf"more than the limit of {MAX_CONFIG_BYTES}"):
+        read_config_file(config)
+    xml = b'<labels xmlns="http://mulan.sourceforge.net/labels"><label name="b"></label></labels>'
+    monkeypatch.setattr(arff_data, "MAX_LABELS_XML_BYTES", len(xml))  # 256 MiB for real: the same check
+    (tmp_path / "l.xml").write_bytes(xml)
+    assert arff_data._mulan_labels(tmp_path / "l.xml") == ["b"]
+    (tmp_path / "l.xml").write_bytes(xml + b" ")
+    with pytest.raises(ValueError, match=rf"l\.xml: not a MULAN label file: {len(xml) + 1} bytes, more than the limit"):
+        arff_data._mulan_labels(tmp_path / "l.xml")
+
+
 @pytest.mark.parametrize(("flags", "named"), [
     (["--parity-texts", "0"], "--parity-texts must be >= 1"),
     (["--parity-texts", "-1"], "--parity-texts must be >= 1"),
